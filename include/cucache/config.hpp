@@ -1,0 +1,55 @@
+// Allocator configuration: a plain struct, and a parser for the CUCACHE_CONF string, which accepts
+// PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax ("key:value,key:value") for the keys the two share.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cucache {
+
+/// Tuning of one device allocator. Every field has the documented default (docs/config.md).
+struct config {
+  /// Blocks at or above this size are never split (PyTorch's max_split_size_mb). SIZE_MAX = off.
+  std::size_t max_split_size = std::numeric_limits<std::size_t>::max();
+  /// A request at or above max_split_size may take a cached oversize block only if the block is
+  /// less than this much larger (PyTorch's max_non_split_rounding_mb, default 20 MiB).
+  std::size_t max_non_split_rounding = std::size_t{20} << 20;
+  /// roundup_power2_divisions: entry i gives the number of divisions for request sizes in the
+  /// power-of-two interval [2^(i+20), 2^(i+21)) -- entry 0 covers sizes below 2 MiB down to 1 MiB
+  /// and also everything smaller. 0 or 1 means plain 512 B rounding for that interval.
+  /// Empty means off. See docs/config.md for the list form "[256:4,>:1]".
+  std::vector<std::uint32_t> roundup_power2_divisions;
+  /// Fraction of the memory limit (or of device capacity when no limit is set) above which the
+  /// allocator releases cached free segments, oldest first, before growing. 0 = off.
+  double garbage_collection_threshold = 0.0;
+  /// Use CUDA virtual memory (expandable segments) instead of cudaMalloc segments.
+  bool expandable_segments = false;
+  /// Per-device cap on reserved memory as a fraction of total device memory. 0 = off.
+  double memory_fraction = 0.0;
+  /// Per-device cap on reserved memory in bytes. 0 = off. When both are set the lower wins.
+  std::size_t memory_limit_bytes = 0;
+  /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
+  std::string trace_path;
+};
+
+/// Number of power-of-two intervals roundup_power2_divisions distinguishes (1 MiB .. 2^63).
+inline constexpr std::size_t k_roundup_power2_intervals = 64;
+
+/// Parses a CUCACHE_CONF string on top of `base`. Keys (docs/config.md): max_split_size_mb,
+/// max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold,
+/// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace.
+/// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key or a
+/// malformed value; never ignores anything silently.
+[[nodiscard]] config parse_config(std::string_view text, config base = {});
+
+/// Reads CUCACHE_CONF from the environment (empty or unset: defaults) and parses it.
+[[nodiscard]] config config_from_env();
+
+/// Renders a config back as a CUCACHE_CONF string that parse_config accepts (round-trips).
+[[nodiscard]] std::string to_string(const config& cfg);
+
+}  // namespace cucache
