@@ -1,0 +1,70 @@
+// Every size rule of the caching core in one place: request rounding, pool choice, segment sizes,
+// split rules and the max_split_size cap. The numbers are PyTorch's (see docs/design.md), so that
+// figures measured against it compare like with like.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cucache/config.hpp"
+
+namespace cucache::detail {
+
+inline constexpr std::size_t k_mib = std::size_t{1} << 20;
+/// Every request is rounded up to a multiple of this; it is also the smallest block.
+inline constexpr std::size_t k_min_block_bytes = 512;
+/// Rounded requests up to and including this size go to the small pool.
+inline constexpr std::size_t k_small_request_max_bytes = 1 * k_mib;
+/// The small pool carves its blocks from segments of this size.
+inline constexpr std::size_t k_small_segment_bytes = 2 * k_mib;
+/// Large requests below this size get a shared segment of k_large_segment_bytes.
+inline constexpr std::size_t k_large_shared_below_bytes = 10 * k_mib;
+inline constexpr std::size_t k_large_segment_bytes = 20 * k_mib;
+/// Larger requests get a segment of their own size rounded up to this.
+inline constexpr std::size_t k_large_segment_round_bytes = 2 * k_mib;
+/// A large-pool block is split only when strictly more than this would remain.
+inline constexpr std::size_t k_large_split_remainder_bytes = 1 * k_mib;
+/// The largest request the rounding can represent without overflow.
+inline constexpr std::size_t k_max_request_bytes =
+    std::numeric_limits<std::size_t>::max() - 2 * k_large_segment_bytes;
+
+enum class pool_kind : std::uint8_t { small = 0, large = 1 };
+
+/// Size rules for one allocator, built from its config. Immutable after construction.
+class size_policy {
+ public:
+  size_policy() = default;
+  explicit size_policy(const config& cfg);
+
+  /// Rounds a request up: to 512 B, or to the next power-of-two division where
+  /// roundup_power2_divisions asks for it. REQUIRES: 0 < bytes <= k_max_request_bytes.
+  [[nodiscard]] std::size_t round_size(std::size_t bytes) const noexcept;
+  [[nodiscard]] static pool_kind pool_for(std::size_t rounded) noexcept {
+    return rounded <= k_small_request_max_bytes ? pool_kind::small : pool_kind::large;
+  }
+  /// Size of the segment to create for a rounded request that missed the cache.
+  [[nodiscard]] std::size_t segment_size(std::size_t rounded) const noexcept;
+  /// True when a free block of `block_bytes` taken for `rounded` should be split.
+  [[nodiscard]] bool should_split(pool_kind pool, std::size_t block_bytes,
+                                  std::size_t rounded) const noexcept;
+  /// Blocks at or above the cap are "oversize": never split, and only taken by requests at or
+  /// above the cap that waste less than max_non_split_rounding.
+  [[nodiscard]] bool is_oversize(std::size_t block_bytes) const noexcept {
+    return block_bytes >= max_split_size_;
+  }
+  /// May a free block of `block_bytes` serve a rounded request under the cap rules?
+  [[nodiscard]] bool may_take(std::size_t block_bytes, std::size_t rounded) const noexcept;
+  [[nodiscard]] std::size_t max_split_size() const noexcept { return max_split_size_; }
+  [[nodiscard]] std::size_t max_non_split_rounding() const noexcept {
+    return max_non_split_rounding_;
+  }
+
+ private:
+  std::size_t max_split_size_ = std::numeric_limits<std::size_t>::max();
+  std::size_t max_non_split_rounding_ = 20 * k_mib;
+  std::vector<std::uint32_t> divisions_;  // empty: plain 512 B rounding
+};
+
+}  // namespace cucache::detail

@@ -1,0 +1,70 @@
+// The caching allocator of one device: the public face of the core. Thread-safe. Each stream has
+// its own pool and lock, so threads on different streams do not serialize; device calls and the
+// out-of-memory ladder take a device-wide path.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "cucache/backend.hpp"
+#include "cucache/config.hpp"
+#include "cucache/stats.hpp"
+
+namespace cucache {
+
+class device_allocator {
+ public:
+  /// An allocator over `backend` (one device). Throws invalid_argument on an inconsistent config.
+  explicit device_allocator(std::shared_ptr<device_backend> backend, config cfg = {});
+  /// Returns every segment to the device, live blocks included: destroy only when done with all.
+  ~device_allocator();
+  device_allocator(const device_allocator&) = delete;
+  device_allocator& operator=(const device_allocator&) = delete;
+
+  /// Allocates `bytes` for use on `stream`. bytes == 0 returns nullptr (as cudaMalloc does).
+  /// Throws out_of_memory when the device refuses after the whole out-of-memory ladder, and
+  /// cuda_error when the device fails otherwise; the allocator is unchanged by a failed call.
+  [[nodiscard]] void* allocate(std::size_t bytes, stream_handle stream = nullptr);
+  /// Frees a block: at once reusable on its own stream, or, when it was used on other streams
+  /// (record_stream), once events recorded on those streams now have completed.
+  /// nullptr is a no-op. Throws invalid_argument for an unknown, interior or already-freed
+  /// pointer, leaving the allocator untouched.
+  void deallocate(void* ptr);
+  /// Frees a block in the order of `stream` (cudaFreeAsync): if `stream` is not the block's own
+  /// stream, its reuse waits for the work queued on `stream` now.
+  void deallocate(void* ptr, stream_handle stream);
+  /// Marks a live block as used on `stream` too, deferring its reuse after free until the work
+  /// queued on `stream` at free time has completed. Throws invalid_argument on a pointer that is
+  /// not the start of a live block.
+  void record_stream(void* ptr, stream_handle stream);
+  /// Waits for pending frees, then returns every whole free segment to the device.
+  void empty_cache();
+
+  /// Statistics, taken consistently under all locks.
+  [[nodiscard]] device_stats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  /// PyTorch-style text table of the statistics (see docs/api.md).
+  [[nodiscard]] std::string memory_summary() const;
+  /// JSON description of every segment and block (see docs/api.md).
+  [[nodiscard]] std::string snapshot_json() const;
+  /// Size of the block holding ptr (its rounded size) or 0 when ptr is not a live allocation.
+  [[nodiscard]] std::size_t allocation_size(const void* ptr) const;
+
+  /// Checks every structural invariant (blocks tile segments, no adjacent free blocks, the free
+  /// index holds exactly the free blocks, stats equal a recount). Throws std::logic_error naming
+  /// the first violation. For tests; takes all locks and walks everything.
+  void check_invariants() const;
+
+  [[nodiscard]] const config& get_config() const noexcept;
+  [[nodiscard]] int device() const noexcept;
+  [[nodiscard]] device_backend& backend() const noexcept;
+
+  struct impl;
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace cucache

@@ -1,0 +1,140 @@
+// The invariant checker of device_allocator: walks every pool, segment and block and compares the
+// structures and the statistics against a recount. Used by the tests after every operation.
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+#include "allocator/allocator_impl.hpp"
+
+namespace cucache {
+
+using detail::block;
+using detail::block_state;
+using detail::pool_kind;
+using detail::segment;
+
+namespace {
+[[noreturn]] void violated(const std::string& what) {
+  throw std::logic_error("cucache invariant violated: " + what);
+}
+}  // namespace
+
+void device_allocator::check_invariants() const {
+  const impl& m = *impl_;
+  auto all = m.lock_all();
+  std::size_t allocated_blocks = 0;
+  std::size_t reserved_total = 0;
+  for (const auto& pp : m.pools) {
+    const detail::stream_pool& p = *pp;
+    std::size_t free_count[2] = {0, 0};
+    std::size_t free_bytes[2] = {0, 0};
+    std::int64_t alloc_bytes[2] = {0, 0}, alloc_count[2] = {0, 0};
+    std::int64_t active_bytes[2] = {0, 0}, active_count[2] = {0, 0};
+    std::int64_t reserved[2] = {0, 0}, seg_count[2] = {0, 0}, requested[2] = {0, 0};
+    std::size_t pending_blocks_events = 0;
+    const segment* prev_seg = nullptr;
+    for (const segment* s = p.segments; s != nullptr; s = s->next) {
+      const int k = static_cast<int>(s->kind);
+      if (s->prev != prev_seg) violated(fmt::format("segment {:#x}: broken segment list", s->base));
+      prev_seg = s;
+      if (s->owner != &p) violated(fmt::format("segment {:#x}: wrong owner", s->base));
+      reserved[k] += static_cast<std::int64_t>(s->size);
+      seg_count[k] += 1;
+      std::uintptr_t cursor = s->base;
+      const block* prev = nullptr;
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        if (b->prev != prev) violated(fmt::format("block {:#x}: prev link broken", b->addr));
+        if (b->seg != s) violated(fmt::format("block {:#x}: wrong segment", b->addr));
+        if (b->addr != cursor) {
+          violated(fmt::format("segment {:#x}: gap or overlap at {:#x} (block at {:#x})", s->base,
+                               cursor, b->addr));
+        }
+        if (b->size == 0 || b->size % detail::k_min_block_bytes != 0) {
+          violated(fmt::format("block {:#x}: size {} not a positive multiple of 512", b->addr,
+                               b->size));
+        }
+        switch (b->state) {
+          case block_state::free:
+            if (prev != nullptr && prev->state == block_state::free) {
+              violated(fmt::format("blocks {:#x} and {:#x} are adjacent and both free",
+                                   prev->addr, b->addr));
+            }
+            if (!p.free[k].contains(b)) {
+              violated(fmt::format("free block {:#x} is not in its free index", b->addr));
+            }
+            ++free_count[k];
+            free_bytes[k] += b->size;
+            break;
+          case block_state::allocated:
+            if (m.blocks.find(b->addr) != b) {
+              violated(fmt::format("allocated block {:#x} is not in the pointer map", b->addr));
+            }
+            if (b->requested == 0 || b->requested > b->size) {
+              violated(fmt::format("block {:#x}: requested {} vs size {}", b->addr, b->requested,
+                                   b->size));
+            }
+            ++allocated_blocks;
+            alloc_bytes[k] += static_cast<std::int64_t>(b->size);
+            alloc_count[k] += 1;
+            requested[k] += static_cast<std::int64_t>(b->requested);
+            active_bytes[k] += static_cast<std::int64_t>(b->size);
+            active_count[k] += 1;
+            break;
+          case block_state::pending:
+            if (b->pending_events == 0) {
+              violated(fmt::format("pending block {:#x} waits on no event", b->addr));
+            }
+            pending_blocks_events += b->pending_events;
+            active_bytes[k] += static_cast<std::int64_t>(b->size);
+            active_count[k] += 1;
+            break;
+        }
+        cursor += b->size;
+        prev = b;
+      }
+      if (cursor != s->base + s->size) {
+        violated(fmt::format("segment {:#x}: blocks cover {} of {} bytes", s->base,
+                             cursor - s->base, s->size));
+      }
+    }
+    if (pending_blocks_events != p.pending.size()) {
+      violated(fmt::format("pool {}: {} pending events recorded, blocks wait on {}", p.index,
+                           p.pending.size(), pending_blocks_events));
+    }
+    for (int k = 0; k < 2; ++k) {
+      if (p.free[k].count() != free_count[k] || p.free[k].bytes() != free_bytes[k]) {
+        violated(fmt::format("pool {} {}: free index holds {} blocks / {} bytes, segments {} / {}",
+                             p.index, k == 0 ? "small" : "large", p.free[k].count(),
+                             p.free[k].bytes(), free_count[k], free_bytes[k]));
+      }
+      const std::size_t slot = k == 0 ? 1 : 2;
+      auto check = [&](const char* name, const stat_array& st, std::int64_t expect) {
+        if (st[slot].current != expect) {
+          violated(fmt::format("pool {} {} {}: stat says {}, recount {}", p.index,
+                               k == 0 ? "small" : "large", name, st[slot].current, expect));
+        }
+      };
+      check("allocated_bytes", p.stats.allocated_bytes, alloc_bytes[k]);
+      check("allocation_count", p.stats.allocation_count, alloc_count[k]);
+      check("active_bytes", p.stats.active_bytes, active_bytes[k]);
+      check("active_count", p.stats.active_count, active_count[k]);
+      check("reserved_bytes", p.stats.reserved_bytes, reserved[k]);
+      check("segment_count", p.stats.segment_count, seg_count[k]);
+      check("requested_bytes", p.stats.requested_bytes, requested[k]);
+    }
+    reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
+  }
+  if (m.blocks.size() != allocated_blocks) {
+    violated(fmt::format("pointer map holds {} blocks, {} are allocated", m.blocks.size(),
+                         allocated_blocks));
+  }
+  std::lock_guard lock(m.grow_mu_);
+  if (m.reserved != reserved_total) {
+    violated(fmt::format("device reserved {} != sum of segments {}", m.reserved, reserved_total));
+  }
+  if (m.limit != 0 && m.reserved > m.limit) {
+    violated(fmt::format("reserved {} exceeds the memory limit {}", m.reserved, m.limit));
+  }
+}
+
+}  // namespace cucache

@@ -1,0 +1,501 @@
+// The allocation and free paths of device_allocator: cache lookup, splitting, coalescing, segment
+// growth, the out-of-memory ladder, deferred frees and garbage collection.
+#include "cucache/device_allocator.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "allocator/allocator_impl.hpp"
+#include "cucache/errors.hpp"
+
+namespace cucache {
+
+using detail::block;
+using detail::block_state;
+using detail::pool_kind;
+using detail::pool_stats;
+using detail::segment;
+using detail::stream_pool;
+
+namespace {
+
+std::atomic<std::uint64_t> g_allocator_ids{1};
+
+struct pool_cache_entry {
+  std::uint64_t owner = 0;
+  stream_handle stream = nullptr;
+  stream_pool* pool = nullptr;
+};
+thread_local pool_cache_entry t_pool_cache;
+
+}  // namespace
+
+device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c)
+    : backend(std::move(b)), cfg(std::move(c)), policy(cfg), id(g_allocator_ids.fetch_add(1)) {
+  if (!backend) throw invalid_argument("device_allocator: backend is null");
+  if (cfg.expandable_segments) {
+    throw invalid_argument(
+        "expandable_segments: not available in this build of cucache yet (accepted forms: "
+        "expandable_segments:False)");
+  }
+  device_total = backend->mem_get_info().total_bytes;
+  if (cfg.memory_fraction > 0.0) {
+    limit = static_cast<std::size_t>(cfg.memory_fraction * static_cast<double>(device_total));
+  }
+  if (cfg.memory_limit_bytes > 0) {
+    limit = limit == 0 ? cfg.memory_limit_bytes : std::min(limit, cfg.memory_limit_bytes);
+  }
+  if (cfg.garbage_collection_threshold > 0.0) {
+    const std::size_t base = limit != 0 ? limit : device_total;
+    gc_bytes = static_cast<std::size_t>(cfg.garbage_collection_threshold * static_cast<double>(base));
+  }
+}
+
+device_allocator::impl::~impl() {
+  // Return everything to the device. Errors here (a runtime already shut down) are swallowed:
+  // destructors never throw.
+  for (auto& p : pools) {
+    for (auto& pf : p->pending) {
+      try {
+        backend->event_destroy(pf.event);
+      } catch (...) {
+      }
+    }
+    for (segment* s = p->segments; s != nullptr; s = s->next) {
+      try {
+        backend->segment_free(reinterpret_cast<void*>(s->base));
+      } catch (...) {
+      }
+    }
+  }
+  for (event_handle e : free_events) {
+    try {
+      backend->event_destroy(e);
+    } catch (...) {
+    }
+  }
+}
+
+stream_pool& device_allocator::impl::pool_for(stream_handle stream) {
+  pool_cache_entry& c = t_pool_cache;
+  if (c.owner == id && c.stream == stream) return *c.pool;
+  stream_pool* p = nullptr;
+  {
+    std::shared_lock lock(pools_mu_);
+    auto it = pool_by_stream.find(stream);
+    if (it != pool_by_stream.end()) p = it->second;
+  }
+  if (p == nullptr) {
+    std::unique_lock lock(pools_mu_);
+    auto it = pool_by_stream.find(stream);
+    if (it != pool_by_stream.end()) {
+      p = it->second;
+    } else {
+      pools.push_back(std::make_unique<stream_pool>(stream, pools.size()));
+      p = pools.back().get();
+      pool_by_stream.emplace(stream, p);
+    }
+  }
+  c = pool_cache_entry{id, stream, p};
+  return *p;
+}
+
+device_allocator::impl::all_locked device_allocator::impl::lock_all() const {
+  all_locked a{std::shared_lock(pools_mu_), {}};
+  a.locks.reserve(pools.size());
+  for (const auto& p : pools) a.locks.emplace_back(p->mu);
+  return a;
+}
+
+// --- events -----------------------------------------------------------------------------------
+
+event_handle device_allocator::impl::take_event() {
+  {
+    std::lock_guard lock(events_mu_);
+    if (!free_events.empty()) {
+      event_handle e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+  }
+  return backend->event_create();
+}
+
+void device_allocator::impl::return_event(event_handle e) noexcept {
+  std::lock_guard lock(events_mu_);
+  try {
+    free_events.push_back(e);
+  } catch (...) {
+    try {
+      backend->event_destroy(e);
+    } catch (...) {
+    }
+  }
+}
+
+void device_allocator::impl::poll_pending(stream_pool& p) {
+  auto keep = p.pending.begin();
+  for (auto it = p.pending.begin(); it != p.pending.end(); ++it) {
+    bool done = false;
+    try {
+      done = backend->event_query(it->event);
+    } catch (...) {
+      done = false;  // the ladder will synchronize it; never lose the block
+    }
+    if (!done) {
+      *keep++ = *it;
+      continue;
+    }
+    return_event(it->event);
+    if (--it->b->pending_events == 0) release_to_free(p, it->b);
+  }
+  p.pending.erase(keep, p.pending.end());
+}
+
+void device_allocator::impl::sync_pending(stream_pool& p) {
+  // Waits for every pending event; a block is released only once all its events have completed.
+  auto keep = p.pending.begin();
+  std::exception_ptr first_error;
+  for (auto it = p.pending.begin(); it != p.pending.end(); ++it) {
+    try {
+      backend->event_synchronize(it->event);
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+      *keep++ = *it;
+      continue;
+    }
+    return_event(it->event);
+    if (--it->b->pending_events == 0) release_to_free(p, it->b);
+  }
+  p.pending.erase(keep, p.pending.end());
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+// --- blocks and segments ----------------------------------------------------------------------
+
+block* device_allocator::impl::find_free(stream_pool& p, pool_kind kind, std::size_t rounded) {
+  block* b = p.index_of(kind).best_fit(rounded);
+  if (b == nullptr || !policy.may_take(b->size, rounded)) return nullptr;
+  return b;
+}
+
+block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::size_t bytes) {
+  void* ptr = nullptr;
+  {
+    std::lock_guard lock(grow_mu_);
+    if (limit != 0 && reserved + bytes > limit) return nullptr;
+    ptr = backend->segment_malloc(bytes);
+    if (ptr == nullptr) return nullptr;
+    reserved += bytes;
+    reserved_peak = std::max(reserved_peak, reserved);
+  }
+  device_alloc_count.fetch_add(1, std::memory_order_relaxed);
+  segment* s = p.segs.make();
+  block* b = p.blocks.make();
+  s->base = reinterpret_cast<std::uintptr_t>(ptr);
+  s->size = bytes;
+  s->kind = kind;
+  s->owner = &p;
+  s->first = b;
+  s->id = segment_ids.fetch_add(1, std::memory_order_relaxed);
+  s->next = p.segments;
+  if (p.segments != nullptr) p.segments->prev = s;
+  p.segments = s;
+  b->addr = s->base;
+  b->size = bytes;
+  b->seg = s;
+  b->state = block_state::free;
+  b->free_tick = ++p.tick;
+  p.index_of(kind).insert(b);
+  pool_stats::add(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::add(p.stats.segment_count, kind, 1);
+  if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
+  return b;
+}
+
+bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
+  // REQUIRES: p.mu held, s whole and free. The device call comes first so that a failure leaves
+  // every structure as it was.
+  {
+    std::lock_guard lock(grow_mu_);
+    backend->segment_free(reinterpret_cast<void*>(s->base));
+    reserved -= s->size;
+  }
+  device_free_count.fetch_add(1, std::memory_order_relaxed);
+  p.index_of(s->kind).erase(s->first);
+  pool_stats::add(p.stats.reserved_bytes, s->kind, -static_cast<std::int64_t>(s->size));
+  pool_stats::add(p.stats.segment_count, s->kind, -1);
+  if (policy.is_oversize(s->size)) --p.stats.oversize_segments;
+  if (s->prev != nullptr) s->prev->next = s->next;
+  if (s->next != nullptr) s->next->prev = s->prev;
+  if (p.segments == s) p.segments = s->next;
+  p.blocks.recycle(s->first);
+  p.segs.recycle(s);
+  return true;
+}
+
+block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
+                                     std::size_t requested) {
+  p.index_of(kind).erase(b);
+  if (policy.should_split(kind, b->size, rounded)) {
+    block* rest = p.blocks.make();
+    rest->addr = b->addr + rounded;
+    rest->size = b->size - rounded;
+    rest->seg = b->seg;
+    rest->prev = b;
+    rest->next = b->next;
+    rest->state = block_state::free;
+    rest->free_tick = b->free_tick;
+    if (b->next != nullptr) b->next->prev = rest;
+    b->next = rest;
+    b->size = rounded;
+    p.index_of(kind).insert(rest);
+  }
+  b->state = block_state::allocated;
+  b->requested = requested;
+  const auto size = static_cast<std::int64_t>(b->size);
+  pool_stats::add(p.stats.allocation_count, kind, 1);
+  pool_stats::add(p.stats.allocated_bytes, kind, size);
+  pool_stats::add(p.stats.active_count, kind, 1);
+  pool_stats::add(p.stats.active_bytes, kind, size);
+  pool_stats::add(p.stats.requested_bytes, kind, static_cast<std::int64_t>(requested));
+  if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
+  return b;
+}
+
+void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
+  // REQUIRES: p.mu held; b allocated-then-freed (allocation stats already taken off).
+  const pool_kind kind = b->seg->kind;
+  pool_stats::add(p.stats.active_count, kind, -1);
+  pool_stats::add(p.stats.active_bytes, kind, -static_cast<std::int64_t>(b->size));
+  b->state = block_state::free;
+  b->recorded_streams.clear();
+  auto& index = p.index_of(kind);
+  if (block* n = b->next; n != nullptr && n->state == block_state::free) {
+    index.erase(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next != nullptr) n->next->prev = b;
+    p.blocks.recycle(n);
+  }
+  if (block* q = b->prev; q != nullptr && q->state == block_state::free) {
+    index.erase(q);
+    q->size += b->size;
+    q->next = b->next;
+    if (b->next != nullptr) b->next->prev = q;
+    p.blocks.recycle(b);
+    b = q;
+  }
+  b->free_tick = ++p.tick;
+  index.insert(b);
+}
+
+void device_allocator::impl::release_oversize(stream_pool& p) {
+  // Cached oversize blocks that are whole segments: the request that missed could not use any of
+  // them (best fit found none within the waste tolerance), so keeping them only grows reserved
+  // memory. This is what stops max_split_size from running away on dynamic shapes.
+  std::vector<segment*> victims;
+  for (segment* s = p.segments; s != nullptr; s = s->next) {
+    if (s->kind == pool_kind::large && s->whole_free() && policy.is_oversize(s->size)) {
+      victims.push_back(s);
+    }
+  }
+  for (segment* s : victims) release_segment(p, s);
+}
+
+std::size_t device_allocator::impl::release_free_segments(std::size_t target_reserved,
+                                                          bool oldest_first) {
+  // REQUIRES: all pools locked. Releases whole free segments until reserved <= target.
+  std::vector<std::pair<stream_pool*, segment*>> victims;
+  for (auto& p : pools) {
+    for (segment* s = p->segments; s != nullptr; s = s->next) {
+      if (s->whole_free()) victims.emplace_back(p.get(), s);
+    }
+  }
+  if (oldest_first) {
+    std::stable_sort(victims.begin(), victims.end(), [](const auto& a, const auto& b) {
+      return a.second->first->free_tick < b.second->first->free_tick;
+    });
+  }
+  std::size_t released = 0;
+  for (auto [p, s] : victims) {
+    {
+      std::lock_guard lock(grow_mu_);
+      if (reserved <= target_reserved) break;
+    }
+    const std::size_t size = s->size;
+    release_segment(*p, s);
+    released += size;
+  }
+  return released;
+}
+
+void device_allocator::impl::collect_garbage(std::size_t incoming) {
+  // REQUIRES: all pools locked.
+  const std::size_t target = gc_bytes > incoming ? gc_bytes - incoming : 0;
+  release_free_segments(target, /*oldest_first=*/true);
+}
+
+// --- allocate ---------------------------------------------------------------------------------
+
+block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t rounded,
+                                    std::unique_lock<std::mutex>& lk) {
+  const std::size_t seg_bytes = policy.segment_size(rounded);
+  if (seg_bytes > device_total || (limit != 0 && seg_bytes > limit)) return nullptr;  // never fits
+
+  if (kind == pool_kind::large && policy.max_split_size() != std::numeric_limits<std::size_t>::max()) {
+    release_oversize(p);
+  }
+  if (gc_bytes != 0) {
+    bool over = false;
+    {
+      std::lock_guard lock(grow_mu_);
+      over = reserved + seg_bytes > gc_bytes;
+    }
+    if (over) {
+      lk.unlock();
+      {
+        auto all = lock_all();
+        collect_garbage(seg_bytes);
+      }
+      lk.lock();
+      if (block* b = find_free(p, kind, rounded)) return b;
+    }
+  }
+  if (block* b = new_segment(p, kind, seg_bytes)) return b;
+
+  // Out-of-memory ladder: wait for every pending free, release every whole free segment of every
+  // pool, and retry once.
+  retry_count.fetch_add(1, std::memory_order_relaxed);
+  lk.unlock();
+  {
+    auto all = lock_all();
+    for (auto& q : pools) sync_pending(*q);
+    release_free_segments(0, /*oldest_first=*/false);
+  }
+  lk.lock();
+  if (block* b = find_free(p, kind, rounded)) return b;
+  return new_segment(p, kind, seg_bytes);
+}
+
+void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) {
+  if (bytes == 0) return nullptr;
+  if (bytes > detail::k_max_request_bytes) throw_oom(bytes, 0, stream);
+  const std::size_t rounded = policy.round_size(bytes);
+  const pool_kind kind = detail::size_policy::pool_for(rounded);
+  stream_pool& p = pool_for(stream);
+  std::unique_lock lk(p.mu);
+  if (!p.pending.empty()) poll_pending(p);
+  block* b = find_free(p, kind, rounded);
+  if (b == nullptr) b = grow(p, kind, rounded, lk);
+  if (b == nullptr) {
+    lk.unlock();
+    throw_oom(bytes, rounded, stream);
+  }
+  b = carve(p, b, kind, rounded, bytes);
+  blocks.insert(b->addr, b);
+  return reinterpret_cast<void*>(b->addr);
+}
+
+// --- free -------------------------------------------------------------------------------------
+
+void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool ordered) {
+  if (ptr == nullptr) return;
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  block* b = blocks.take(addr);
+  if (b == nullptr) throw_bad_pointer(ptr, "free");
+  stream_pool& p = *b->seg->owner;
+  std::lock_guard lk(p.mu);
+  const pool_kind kind = b->seg->kind;
+  const auto size = static_cast<std::int64_t>(b->size);
+  pool_stats::add(p.stats.allocation_count, kind, -1);
+  pool_stats::add(p.stats.allocated_bytes, kind, -size);
+  pool_stats::add(p.stats.requested_bytes, kind, -static_cast<std::int64_t>(b->requested));
+  if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
+  b->requested = 0;
+  if (ordered && stream != p.stream &&
+      std::find(b->recorded_streams.begin(), b->recorded_streams.end(), stream) ==
+          b->recorded_streams.end()) {
+    try {
+      b->recorded_streams.push_back(stream);
+    } catch (...) {
+      backend->stream_synchronize(stream);
+    }
+  }
+  if (b->recorded_streams.empty()) {
+    release_to_free(p, b);
+    return;
+  }
+  // Used on other streams: reuse waits for an event on each of them.
+  b->state = block_state::pending;
+  b->pending_events = 0;
+  for (stream_handle s : b->recorded_streams) {
+    event_handle e = nullptr;
+    try {
+      e = take_event();
+      backend->event_record(e, s);
+      p.pending.push_back({b, e});
+      ++b->pending_events;
+    } catch (...) {
+      // Without an event the only safe reuse is after the stream drains.
+      if (e != nullptr) return_event(e);
+      try {
+        backend->stream_synchronize(s);
+      } catch (...) {
+        try {
+          backend->device_synchronize();
+        } catch (...) {
+        }
+      }
+    }
+  }
+  if (b->pending_events == 0) release_to_free(p, b);
+}
+
+void device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  bool found = blocks.with(addr, [&](block* b) {
+    if (stream == b->seg->owner->stream) return;
+    auto& rs = b->recorded_streams;
+    if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
+  });
+  if (!found) throw_bad_pointer(ptr, "record_stream");
+}
+
+void device_allocator::impl::empty_cache() {
+  auto all = lock_all();
+  for (auto& p : pools) sync_pending(*p);
+  release_free_segments(0, /*oldest_first=*/false);
+}
+
+// --- public shell -----------------------------------------------------------------------------
+
+device_allocator::device_allocator(std::shared_ptr<device_backend> backend, config cfg)
+    : impl_(std::make_unique<impl>(std::move(backend), std::move(cfg))) {}
+device_allocator::~device_allocator() = default;
+
+void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {
+  return impl_->allocate(bytes, stream);
+}
+void device_allocator::deallocate(void* ptr) { impl_->deallocate(ptr, nullptr, false); }
+void device_allocator::deallocate(void* ptr, stream_handle stream) {
+  impl_->deallocate(ptr, stream, true);
+}
+void device_allocator::record_stream(void* ptr, stream_handle stream) {
+  impl_->record_stream(ptr, stream);
+}
+void device_allocator::empty_cache() { impl_->empty_cache(); }
+const config& device_allocator::get_config() const noexcept { return impl_->cfg; }
+int device_allocator::device() const noexcept { return impl_->backend->device(); }
+device_backend& device_allocator::backend() const noexcept { return *impl_->backend; }
+
+std::size_t device_allocator::allocation_size(const void* ptr) const {
+  std::size_t size = 0;
+  impl_->blocks.with(reinterpret_cast<std::uintptr_t>(ptr), [&](block* b) { size = b->size; });
+  return size;
+}
+
+}  // namespace cucache

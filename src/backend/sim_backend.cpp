@@ -1,0 +1,435 @@
+// The simulated device. Addresses come from a first-fit allocator over a fixed 64 TiB window, so
+// the same sequence of calls always yields the same addresses. Driver rules that the allocator
+// must respect (whole-mapping unmap, no release of mapped handles, no free of unknown pointers)
+// are enforced as errors, so a bug in the allocator shows up as a failed test.
+#include "cucache/sim_backend.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cucache/errors.hpp"
+
+namespace cucache {
+namespace {
+
+constexpr std::uintptr_t k_address_base = 0x7f0000000000ULL;
+constexpr std::size_t k_address_window = std::size_t{1} << 46;
+constexpr int k_sim_invalid_value = 1;  // cudaErrorInvalidValue's number
+
+std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+
+}  // namespace
+
+const char* to_string(sim_call call) noexcept {
+  switch (call) {
+    case sim_call::segment_malloc: return "segment_malloc";
+    case sim_call::segment_free: return "segment_free";
+    case sim_call::vm_granularity: return "vm_granularity";
+    case sim_call::va_reserve: return "va_reserve";
+    case sim_call::va_free: return "va_free";
+    case sim_call::phys_create: return "phys_create";
+    case sim_call::phys_release: return "phys_release";
+    case sim_call::map: return "map";
+    case sim_call::unmap: return "unmap";
+    case sim_call::set_access: return "set_access";
+    case sim_call::event_create: return "event_create";
+    case sim_call::event_destroy: return "event_destroy";
+    case sim_call::event_record: return "event_record";
+    case sim_call::event_query: return "event_query";
+    case sim_call::event_synchronize: return "event_synchronize";
+    case sim_call::stream_wait_event: return "stream_wait_event";
+    case sim_call::stream_synchronize: return "stream_synchronize";
+    case sim_call::device_synchronize: return "device_synchronize";
+    case sim_call::mem_get_info: return "mem_get_info";
+    case sim_call::count_: break;
+  }
+  return "unknown";
+}
+
+sim_backend::sim_backend(sim_options options) : options_(options) {
+  if (options_.malloc_page_bytes == 0) options_.malloc_page_bytes = 1;
+  free_ranges_.emplace(k_address_base, k_address_window);
+}
+
+sim_backend::~sim_backend() = default;
+
+bool sim_backend::should_fail(sim_call kind) {
+  const auto k = static_cast<std::size_t>(kind);
+  const std::uint64_t n = ++calls_[k];
+  if (fail_always_[k]) return true;
+  if (fail_at_[k] != 0 && fail_at_[k] == n) {
+    fail_at_[k] = 0;
+    return true;
+  }
+  return false;
+}
+
+void sim_backend::fail(sim_call kind, const std::string& why, int code) const {
+  throw cuda_error(fmt::format("sim {}", to_string(kind)), code, why);
+}
+
+std::size_t sim_backend::page_round(std::size_t bytes) const {
+  return round_up(bytes, options_.malloc_page_bytes);
+}
+
+std::uintptr_t sim_backend::take_address(std::size_t bytes, std::size_t align) {
+  for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
+    const std::uintptr_t start = round_up(it->first, align);
+    const std::uintptr_t end = it->first + it->second;
+    if (start >= end || end - start < bytes) continue;
+    const std::uintptr_t range_start = it->first;
+    free_ranges_.erase(it);
+    if (start > range_start) free_ranges_.emplace(range_start, start - range_start);
+    if (start + bytes < end) free_ranges_.emplace(start + bytes, end - (start + bytes));
+    return start;
+  }
+  return 0;
+}
+
+void sim_backend::give_address(std::uintptr_t addr, std::size_t bytes) {
+  auto [it, inserted] = free_ranges_.emplace(addr, bytes);
+  (void)inserted;
+  auto next = std::next(it);
+  if (next != free_ranges_.end() && it->first + it->second == next->first) {
+    it->second += next->second;
+    free_ranges_.erase(next);
+  }
+  if (it != free_ranges_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second == it->first) {
+      prev->second += it->second;
+      free_ranges_.erase(it);
+    }
+  }
+}
+
+void* sim_backend::segment_malloc(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::segment_malloc)) return nullptr;
+  if (bytes == 0) return nullptr;
+  if (bytes > options_.capacity_bytes) return nullptr;
+  const std::size_t charged = page_round(bytes);
+  if (charged > options_.capacity_bytes - std::min(used_, options_.capacity_bytes)) return nullptr;
+  const std::uintptr_t addr = take_address(charged, options_.malloc_page_bytes);
+  if (addr == 0) return nullptr;
+  segment_rec rec{charged, nullptr};
+  if (options_.host_memory) rec.host = std::make_unique<std::byte[]>(charged);
+  segments_.emplace(addr, std::move(rec));
+  used_ += charged;
+  return reinterpret_cast<void*>(addr);
+}
+
+void sim_backend::segment_free(void* ptr) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::segment_free)) fail(sim_call::segment_free, "injected failure");
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = segments_.find(addr);
+  if (it == segments_.end()) {
+    fail(sim_call::segment_free, fmt::format("{} is not a live segment", ptr), k_sim_invalid_value);
+  }
+  used_ -= it->second.bytes;
+  give_address(addr, it->second.bytes);
+  segments_.erase(it);
+  // Like cudaFree, freeing a segment synchronizes the device.
+  for (auto& [id, ev] : events_) ev.complete = true;
+}
+
+std::size_t sim_backend::vm_granularity() {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::vm_granularity)) fail(sim_call::vm_granularity, "injected failure");
+  return options_.granularity_bytes;
+}
+
+void* sim_backend::va_reserve(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::va_reserve)) fail(sim_call::va_reserve, "injected failure", 2);
+  if (options_.granularity_bytes == 0) fail(sim_call::va_reserve, "virtual memory not supported");
+  if (bytes == 0 || bytes % options_.granularity_bytes != 0) {
+    fail(sim_call::va_reserve, fmt::format("size {} is not a positive multiple of {}", bytes,
+                                           options_.granularity_bytes),
+         k_sim_invalid_value);
+  }
+  const std::uintptr_t addr = take_address(bytes, options_.granularity_bytes);
+  if (addr == 0) fail(sim_call::va_reserve, "address space exhausted", 2);
+  reservations_.emplace(addr, bytes);
+  return reinterpret_cast<void*>(addr);
+}
+
+void sim_backend::va_free(void* base, std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::va_free)) fail(sim_call::va_free, "injected failure");
+  const auto addr = reinterpret_cast<std::uintptr_t>(base);
+  auto it = reservations_.find(addr);
+  if (it == reservations_.end() || it->second != bytes) {
+    fail(sim_call::va_free, fmt::format("{} (+{}) is not a reservation", base, bytes),
+         k_sim_invalid_value);
+  }
+  auto m = mappings_.lower_bound(addr);
+  if (m != mappings_.end() && m->first < addr + bytes) {
+    fail(sim_call::va_free, "reservation still has mappings", k_sim_invalid_value);
+  }
+  give_address(addr, bytes);
+  reservations_.erase(it);
+}
+
+std::optional<phys_handle> sim_backend::phys_create(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::phys_create)) return std::nullopt;
+  if (options_.granularity_bytes == 0) fail(sim_call::phys_create, "virtual memory not supported");
+  if (bytes == 0 || bytes % options_.granularity_bytes != 0) {
+    fail(sim_call::phys_create, fmt::format("size {} is not a positive multiple of {}", bytes,
+                                            options_.granularity_bytes),
+         k_sim_invalid_value);
+  }
+  if (bytes > options_.capacity_bytes - std::min(used_, options_.capacity_bytes)) {
+    return std::nullopt;
+  }
+  handle_rec rec{bytes, 0, nullptr};
+  if (options_.host_memory) rec.host = std::make_unique<std::byte[]>(bytes);
+  const phys_handle h = next_handle_++;
+  handles_.emplace(h, std::move(rec));
+  used_ += bytes;
+  return h;
+}
+
+void sim_backend::phys_release(phys_handle handle) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::phys_release)) fail(sim_call::phys_release, "injected failure");
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) {
+    fail(sim_call::phys_release, fmt::format("handle {} is not live", handle), k_sim_invalid_value);
+  }
+  if (it->second.map_count != 0) {
+    fail(sim_call::phys_release, fmt::format("handle {} is still mapped", handle),
+         k_sim_invalid_value);
+  }
+  used_ -= it->second.bytes;
+  handles_.erase(it);
+}
+
+void sim_backend::map(void* va, std::size_t bytes, phys_handle handle) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::map)) fail(sim_call::map, "injected failure", 2);
+  const auto addr = reinterpret_cast<std::uintptr_t>(va);
+  auto h = handles_.find(handle);
+  if (h == handles_.end()) {
+    fail(sim_call::map, fmt::format("handle {} is not live", handle), k_sim_invalid_value);
+  }
+  if (h->second.bytes != bytes) {
+    fail(sim_call::map, fmt::format("size {} differs from handle size {}", bytes, h->second.bytes),
+         k_sim_invalid_value);
+  }
+  // The range must lie inside one reservation and overlap no mapping.
+  auto r = reservations_.upper_bound(addr);
+  if (r == reservations_.begin() || (--r, addr + bytes > r->first + r->second)) {
+    fail(sim_call::map, fmt::format("{} (+{}) is outside any reservation", va, bytes),
+         k_sim_invalid_value);
+  }
+  auto m = mappings_.upper_bound(addr);
+  if (m != mappings_.end() && m->first < addr + bytes) {
+    fail(sim_call::map, fmt::format("{} (+{}) overlaps a mapping", va, bytes), k_sim_invalid_value);
+  }
+  if (m != mappings_.begin()) {
+    auto p = std::prev(m);
+    if (p->first + p->second.bytes > addr) {
+      fail(sim_call::map, fmt::format("{} (+{}) overlaps a mapping", va, bytes),
+           k_sim_invalid_value);
+    }
+  }
+  mappings_.emplace(addr, mapping_rec{bytes, handle, false});
+  ++h->second.map_count;
+}
+
+void sim_backend::unmap(void* va, std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::unmap)) fail(sim_call::unmap, "injected failure");
+  const auto addr = reinterpret_cast<std::uintptr_t>(va);
+  auto m = mappings_.find(addr);
+  if (m == mappings_.end() || m->second.bytes != bytes) {
+    fail(sim_call::unmap, fmt::format("{} (+{}) is not exactly one mapping", va, bytes),
+         k_sim_invalid_value);
+  }
+  --handles_.at(m->second.handle).map_count;
+  mappings_.erase(m);
+}
+
+void sim_backend::set_access(void* va, std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::set_access)) fail(sim_call::set_access, "injected failure");
+  const auto addr = reinterpret_cast<std::uintptr_t>(va);
+  // Every byte of the range must be mapped; mappings that start inside it become accessible.
+  std::uintptr_t cursor = addr;
+  auto m = mappings_.upper_bound(addr);
+  if (m != mappings_.begin()) --m;
+  for (; m != mappings_.end() && m->first < addr + bytes; ++m) {
+    if (m->first + m->second.bytes <= cursor) continue;
+    if (m->first > cursor) break;
+    m->second.accessible = true;
+    cursor = m->first + m->second.bytes;
+  }
+  if (cursor < addr + bytes) {
+    fail(sim_call::set_access, fmt::format("{} (+{}) is not fully mapped", va, bytes),
+         k_sim_invalid_value);
+  }
+}
+
+event_handle sim_backend::event_create() {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::event_create)) fail(sim_call::event_create, "injected failure", 2);
+  const std::uintptr_t id = next_event_;
+  next_event_ += 0x10;
+  events_.emplace(id, event_rec{});
+  return reinterpret_cast<event_handle>(id);
+}
+
+void sim_backend::event_destroy(event_handle event) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::event_destroy)) fail(sim_call::event_destroy, "injected failure");
+  if (events_.erase(reinterpret_cast<std::uintptr_t>(event)) == 0) {
+    fail(sim_call::event_destroy, "unknown event", k_sim_invalid_value);
+  }
+}
+
+void sim_backend::event_record(event_handle event, stream_handle stream) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::event_record)) fail(sim_call::event_record, "injected failure");
+  auto it = events_.find(reinterpret_cast<std::uintptr_t>(event));
+  if (it == events_.end()) fail(sim_call::event_record, "unknown event", k_sim_invalid_value);
+  it->second = event_rec{true, options_.events_complete_immediately, stream};
+}
+
+bool sim_backend::event_query(event_handle event) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::event_query)) fail(sim_call::event_query, "injected failure");
+  auto it = events_.find(reinterpret_cast<std::uintptr_t>(event));
+  if (it == events_.end()) fail(sim_call::event_query, "unknown event", k_sim_invalid_value);
+  return it->second.complete;
+}
+
+void sim_backend::event_synchronize(event_handle event) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::event_synchronize)) {
+    fail(sim_call::event_synchronize, "injected failure");
+  }
+  auto it = events_.find(reinterpret_cast<std::uintptr_t>(event));
+  if (it == events_.end()) fail(sim_call::event_synchronize, "unknown event", k_sim_invalid_value);
+  it->second.complete = true;
+}
+
+void sim_backend::stream_wait_event(stream_handle /*stream*/, event_handle event) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::stream_wait_event)) fail(sim_call::stream_wait_event, "injected failure");
+  if (events_.find(reinterpret_cast<std::uintptr_t>(event)) == events_.end()) {
+    fail(sim_call::stream_wait_event, "unknown event", k_sim_invalid_value);
+  }
+}
+
+void sim_backend::stream_synchronize(stream_handle stream) {
+  {
+    std::lock_guard lock(mu_);
+    if (should_fail(sim_call::stream_synchronize)) {
+      fail(sim_call::stream_synchronize, "injected failure");
+    }
+  }
+  complete_stream(stream);
+}
+
+void sim_backend::device_synchronize() {
+  {
+    std::lock_guard lock(mu_);
+    if (should_fail(sim_call::device_synchronize)) {
+      fail(sim_call::device_synchronize, "injected failure");
+    }
+  }
+  complete_all();
+}
+
+memory_info sim_backend::mem_get_info() {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::mem_get_info)) fail(sim_call::mem_get_info, "injected failure");
+  const std::size_t used = std::min(used_, options_.capacity_bytes);
+  return memory_info{options_.capacity_bytes - used, options_.capacity_bytes};
+}
+
+void sim_backend::complete_stream(stream_handle stream) {
+  std::lock_guard lock(mu_);
+  for (auto& [id, ev] : events_) {
+    if (ev.recorded && ev.stream == stream) ev.complete = true;
+  }
+}
+
+void sim_backend::complete_all() {
+  std::lock_guard lock(mu_);
+  for (auto& [id, ev] : events_) ev.complete = true;
+}
+
+std::size_t sim_backend::pending_events() const {
+  std::lock_guard lock(mu_);
+  return static_cast<std::size_t>(
+      std::count_if(events_.begin(), events_.end(), [](const auto& e) { return !e.second.complete; }));
+}
+
+void sim_backend::fail_nth(sim_call kind, std::uint64_t n) {
+  std::lock_guard lock(mu_);
+  const auto k = static_cast<std::size_t>(kind);
+  fail_at_[k] = n == 0 ? 0 : calls_[k] + n;
+}
+
+void sim_backend::fail_always(sim_call kind, bool enabled) {
+  std::lock_guard lock(mu_);
+  fail_always_[static_cast<std::size_t>(kind)] = enabled;
+}
+
+void sim_backend::set_capacity(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  options_.capacity_bytes = bytes;
+}
+
+std::uint64_t sim_backend::calls(sim_call kind) const {
+  std::lock_guard lock(mu_);
+  return calls_[static_cast<std::size_t>(kind)];
+}
+
+std::size_t sim_backend::used_bytes() const {
+  std::lock_guard lock(mu_);
+  return used_;
+}
+std::size_t sim_backend::live_segments() const {
+  std::lock_guard lock(mu_);
+  return segments_.size();
+}
+std::size_t sim_backend::live_handles() const {
+  std::lock_guard lock(mu_);
+  return handles_.size();
+}
+std::size_t sim_backend::live_reservations() const {
+  std::lock_guard lock(mu_);
+  return reservations_.size();
+}
+std::size_t sim_backend::live_mappings() const {
+  std::lock_guard lock(mu_);
+  return mappings_.size();
+}
+
+std::byte* sim_backend::host_view(const void* dev_ptr, std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (!options_.host_memory) return nullptr;
+  const auto addr = reinterpret_cast<std::uintptr_t>(dev_ptr);
+  auto s = segments_.upper_bound(addr);
+  if (s != segments_.begin()) {
+    --s;
+    if (addr + bytes <= s->first + s->second.bytes) return s->second.host.get() + (addr - s->first);
+  }
+  auto m = mappings_.upper_bound(addr);
+  if (m != mappings_.begin()) {
+    --m;
+    if (addr + bytes <= m->first + m->second.bytes) {
+      return handles_.at(m->second.handle).host.get() + (addr - m->first);
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace cucache

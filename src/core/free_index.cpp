@@ -1,0 +1,94 @@
+// Segregated-fit free index (see include/cucache/detail/free_index.hpp).
+#include "cucache/detail/free_index.hpp"
+
+#include <bit>
+
+namespace cucache::detail {
+
+std::uint32_t free_index::bin_of(std::size_t bytes) noexcept {
+  const std::size_t units = bytes / k_min_block_bytes;  // >= 1 for every real block
+  if (units < k_sub_bins) return static_cast<std::uint32_t>(units);
+  const unsigned level = static_cast<unsigned>(std::bit_width(units)) - 1;  // >= 4
+  const unsigned sub = static_cast<unsigned>(units >> (level - k_sub_bins_log2)) & (k_sub_bins - 1);
+  return (level - k_sub_bins_log2 + 1) * k_sub_bins + sub;
+}
+
+void free_index::insert(block* b) noexcept {
+  const std::uint32_t bin = bin_of(b->size);
+  b->bin = bin;
+  block* prev = nullptr;
+  block* cur = heads_[bin];
+  while (cur != nullptr && (cur->size < b->size || (cur->size == b->size && cur->addr < b->addr))) {
+    prev = cur;
+    cur = cur->free_next;
+  }
+  b->free_prev = prev;
+  b->free_next = cur;
+  if (cur != nullptr) cur->free_prev = b;
+  if (prev != nullptr) {
+    prev->free_next = b;
+  } else {
+    heads_[bin] = b;
+    level_map_ |= std::uint64_t{1} << (bin / k_sub_bins);
+    sub_map_[bin / k_sub_bins] |= 1u << (bin % k_sub_bins);
+  }
+  ++count_;
+  bytes_ += b->size;
+}
+
+void free_index::erase(block* b) noexcept {
+  const std::uint32_t bin = b->bin;
+  if (b->free_prev != nullptr) {
+    b->free_prev->free_next = b->free_next;
+  } else {
+    heads_[bin] = b->free_next;
+    if (heads_[bin] == nullptr) {
+      auto& sub = sub_map_[bin / k_sub_bins];
+      sub &= ~(1u << (bin % k_sub_bins));
+      if (sub == 0) level_map_ &= ~(std::uint64_t{1} << (bin / k_sub_bins));
+    }
+  }
+  if (b->free_next != nullptr) b->free_next->free_prev = b->free_prev;
+  b->free_prev = b->free_next = nullptr;
+  --count_;
+  bytes_ -= b->size;
+}
+
+block* free_index::best_fit(std::size_t bytes) const noexcept {
+  const std::uint32_t bin = bin_of(bytes);
+  for (block* b = heads_[bin]; b != nullptr; b = b->free_next) {
+    if (b->size >= bytes) return b;
+  }
+  // First non-empty bin above `bin`: its head is its smallest block, larger than any in `bin`.
+  const unsigned level = bin / k_sub_bins;
+  const unsigned sub = bin % k_sub_bins;
+  const std::uint32_t above_in_level =
+      sub + 1 < k_sub_bins ? sub_map_[level] & ~((2u << sub) - 1) : 0u;
+  if (above_in_level != 0) {
+    return heads_[level * k_sub_bins + static_cast<unsigned>(std::countr_zero(above_in_level))];
+  }
+  const std::uint64_t levels_above =
+      level + 1 < k_levels ? level_map_ & ~((std::uint64_t{2} << level) - 1) : 0;
+  if (levels_above == 0) return nullptr;
+  const unsigned l = static_cast<unsigned>(std::countr_zero(levels_above));
+  return heads_[l * k_sub_bins + static_cast<unsigned>(std::countr_zero(sub_map_[l]))];
+}
+
+block* free_index::largest() const noexcept {
+  if (level_map_ == 0) return nullptr;
+  const unsigned l = 63u - static_cast<unsigned>(std::countl_zero(level_map_));
+  const unsigned s = 31u - static_cast<unsigned>(std::countl_zero(sub_map_[l]));
+  block* b = heads_[l * k_sub_bins + s];
+  while (b->free_next != nullptr) b = b->free_next;
+  return b;
+}
+
+bool free_index::contains(const block* b) const noexcept {
+  if (b->bin >= k_bins) return false;
+  for (const block* c = heads_[b->bin]; c != nullptr; c = c->free_next) {
+    if (c == b) return true;
+  }
+  return false;
+}
+
+}  // namespace cucache::detail

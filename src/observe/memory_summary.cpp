@@ -1,0 +1,83 @@
+// memory_summary(): the statistics as a fixed-width text table in the layout PyTorch users know
+// (rows of stats, columns current / peak / total allocated / total freed, each split into all,
+// large pool and small pool), followed by cucache's own lines: fragmentation and device calls.
+#include <fmt/format.h>
+
+#include <string>
+
+#include "allocator/allocator_impl.hpp"
+#include "observe/format_bytes.hpp"
+
+namespace cucache {
+namespace {
+
+constexpr int k_width = 83;
+
+void rule(std::string& out, char c) {
+  out.append("|");
+  out.append(k_width - 2, c);
+  out.append("|\n");
+}
+
+void line(std::string& out, const std::string& text) {
+  out += fmt::format("| {:<{}}|\n", text, k_width - 3);
+}
+
+void stat_rows(std::string& out, const char* title, const stat_array& s, bool bytes) {
+  auto cell = [&](std::int64_t v) {
+    return bytes ? detail::format_bytes(static_cast<double>(v)) : fmt::format("{}", v);
+  };
+  const char* names[] = {"from all pools", "  from large pool", "  from small pool"};
+  const std::size_t order[] = {0, 2, 1};
+  line(out, title);
+  for (int i = 0; i < 3; ++i) {
+    const stat& st = s[order[i]];
+    out += fmt::format("| {:<21}| {:>13} | {:>13} | {:>12} | {:>12} |\n", names[i],
+                       cell(st.current), cell(st.peak), cell(st.allocated), cell(st.freed));
+  }
+  rule(out, '-');
+}
+
+}  // namespace
+
+std::string device_allocator::memory_summary() const {
+  const device_stats s = stats();
+  std::string out;
+  rule(out, '=');
+  line(out, fmt::format("cucache memory summary, device {} ({})", device(), backend().name()));
+  rule(out, '-');
+  line(out, fmt::format("device allocs: {:<8} device frees: {:<8} OOMs: {:<6} retries: {}",
+                        s.device_alloc_count, s.device_free_count, s.oom_count,
+                        s.alloc_retry_count));
+  rule(out, '=');
+  out += fmt::format("| {:<21}| {:>13} | {:>13} | {:>12} | {:>12} |\n", "Metric", "Cur Usage",
+                     "Peak Usage", "Tot Alloc", "Tot Freed");
+  rule(out, '-');
+  stat_rows(out, "Allocated memory", s.allocated_bytes, true);
+  stat_rows(out, "Active memory", s.active_bytes, true);
+  stat_rows(out, "Requested memory", s.requested_bytes, true);
+  stat_rows(out, "Reserved memory", s.reserved_bytes, true);
+  stat_rows(out, "Non-releasable memory (current only)", s.inactive_split_bytes, true);
+  stat_rows(out, "Allocations", s.allocation_count, false);
+  stat_rows(out, "Active allocs", s.active_count, false);
+  stat_rows(out, "Segments", s.segment_count, false);
+  stat_rows(out, "Non-releasable allocs (current only)", s.inactive_split_count, false);
+  line(out, fmt::format("Free (cached) memory: {} in {} blocks, largest {}",
+                        detail::format_bytes(static_cast<double>(s.free_bytes)),
+                        s.free_block_count,
+                        detail::format_bytes(static_cast<double>(s.largest_free_block))));
+  line(out, fmt::format("Fragmentation: external {:.1f}% (1 - largest free / free), overhead "
+                        "{:.1f}% (1 - allocated / reserved)",
+                        100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation()));
+  line(out, fmt::format("Oversize allocations: {}   oversize segments: {}   pending frees: {}",
+                        s.oversize_allocations, s.oversize_segments, s.events_pending));
+  line(out, fmt::format("Memory limit: {}   device capacity: {}",
+                        s.memory_limit == 0
+                            ? std::string("none")
+                            : detail::format_bytes(static_cast<double>(s.memory_limit)),
+                        detail::format_bytes(static_cast<double>(s.device_total_bytes))));
+  rule(out, '=');
+  return out;
+}
+
+}  // namespace cucache

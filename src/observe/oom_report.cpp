@@ -1,0 +1,77 @@
+// The errors a caller sees when the allocator cannot help: the out-of-memory report, and the
+// diagnosis of a pointer that is not a live allocation.
+#include <fmt/format.h>
+
+#include "allocator/allocator_impl.hpp"
+#include "cucache/errors.hpp"
+#include "observe/format_bytes.hpp"
+
+namespace cucache {
+
+using detail::format_bytes;
+
+void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
+                                       stream_handle stream) {
+  oom_count.fetch_add(1, std::memory_order_relaxed);
+  device_stats s;
+  {
+    auto all = lock_all();
+    s = stats_locked();
+  }
+  std::string device_free = "unknown";
+  try {
+    device_free = format_bytes(static_cast<double>(backend->mem_get_info().free_bytes));
+  } catch (...) {
+  }
+  const auto held = static_cast<double>(s.reserved_bytes[0].current);
+  const auto allocated = static_cast<double>(s.allocated_bytes[0].current);
+  std::string msg = fmt::format(
+      "cucache: out of memory on device {} ({}): tried to allocate {} ({} bytes{}) on stream {}. "
+      "Device capacity {}, of which {} is free. cucache holds {} reserved: {} allocated, {} "
+      "reserved but unallocated in {} free blocks (largest {}). Fragmentation: external {:.1f}%, "
+      "overhead {:.1f}%.",
+      backend->device(), backend->name(), format_bytes(static_cast<double>(bytes)), bytes,
+      rounded == 0 ? std::string(", beyond any device") : fmt::format(", rounded to {}", rounded),
+      fmt::ptr(stream), format_bytes(static_cast<double>(device_total)), device_free,
+      format_bytes(held), format_bytes(allocated), format_bytes(held - allocated),
+      s.free_block_count, format_bytes(static_cast<double>(s.largest_free_block)),
+      100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation());
+  if (limit != 0) {
+    msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(limit)));
+  }
+  if (s.external_fragmentation() > 0.5 && held - allocated > static_cast<double>(bytes)) {
+    msg += " Much reserved memory is free but fragmented: expandable_segments:True avoids this.";
+  }
+  throw out_of_memory(std::move(msg));
+}
+
+void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  std::string why = "it was not allocated by cucache on this device";
+  {
+    auto all = lock_all();
+    for (const auto& p : pools) {
+      for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
+        if (addr < s->base || addr >= s->base + s->size) continue;
+        for (const detail::block* b = s->first; b != nullptr; b = b->next) {
+          if (addr < b->addr || addr >= b->addr + b->size) continue;
+          if (b->addr == addr) {
+            why = "it was already freed";
+          } else if (b->state == detail::block_state::allocated) {
+            why = fmt::format("it points {} bytes into the live allocation at {:#x}: pass the "
+                              "allocation's start",
+                              addr - b->addr, b->addr);
+          } else {
+            why = fmt::format("it points into free memory (inside the block at {:#x}, already "
+                              "freed)",
+                              b->addr);
+          }
+        }
+      }
+    }
+  }
+  throw invalid_argument(
+      fmt::format("cucache: {}({}) on device {}: {}", what, ptr, backend->device(), why));
+}
+
+}  // namespace cucache

@@ -1,0 +1,47 @@
+// snapshot_json(): every segment and block of a device allocator as JSON, for tools that draw
+// memory maps or look for the source of fragmentation.
+#include <nlohmann/json.hpp>
+
+#include "allocator/allocator_impl.hpp"
+
+namespace cucache {
+
+std::string device_allocator::snapshot_json() const {
+  using nlohmann::json;
+  auto all = impl_->lock_all();
+  const device_stats s = impl_->stats_locked();
+  json segments = json::array();
+  for (const auto& p : impl_->pools) {
+    for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
+      json blocks = json::array();
+      for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
+        const char* state = b->state == detail::block_state::allocated ? "allocated"
+                            : b->state == detail::block_state::pending ? "pending"
+                                                                       : "free";
+        blocks.push_back({{"address", b->addr},
+                          {"size", b->size},
+                          {"requested_size", b->requested},
+                          {"state", state}});
+      }
+      segments.push_back({{"id", seg->id},
+                          {"address", seg->base},
+                          {"size", seg->size},
+                          {"pool", seg->kind == detail::pool_kind::small ? "small" : "large"},
+                          {"stream", reinterpret_cast<std::uintptr_t>(p->stream)},
+                          {"blocks", std::move(blocks)}});
+    }
+  }
+  json out = {{"device", impl_->backend->device()},
+              {"backend", impl_->backend->name()},
+              {"allocated_bytes", s.allocated_bytes[0].current},
+              {"reserved_bytes", s.reserved_bytes[0].current},
+              {"peak_reserved_bytes", s.reserved_bytes[0].peak},
+              {"free_bytes", s.free_bytes},
+              {"largest_free_block", s.largest_free_block},
+              {"external_fragmentation", s.external_fragmentation()},
+              {"overhead_fragmentation", s.overhead_fragmentation()},
+              {"segments", std::move(segments)}};
+  return out.dump();
+}
+
+}  // namespace cucache

@@ -1,0 +1,114 @@
+// Device-wide statistics: the per-stream pools' figures summed, plus what only a walk of the free
+// indices can tell (largest free block, free block count).
+#include <algorithm>
+#include <mutex>
+
+#include "allocator/allocator_impl.hpp"
+
+namespace cucache {
+namespace {
+
+void accumulate(stat_array& into, const stat_array& from, bool first) {
+  for (std::size_t i = 0; i < k_stat_pools; ++i) {
+    into[i].current += from[i].current;
+    into[i].allocated += from[i].allocated;
+    into[i].freed += from[i].freed;
+    // Device-wide peaks are exact with one stream. With several, per-stream peaks are summed:
+    // an upper bound. Keeping an exact device-wide peak would put a shared atomic on every
+    // allocation and free, which is what makes other allocators slow down with threads.
+    into[i].peak = first ? from[i].peak : into[i].peak + from[i].peak;
+  }
+}
+
+}  // namespace
+
+device_stats device_allocator::impl::stats_locked() const {
+  device_stats s;
+  bool first = true;
+  for (const auto& p : pools) {
+    const auto& ps = p->stats;
+    accumulate(s.allocated_bytes, ps.allocated_bytes, first);
+    accumulate(s.reserved_bytes, ps.reserved_bytes, first);
+    accumulate(s.active_bytes, ps.active_bytes, first);
+    accumulate(s.requested_bytes, ps.requested_bytes, first);
+    accumulate(s.allocation_count, ps.allocation_count, first);
+    accumulate(s.segment_count, ps.segment_count, first);
+    accumulate(s.active_count, ps.active_count, first);
+    s.oversize_allocations += ps.oversize_allocations;
+    s.oversize_segments += ps.oversize_segments;
+    s.events_pending += p->pending.size();
+    for (const auto& idx : p->free) {
+      s.free_block_count += idx.count();
+      s.free_bytes += idx.bytes();
+      if (const detail::block* b = idx.largest()) {
+        s.largest_free_block = std::max(s.largest_free_block, b->size);
+      }
+    }
+    // Inactive split: free blocks inside segments that are not wholly free.
+    for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
+      if (seg->whole_free()) continue;
+      const std::size_t slot = seg->kind == detail::pool_kind::small ? 1 : 2;
+      for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
+        if (b->state != detail::block_state::free) continue;
+        for (std::size_t i : {std::size_t{0}, slot}) {
+          s.inactive_split_bytes[i].current += static_cast<std::int64_t>(b->size);
+          s.inactive_split_count[i].current += 1;
+        }
+      }
+    }
+    first = false;
+  }
+  for (auto* arr : {&s.inactive_split_bytes, &s.inactive_split_count}) {
+    for (auto& st : *arr) st.peak = st.allocated = st.current;
+  }
+  {
+    std::lock_guard lock(grow_mu_);
+    // The device-wide reservation is exact, peak included: it changes only under grow_mu_.
+    s.reserved_bytes[0].current = static_cast<std::int64_t>(reserved);
+    s.reserved_bytes[0].peak = static_cast<std::int64_t>(reserved_peak);
+  }
+  s.device_alloc_count = device_alloc_count.load(std::memory_order_relaxed);
+  s.device_free_count = device_free_count.load(std::memory_order_relaxed);
+  s.oom_count = oom_count.load(std::memory_order_relaxed);
+  s.alloc_retry_count = retry_count.load(std::memory_order_relaxed);
+  s.memory_limit = limit;
+  s.device_total_bytes = device_total;
+  return s;
+}
+
+device_stats device_allocator::stats() const {
+  auto all = impl_->lock_all();
+  return impl_->stats_locked();
+}
+
+void device_allocator::reset_peak_stats() {
+  auto all = impl_->lock_all();
+  for (auto& p : impl_->pools) {
+    auto& ps = p->stats;
+    for (auto* arr : {&ps.allocated_bytes, &ps.reserved_bytes, &ps.active_bytes,
+                      &ps.requested_bytes, &ps.allocation_count, &ps.segment_count,
+                      &ps.active_count}) {
+      for (auto& st : *arr) st.reset_peak();
+    }
+  }
+  std::lock_guard lock(impl_->grow_mu_);
+  impl_->reserved_peak = impl_->reserved;
+}
+
+void device_allocator::reset_accumulated_stats() {
+  auto all = impl_->lock_all();
+  for (auto& p : impl_->pools) {
+    auto& ps = p->stats;
+    for (auto* arr : {&ps.allocated_bytes, &ps.reserved_bytes, &ps.active_bytes,
+                      &ps.requested_bytes, &ps.allocation_count, &ps.segment_count,
+                      &ps.active_count}) {
+      for (auto& st : *arr) st.reset_totals();
+    }
+  }
+  impl_->device_alloc_count = 0;
+  impl_->device_free_count = 0;
+  impl_->oom_count = 0;
+  impl_->retry_count = 0;
+}
+
+}  // namespace cucache
