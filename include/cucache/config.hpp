@@ -21,7 +21,8 @@ struct config {
   /// roundup_power2_divisions: entry i gives the number of divisions for request sizes in the
   /// power-of-two interval [2^(i+20), 2^(i+21)) -- entry 0 covers sizes below 2 MiB down to 1 MiB
   /// and also everything smaller. 0 or 1 means plain 512 B rounding for that interval.
-  /// Empty means off. See docs/config.md for the list form "[256:4,>:1]".
+  /// Empty means off; parse_config always fills k_roundup_power2_intervals entries. See
+  /// docs/config.md for the list form "[256:4,>:1]" (a key of K MiB sets entry log2(K)).
   std::vector<std::uint32_t> roundup_power2_divisions;
   /// Fraction of the memory limit (or of device capacity when no limit is set) above which the
   /// allocator releases cached free segments, oldest first, before growing. 0 = off.
@@ -34,22 +35,29 @@ struct config {
   std::size_t memory_limit_bytes = 0;
   /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
   std::string trace_path;
+
+  friend bool operator==(const config&, const config&) = default;
 };
 
 /// Number of power-of-two intervals roundup_power2_divisions distinguishes (1 MiB .. 2^63).
 inline constexpr std::size_t k_roundup_power2_intervals = 64;
 
-/// Parses a CUCACHE_CONF string on top of `base`. Keys (docs/config.md): max_split_size_mb,
+/// Parses a CUCACHE_CONF string on top of `base`: a key that appears replaces its field, the
+/// others keep base's values. Keys (docs/config.md): max_split_size_mb,
 /// max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold,
 /// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace.
-/// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key or a
-/// malformed value; never ignores anything silently.
+/// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key, a
+/// PyTorch key cucache does not support, a duplicate key or a malformed value; never ignores
+/// anything silently. Empty or blank text returns base.
 [[nodiscard]] config parse_config(std::string_view text, config base = {});
 
 /// Reads CUCACHE_CONF from the environment (empty or unset: defaults) and parses it.
 [[nodiscard]] config config_from_env();
 
-/// Renders a config back as a CUCACHE_CONF string that parse_config accepts (round-trips).
+/// Renders a config back as a CUCACHE_CONF string that parse_config accepts: only the fields that
+/// differ from config{} are written, so parse_config(to_string(c)) == c. Throws
+/// cucache::invalid_argument for a value the syntax cannot express (e.g. a max_split_size that is
+/// not a whole number of MiB, or a trace path containing ',').
 [[nodiscard]] std::string to_string(const config& cfg);
 
 }  // namespace cucache

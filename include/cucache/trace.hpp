@@ -1,0 +1,134 @@
+// Allocation traces in the CSV format of RAPIDS RMM's logging_resource_adaptor: a validating reader
+// (plain or gzip files) that replay tools and tests build on, and a thread-safe recorder that
+// writes the same format from a live allocator.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <iosfwd>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cucache/backend.hpp"
+
+namespace cucache {
+
+/// One row of a trace.
+struct trace_event {
+  enum class action : std::uint8_t { allocate, free, allocate_failure };
+
+  std::uint32_t thread = 0;
+  /// Wall-clock time of day in microseconds since local midnight (the format carries no date, so
+  /// this wraps at midnight and is not monotonic across it).
+  std::uint64_t time_us = 0;
+  action act = action::allocate;
+  /// 0 for a null pointer ("(nil)", "0x0" or empty in the file).
+  std::uintptr_t pointer = 0;
+  /// The size the application asked for; a free repeats it.
+  std::size_t size = 0;
+  /// 0 is the default stream.
+  std::uintptr_t stream = 0;
+  /// 1-based line in the file (the header is line 1); 0 for events that did not come from text.
+  std::size_t line = 0;
+
+  friend bool operator==(const trace_event&, const trace_event&) = default;
+};
+
+/// The Action column's spelling: "allocate", "free", "allocate failure".
+[[nodiscard]] std::string_view to_string(trace_event::action act) noexcept;
+
+/// The header line every trace starts with.
+inline constexpr std::string_view k_trace_header = "Thread,Time,Action,Pointer,Size,Stream";
+
+/// Reads a trace file, plain CSV or gzip (told apart by the gzip magic bytes, not the name).
+///
+/// Validation: the first line must be the header; every other non-blank line must have six
+/// fields that parse; a free must name a pointer that is live (allocated and not yet freed) and an
+/// allocate must not name one that is. Null pointers are exempt from the liveness rules, since an
+/// allocation of zero bytes may legitimately return null. A free's size is not checked against
+/// its allocation's. Any violation throws cucache::invalid_argument as "<name>:<line>: <reason>".
+/// A file that cannot be opened or decompressed throws cucache::invalid_argument naming it.
+[[nodiscard]] std::vector<trace_event> read_trace(const std::filesystem::path& path);
+
+/// Parses trace text already in memory (plain CSV; LF or CRLF line endings). `name` stands for
+/// the file in error messages.
+[[nodiscard]] std::vector<trace_event> parse_trace(std::string_view text,
+                                                   std::string_view name = "<trace>");
+/// Reads the whole stream, then parses it as parse_trace(std::string_view, ...) does.
+[[nodiscard]] std::vector<trace_event> parse_trace(std::istream& in,
+                                                   std::string_view name = "<trace>");
+
+/// Aggregate figures of a trace.
+struct trace_summary {
+  std::size_t events = 0;
+  std::size_t allocations = 0;
+  std::size_t frees = 0;
+  std::size_t failures = 0;
+  /// The highest sum of requested sizes of live allocations at any point of the trace.
+  std::size_t peak_requested_bytes = 0;
+  /// Allocations never freed by the end of the trace (null pointers excluded).
+  std::size_t live_at_end = 0;
+  /// Distinct streams and threads over all events.
+  std::size_t streams = 0;
+  std::size_t threads = 0;
+};
+
+/// Computes the summary. A free is matched to the latest live allocation of its pointer and
+/// subtracts that allocation's size; frees that match nothing are counted but change no bytes.
+[[nodiscard]] trace_summary summarize(const std::vector<trace_event>& events);
+
+/// Writes a trace file as an allocator runs. Thread-safe. Rows are formatted into a buffer under
+/// a mutex and written out when the buffer grows large, on flush() and on destruction, so a
+/// record call costs a clock read and some formatting, not a system call.
+///
+/// Thread is a small id (1, 2, ...) given to each thread on its first record on this recorder;
+/// Time is the local wall clock as HH:MM:SS.ffffff.
+class trace_recorder {
+ public:
+  /// Creates (truncates) the file and buffers the header. Throws cucache::invalid_argument naming
+  /// the path if it cannot be opened.
+  explicit trace_recorder(const std::filesystem::path& path);
+  /// Flushes; a write error here is swallowed (call flush() first to see it).
+  ~trace_recorder();
+  trace_recorder(const trace_recorder&) = delete;
+  trace_recorder& operator=(const trace_recorder&) = delete;
+
+  // Record calls never throw for I/O errors (they run inside allocate/free); a failed write is
+  // remembered and reported by the next flush(). They may throw std::bad_alloc.
+  void record_allocate(const void* ptr, std::size_t size, stream_handle stream);
+  void record_free(const void* ptr, std::size_t size, stream_handle stream);
+  /// An allocation of `size` bytes that failed; the row's pointer is null.
+  void record_failure(std::size_t size, stream_handle stream);
+
+  /// Writes buffered rows to the file and flushes it. Throws cucache::error if any write since
+  /// the last flush() failed.
+  void flush();
+
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  void record(trace_event::action act, const void* ptr, std::size_t size, stream_handle stream);
+  std::uint32_t thread_id_locked();
+  void write_locked();
+
+  std::filesystem::path path_;
+  /// Tells recorders apart in the per-thread id cache, even one built where another was freed.
+  std::uint64_t serial_;
+  std::mutex mutex_;
+  std::FILE* file_ = nullptr;
+  std::string buffer_;
+  bool write_failed_ = false;
+  std::unordered_map<std::thread::id, std::uint32_t> thread_ids_;
+  // The H:M:S text changes once a second; converting to local time every row would take glibc's
+  // time zone lock each time.
+  std::int64_t cached_second_ = -1;
+  char cached_hms_[8] = {};
+};
+
+}  // namespace cucache

@@ -1,0 +1,491 @@
+// The CUCACHE_CONF parser: PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax ("key:value,...") for the keys
+// cucache shares with PyTorch plus its own, strict where PyTorch is lenient (every malformed or
+// unknown entry throws), and to_string, which writes a config back in the same syntax.
+#include "cucache/config.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
+#include <cstdlib>
+#include <optional>
+#include <system_error>
+#include <utility>
+
+#include "cucache/errors.hpp"
+
+namespace cucache {
+namespace detail {
+namespace {
+
+constexpr std::size_t k_mib = std::size_t{1} << 20;
+// PyTorch refuses max_split_size_mb and max_non_split_rounding_mb below its 20 MiB large-segment
+// size (kLargeBuffer): a smaller limit would make every 20 MiB segment unsplittable.
+constexpr std::uint64_t k_min_split_mb = 20;
+// Entry i of roundup_power2_divisions covers [2^(i+20), 2^(i+21)); the last interval a 64-bit size
+// can fall in starts at 2^63, so list keys run from 1 MiB (2^0) to 2^43 MiB.
+constexpr unsigned k_max_roundup_key_log2 = 43;
+constexpr std::uint64_t k_max_divisions = std::uint64_t{1} << 31;
+
+constexpr std::string_view k_space = " \t\r\n";
+
+std::string_view trim(std::string_view s) {
+  const auto first = s.find_first_not_of(k_space);
+  if (first == std::string_view::npos) return {};
+  return s.substr(first, s.find_last_not_of(k_space) - first + 1);
+}
+
+// One accepted key. `field` names the config member it sets, so an alias and its canonical key
+// share it and giving both is reported as a duplicate.
+struct key_spec {
+  std::string_view name;
+  std::string_view field;
+  std::string_view forms;
+  void (*parse)(std::string_view key, std::string_view value, config& out);
+};
+
+const std::array<key_spec, 9>& key_specs();
+
+// PyTorch allocator keys that cucache recognises only to say that it does not support them.
+constexpr std::array<std::string_view, 16> k_pytorch_only_keys = {
+    "backend",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+    "pinned_max_round_threshold_mb",
+    "pinned_max_cached_size_mb",
+    "pinned_free_catch_all",
+    "graph_capture_record_stream_reuse",
+    "throw_on_cudamalloc_oom",
+    "large_segment_size_mb",
+    "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class",
+};
+
+std::string accepted_keys() {
+  std::string out;
+  for (const auto& spec : key_specs()) {
+    if (!out.empty()) out += ", ";
+    out += spec.name;
+  }
+  return out;
+}
+
+const key_spec* find_spec(std::string_view key) {
+  for (const auto& spec : key_specs()) {
+    if (spec.name == key) return &spec;
+  }
+  return nullptr;
+}
+
+// Every parse error goes through here so that each message names the key and what it accepts.
+[[noreturn]] void fail(std::string_view key, std::string_view problem) {
+  if (const key_spec* spec = find_spec(key)) {
+    throw invalid_argument(
+        fmt::format("cucache config: key '{}': {}; accepted: {}", key, problem, spec->forms));
+  }
+  if (key.empty()) {
+    throw invalid_argument(
+        fmt::format("cucache config: {}; accepted keys: {}", problem, accepted_keys()));
+  }
+  throw invalid_argument(fmt::format("cucache config: key '{}': {}; accepted keys: {}", key,
+                                     problem, accepted_keys()));
+}
+
+[[noreturn]] void fail_value(std::string_view key, std::string_view value, std::string_view why) {
+  fail(key, fmt::format("invalid value '{}': {}", value, why));
+}
+
+std::uint64_t parse_uint(std::string_view key, std::string_view text) {
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range) fail_value(key, text, "number too large");
+  if (ec != std::errc{} || end != text.data() + text.size()) {
+    fail_value(key, text, "not a non-negative integer");
+  }
+  return v;
+}
+
+double parse_double(std::string_view key, std::string_view text) {
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range) fail_value(key, text, "number out of range");
+  if (ec != std::errc{} || end != text.data() + text.size()) {
+    fail_value(key, text, "not a number");
+  }
+  return v;
+}
+
+std::size_t parse_mib(std::string_view key, std::string_view value) {
+  const std::uint64_t mb = parse_uint(key, value);
+  if (mb < k_min_split_mb) fail_value(key, value, fmt::format("must be >= {}", k_min_split_mb));
+  if (mb > std::numeric_limits<std::size_t>::max() / k_mib) {
+    fail_value(key, value, "too large: the size in bytes overflows");
+  }
+  return static_cast<std::size_t>(mb) * k_mib;
+}
+
+void parse_max_split_size(std::string_view key, std::string_view value, config& out) {
+  out.max_split_size = parse_mib(key, value);
+}
+
+void parse_max_non_split_rounding(std::string_view key, std::string_view value, config& out) {
+  out.max_non_split_rounding = parse_mib(key, value);
+}
+
+std::uint32_t parse_divisions(std::string_view key, std::string_view text, bool allow_zero) {
+  const std::uint64_t d = parse_uint(key, text);
+  if (d == 0 && allow_zero) return 0;
+  if (!std::has_single_bit(d)) {
+    fail_value(key, text,
+               allow_zero ? "divisions must be 0 or a power of two" : "must be a power of two");
+  }
+  if (d > k_max_divisions) fail_value(key, text, "divisions must be <= 2^31");
+  return static_cast<std::uint32_t>(d);
+}
+
+// List form, with PyTorch's meaning: a key of K MiB sets entry log2(K); the first key also fills
+// every entry below it; '>' fills every entry above the last key; entries between two keys stay 0.
+// Unlike PyTorch, keys must increase and '>' must come last after a key, so that no accepted list
+// depends on an ordering quirk.
+void parse_roundup_list(std::string_view key, std::string_view list, config& out) {
+  std::vector<std::uint32_t> divs(k_roundup_power2_intervals, 0);
+  std::optional<unsigned> last_index;
+  bool saw_rest = false;
+  const std::string_view body = list.substr(1, list.size() - 2);
+  if (trim(body).empty()) fail_value(key, list, "empty list");
+  std::size_t pos = 0;
+  while (pos <= body.size()) {
+    const std::size_t comma = std::min(body.find(',', pos), body.size());
+    const std::string_view entry = trim(body.substr(pos, comma - pos));
+    pos = comma + 1;
+    if (entry.empty()) fail_value(key, list, "empty list entry");
+    if (saw_rest) fail_value(key, list, "'>' must be the last entry");
+    const std::size_t colon = entry.find(':');
+    if (colon == std::string_view::npos) {
+      fail_value(key, list, fmt::format("entry '{}' lacks ':'", entry));
+    }
+    const std::string_view size_text = trim(entry.substr(0, colon));
+    const std::uint32_t d = parse_divisions(key, trim(entry.substr(colon + 1)), true);
+    if (size_text == ">") {
+      if (!last_index) fail_value(key, list, "'>' needs a size entry before it");
+      std::fill(divs.begin() + *last_index + 1, divs.end(), d);
+      saw_rest = true;
+      continue;
+    }
+    const std::uint64_t mb = parse_uint(key, size_text);
+    if (!std::has_single_bit(mb)) {
+      fail_value(key, list, fmt::format("size {} is not a power of two MiB", size_text));
+    }
+    const auto index = static_cast<unsigned>(std::countr_zero(mb));
+    if (index > k_max_roundup_key_log2) {
+      fail_value(key, list,
+                 fmt::format("size {} MiB exceeds 2^{} MiB", size_text, k_max_roundup_key_log2));
+    }
+    if (!last_index) {
+      std::fill(divs.begin(), divs.begin() + index, d);
+    } else if (index <= *last_index) {
+      fail_value(key, list, "sizes must increase from entry to entry");
+    }
+    divs[index] = d;
+    last_index = index;
+  }
+  out.roundup_power2_divisions = std::move(divs);
+}
+
+void parse_roundup(std::string_view key, std::string_view value, config& out) {
+  if (value.front() == '[') {
+    if (value.back() != ']') fail_value(key, value, "text after the closing ']'");
+    parse_roundup_list(key, value, out);
+    return;
+  }
+  out.roundup_power2_divisions.assign(k_roundup_power2_intervals,
+                                      parse_divisions(key, value, false));
+}
+
+void parse_gc_threshold(std::string_view key, std::string_view value, config& out) {
+  const double v = parse_double(key, value);
+  if (!(v > 0.0 && v < 1.0)) fail_value(key, value, "must be > 0 and < 1");
+  out.garbage_collection_threshold = v;
+}
+
+void parse_expandable(std::string_view key, std::string_view value, config& out) {
+  if (value == "True" || value == "true" || value == "1") {
+    out.expandable_segments = true;
+  } else if (value == "False" || value == "false" || value == "0") {
+    out.expandable_segments = false;
+  } else {
+    fail_value(key, value, "not a boolean");
+  }
+}
+
+void parse_memory_fraction(std::string_view key, std::string_view value, config& out) {
+  const double v = parse_double(key, value);
+  if (!(v > 0.0 && v <= 1.0)) fail_value(key, value, "must be > 0 and <= 1");
+  out.memory_fraction = v;
+}
+
+bool iequals(std::string_view a, std::string_view b) {
+  return std::ranges::equal(a, b, [](char x, char y) {
+    const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? char(c - 'A' + 'a') : c; };
+    return lower(x) == lower(y);
+  });
+}
+
+void parse_memory_limit(std::string_view key, std::string_view value, config& out) {
+  const std::size_t digits_end = std::min(value.find_first_not_of("0123456789"), value.size());
+  if (digits_end == 0) fail_value(key, value, "must start with a non-negative integer");
+  const std::uint64_t n = parse_uint(key, value.substr(0, digits_end));
+  const std::string_view unit = trim(value.substr(digits_end));
+  struct unit_spec {
+    std::string_view name;
+    unsigned shift;
+  };
+  static constexpr std::array<unit_spec, 14> units = {{{"", 0},
+                                                       {"B", 0},
+                                                       {"K", 10},
+                                                       {"KB", 10},
+                                                       {"KiB", 10},
+                                                       {"M", 20},
+                                                       {"MB", 20},
+                                                       {"MiB", 20},
+                                                       {"G", 30},
+                                                       {"GB", 30},
+                                                       {"GiB", 30},
+                                                       {"T", 40},
+                                                       {"TB", 40},
+                                                       {"TiB", 40}}};
+  std::optional<unsigned> shift;
+  for (const auto& u : units) {
+    if (iequals(u.name, unit)) shift = u.shift;
+  }
+  if (!shift) fail_value(key, value, fmt::format("unknown unit '{}'", unit));
+  if (n == 0) fail_value(key, value, "must be > 0");
+  if (n > (std::numeric_limits<std::size_t>::max() >> *shift)) {
+    fail_value(key, value, "too large: the size in bytes overflows");
+  }
+  out.memory_limit_bytes = static_cast<std::size_t>(n) << *shift;
+}
+
+void parse_trace(std::string_view key, std::string_view value, config& out) {
+  // Balanced brackets would get past the splitter, unbalanced ones not; refusing every bracket
+  // keeps the rule simple to state: a path holds no ',', '[' or ']'.
+  if (value.find_first_of("[]") != std::string_view::npos) {
+    fail_value(key, value, "a path may not contain '[' or ']'");
+  }
+  out.trace_path = std::string(value);
+}
+
+const std::array<key_spec, 9>& key_specs() {
+  static const std::array<key_spec, 9> specs = {{
+      {"max_split_size_mb", "max_split_size_mb",
+       "an integer number of MiB >= 20, e.g. max_split_size_mb:512", parse_max_split_size},
+      {"max_non_split_rounding_mb", "max_non_split_rounding_mb",
+       "an integer number of MiB >= 20, e.g. max_non_split_rounding_mb:256",
+       parse_max_non_split_rounding},
+      {"roundup_power2_divisions", "roundup_power2_divisions",
+       "a power of two for every size interval, e.g. roundup_power2_divisions:4, or a list "
+       "[<MiB>:<divisions>,...,>:<divisions>] whose sizes are increasing powers of two from 1 to "
+       "2^43 MiB, whose divisions are 0 or powers of two, and whose optional '>' entry comes "
+       "last, e.g. roundup_power2_divisions:[256:4,512:2,>:1]",
+       parse_roundup},
+      {"garbage_collection_threshold", "garbage_collection_threshold",
+       "a number > 0 and < 1, e.g. garbage_collection_threshold:0.8", parse_gc_threshold},
+      {"expandable_segments", "expandable_segments",
+       "True, False, true, false, 1 or 0, e.g. expandable_segments:True", parse_expandable},
+      {"memory_fraction", "memory_fraction",
+       "a number > 0 and <= 1, e.g. memory_fraction:0.9 (alias per_process_memory_fraction)",
+       parse_memory_fraction},
+      {"per_process_memory_fraction", "memory_fraction",
+       "a number > 0 and <= 1, e.g. per_process_memory_fraction:0.9 (alias of memory_fraction)",
+       parse_memory_fraction},
+      {"memory_limit", "memory_limit",
+       "a positive integer number of bytes with an optional unit B, KB/KiB, MB/MiB, GB/GiB, "
+       "TB/TiB, K, M, G or T (all binary, K = 1024), e.g. memory_limit:40GiB",
+       parse_memory_limit},
+      {"trace", "trace",
+       "a non-empty file path without ',', '[' or ']' and without surrounding blanks, e.g. "
+       "trace:/tmp/cucache.csv",
+       parse_trace},
+  }};
+  return specs;
+}
+
+// Splits at the commas outside brackets. A bracket error is reported against the entry's key,
+// which is everything before the entry's first ':'.
+std::vector<std::string_view> split_entries(std::string_view text) {
+  std::vector<std::string_view> entries;
+  std::size_t start = 0;
+  bool in_list = false;
+  const auto entry_key = [&](std::size_t end) {
+    const std::string_view entry = text.substr(start, end - start);
+    return trim(entry.substr(0, entry.find(':')));
+  };
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '[') {
+      if (in_list) fail(entry_key(i), "unbalanced brackets: '[' inside a list");
+      in_list = true;
+    } else if (c == ']') {
+      if (!in_list) fail(entry_key(i), "unbalanced brackets: ']' without '['");
+      in_list = false;
+    } else if (c == ',' && !in_list) {
+      entries.push_back(text.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  if (in_list) fail(entry_key(text.size()), "unbalanced brackets: '[' without ']'");
+  entries.push_back(text.substr(start));
+  return entries;
+}
+
+}  // namespace
+}  // namespace detail
+
+config parse_config(std::string_view text, config base) {
+  using namespace detail;
+  if (trim(text).empty()) return base;
+  std::vector<std::pair<std::string_view, std::string_view>> seen;  // field, key given
+  for (const std::string_view raw : split_entries(text)) {
+    const std::string_view entry = trim(raw);
+    if (entry.empty()) fail("", "empty entry (stray ',')");
+    const std::size_t colon = entry.find(':');
+    const std::string_view key = trim(entry.substr(0, colon));
+    if (key.empty()) fail("", fmt::format("empty key in '{}'", entry));
+    if (std::ranges::find(k_pytorch_only_keys, key) != k_pytorch_only_keys.end()) {
+      fail(key, "a PyTorch key not supported by cucache");
+    }
+    const key_spec* spec = find_spec(key);
+    if (spec == nullptr) fail(key, "unknown key");
+    if (colon == std::string_view::npos) fail(key, "missing ':' and value");
+    const std::string_view value = trim(entry.substr(colon + 1));
+    if (value.empty()) fail(key, "missing value after ':'");
+    const auto dup = std::ranges::find(seen, spec->field, &decltype(seen)::value_type::first);
+    if (dup != seen.end()) {
+      fail(key, dup->second == key ? "key given twice"
+                                   : fmt::format("key given twice (also as '{}')", dup->second));
+    }
+    seen.emplace_back(spec->field, key);
+    spec->parse(key, value, base);
+  }
+  return base;
+}
+
+config config_from_env() {
+  const char* env = std::getenv("CUCACHE_CONF");
+  if (env == nullptr) return config{};
+  try {
+    return parse_config(env);
+  } catch (const invalid_argument& e) {
+    throw invalid_argument(fmt::format("environment variable CUCACHE_CONF: {}", e.what()));
+  }
+}
+
+namespace detail {
+namespace {
+
+// The list form that parse_roundup_list turns back into `divs` (when it can: see to_string).
+std::string render_roundup(const std::vector<std::uint32_t>& divs) {
+  if (divs.size() != k_roundup_power2_intervals) {
+    return fmt::format("<{} entries instead of {}>", divs.size(), k_roundup_power2_intervals);
+  }
+  const auto n = divs.size();
+  if (std::ranges::all_of(divs, [&](std::uint32_t d) { return d == divs[0]; }) && divs[0] != 0) {
+    return fmt::format("{}", divs[0]);
+  }
+  // The uniform tail goes into '>', the uniform head into the first key; the rest is listed.
+  std::size_t tail = n - 1;
+  while (tail > 0 && divs[tail - 1] == divs[n - 1]) --tail;
+  const bool use_rest = divs[n - 1] != 0;
+  const std::size_t limit = std::min<std::size_t>(k_max_roundup_key_log2 + 1, use_rest ? tail : n);
+  std::size_t head = 0;
+  // A zero head is written as "1:0" and left implicit after that, since gaps read back as 0.
+  while (divs[0] != 0 && head + 1 < limit && divs[head + 1] == divs[0]) ++head;
+  std::string out = fmt::format("[{}:{}", std::uint64_t{1} << head, divs[0]);
+  for (std::size_t i = head + 1; i < limit; ++i) {
+    if (divs[i] != 0 || (use_rest && i + 1 == limit)) {
+      out += fmt::format(",{}:{}", std::uint64_t{1} << i, divs[i]);
+    }
+  }
+  if (use_rest) out += fmt::format(",>:{}", divs[n - 1]);
+  return out + "]";
+}
+
+std::string render_bytes(std::size_t bytes) {
+  static constexpr std::array<std::pair<unsigned, std::string_view>, 4> units = {
+      {{40, "TiB"}, {30, "GiB"}, {20, "MiB"}, {10, "KiB"}}};
+  for (const auto& [shift, name] : units) {
+    if (bytes % (std::size_t{1} << shift) == 0) return fmt::format("{}{}", bytes >> shift, name);
+  }
+  return fmt::format("{}", bytes);
+}
+
+}  // namespace
+}  // namespace detail
+
+std::string to_string(const config& cfg) {
+  using namespace detail;
+  const config def{};
+  std::string out;
+  // Writes one field and proves, by parsing it back, that the text means the same value; a value
+  // the syntax cannot express (a byte count that is no whole MiB, say) is an error, not a drift.
+  const auto put = [&](std::string_view key, std::string value, auto same) {
+    const std::string entry = fmt::format("{}:{}", key, value);
+    bool ok = false;
+    try {
+      ok = same(parse_config(entry));
+    } catch (const invalid_argument&) {
+    }
+    if (!ok) {
+      throw invalid_argument(fmt::format(
+          "cucache config: to_string: the value of '{}' cannot be written as '{}'; accepted: {}",
+          key, value, find_spec(key)->forms));
+    }
+    if (!out.empty()) out += ',';
+    out += entry;
+  };
+  if (cfg.max_split_size != def.max_split_size) {
+    put("max_split_size_mb", fmt::format("{}", cfg.max_split_size / k_mib),
+        [&](const config& c) { return c.max_split_size == cfg.max_split_size; });
+  }
+  if (cfg.max_non_split_rounding != def.max_non_split_rounding) {
+    put("max_non_split_rounding_mb", fmt::format("{}", cfg.max_non_split_rounding / k_mib),
+        [&](const config& c) { return c.max_non_split_rounding == cfg.max_non_split_rounding; });
+  }
+  if (cfg.roundup_power2_divisions != def.roundup_power2_divisions) {
+    put("roundup_power2_divisions", render_roundup(cfg.roundup_power2_divisions),
+        [&](const config& c) {
+          return c.roundup_power2_divisions == cfg.roundup_power2_divisions;
+        });
+  }
+  if (cfg.garbage_collection_threshold != def.garbage_collection_threshold) {
+    put("garbage_collection_threshold", fmt::format("{}", cfg.garbage_collection_threshold),
+        [&](const config& c) {
+          return c.garbage_collection_threshold == cfg.garbage_collection_threshold;
+        });
+  }
+  if (cfg.expandable_segments != def.expandable_segments) {
+    put("expandable_segments", cfg.expandable_segments ? "True" : "False",
+        [&](const config& c) { return c.expandable_segments == cfg.expandable_segments; });
+  }
+  if (cfg.memory_fraction != def.memory_fraction) {
+    put("memory_fraction", fmt::format("{}", cfg.memory_fraction),
+        [&](const config& c) { return c.memory_fraction == cfg.memory_fraction; });
+  }
+  if (cfg.memory_limit_bytes != def.memory_limit_bytes) {
+    put("memory_limit", render_bytes(cfg.memory_limit_bytes),
+        [&](const config& c) { return c.memory_limit_bytes == cfg.memory_limit_bytes; });
+  }
+  if (cfg.trace_path != def.trace_path) {
+    put("trace", cfg.trace_path, [&](const config& c) { return c.trace_path == cfg.trace_path; });
+  }
+  return out;
+}
+
+}  // namespace cucache

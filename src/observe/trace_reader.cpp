@@ -1,0 +1,331 @@
+// Reads and validates RMM-format CSV traces. The whole (decompressed) file is read into memory and
+// parsed in place with std::from_chars: the largest real trace has close to a million rows, and
+// stream-based parsing per field would dominate the time of a replay.
+#include <zlib.h>
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <cstdio>
+#include <istream>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <fmt/format.h>
+
+#include "cucache/errors.hpp"
+#include "cucache/trace.hpp"
+
+namespace cucache {
+
+namespace {
+
+constexpr std::size_t k_fields = 6;
+// Offending text is quoted in messages, but a corrupt file can have megabyte-long "lines".
+constexpr std::size_t k_max_quoted = 48;
+
+std::string quoted(std::string_view text) {
+  if (text.size() <= k_max_quoted) return fmt::format("'{}'", text);
+  return fmt::format("'{}...'", text.substr(0, k_max_quoted));
+}
+
+[[noreturn]] void fail(std::string_view name, std::size_t line, std::string_view reason) {
+  throw invalid_argument(fmt::format("{}:{}: {}", name, line, reason));
+}
+
+template <typename T>
+bool parse_uint(std::string_view text, T& out, int base = 10) {
+  if (text.empty()) return false;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, out, base);
+  return ec == std::errc{} && p == end;
+}
+
+bool parse_pointer(std::string_view text, std::uintptr_t& out) {
+  if (text.empty() || text == "(nil)") {
+    out = 0;
+    return true;
+  }
+  if (text.size() < 3 || text[0] != '0' || (text[1] != 'x' && text[1] != 'X')) return false;
+  return parse_uint(text.substr(2), out, 16);
+}
+
+bool parse_stream(std::string_view text, std::uintptr_t& out) {
+  if (text.size() > 2 && text[0] == '0' && (text[1] == 'x' || text[1] == 'X')) {
+    text.remove_prefix(2);
+  }
+  return parse_uint(text, out, 16);
+}
+
+bool two_digits(std::string_view text, std::size_t at, unsigned limit, std::uint64_t& out) {
+  const char a = text[at];
+  const char b = text[at + 1];
+  if (a < '0' || a > '9' || b < '0' || b > '9') return false;
+  const auto value = static_cast<unsigned>((a - '0') * 10 + (b - '0'));
+  if (value >= limit) return false;
+  out = value;
+  return true;
+}
+
+// HH:MM:SS.f with 1 to 9 fraction digits (RMM writes 6); finer than microseconds is truncated.
+bool parse_time(std::string_view text, std::uint64_t& out_us) {
+  if (text.size() < 10 || text.size() > 18 || text[2] != ':' || text[5] != ':' || text[8] != '.') {
+    return false;
+  }
+  std::uint64_t h = 0;
+  std::uint64_t m = 0;
+  std::uint64_t s = 0;
+  if (!two_digits(text, 0, 24, h) || !two_digits(text, 3, 60, m) || !two_digits(text, 6, 60, s)) {
+    return false;
+  }
+  std::uint64_t frac = 0;
+  std::size_t digits = 0;
+  for (const char c : text.substr(9)) {
+    if (c < '0' || c > '9') return false;
+    if (digits < 6) frac = frac * 10 + static_cast<std::uint64_t>(c - '0');
+    ++digits;
+  }
+  for (std::size_t i = digits; i < 6; ++i) frac *= 10;
+  out_us = ((h * 60 + m) * 60 + s) * 1'000'000 + frac;
+  return true;
+}
+
+bool parse_action(std::string_view text, trace_event::action& out) {
+  if (text == "allocate") {
+    out = trace_event::action::allocate;
+  } else if (text == "free") {
+    out = trace_event::action::free;
+  } else if (text == "allocate failure") {
+    out = trace_event::action::allocate_failure;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+struct file_closer {
+  void operator()(std::FILE* f) const noexcept { std::fclose(f); }
+};
+struct gz_closer {
+  void operator()(gzFile f) const noexcept { gzclose(f); }
+};
+
+std::string read_plain(const std::filesystem::path& path) {
+  std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "rb"));
+  if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
+  std::string text;
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (!ec) text.reserve(static_cast<std::size_t>(size));
+  std::array<char, 1 << 16> chunk{};
+  for (;;) {
+    const std::size_t n = std::fread(chunk.data(), 1, chunk.size(), file.get());
+    text.append(chunk.data(), n);
+    if (n < chunk.size()) break;
+  }
+  if (std::ferror(file.get())) {
+    throw invalid_argument(fmt::format("error reading trace file '{}'", path.string()));
+  }
+  return text;
+}
+
+std::string read_gzip(const std::filesystem::path& path) {
+  std::unique_ptr<gzFile_s, gz_closer> file(gzopen(path.c_str(), "rb"));
+  if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
+  gzbuffer(file.get(), 1U << 18);
+  std::string text;
+  // Real traces inflate about tenfold; growing geometrically from there avoids most copies.
+  std::error_code ec;
+  const auto compressed = std::filesystem::file_size(path, ec);
+  text.reserve(ec ? std::size_t{1} << 20 : static_cast<std::size_t>(compressed) * 12);
+  constexpr unsigned k_chunk = 1U << 20;
+  for (;;) {
+    const std::size_t old = text.size();
+    text.resize(old + k_chunk);
+    const int n = gzread(file.get(), text.data() + old, k_chunk);
+    if (n < 0) {
+      int code = 0;
+      const char* msg = gzerror(file.get(), &code);
+      throw invalid_argument(
+          fmt::format("cannot decompress trace file '{}': {}", path.string(), msg));
+    }
+    text.resize(old + static_cast<std::size_t>(n));
+    if (n == 0) break;
+  }
+  // A truncated file ends the reads quietly; only the error state tells it apart from a whole one.
+  int code = Z_OK;
+  const char* msg = gzerror(file.get(), &code);
+  if (code != Z_OK) {
+    throw invalid_argument(
+        fmt::format("cannot decompress trace file '{}': {}", path.string(), msg));
+  }
+  return text;
+}
+
+bool is_gzip(const std::filesystem::path& path) {
+  std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "rb"));
+  if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
+  unsigned char magic[2] = {};
+  return std::fread(magic, 1, 2, file.get()) == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
+}
+
+}  // namespace
+
+std::string_view to_string(trace_event::action act) noexcept {
+  switch (act) {
+    case trace_event::action::allocate:
+      return "allocate";
+    case trace_event::action::free:
+      return "free";
+    case trace_event::action::allocate_failure:
+      return "allocate failure";
+  }
+  return "?";
+}
+
+std::vector<trace_event> parse_trace(std::string_view text, std::string_view name) {
+  // Skip a UTF-8 byte-order mark that an editor may have added.
+  if (text.starts_with("\xEF\xBB\xBF")) text.remove_prefix(3);
+
+  std::vector<trace_event> events;
+  events.reserve(static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')));
+  // Pointer -> line of the allocate that made it live.
+  std::unordered_map<std::uintptr_t, std::size_t> live;
+
+  std::size_t line_no = 0;
+  bool have_header = false;
+  while (!text.empty()) {
+    const std::size_t nl = text.find('\n');
+    std::string_view line = text.substr(0, nl);
+    text.remove_prefix(nl == std::string_view::npos ? text.size() : nl + 1);
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+
+    if (!have_header) {
+      if (line != k_trace_header) {
+        fail(name, line_no,
+             fmt::format("expected header '{}', found {}", k_trace_header, quoted(line)));
+      }
+      have_header = true;
+      continue;
+    }
+    if (line.empty()) continue;
+
+    // Fields are a few bytes long: a plain loop beats a memchr call per field.
+    std::array<std::string_view, k_fields> field;
+    std::size_t count = 0;
+    std::size_t start = 0;
+    for (std::size_t i = 0; i <= line.size(); ++i) {
+      if (i < line.size() && line[i] != ',') continue;
+      if (count < k_fields) field[count] = line.substr(start, i - start);
+      ++count;
+      start = i + 1;
+    }
+    if (count != k_fields) {
+      fail(name, line_no,
+           fmt::format("wrong field count: expected {}, found {} in {}", k_fields, count,
+                       quoted(line)));
+    }
+
+    trace_event ev;
+    ev.line = line_no;
+    if (!parse_uint(field[0], ev.thread)) {
+      fail(name, line_no, fmt::format("bad number in Thread: {}", quoted(field[0])));
+    }
+    if (!parse_time(field[1], ev.time_us)) {
+      fail(name, line_no, fmt::format("bad time {} (expected HH:MM:SS.ffffff)", quoted(field[1])));
+    }
+    if (!parse_action(field[2], ev.act)) {
+      fail(name, line_no,
+           fmt::format("unknown action {} (expected allocate, free or allocate failure)",
+                       quoted(field[2])));
+    }
+    if (!parse_pointer(field[3], ev.pointer)) {
+      fail(name, line_no, fmt::format("bad pointer {}", quoted(field[3])));
+    }
+    if (!parse_uint(field[4], ev.size)) {
+      fail(name, line_no, fmt::format("bad number in Size: {}", quoted(field[4])));
+    }
+    if (!parse_stream(field[5], ev.stream)) {
+      fail(name, line_no, fmt::format("bad number in Stream: {}", quoted(field[5])));
+    }
+
+    if (ev.pointer != 0) {
+      if (ev.act == trace_event::action::allocate) {
+        auto [it, inserted] = live.try_emplace(ev.pointer, line_no);
+        if (!inserted) {
+          fail(name, line_no,
+               fmt::format("allocate of {:#x}, which is already live (allocated at line {})",
+                           ev.pointer, it->second));
+        }
+      } else if (ev.act == trace_event::action::free) {
+        if (live.erase(ev.pointer) == 0) {
+          fail(name, line_no,
+               fmt::format("free of {:#x}, which is not live (never allocated or already freed)",
+                           ev.pointer));
+        }
+      }
+    }
+    events.push_back(ev);
+  }
+  if (!have_header) fail(name, 1, fmt::format("empty trace: expected header '{}'", k_trace_header));
+  return events;
+}
+
+std::vector<trace_event> parse_trace(std::istream& in, std::string_view name) {
+  std::string text(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>{});
+  if (in.bad()) throw invalid_argument(fmt::format("error reading trace '{}'", name));
+  return parse_trace(std::string_view(text), name);
+}
+
+std::vector<trace_event> read_trace(const std::filesystem::path& path) {
+  const std::string text = is_gzip(path) ? read_gzip(path) : read_plain(path);
+  return parse_trace(std::string_view(text), path.string());
+}
+
+trace_summary summarize(const std::vector<trace_event>& events) {
+  trace_summary s;
+  s.events = events.size();
+  std::unordered_map<std::uintptr_t, std::size_t> live;  // pointer -> requested size
+  std::unordered_set<std::uintptr_t> streams;
+  std::unordered_set<std::uint32_t> threads;
+  std::size_t current = 0;
+  for (const trace_event& ev : events) {
+    streams.insert(ev.stream);
+    threads.insert(ev.thread);
+    switch (ev.act) {
+      case trace_event::action::allocate:
+        ++s.allocations;
+        if (ev.pointer == 0) break;
+        if (auto [it, inserted] = live.try_emplace(ev.pointer, ev.size); !inserted) {
+          // Unvalidated input: treat a repeated allocate as replacing the older one.
+          current -= it->second;
+          it->second = ev.size;
+        }
+        current += ev.size;
+        s.peak_requested_bytes = std::max(s.peak_requested_bytes, current);
+        break;
+      case trace_event::action::free:
+        ++s.frees;
+        if (auto it = live.find(ev.pointer); it != live.end()) {
+          current -= it->second;
+          live.erase(it);
+        }
+        break;
+      case trace_event::action::allocate_failure:
+        ++s.failures;
+        break;
+    }
+  }
+  s.live_at_end = live.size();
+  s.streams = streams.size();
+  s.threads = threads.size();
+  return s;
+}
+
+}  // namespace cucache

@@ -1,0 +1,332 @@
+// Tests of the RMM-format trace reader: every accepted spelling, every rejection (with its line
+// number), liveness checks, summary figures, and the bundled resnet50 trace.
+#include <zlib.h>
+
+#include <unistd.h>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "cucache/errors.hpp"
+#include "cucache/trace.hpp"
+
+namespace cucache {
+namespace {
+
+using act = trace_event::action;
+
+constexpr std::uint64_t k_t0 = ((19ULL * 60 + 34) * 60 + 45) * 1'000'000 + 856987;
+
+std::string with_header(const std::string& rows) {
+  return std::string(k_trace_header) + "\n" + rows;
+}
+
+// The message of the invalid_argument that parsing `text` throws; fails the test if none is.
+std::string rejection(const std::string& text) {
+  try {
+    (void)parse_trace(std::string_view(text), "t.csv");
+  } catch (const invalid_argument& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted:\n" << text;
+  return {};
+}
+
+class temp_file {
+ public:
+  explicit temp_file(const std::string& stem)
+      : path_(std::filesystem::temp_directory_path() /
+              (stem + "." + std::to_string(::getpid()) + ".tmp")) {}
+  ~temp_file() { std::filesystem::remove(path_); }
+  temp_file(const temp_file&) = delete;
+  temp_file& operator=(const temp_file&) = delete;
+  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
+
+  void write_plain(const std::string& text) const {
+    std::ofstream(path_, std::ios::binary) << text;
+  }
+  void write_gzip(const std::string& text) const {
+    gzFile f = gzopen(path_.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(gzwrite(f, text.data(), static_cast<unsigned>(text.size())),
+              static_cast<int>(text.size()));
+    ASSERT_EQ(gzclose(f), Z_OK);
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+const std::string k_small = with_header(
+    "1,19:34:45.856987,allocate,0x7f77cfe00000,37632,0\n"
+    "1,19:34:45.857170,allocate,0x7f77cfe09400,256,0x7b\n"
+    "2,19:34:45.857199,allocate failure,(nil),1073741824,7b\n"
+    "1,19:34:45.857221,free,0x7f77cfe00000,37632,0\n"
+    "2,19:34:45.857300,allocate,0x7f77cfe00000,100,0\n"
+    "2,19:34:45.857400,allocate,0x7f77d0000000,50000,0\n"
+    "1,19:34:45.857500,free,0x7f77cfe09400,256,7b\n");
+
+TEST(TraceReader, ParsesEveryField) {
+  const auto events = parse_trace(std::string_view(k_small), "small");
+  ASSERT_EQ(events.size(), 7U);
+  const trace_event first{1, k_t0, act::allocate, 0x7f77cfe00000, 37632, 0, 2};
+  EXPECT_EQ(events[0], first);
+  EXPECT_EQ(events[1].stream, 0x7bU);
+  EXPECT_EQ(events[2].act, act::allocate_failure);
+  EXPECT_EQ(events[2].pointer, 0U);
+  EXPECT_EQ(events[2].size, 1073741824U);
+  EXPECT_EQ(events[2].stream, 0x7bU);
+  EXPECT_EQ(events[2].thread, 2U);
+  EXPECT_EQ(events[3].act, act::free);
+  EXPECT_EQ(events[3].time_us, k_t0 + 234);
+  EXPECT_EQ(events[6].line, 8U);
+}
+
+TEST(TraceReader, AcceptsEveryNullPointerSpelling) {
+  const auto events = parse_trace(std::string_view(with_header(
+      "1,00:00:00.000000,allocate failure,(nil),10,0\n"
+      "1,00:00:00.000001,allocate failure,0x0,10,0\n"
+      "1,00:00:00.000002,allocate failure,,10,0\n"
+      // A zero-byte allocation may return null, more than once: not a liveness violation.
+      "1,00:00:00.000003,allocate,(nil),0,0\n"
+      "1,00:00:00.000004,allocate,0x0,0,0\n"
+      "1,00:00:00.000005,free,,0,0\n")));
+  ASSERT_EQ(events.size(), 6U);
+  for (const auto& ev : events) EXPECT_EQ(ev.pointer, 0U) << "line " << ev.line;
+}
+
+TEST(TraceReader, AcceptsStreamWithAndWithoutPrefix) {
+  const auto events =
+      parse_trace(std::string_view(with_header("1,00:00:00.000000,allocate,0x10,1,0x5603a1b0\n"
+                                               "1,00:00:00.000000,allocate,0x20,1,5603a1b0\n"
+                                               "1,00:00:00.000000,allocate,0x30,1,0X5603A1B0\n"
+                                               "1,00:00:00.000000,allocate,0x40,1,0\n"
+                                               "1,00:00:00.000000,allocate,0x50,1,0x0\n")));
+  ASSERT_EQ(events.size(), 5U);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(events[i].stream, 0x5603a1b0U);
+  EXPECT_EQ(events[3].stream, 0U);
+  EXPECT_EQ(events[4].stream, 0U);
+}
+
+TEST(TraceReader, AcceptsCrlfBlankLinesBomAndMissingFinalNewline) {
+  std::string crlf = "\xEF\xBB\xBF";
+  for (char c : k_small) {
+    if (c == '\n') crlf += '\r';
+    crlf += c;
+  }
+  crlf += "\r\n\r\n";
+  EXPECT_EQ(parse_trace(std::string_view(crlf)), parse_trace(std::string_view(k_small)));
+
+  std::string no_final = k_small;
+  no_final.pop_back();
+  EXPECT_EQ(parse_trace(std::string_view(no_final)), parse_trace(std::string_view(k_small)));
+}
+
+TEST(TraceReader, AcceptsOtherFractionWidths) {
+  const auto events =
+      parse_trace(std::string_view(with_header("1,23:59:59.5,allocate,0x10,1,0\n"
+                                               "1,00:00:01.123456789,free,0x10,1,0\n")));
+  EXPECT_EQ(events[0].time_us, 86'399'500'000U);
+  EXPECT_EQ(events[1].time_us, 1'123'456U);
+}
+
+TEST(TraceReader, HeaderOnlyIsAnEmptyTrace) {
+  EXPECT_TRUE(parse_trace(std::string_view(with_header(""))).empty());
+}
+
+TEST(TraceReader, ReadsFromAStream) {
+  std::istringstream in(k_small);
+  EXPECT_EQ(parse_trace(in, "small"), parse_trace(std::string_view(k_small)));
+}
+
+TEST(TraceReader, ReadsPlainAndGzipFilesByContentNotName) {
+  const auto expected = parse_trace(std::string_view(k_small));
+  temp_file plain("cucache_trace_plain.csv.gz");  // a misleading name on purpose
+  plain.write_plain(k_small);
+  EXPECT_EQ(read_trace(plain.path()), expected);
+  temp_file gz("cucache_trace_gzip.csv");
+  gz.write_gzip(k_small);
+  EXPECT_EQ(read_trace(gz.path()), expected);
+}
+
+TEST(TraceReader, RejectsMalformedRowsNamingFileLineAndReason) {
+  struct bad_case {
+    std::string row;
+    std::string reason;
+  };
+  const bad_case cases[] = {
+      {"1,00:00:00.000000,allocate,0x10,1", "wrong field count: expected 6, found 5"},
+      {"1,00:00:00.000000,allocate,0x10,1,0,0", "wrong field count: expected 6, found 7"},
+      {"x,00:00:00.000000,allocate,0x10,1,0", "bad number in Thread: 'x'"},
+      {"-1,00:00:00.000000,allocate,0x10,1,0", "bad number in Thread"},
+      {"99999999999,00:00:00.000000,allocate,0x10,1,0", "bad number in Thread"},
+      {"1,00:00:00.000000,allocate,0x10,12a,0", "bad number in Size: '12a'"},
+      {"1,00:00:00.000000,allocate,0x10,-5,0", "bad number in Size"},
+      {"1,00:00:00.000000,allocate,0x10,,0", "bad number in Size"},
+      {"1,00:00:00.000000,allocate,0x10,1,zz", "bad number in Stream: 'zz'"},
+      {"1,00:00:00.000000,allocate,0x10,1,", "bad number in Stream"},
+      {"1,00:00:00.000000,allocate,0x10,1,0x", "bad number in Stream"},
+      {"1,00:00:00.000000,alloc,0x10,1,0", "unknown action 'alloc'"},
+      {"1,00:00:00.000000,Free,0x10,1,0", "unknown action"},
+      {"1,00:00:00.000000,,0x10,1,0", "unknown action"},
+      {"1,24:00:00.000000,allocate,0x10,1,0", "bad time '24:00:00.000000'"},
+      {"1,00:60:00.000000,allocate,0x10,1,0", "bad time"},
+      {"1,00:00:60.000000,allocate,0x10,1,0", "bad time"},
+      {"1,00:00:00,allocate,0x10,1,0", "bad time"},
+      {"1,00:00:00.,allocate,0x10,1,0", "bad time"},
+      {"1,0:00:00.000000,allocate,0x10,1,0", "bad time"},
+      {"1,00:0a:00.000000,allocate,0x10,1,0", "bad time"},
+      {"1,00:00:00.00000x,allocate,0x10,1,0", "bad time"},
+      {"1,1700000000,allocate,0x10,1,0", "bad time"},
+      {"1,00:00:00.000000,allocate,7f77cfe00000,1,0", "bad pointer '7f77cfe00000'"},
+      {"1,00:00:00.000000,allocate,0x,1,0", "bad pointer"},
+      {"1,00:00:00.000000,allocate,0xzz,1,0", "bad pointer"},
+      {"1,00:00:00.000000,allocate,nil,1,0", "bad pointer"},
+      {"1,00:00:00.000000,allocate,0x10000000000000000,1,0", "bad pointer"},
+  };
+  for (const auto& c : cases) {
+    // Two good rows first, so the bad one is on line 4.
+    const std::string text = with_header(
+        "1,00:00:00.000000,allocate,0x1000,1,0\n"
+        "1,00:00:00.000000,free,0x1000,1,0\n" +
+        c.row + "\n");
+    const std::string msg = rejection(text);
+    EXPECT_NE(msg.find("t.csv:4: "), std::string::npos) << c.row << " -> " << msg;
+    EXPECT_NE(msg.find(c.reason), std::string::npos) << c.row << " -> " << msg;
+  }
+}
+
+TEST(TraceReader, RejectsMissingOrWrongHeader) {
+  EXPECT_NE(rejection("").find("t.csv:1: empty trace"), std::string::npos);
+  EXPECT_NE(rejection("1,00:00:00.000000,allocate,0x10,1,0\n").find("t.csv:1: expected header"),
+            std::string::npos);
+  EXPECT_NE(rejection("thread,time,action,pointer,size,stream\n").find("t.csv:1:"),
+            std::string::npos);
+}
+
+TEST(TraceReader, QuotesOnlyAPrefixOfAHugeField) {
+  const std::string msg =
+      rejection(with_header("1,00:00:00.000000,allocate,0x10,1," + std::string(10000, 'q') + "\n"));
+  EXPECT_LT(msg.size(), 200U);
+  EXPECT_NE(msg.find("t.csv:2: bad number in Stream"), std::string::npos);
+}
+
+TEST(TraceReader, RejectsFreeOfAPointerNeverAllocated) {
+  const std::string msg =
+      rejection(with_header("1,00:00:00.000000,allocate,0x1000,8,0\n"
+                            "1,00:00:00.000001,free,0x2000,8,0\n"));
+  EXPECT_NE(msg.find("t.csv:3: free of 0x2000, which is not live"), std::string::npos) << msg;
+}
+
+TEST(TraceReader, RejectsDoubleFree) {
+  const std::string msg =
+      rejection(with_header("1,00:00:00.000000,allocate,0x1000,8,0\n"
+                            "1,00:00:00.000001,free,0x1000,8,0\n"
+                            "1,00:00:00.000002,free,0x1000,8,0\n"));
+  EXPECT_NE(msg.find("t.csv:4: free of 0x1000, which is not live"), std::string::npos) << msg;
+}
+
+TEST(TraceReader, RejectsAllocateOfALivePointer) {
+  const std::string msg =
+      rejection(with_header("1,00:00:00.000000,allocate,0x1000,8,0\n"
+                            "1,00:00:00.000001,allocate,0x2000,8,0\n"
+                            "1,00:00:00.000002,allocate,0x1000,8,0\n"));
+  EXPECT_NE(msg.find("t.csv:4: allocate of 0x1000, which is already live (allocated at line 2)"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(TraceReader, ReusesAddressesAfterAFree) {
+  const auto events =
+      parse_trace(std::string_view(with_header("1,00:00:00.000000,allocate,0x1000,8,0\n"
+                                               "1,00:00:00.000001,free,0x1000,8,0\n"
+                                               "1,00:00:00.000002,allocate,0x1000,16,0\n"
+                                               "1,00:00:00.000003,free,0x1000,16,0\n")));
+  EXPECT_EQ(events.size(), 4U);
+}
+
+TEST(TraceReader, ReportsUnreadableFilesByName) {
+  const std::filesystem::path missing = "/nonexistent/cucache/trace.csv.gz";
+  try {
+    (void)read_trace(missing);
+    FAIL() << "no exception";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(missing.string()), std::string::npos) << e.what();
+  }
+
+  temp_file corrupt("cucache_trace_corrupt.csv.gz");
+  corrupt.write_plain(std::string("\x1f\x8b\x08\x00garbage that does not inflate", 33));
+  try {
+    (void)read_trace(corrupt.path());
+    FAIL() << "no exception";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(corrupt.path().string()), std::string::npos) << e.what();
+  }
+}
+
+TEST(TraceReader, RejectsATruncatedGzipFile) {
+  // Big enough that the compressed stream is long, so cutting it loses real data.
+  std::string text(k_trace_header);
+  text += '\n';
+  for (int i = 0; i < 20000; ++i) {
+    text += "1,00:00:00.000000,allocate,0x" + std::to_string(0x1000 + 16 * i) + ",8,0\n";
+  }
+  temp_file whole("cucache_trace_whole.csv.gz");
+  whole.write_gzip(text);
+  std::ifstream in(whole.path(), std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  temp_file cut("cucache_trace_cut.csv.gz");
+  cut.write_plain(bytes.substr(0, bytes.size() / 2));
+  try {
+    (void)read_trace(cut.path());
+    FAIL() << "no exception";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot decompress"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TraceSummary, ExactFiguresOnAHandWrittenTrace) {
+  const trace_summary s = summarize(parse_trace(std::string_view(k_small)));
+  EXPECT_EQ(s.events, 7U);
+  EXPECT_EQ(s.allocations, 4U);
+  EXPECT_EQ(s.frees, 2U);
+  EXPECT_EQ(s.failures, 1U);
+  // Live after each allocate: 37632, 37888, (free 37632) 256 -> 356 -> 50356.
+  EXPECT_EQ(s.peak_requested_bytes, 50356U);
+  EXPECT_EQ(s.live_at_end, 2U);
+  EXPECT_EQ(s.streams, 2U);
+  EXPECT_EQ(s.threads, 2U);
+}
+
+TEST(TraceSummary, EmptyTrace) {
+  const trace_summary s = summarize({});
+  EXPECT_EQ(s.events, 0U);
+  EXPECT_EQ(s.peak_requested_bytes, 0U);
+  EXPECT_EQ(s.streams, 0U);
+}
+
+TEST(TraceReader, BundledResnet50Trace) {
+  const auto events =
+      read_trace(std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "resnet50_train.csv.gz");
+  const trace_summary s = summarize(events);
+  EXPECT_EQ(s.events, 13683U);
+  EXPECT_EQ(s.allocations, 6843U);
+  EXPECT_EQ(s.frees, 6840U);
+  EXPECT_EQ(s.failures, 0U);
+  // traces/reference.json: resnet50_train.peak_requested_bytes.
+  EXPECT_EQ(s.peak_requested_bytes, 3192592912U);
+  EXPECT_EQ(s.live_at_end, 3U);
+  EXPECT_EQ(s.streams, 1U);
+  EXPECT_EQ(s.threads, 1U);
+  const trace_event first{1, k_t0, act::allocate, 0x7f77cfe00000, 37632, 0, 2};
+  EXPECT_EQ(events.front(), first);
+  EXPECT_EQ(events.back().line, 13684U);
+}
+
+}  // namespace
+}  // namespace cucache
