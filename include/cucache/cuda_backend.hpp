@@ -1,0 +1,75 @@
+// The real device: cuda_backend implements device_backend on one GPU. Segments, events and streams
+// use the CUDA runtime; virtual memory uses driver entry points looked up at run time through the
+// runtime, so nothing links libcuda and every binary loads on a machine without a driver.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+#include "cucache/backend.hpp"
+
+namespace cucache {
+
+/// Number of visible CUDA devices; 0 when there is no usable driver or no device. Never throws.
+[[nodiscard]] int cuda_device_count() noexcept;
+/// True when at least one CUDA device is usable.
+[[nodiscard]] bool cuda_available() noexcept;
+/// One line saying why CUDA is unusable here (for a test to print when it skips); empty when
+/// cuda_available().
+[[nodiscard]] std::string cuda_unavailable_reason();
+
+/// device_backend on a real GPU. Every call makes the backend's device current for its duration and
+/// restores the caller's current device afterwards. Holds no per-call state, so it is thread-safe.
+class cuda_backend final : public device_backend {
+ public:
+  /// Binds to CUDA device ordinal `device` and initializes its primary context.
+  ///
+  /// Throws cuda_error when CUDA is unusable: without a usable driver or device, call() is
+  /// "cudaGetDeviceCount" and code() the runtime's error (cudaErrorInsufficientDriver without a
+  /// driver, cudaErrorNoDevice without a GPU). A negative or out-of-range ordinal gives call()
+  /// "cuda_backend" and code() cudaErrorInvalidDevice. A driver that lacks one of the needed entry
+  /// points gives call() "cudaGetDriverEntryPointByVersion(<symbol>)".
+  explicit cuda_backend(int device = 0);
+  ~cuda_backend() override = default;
+  cuda_backend(const cuda_backend&) = delete;
+  cuda_backend& operator=(const cuda_backend&) = delete;
+
+  [[nodiscard]] int device() const noexcept override { return device_; }
+  [[nodiscard]] const char* name() const noexcept override { return "cuda"; }
+
+  [[nodiscard]] void* segment_malloc(std::size_t bytes) override;
+  void segment_free(void* ptr) override;
+
+  /// CU_MEM_ALLOC_GRANULARITY_RECOMMENDED for pinned memory on this device; 0 without VMM support,
+  /// in which case every other virtual memory call throws cuda_error (CUDA_ERROR_NOT_SUPPORTED).
+  [[nodiscard]] std::size_t vm_granularity() override { return granularity_; }
+  /// The reservation is aligned to vm_granularity().
+  [[nodiscard]] void* va_reserve(std::size_t bytes) override;
+  void va_free(void* base, std::size_t bytes) override;
+  [[nodiscard]] std::optional<phys_handle> phys_create(std::size_t bytes) override;
+  void phys_release(phys_handle handle) override;
+  void map(void* va, std::size_t bytes, phys_handle handle) override;
+  void unmap(void* va, std::size_t bytes) override;
+  void set_access(void* va, std::size_t bytes) override;
+
+  [[nodiscard]] event_handle event_create() override;
+  void event_destroy(event_handle event) override;
+  void event_record(event_handle event, stream_handle stream) override;
+  [[nodiscard]] bool event_query(event_handle event) override;
+  void event_synchronize(event_handle event) override;
+  void stream_wait_event(stream_handle stream, event_handle event) override;
+  void stream_synchronize(stream_handle stream) override;
+  void device_synchronize() override;
+
+  [[nodiscard]] memory_info mem_get_info() override;
+
+ private:
+  void require_vmm(const char* call) const;
+
+  int device_;
+  int cu_device_ = 0;  // The driver's CUdevice for device_.
+  std::size_t granularity_ = 0;
+};
+
+}  // namespace cucache

@@ -1,0 +1,334 @@
+// cuda_backend: device_backend on a real GPU. The virtual memory calls reach the driver through
+// entry points that the runtime looks up at run time, so libcucache links only cudart_static and
+// loads on machines without libcuda.
+#include "cucache/cuda_backend.hpp"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <bit>
+#include <cstdint>
+#include <string>
+
+#include "backend/device_guard.hpp"
+#include "cucache/errors.hpp"
+
+namespace cucache {
+namespace detail {
+namespace {
+
+// Every entry point below has had one ABI since its introduction (cudaTypedefs.h of CUDA 13.0
+// lists a single version of each), so any version from 10.2 on returns the functions the typedefs
+// describe. Asking for 12.0 rather than CUDA_VERSION keeps the lookup valid when the driver is
+// older than the toolkit under minor-version compatibility.
+constexpr unsigned int driver_abi_version = 12000;
+
+struct driver_api {
+  PFN_cuGetErrorString_v6000 get_error_string = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 mem_address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 mem_address_free = nullptr;
+  PFN_cuMemCreate_v10020 mem_create = nullptr;
+  PFN_cuMemRelease_v10020 mem_release = nullptr;
+  PFN_cuMemMap_v10020 mem_map = nullptr;
+  PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+};
+
+template <typename Fn>
+void resolve(const char* symbol, Fn& fn) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t code = cudaGetDriverEntryPointByVersion(symbol, &address, driver_abi_version,
+                                                            cudaEnableDefault, &status);
+  const std::string call = fmt::format("cudaGetDriverEntryPointByVersion({})", symbol);
+  if (code != cudaSuccess) throw_runtime_error(call, code);
+  if (status != cudaDriverEntryPointSuccess || address == nullptr) {
+    throw cuda_error(call, static_cast<int>(cudaErrorSymbolNotFound),
+                     fmt::format("the CUDA driver has no {} for CUDA ABI {} (query result {})",
+                                 symbol, driver_abi_version, static_cast<int>(status)));
+  }
+  fn = std::bit_cast<Fn>(address);
+}
+
+driver_api load_driver_api() {
+  driver_api api;
+  resolve("cuGetErrorString", api.get_error_string);
+  resolve("cuDeviceGet", api.device_get);
+  resolve("cuDeviceGetAttribute", api.device_get_attribute);
+  resolve("cuMemGetAllocationGranularity", api.mem_get_allocation_granularity);
+  resolve("cuMemAddressReserve", api.mem_address_reserve);
+  resolve("cuMemAddressFree", api.mem_address_free);
+  resolve("cuMemCreate", api.mem_create);
+  resolve("cuMemRelease", api.mem_release);
+  resolve("cuMemMap", api.mem_map);
+  resolve("cuMemUnmap", api.mem_unmap);
+  resolve("cuMemSetAccess", api.mem_set_access);
+  return api;
+}
+
+// Resolved once per process. A throwing load leaves the static uninitialized, so a later backend
+// retries instead of caching the failure.
+const driver_api& driver() {
+  static const driver_api api = load_driver_api();
+  return api;
+}
+
+[[noreturn]] void throw_driver_error(const char* call, CUresult code) {
+  const char* message = nullptr;
+  if (driver().get_error_string(code, &message) != CUDA_SUCCESS || message == nullptr) {
+    message = "unrecognized CUDA driver error";
+  }
+  throw cuda_error(call, static_cast<int>(code), message);
+}
+
+void check_driver(CUresult code, const char* call) {
+  if (code != CUDA_SUCCESS) throw_driver_error(call, code);
+}
+
+CUdeviceptr to_device_ptr(void* ptr) {
+  return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(ptr));
+}
+
+void* from_device_ptr(CUdeviceptr ptr) {
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr));
+}
+
+CUmemAllocationProp pinned_device_memory(int cu_device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = cu_device;
+  return prop;
+}
+
+cudaEvent_t as_event(event_handle event) {
+  return static_cast<cudaEvent_t>(event);
+}
+cudaStream_t as_stream(stream_handle stream) {
+  return static_cast<cudaStream_t>(stream);
+}
+
+}  // namespace
+}  // namespace detail
+
+int cuda_device_count() noexcept {
+  int count = 0;
+  const cudaError_t code = cudaGetDeviceCount(&count);
+  if (code != cudaSuccess) {
+    detail::clear_expected_error(code);
+    return 0;
+  }
+  return count;
+}
+
+bool cuda_available() noexcept {
+  return cuda_device_count() > 0;
+}
+
+std::string cuda_unavailable_reason() {
+  int count = 0;
+  const cudaError_t code = cudaGetDeviceCount(&count);
+  if (code == cudaSuccess) {
+    return count > 0 ? std::string{} : "no CUDA device: cudaGetDeviceCount found 0 devices";
+  }
+  detail::clear_expected_error(code);
+  const char* what = "CUDA unusable";
+  if (code == cudaErrorInsufficientDriver) what = "no usable CUDA driver (missing or too old)";
+  if (code == cudaErrorNoDevice) what = "no CUDA device";
+  return fmt::format("{}: cudaGetDeviceCount returned {} ({})", what, cudaGetErrorName(code),
+                     cudaGetErrorString(code));
+}
+
+cuda_backend::cuda_backend(int device) : device_(device) {
+  // An ordinal check first, so a bad ordinal is reported as such even where there is no driver.
+  if (device < 0) {
+    throw cuda_error("cuda_backend", static_cast<int>(cudaErrorInvalidDevice),
+                     fmt::format("device ordinal {} is negative", device));
+  }
+  int count = 0;
+  detail::check_runtime(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (device >= count) {
+    throw cuda_error(
+        "cuda_backend", static_cast<int>(cudaErrorInvalidDevice),
+        fmt::format("device ordinal {} is out of range: {} CUDA device(s) visible", device, count));
+  }
+  // Creates the primary context now, without touching the caller's current device, so the first
+  // allocation does not pay for it and a prohibited compute mode fails here.
+  detail::check_runtime(cudaInitDevice(device_, 0, 0), "cudaInitDevice");
+
+  const detail::driver_api& api = detail::driver();
+  detail::check_driver(api.device_get(&cu_device_, device_), "cuDeviceGet");
+  // The runtime's cudaDeviceAttr has no virtual-memory attribute, hence the driver query.
+  int vmm_supported = 0;
+  detail::check_driver(
+      api.device_get_attribute(&vmm_supported,
+                               CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_device_),
+      "cuDeviceGetAttribute");
+  if (vmm_supported != 0) {
+    const CUmemAllocationProp prop = detail::pinned_device_memory(cu_device_);
+    detail::check_driver(api.mem_get_allocation_granularity(&granularity_, &prop,
+                                                            CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                         "cuMemGetAllocationGranularity");
+  }
+}
+
+void cuda_backend::require_vmm(const char* call) const {
+  if (granularity_ == 0) {
+    throw cuda_error(
+        call, static_cast<int>(CUDA_ERROR_NOT_SUPPORTED),
+        fmt::format("CUDA device {} does not support virtual memory management", device_));
+  }
+}
+
+// --- Segments ------------------------------------------------------------------------------------
+
+void* cuda_backend::segment_malloc(std::size_t bytes) {
+  const detail::device_guard guard(device_);
+  void* ptr = nullptr;
+  const cudaError_t code = cudaMalloc(&ptr, bytes);
+  if (code == cudaSuccess) return ptr;
+  if (code == cudaErrorMemoryAllocation) {
+    // Out of memory is an answer, not an error: the allocator frees cache and retries, and the
+    // user must not find a stale cudaErrorMemoryAllocation later.
+    detail::clear_expected_error(code);
+    return nullptr;
+  }
+  detail::throw_runtime_error("cudaMalloc", code);
+}
+
+void cuda_backend::segment_free(void* ptr) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaFree(ptr), "cudaFree");
+}
+
+// --- Virtual memory ------------------------------------------------------------------------------
+
+void* cuda_backend::va_reserve(std::size_t bytes) {
+  require_vmm("cuMemAddressReserve");
+  const detail::device_guard guard(device_);
+  CUdeviceptr base = 0;
+  detail::check_driver(detail::driver().mem_address_reserve(&base, bytes, granularity_, 0, 0),
+                       "cuMemAddressReserve");
+  return detail::from_device_ptr(base);
+}
+
+void cuda_backend::va_free(void* base, std::size_t bytes) {
+  require_vmm("cuMemAddressFree");
+  const detail::device_guard guard(device_);
+  detail::check_driver(detail::driver().mem_address_free(detail::to_device_ptr(base), bytes),
+                       "cuMemAddressFree");
+}
+
+std::optional<phys_handle> cuda_backend::phys_create(std::size_t bytes) {
+  require_vmm("cuMemCreate");
+  const detail::device_guard guard(device_);
+  const CUmemAllocationProp prop = detail::pinned_device_memory(cu_device_);
+  CUmemGenericAllocationHandle handle = 0;
+  const CUresult code = detail::driver().mem_create(&handle, bytes, &prop, 0);
+  if (code == CUDA_ERROR_OUT_OF_MEMORY) return std::nullopt;
+  detail::check_driver(code, "cuMemCreate");
+  return phys_handle{handle};
+}
+
+void cuda_backend::phys_release(phys_handle handle) {
+  require_vmm("cuMemRelease");
+  const detail::device_guard guard(device_);
+  detail::check_driver(detail::driver().mem_release(handle), "cuMemRelease");
+}
+
+void cuda_backend::map(void* va, std::size_t bytes, phys_handle handle) {
+  require_vmm("cuMemMap");
+  const detail::device_guard guard(device_);
+  // The driver only accepts offset 0: a handle is always mapped from its start.
+  detail::check_driver(detail::driver().mem_map(detail::to_device_ptr(va), bytes, 0, handle, 0),
+                       "cuMemMap");
+}
+
+void cuda_backend::unmap(void* va, std::size_t bytes) {
+  require_vmm("cuMemUnmap");
+  const detail::device_guard guard(device_);
+  detail::check_driver(detail::driver().mem_unmap(detail::to_device_ptr(va), bytes), "cuMemUnmap");
+}
+
+void cuda_backend::set_access(void* va, std::size_t bytes) {
+  require_vmm("cuMemSetAccess");
+  const detail::device_guard guard(device_);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = cu_device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  detail::check_driver(
+      detail::driver().mem_set_access(detail::to_device_ptr(va), bytes, &access, 1),
+      "cuMemSetAccess");
+}
+
+// --- Events and streams --------------------------------------------------------------------------
+
+event_handle cuda_backend::event_create() {
+  const detail::device_guard guard(device_);
+  cudaEvent_t event = nullptr;
+  // The allocator only orders work with its events; timing would make every record costlier.
+  detail::check_runtime(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                        "cudaEventCreateWithFlags");
+  return event;
+}
+
+void cuda_backend::event_destroy(event_handle event) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaEventDestroy(detail::as_event(event)), "cudaEventDestroy");
+}
+
+void cuda_backend::event_record(event_handle event, stream_handle stream) {
+  // The guard matters here: a null stream names the current device's legacy default stream.
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaEventRecord(detail::as_event(event), detail::as_stream(stream)),
+                        "cudaEventRecord");
+}
+
+bool cuda_backend::event_query(event_handle event) {
+  const detail::device_guard guard(device_);
+  const cudaError_t code = cudaEventQuery(detail::as_event(event));
+  if (code == cudaSuccess) return true;
+  if (code == cudaErrorNotReady) {
+    detail::clear_expected_error(code);
+    return false;
+  }
+  detail::throw_runtime_error("cudaEventQuery", code);
+}
+
+void cuda_backend::event_synchronize(event_handle event) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaEventSynchronize(detail::as_event(event)), "cudaEventSynchronize");
+}
+
+void cuda_backend::stream_wait_event(stream_handle stream, event_handle event) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(
+      cudaStreamWaitEvent(detail::as_stream(stream), detail::as_event(event), cudaEventWaitDefault),
+      "cudaStreamWaitEvent");
+}
+
+void cuda_backend::stream_synchronize(stream_handle stream) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaStreamSynchronize(detail::as_stream(stream)), "cudaStreamSynchronize");
+}
+
+void cuda_backend::device_synchronize() {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+memory_info cuda_backend::mem_get_info() {
+  const detail::device_guard guard(device_);
+  memory_info info;
+  detail::check_runtime(cudaMemGetInfo(&info.free_bytes, &info.total_bytes), "cudaMemGetInfo");
+  return info;
+}
+
+}  // namespace cucache
