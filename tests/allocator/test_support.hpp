@@ -1,0 +1,38 @@
+// Shared fixtures for allocator tests: a simulated device and an allocator over it, with helpers
+// that read addresses and stats in the units the rules are written in.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "cucache/config.hpp"
+#include "cucache/device_allocator.hpp"
+#include "cucache/sim_backend.hpp"
+
+namespace cucache::test {
+
+inline constexpr std::size_t KiB = std::size_t{1} << 10;
+inline constexpr std::size_t MiB = std::size_t{1} << 20;
+inline constexpr std::size_t GiB = std::size_t{1} << 30;
+/// The sim backend's first address: every scenario starts here.
+inline constexpr std::uintptr_t k_base = 0x7f0000000000ULL;
+
+inline stream_handle stream(std::uintptr_t id) { return reinterpret_cast<stream_handle>(id); }
+inline std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+struct sim_allocator {
+  explicit sim_allocator(config cfg = {}, sim_options opts = {})
+      : sim(std::make_shared<sim_backend>(opts)), alloc(sim, std::move(cfg)) {}
+  std::shared_ptr<sim_backend> sim;
+  device_allocator alloc;
+
+  [[nodiscard]] device_stats stats() const { return alloc.stats(); }
+  [[nodiscard]] std::int64_t reserved() const { return stats().reserved_bytes[0].current; }
+  [[nodiscard]] std::int64_t allocated() const { return stats().allocated_bytes[0].current; }
+  [[nodiscard]] std::uint64_t mallocs() const { return sim->calls(sim_call::segment_malloc); }
+  [[nodiscard]] std::uint64_t frees() const { return sim->calls(sim_call::segment_free); }
+};
+
+}  // namespace cucache::test
