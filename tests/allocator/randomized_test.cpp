@@ -1,0 +1,165 @@
+// Seeded randomized test of device_allocator: a long random program of allocations, frees,
+// record_stream, frees on other streams, event completions, empty_cache and injected device
+// failures, with the invariant checker and a shadow model checked after every operation.
+// On failure the seed and the operation number are printed: rerun with CUCACHE_RANDOM_SEED.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "allocator/test_support.hpp"
+#include "cucache/errors.hpp"
+
+namespace cucache::test {
+namespace {
+
+struct live_block {
+  std::uintptr_t addr;
+  std::size_t size;
+  stream_handle stream;
+};
+
+std::uint64_t seed_from_env(std::uint64_t fallback) {
+  if (const char* s = std::getenv("CUCACHE_RANDOM_SEED")) return std::strtoull(s, nullptr, 10);
+  return fallback;
+}
+
+class randomized : public ::testing::TestWithParam<std::string> {};
+
+void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with CUCACHE_RANDOM_SEED=" +
+               std::to_string(seed) + ")");
+  sim_options o;
+  o.capacity_bytes = 3 * GiB;  // small enough that the ladder and real OOMs happen
+  sim_allocator a(cfg, o);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<live_block> live;
+  std::map<std::uintptr_t, std::size_t> by_addr;  // shadow model: live ranges
+  const stream_handle streams[] = {nullptr, stream(0x10), stream(0x20), stream(0x30)};
+  std::size_t ooms = 0, allocs = 0, injected = 0;
+
+  auto random_size = [&]() -> std::size_t {
+    // Log-uniform from 1 B to 256 MiB.
+    const double l = unit(rng) * std::log(256.0 * 1024 * 1024);
+    return static_cast<std::size_t>(std::exp(l));
+  };
+  auto pick_stream = [&] { return streams[rng() % 4]; };
+  auto remove_live = [&](std::size_t i) {
+    by_addr.erase(live[i].addr);
+    live[i] = live.back();
+    live.pop_back();
+  };
+
+  for (std::size_t op = 0; op < ops; ++op) {
+    SCOPED_TRACE("operation " + std::to_string(op));
+    const double r = unit(rng);
+    try {
+      if (r < 0.50 || live.empty()) {
+        const std::size_t size = random_size();
+        const stream_handle s = pick_stream();
+        void* p = nullptr;
+        try {
+          p = a.alloc.allocate(size, s);
+        } catch (const out_of_memory&) {
+          ++ooms;
+        }
+        if (p != nullptr) {
+          ++allocs;
+          const auto ad = addr(p);
+          const std::size_t got = a.alloc.allocation_size(p);
+          ASSERT_GE(got, size);
+          // No overlap with any live block (shadow model).
+          auto next = by_addr.lower_bound(ad);
+          if (next != by_addr.end()) {
+            ASSERT_LE(ad + size, next->first) << "overlaps next";
+          }
+          if (next != by_addr.begin()) {
+            auto prev = std::prev(next);
+            ASSERT_LE(prev->first + prev->second, ad) << "overlaps previous";
+          }
+          by_addr.emplace(ad, size);
+          live.push_back({ad, size, s});
+        }
+      } else if (r < 0.85) {
+        const std::size_t i = rng() % live.size();
+        void* p = reinterpret_cast<void*>(live[i].addr);
+        if (unit(rng) < 0.15) {
+          a.alloc.deallocate(p, pick_stream());
+        } else {
+          a.alloc.deallocate(p);
+        }
+        remove_live(i);
+      } else if (r < 0.91) {
+        const std::size_t i = rng() % live.size();
+        a.alloc.record_stream(reinterpret_cast<void*>(live[i].addr), pick_stream());
+      } else if (r < 0.96) {
+        if (unit(rng) < 0.5) {
+          a.sim->complete_stream(pick_stream());
+        } else {
+          a.sim->complete_all();
+        }
+      } else if (r < 0.965) {
+        a.alloc.empty_cache();
+      } else if (r < 0.99) {
+        // Inject one failure of a device call the allocator makes.
+        const sim_call kinds[] = {sim_call::segment_malloc, sim_call::segment_free,
+                                  sim_call::event_record,   sim_call::event_query,
+                                  sim_call::event_create,   sim_call::event_synchronize};
+        a.sim->fail_nth(kinds[rng() % 6], 1 + rng() % 4);
+        ++injected;
+      } else {
+        // Bad input must be rejected without changing anything.
+        int host = 0;
+        EXPECT_THROW(a.alloc.deallocate(&host), invalid_argument);
+        if (!live.empty()) {
+          const auto& b = live[rng() % live.size()];
+          if (b.size > 512) {
+            EXPECT_THROW(a.alloc.deallocate(reinterpret_cast<char*>(b.addr) + 512),
+                         invalid_argument);
+          }
+        }
+      }
+    } catch (const cuda_error&) {
+      // An injected failure surfaced from a device call (segment_free in empty_cache or the
+      // ladder, or event_synchronize): the allocator must still be consistent.
+    }
+    ASSERT_NO_THROW(a.alloc.check_invariants());
+    const auto s = a.stats();
+    ASSERT_EQ(static_cast<std::size_t>(s.allocation_count[0].current), live.size());
+  }
+  // Drain: everything freed and the cache emptied leaves nothing on the device.
+  for (auto& b : live) a.alloc.deallocate(reinterpret_cast<void*>(b.addr));
+  a.sim->fail_always(sim_call::segment_free, false);
+  a.sim->fail_nth(sim_call::segment_free, 0);
+  a.sim->fail_nth(sim_call::event_synchronize, 0);
+  a.alloc.empty_cache();
+  a.alloc.check_invariants();
+  EXPECT_EQ(a.reserved(), 0);
+  EXPECT_EQ(a.sim->live_segments(), 0u);
+  EXPECT_GT(allocs, ops / 4);
+  EXPECT_GT(ooms, 0u) << "the program should reach the device's capacity";
+  EXPECT_GT(injected, 0u);
+}
+
+TEST_P(randomized, InvariantsHoldAfterEveryOperation) {
+  const config cfg = parse_config(GetParam());
+  const std::uint64_t seed = seed_from_env(0xC0CAC4E5EEDULL + std::hash<std::string>{}(GetParam()));
+  run_program(cfg, seed, GetParam().empty() ? 100'000 : 40'000);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, randomized,
+                         ::testing::Values("", "max_split_size_mb:64",
+                                           "garbage_collection_threshold:0.6,"
+                                           "roundup_power2_divisions:[1:4,64:2,>:1]",
+                                           "memory_limit:2GiB"),
+                         [](const ::testing::TestParamInfo<std::string>& p) {
+                           return "config" + std::to_string(p.index);
+                         });
+
+}  // namespace
+}  // namespace cucache::test

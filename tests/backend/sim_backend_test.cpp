@@ -1,0 +1,109 @@
+// sim_backend: the simulated device behaves like the driver where the allocator depends on it --
+// capacity, alignment, deterministic addresses, whole-mapping rules, events, failure injection
+// and host memory behind device addresses.
+#include "cucache/sim_backend.hpp"
+
+#include <gtest/gtest.h>
+
+#include "cucache/errors.hpp"
+
+namespace cucache {
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+TEST(SimBackend, DeterministicAlignedAddressesAndCapacity) {
+  sim_options o;
+  o.capacity_bytes = 10 * MiB;
+  sim_backend s(o);
+  void* a = s.segment_malloc(3 * MiB);  // charged as 4 MiB (whole 2 MiB pages)
+  void* b = s.segment_malloc(2 * MiB);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(a), 0x7f0000000000ULL);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b), 0x7f0000400000ULL);
+  EXPECT_EQ(s.used_bytes(), 6 * MiB);
+  EXPECT_EQ(s.segment_malloc(6 * MiB), nullptr);  // only 4 MiB left
+  EXPECT_EQ(s.mem_get_info().free_bytes, 4 * MiB);
+  s.segment_free(a);
+  EXPECT_EQ(s.segment_malloc(4 * MiB), a);  // first fit reuses the lowest range
+  EXPECT_THROW(s.segment_free(reinterpret_cast<void*>(0x1234)), cuda_error);
+  EXPECT_EQ(s.calls(sim_call::segment_malloc), 4u);
+}
+
+TEST(SimBackend, VirtualMemoryRules) {
+  sim_backend s;
+  EXPECT_EQ(s.vm_granularity(), 2 * MiB);
+  void* va = s.va_reserve(8 * MiB);
+  auto h = s.phys_create(4 * MiB);
+  ASSERT_TRUE(h.has_value());
+  EXPECT_THROW((void)s.phys_create(3 * MiB), cuda_error);  // not a multiple of the granularity
+  s.map(va, 4 * MiB, *h);
+  EXPECT_THROW(s.map(static_cast<char*>(va) + 2 * MiB, 4 * MiB, *h), cuda_error);  // overlap
+  EXPECT_THROW(s.set_access(va, 6 * MiB), cuda_error);  // not fully mapped
+  s.set_access(va, 4 * MiB);
+  EXPECT_THROW(s.unmap(va, 2 * MiB), cuda_error);  // must unmap whole mappings
+  EXPECT_THROW(s.phys_release(*h), cuda_error);    // still mapped
+  EXPECT_THROW(s.va_free(va, 8 * MiB), cuda_error);  // still has mappings
+  s.unmap(va, 4 * MiB);
+  s.phys_release(*h);
+  s.va_free(va, 8 * MiB);
+  EXPECT_EQ(s.live_handles() + s.live_mappings() + s.live_reservations(), 0u);
+  EXPECT_EQ(s.used_bytes(), 0u);
+}
+
+TEST(SimBackend, EventsCompleteWhenTheTestSaysSo) {
+  sim_backend s;
+  event_handle e = s.event_create();
+  auto* s1 = reinterpret_cast<stream_handle>(1);
+  auto* s2 = reinterpret_cast<stream_handle>(2);
+  s.event_record(e, s1);
+  EXPECT_FALSE(s.event_query(e));
+  s.complete_stream(s2);
+  EXPECT_FALSE(s.event_query(e));
+  s.complete_stream(s1);
+  EXPECT_TRUE(s.event_query(e));
+  s.event_record(e, s2);
+  EXPECT_EQ(s.pending_events(), 1u);
+  s.event_synchronize(e);
+  EXPECT_TRUE(s.event_query(e));
+  s.event_destroy(e);
+  EXPECT_THROW((void)s.event_query(e), cuda_error);
+}
+
+TEST(SimBackend, FailureInjection) {
+  sim_backend s;
+  s.fail_nth(sim_call::segment_malloc, 2);
+  void* a = s.segment_malloc(2 * MiB);
+  EXPECT_NE(a, nullptr);
+  EXPECT_EQ(s.segment_malloc(2 * MiB), nullptr);  // the second call fails (out of memory)
+  EXPECT_NE(s.segment_malloc(2 * MiB), nullptr);
+  s.fail_always(sim_call::event_create);
+  EXPECT_THROW((void)s.event_create(), cuda_error);
+  EXPECT_THROW((void)s.event_create(), cuda_error);
+  s.fail_always(sim_call::event_create, false);
+  EXPECT_NO_THROW((void)s.event_create());
+  s.fail_nth(sim_call::phys_create, 1);
+  EXPECT_FALSE(s.phys_create(2 * MiB).has_value());
+}
+
+TEST(SimBackend, HostMemoryFollowsMappings) {
+  sim_options o;
+  o.host_memory = true;
+  sim_backend s(o);
+  void* seg = s.segment_malloc(2 * MiB);
+  std::byte* h = s.host_view(seg, 2 * MiB);
+  ASSERT_NE(h, nullptr);
+  h[100] = std::byte{7};
+  EXPECT_EQ(s.host_view(static_cast<char*>(seg) + 100, 1)[0], std::byte{7});
+  // A physical page moved to another address keeps its contents.
+  void* va = s.va_reserve(8 * MiB);
+  auto ph = s.phys_create(2 * MiB);
+  s.map(va, 2 * MiB, *ph);
+  s.host_view(va, 2 * MiB)[5] = std::byte{9};
+  s.unmap(va, 2 * MiB);
+  EXPECT_EQ(s.host_view(va, 1), nullptr);
+  s.map(static_cast<char*>(va) + 4 * MiB, 2 * MiB, *ph);
+  EXPECT_EQ(s.host_view(static_cast<char*>(va) + 4 * MiB, 6)[5], std::byte{9});
+}
+
+}  // namespace
+}  // namespace cucache
