@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian packages cucache builds with, when they are missing. The CUDA toolkit
+# (nvcc, headers, static cudart) is not a Debian package here: it must already be installed
+# (found on PATH or in /usr/local/cuda).
+set -euo pipefail
+
+packages=(cmake g++ make libgtest-dev libbenchmark-dev libfmt-dev nlohmann-json3-dev libcli11-dev
+          zlib1g-dev python3)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "cucache: installing ${missing[*]}" >&2
+  sudo_cmd=()
+  [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+  echo "cucache: the CUDA toolkit (nvcc, cuda_runtime_api.h, libcudart_static.a) is required;" \
+       "install it to /usr/local/cuda" >&2
+  exit 1
+fi
