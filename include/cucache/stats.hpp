@@ -60,6 +60,15 @@ struct device_stats {
   std::uint64_t oversize_segments = 0;     // segments >= max_split_size (current)
   std::uint64_t events_pending = 0;        // freed blocks waiting on events
 
+  // Expandable segments: driver virtual-memory calls and pages moved instead of created.
+  std::uint64_t vm_create_count = 0;   // cuMemCreate
+  std::uint64_t vm_release_count = 0;  // cuMemRelease
+  std::uint64_t vm_map_count = 0;      // cuMemMap (each followed by one cuMemSetAccess)
+  std::uint64_t vm_unmap_count = 0;    // cuMemUnmap
+  std::uint64_t stitched_pages = 0;    // pages moved from idle free space to where a request needed them
+  std::size_t mapped_bytes = 0;        // physical memory mapped into ranges
+  std::size_t unmapped_handle_bytes = 0;  // physical memory held in unmapped handles (reusable)
+
   std::size_t free_bytes = 0;           // reserved - active: cached, reusable bytes
   std::size_t free_block_count = 0;
   std::size_t largest_free_block = 0;

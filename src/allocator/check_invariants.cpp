@@ -17,6 +17,58 @@ namespace {
 [[noreturn]] void violated(const std::string& what) {
   throw std::logic_error("cucache invariant violated: " + what);
 }
+
+/// An expandable segment: page use counts equal a recount from the blocks, every touched page is
+/// mapped, every mapping is consistent with the page table, and idle means untouched.
+void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
+                 std::int64_t& mappings, std::size_t& idle_seen, std::size_t& mapped_total) {
+  const detail::vm_range& r = *s.vm;
+  std::vector<std::uint32_t> use(r.page_map.size(), 0);
+  for (const block* b = s.first; b != nullptr; b = b->next) {
+    if (b->state == block_state::free) continue;
+    for (std::size_t pg = r.page_of(b->addr); pg <= r.page_of(b->addr + b->size - 1); ++pg) {
+      ++use[pg];
+    }
+  }
+  std::size_t mapped_pages = 0;
+  for (std::size_t pg = 0; pg < r.page_map.size(); ++pg) {
+    if (use[pg] != r.page_use[pg]) {
+      violated(fmt::format("range {:#x} page {}: use count {} but {} blocks touch it", r.base, pg,
+                           r.page_use[pg], use[pg]));
+    }
+    const detail::vm_mapping* mp = r.page_map[pg];
+    if (use[pg] > 0 && mp == nullptr) {
+      violated(fmt::format("range {:#x} page {} is used by a block but not mapped", r.base, pg));
+    }
+    if (mp == nullptr) continue;
+    ++mapped_pages;
+    if (mp->range != &r || pg < mp->first_page || pg >= mp->first_page + mp->pages) {
+      violated(fmt::format("range {:#x} page {}: mapping does not cover it", r.base, pg));
+    }
+    if (mp->first_page != pg) continue;
+    std::size_t used = 0;
+    for (std::size_t i = 0; i < mp->pages; ++i) {
+      if (r.page_map[pg + i] != mp) {
+        violated(fmt::format("range {:#x}: mapping at page {} is torn", r.base, pg));
+      }
+      used += use[pg + i] > 0;
+    }
+    if (used != mp->used_pages || mp->idle != (used == 0)) {
+      violated(fmt::format("range {:#x}: mapping at page {} counts {} used pages, recount {}, "
+                           "idle {}",
+                           r.base, pg, mp->used_pages, used, mp->idle));
+    }
+    idle_seen += mp->idle;
+    reserved += static_cast<std::int64_t>(mp->pages * r.page_bytes);
+    mappings += 1;
+  }
+  if (mapped_pages != r.mapped_pages) {
+    violated(fmt::format("range {:#x}: {} pages mapped, counter says {}", r.base, mapped_pages,
+                         r.mapped_pages));
+  }
+  mapped_total += mapped_pages * r.page_bytes;
+  (void)p;
+}
 }  // namespace
 
 void device_allocator::check_invariants() const {
@@ -24,6 +76,7 @@ void device_allocator::check_invariants() const {
   auto all = m.lock_all();
   std::size_t allocated_blocks = 0;
   std::size_t reserved_total = 0;
+  std::size_t mapped_total = 0;
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
     std::size_t free_count[2] = {0, 0};
@@ -32,14 +85,19 @@ void device_allocator::check_invariants() const {
     std::int64_t active_bytes[2] = {0, 0}, active_count[2] = {0, 0};
     std::int64_t reserved[2] = {0, 0}, seg_count[2] = {0, 0}, requested[2] = {0, 0};
     std::size_t pending_blocks_events = 0;
+    std::size_t idle_seen = 0;
     const segment* prev_seg = nullptr;
     for (const segment* s = p.segments; s != nullptr; s = s->next) {
       const int k = static_cast<int>(s->kind);
       if (s->prev != prev_seg) violated(fmt::format("segment {:#x}: broken segment list", s->base));
       prev_seg = s;
       if (s->owner != &p) violated(fmt::format("segment {:#x}: wrong owner", s->base));
-      reserved[k] += static_cast<std::int64_t>(s->size);
-      seg_count[k] += 1;
+      if (s->vm != nullptr) {
+        check_range(p, *s, reserved[k], seg_count[k], idle_seen, mapped_total);
+      } else {
+        reserved[k] += static_cast<std::int64_t>(s->size);
+        seg_count[k] += 1;
+      }
       std::uintptr_t cursor = s->base;
       const block* prev = nullptr;
       for (const block* b = s->first; b != nullptr; b = b->next) {
@@ -97,6 +155,19 @@ void device_allocator::check_invariants() const {
                              cursor - s->base, s->size));
       }
     }
+    std::size_t idle_listed = 0, idle_listed_bytes = 0;
+    for (const detail::vm_mapping* im = p.idle_head; im != nullptr; im = im->idle_next) {
+      if (!im->idle || im->used_pages != 0) {
+        violated(fmt::format("pool {}: a used mapping is on the idle list", p.index));
+      }
+      ++idle_listed;
+      idle_listed_bytes += im->pages * m.page_bytes;
+    }
+    if (idle_listed != idle_seen || idle_listed_bytes != p.idle_bytes) {
+      violated(fmt::format("pool {}: idle list holds {} mappings / {} bytes, page tables show {} "
+                           "idle mappings, pool says {} bytes",
+                           p.index, idle_listed, idle_listed_bytes, idle_seen, p.idle_bytes));
+    }
     if (pending_blocks_events != p.pending.size()) {
       violated(fmt::format("pool {}: {} pending events recorded, blocks wait on {}", p.index,
                            p.pending.size(), pending_blocks_events));
@@ -124,6 +195,14 @@ void device_allocator::check_invariants() const {
     }
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
   }
+  std::size_t handle_bytes = 0;
+  for (const auto& [bytes, h] : m.free_handles) handle_bytes += bytes;
+  if (handle_bytes != m.free_handle_bytes) {
+    violated(fmt::format("unmapped handle list holds {} bytes, counter says {}", handle_bytes,
+                         m.free_handle_bytes));
+  }
+  reserved_total += handle_bytes;
+  (void)mapped_total;
   if (m.blocks.size() != allocated_blocks) {
     violated(fmt::format("pointer map holds {} blocks, {} are allocated", m.blocks.size(),
                          allocated_blocks));

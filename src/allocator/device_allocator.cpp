@@ -34,12 +34,23 @@ thread_local pool_cache_entry t_pool_cache;
 }  // namespace
 
 device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c)
-    : backend(std::move(b)), cfg(std::move(c)), policy(cfg), id(g_allocator_ids.fetch_add(1)) {
+    : backend(std::move(b)), cfg(std::move(c)), id(g_allocator_ids.fetch_add(1)) {
   if (!backend) throw invalid_argument("device_allocator: backend is null");
-  if (cfg.expandable_segments) {
-    throw invalid_argument(
-        "expandable_segments: not available in this build of cucache yet (accepted forms: "
-        "expandable_segments:False)");
+  expandable = cfg.expandable_segments;
+  if (expandable) {
+    page_bytes = backend->vm_granularity();
+    if (page_bytes == 0) {
+      throw invalid_argument(fmt::format(
+          "expandable_segments:True needs virtual memory management, which device {} ({}) does "
+          "not support; use expandable_segments:False",
+          backend->device(), backend->name()));
+    }
+    // Splitting virtual space costs no physical memory, so the cap has nothing to protect.
+    config vm_cfg = cfg;
+    vm_cfg.max_split_size = std::numeric_limits<std::size_t>::max();
+    policy = detail::size_policy(vm_cfg);
+  } else {
+    policy = detail::size_policy(cfg);
   }
   device_total = backend->mem_get_info().total_bytes;
   if (cfg.memory_fraction > 0.0) {
@@ -65,10 +76,20 @@ device_allocator::impl::~impl() {
       }
     }
     for (segment* s = p->segments; s != nullptr; s = s->next) {
+      if (s->vm != nullptr) {
+        destroy_range(*p, s);
+        continue;
+      }
       try {
         backend->segment_free(reinterpret_cast<void*>(s->base));
       } catch (...) {
       }
+    }
+  }
+  for (auto& [bytes, h] : free_handles) {
+    try {
+      backend->phys_release(h);
+    } catch (...) {
     }
   }
   for (event_handle e : free_events) {
@@ -240,7 +261,9 @@ bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
 block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
                                      std::size_t requested) {
   p.index_of(kind).erase(b);
-  if (policy.should_split(kind, b->size, rounded)) {
+  const bool split = b->seg->vm != nullptr ? b->size - rounded >= detail::k_min_block_bytes
+                                           : policy.should_split(kind, b->size, rounded);
+  if (split) {
     block* rest = p.blocks.make();
     rest->addr = b->addr + rounded;
     rest->size = b->size - rounded;
@@ -256,6 +279,7 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
   }
   b->state = block_state::allocated;
   b->requested = requested;
+  if (b->seg->vm != nullptr) touch_pages(p, b, +1);
   const auto size = static_cast<std::int64_t>(b->size);
   pool_stats::add(p.stats.allocation_count, kind, 1);
   pool_stats::add(p.stats.allocated_bytes, kind, size);
@@ -271,6 +295,7 @@ void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
   const pool_kind kind = b->seg->kind;
   pool_stats::add(p.stats.active_count, kind, -1);
   pool_stats::add(p.stats.active_bytes, kind, -static_cast<std::int64_t>(b->size));
+  if (b->seg->vm != nullptr) touch_pages(p, b, -1);
   b->state = block_state::free;
   b->recorded_streams.clear();
   auto& index = p.index_of(kind);
@@ -389,6 +414,14 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   stream_pool& p = pool_for(stream);
   std::unique_lock lk(p.mu);
   if (!p.pending.empty()) poll_pending(p);
+  if (expandable) {
+    void* ptr = allocate_expandable(p, kind, rounded, bytes, lk);
+    if (ptr == nullptr) {
+      lk.unlock();
+      throw_oom(bytes, rounded, stream);
+    }
+    return ptr;
+  }
   block* b = find_free(p, kind, rounded);
   if (b == nullptr) b = grow(p, kind, rounded, lk);
   if (b == nullptr) {
@@ -468,6 +501,11 @@ void device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
 void device_allocator::impl::empty_cache() {
   auto all = lock_all();
   for (auto& p : pools) sync_pending(*p);
+  if (expandable) {
+    for (auto& p : pools) unmap_idle(*p, /*release=*/true);
+    release_free_handles(0);
+    return;
+  }
   release_free_segments(0, /*oldest_first=*/false);
 }
 

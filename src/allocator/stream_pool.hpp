@@ -12,6 +12,7 @@
 #include "cucache/backend.hpp"
 #include "cucache/detail/block.hpp"
 #include "cucache/detail/free_index.hpp"
+#include "cucache/detail/vm_range.hpp"
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {
@@ -84,6 +85,12 @@ class stream_pool {
   std::uint64_t tick = 0;            // free order, for garbage collection
   object_arena<block> blocks;
   object_arena<segment> segs;
+
+  // Expandable segments: one range per pool kind, created on first use.
+  segment* ranges[2] = {nullptr, nullptr};
+  vm_mapping* idle_head = nullptr;  // mappings no block touches, most recently idle first
+  std::size_t idle_bytes = 0;
+  object_arena<vm_mapping> maps;
 
   free_index& index_of(pool_kind k) noexcept { return free[static_cast<int>(k)]; }
 };

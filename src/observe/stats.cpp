@@ -39,14 +39,23 @@ device_stats device_allocator::impl::stats_locked() const {
     s.events_pending += p->pending.size();
     for (const auto& idx : p->free) {
       s.free_block_count += idx.count();
+      if (expandable) continue;
       s.free_bytes += idx.bytes();
       if (const detail::block* b = idx.largest()) {
         s.largest_free_block = std::max(s.largest_free_block, b->size);
       }
     }
+    if (expandable) {
+      // Free memory is physical: idle pages can be moved anywhere, so they count as one
+      // contiguous block; free bytes inside partly used pages cannot.
+      s.largest_free_block += p->idle_bytes;
+      for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
+        if (seg->vm != nullptr) s.mapped_bytes += seg->vm->mapped_pages * page_bytes;
+      }
+    }
     // Inactive split: free blocks inside segments that are not wholly free.
     for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
-      if (seg->whole_free()) continue;
+      if (seg->whole_free() || seg->vm != nullptr) continue;
       const std::size_t slot = seg->kind == detail::pool_kind::small ? 1 : 2;
       for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
         if (b->state != detail::block_state::free) continue;
@@ -66,7 +75,19 @@ device_stats device_allocator::impl::stats_locked() const {
     // The device-wide reservation is exact, peak included: it changes only under grow_mu_.
     s.reserved_bytes[0].current = static_cast<std::int64_t>(reserved);
     s.reserved_bytes[0].peak = static_cast<std::int64_t>(reserved_peak);
+    s.unmapped_handle_bytes = free_handle_bytes;
   }
+  if (expandable) {
+    s.largest_free_block += s.unmapped_handle_bytes;
+    const std::size_t active = static_cast<std::size_t>(s.active_bytes[0].current);
+    s.free_bytes = reserved > active ? reserved - active : 0;
+    s.largest_free_block = std::min(s.largest_free_block, s.free_bytes);
+  }
+  s.vm_create_count = vm_create_count.load(std::memory_order_relaxed);
+  s.vm_release_count = vm_release_count.load(std::memory_order_relaxed);
+  s.vm_map_count = vm_map_count.load(std::memory_order_relaxed);
+  s.vm_unmap_count = vm_unmap_count.load(std::memory_order_relaxed);
+  s.stitched_pages = stitched_pages.load(std::memory_order_relaxed);
   s.device_alloc_count = device_alloc_count.load(std::memory_order_relaxed);
   s.device_free_count = device_free_count.load(std::memory_order_relaxed);
   s.oom_count = oom_count.load(std::memory_order_relaxed);
@@ -106,6 +127,11 @@ void device_allocator::reset_accumulated_stats() {
     }
   }
   impl_->device_alloc_count = 0;
+  impl_->vm_create_count = 0;
+  impl_->vm_release_count = 0;
+  impl_->vm_map_count = 0;
+  impl_->vm_unmap_count = 0;
+  impl_->stitched_pages = 0;
   impl_->device_free_count = 0;
   impl_->oom_count = 0;
   impl_->retry_count = 0;

@@ -107,10 +107,12 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
         a.alloc.empty_cache();
       } else if (r < 0.99) {
         // Inject one failure of a device call the allocator makes.
-        const sim_call kinds[] = {sim_call::segment_malloc, sim_call::segment_free,
-                                  sim_call::event_record,   sim_call::event_query,
-                                  sim_call::event_create,   sim_call::event_synchronize};
-        a.sim->fail_nth(kinds[rng() % 6], 1 + rng() % 4);
+        const sim_call kinds[] = {
+            sim_call::segment_malloc, sim_call::segment_free,       sim_call::event_record,
+            sim_call::event_query,    sim_call::event_create,       sim_call::event_synchronize,
+            sim_call::phys_create,    sim_call::phys_release,       sim_call::map,
+            sim_call::unmap,          sim_call::set_access,         sim_call::stream_synchronize};
+        a.sim->fail_nth(kinds[rng() % std::size(kinds)], 1 + rng() % 4);
         ++injected;
       } else {
         // Bad input must be rejected without changing anything.
@@ -129,18 +131,22 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
       // ladder, or event_synchronize): the allocator must still be consistent.
     }
     ASSERT_NO_THROW(a.alloc.check_invariants());
+    // Every byte the device holds is accounted for: no leaked segment or handle.
+    ASSERT_EQ(a.sim->used_bytes(),
+              static_cast<std::size_t>(a.stats().reserved_bytes[0].current));
     const auto s = a.stats();
     ASSERT_EQ(static_cast<std::size_t>(s.allocation_count[0].current), live.size());
   }
   // Drain: everything freed and the cache emptied leaves nothing on the device.
   for (auto& b : live) a.alloc.deallocate(reinterpret_cast<void*>(b.addr));
   a.sim->fail_always(sim_call::segment_free, false);
-  a.sim->fail_nth(sim_call::segment_free, 0);
-  a.sim->fail_nth(sim_call::event_synchronize, 0);
+  for (std::size_t k = 0; k < k_sim_call_kinds; ++k) a.sim->fail_nth(static_cast<sim_call>(k), 0);
   a.alloc.empty_cache();
   a.alloc.check_invariants();
   EXPECT_EQ(a.reserved(), 0);
   EXPECT_EQ(a.sim->live_segments(), 0u);
+  EXPECT_EQ(a.sim->live_handles(), 0u);
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
   EXPECT_GT(allocs, ops / 4);
   EXPECT_GT(ooms, 0u) << "the program should reach the device's capacity";
   EXPECT_GT(injected, 0u);
@@ -156,7 +162,9 @@ INSTANTIATE_TEST_SUITE_P(Configs, randomized,
                          ::testing::Values("", "max_split_size_mb:64",
                                            "garbage_collection_threshold:0.6,"
                                            "roundup_power2_divisions:[1:4,64:2,>:1]",
-                                           "memory_limit:2GiB"),
+                                           "memory_limit:2GiB", "expandable_segments:True",
+                                           "expandable_segments:True,memory_limit:2GiB,"
+                                           "garbage_collection_threshold:0.5"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            return "config" + std::to_string(p.index);
                          });

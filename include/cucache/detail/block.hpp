@@ -14,6 +14,7 @@
 namespace cucache::detail {
 
 struct segment;
+struct vm_range;
 class stream_pool;
 
 enum class block_state : std::uint8_t { free, allocated, pending };
@@ -43,8 +44,11 @@ struct segment {
   segment* prev = nullptr;     // the owner's list of segments
   segment* next = nullptr;
   std::uint64_t id = 0;        // creation order, for snapshots
+  vm_range* vm = nullptr;      // expandable segments: the page table; nullptr for cudaMalloc'd
+  /// A cudaMalloc'd segment with no live block: it can be returned to the device.
   [[nodiscard]] bool whole_free() const noexcept {
-    return first != nullptr && first->next == nullptr && first->state == block_state::free;
+    return vm == nullptr && first != nullptr && first->next == nullptr &&
+           first->state == block_state::free;
   }
 };
 

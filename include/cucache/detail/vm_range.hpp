@@ -1,0 +1,46 @@
+// Expandable segments: a segment that is a large reserved virtual range, backed page by page
+// (pages of the device's VM granularity) by physical handles mapped on demand. The page table
+// records, for every page, the mapping that backs it (if any) and how many allocated or pending
+// blocks touch it; a mapping no block touches is "idle" and its physical memory can be moved
+// (stitched) to wherever a request needs it, or released.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cucache/backend.hpp"
+
+namespace cucache::detail {
+
+struct vm_range;
+
+/// One physical handle mapped at a run of pages of a range.
+struct vm_mapping {
+  vm_range* range = nullptr;
+  std::size_t first_page = 0;
+  std::size_t pages = 0;
+  phys_handle handle = 0;
+  std::size_t used_pages = 0;  // pages touched by at least one allocated or pending block
+  vm_mapping* idle_prev = nullptr;  // the owner pool's list of idle mappings (used_pages == 0)
+  vm_mapping* idle_next = nullptr;
+  bool idle = false;
+};
+
+struct vm_range {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  std::size_t page_bytes = 0;
+  std::vector<vm_mapping*> page_map;    // per page: the mapping backing it, or nullptr
+  std::vector<std::uint32_t> page_use;  // per page: allocated or pending blocks touching it
+  std::size_t mapped_pages = 0;
+
+  [[nodiscard]] std::size_t page_of(std::uintptr_t addr) const noexcept {
+    return (addr - base) / page_bytes;
+  }
+  [[nodiscard]] std::uintptr_t page_addr(std::size_t page) const noexcept {
+    return base + page * page_bytes;
+  }
+};
+
+}  // namespace cucache::detail

@@ -1,0 +1,245 @@
+// Expandable segments on the simulated device: exact page mappings, stitching of idle pages,
+// reuse of unmapped handles, empty_cache, injected failures of every VM call, and contents that
+// survive pages being moved.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "allocator/test_support.hpp"
+#include "cucache/errors.hpp"
+
+namespace cucache::test {
+namespace {
+
+config expandable() { return parse_config("expandable_segments:True"); }
+
+/// Physical handles the sim holds must equal what the allocator accounts for.
+void expect_no_leak(sim_allocator& a) {
+  const auto s = a.stats();
+  EXPECT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(s.reserved_bytes[0].current));
+  EXPECT_EQ(s.mapped_bytes + s.unmapped_handle_bytes,
+            static_cast<std::size_t>(s.reserved_bytes[0].current));
+}
+
+TEST(Expandable, MapsOnlyTheMissingPages) {
+  sim_allocator a(expandable());
+  void* p = a.alloc.allocate(3 * MiB);  // pages 0-1 of the large range: one 4 MiB handle
+  auto s = a.stats();
+  EXPECT_EQ(a.sim->calls(sim_call::va_reserve), 1u);
+  EXPECT_EQ(s.vm_create_count, 1u);
+  EXPECT_EQ(s.vm_map_count, 1u);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
+  void* q = a.alloc.allocate(3 * MiB);  // [3, 6) MiB: page 1 is mapped, page 2 is not
+  EXPECT_EQ(addr(q), addr(p) + 3 * MiB);
+  s = a.stats();
+  EXPECT_EQ(s.vm_create_count, 2u);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(6 * MiB));
+  a.alloc.deallocate(p);
+  void* r = a.alloc.allocate(MiB + MiB / 2);  // the hole at page 0: no device call at all
+  EXPECT_EQ(r, p);
+  EXPECT_EQ(a.stats().vm_create_count, 2u);
+  EXPECT_EQ(a.stats().vm_map_count, 2u);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, SplitsFreelyAndIgnoresTheSplitCap) {
+  sim_allocator a(parse_config("expandable_segments:True,max_split_size_mb:64"));
+  void* p = a.alloc.allocate(19 * MiB);  // a cudaMalloc'd segment would waste 1 MiB here
+  EXPECT_EQ(a.alloc.allocation_size(p), 19 * MiB);
+  a.alloc.deallocate(p);
+  void* q = a.alloc.allocate(100 * MiB);
+  a.alloc.deallocate(q);
+  void* r = a.alloc.allocate(30 * MiB);  // takes the front of the 100 MiB hole
+  EXPECT_EQ(r, p);
+  EXPECT_EQ(a.stats().reserved_bytes[0].peak, static_cast<std::int64_t>(100 * MiB));
+  a.alloc.check_invariants();
+}
+
+TEST(Expandable, StitchesIdlePagesInsteadOfCreatingMemory) {
+  sim_allocator a(expandable());
+  void* x = a.alloc.allocate(8 * MiB);  // pages 0-3
+  void* y = a.alloc.allocate(8 * MiB);  // pages 4-7
+  a.alloc.deallocate(x);                // pages 0-3 idle
+  void* z = a.alloc.allocate(16 * MiB);  // pages 8-15: 4 moved from the hole, 4 created
+  EXPECT_EQ(addr(z), addr(y) + 8 * MiB);
+  const auto s = a.stats();
+  EXPECT_EQ(s.stitched_pages, 4u);
+  EXPECT_EQ(s.vm_unmap_count, 1u);
+  EXPECT_EQ(s.vm_create_count, 3u);  // x, y, and the 8 MiB z still lacked
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(24 * MiB));
+  EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(24 * MiB));  // = live peak
+  EXPECT_EQ(a.sim->calls(sim_call::stream_synchronize), 1u);  // before the unmap
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, UnmappedHandlesAreReusedBeforeCreatingNewOnes) {
+  sim_options o;
+  o.capacity_bytes = 24 * MiB;
+  sim_allocator a(expandable(), o);
+  void* p = a.alloc.allocate(8 * MiB, stream(1));
+  a.alloc.deallocate(p);  // an idle 8 MiB mapping in stream 1's range
+  // Stream 2 needs 20 MiB: creating it fails (8 + 20 > 24), so the ladder unmaps stream 1's idle
+  // pages into the handle list, and the retry maps that handle plus a new 12 MiB one.
+  void* q = a.alloc.allocate(20 * MiB, stream(2));
+  EXPECT_NE(q, nullptr);
+  const auto s = a.stats();
+  EXPECT_EQ(s.alloc_retry_count, 1u);
+  EXPECT_EQ(s.vm_create_count, 2u);
+  EXPECT_EQ(s.vm_release_count, 0u);
+  EXPECT_EQ(s.vm_map_count, 3u);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(20 * MiB));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, EmptyCacheUnmapsAndReleasesIdleMemory) {
+  sim_allocator a(expandable());
+  void* keep = a.alloc.allocate(5 * MiB);
+  void* drop = a.alloc.allocate(40 * MiB);
+  a.alloc.deallocate(drop);
+  a.alloc.empty_cache();
+  // keep spans pages 0-2; page 2 is shared with drop's first page, so its 40 MiB handle
+  // [0, 40) MiB... is used by keep and stays; everything that is idle goes.
+  auto s = a.stats();
+  EXPECT_EQ(s.mapped_bytes, static_cast<std::size_t>(s.reserved_bytes[0].current));
+  EXPECT_EQ(s.unmapped_handle_bytes, 0u);
+  a.alloc.deallocate(keep);
+  a.alloc.empty_cache();
+  s = a.stats();
+  EXPECT_EQ(s.reserved_bytes[0].current, 0);
+  EXPECT_EQ(a.sim->live_handles(), 0u);
+  EXPECT_EQ(a.sim->live_mappings(), 0u);
+  a.alloc.check_invariants();
+}
+
+TEST(Expandable, OutOfMemoryIsReportedAndRecoveredFrom) {
+  sim_options o;
+  o.capacity_bytes = 64 * MiB;
+  sim_allocator a(expandable(), o);
+  void* p = a.alloc.allocate(40 * MiB);
+  EXPECT_THROW((void)a.alloc.allocate(30 * MiB), out_of_memory);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  EXPECT_THROW((void)a.alloc.allocate(std::size_t{1} << 40), out_of_memory);
+  a.alloc.deallocate(p);
+  void* q = a.alloc.allocate(60 * MiB);  // the idle 40 MiB is moved, 20 MiB is created
+  EXPECT_NE(q, nullptr);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(60 * MiB));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, FailedVmCallsLeaveNoHalfMappedBlockAndNoLeakedHandle) {
+  for (sim_call kind : {sim_call::map, sim_call::set_access, sim_call::unmap,
+                        sim_call::phys_release, sim_call::stream_synchronize}) {
+    SCOPED_TRACE(to_string(kind));
+    sim_allocator a(expandable());
+    void* x = a.alloc.allocate(8 * MiB);
+    void* y = a.alloc.allocate(8 * MiB);
+    a.alloc.deallocate(x);
+    a.sim->fail_nth(kind, 1);
+    const auto before = a.stats();
+    try {
+      void* z = a.alloc.allocate(16 * MiB);  // needs an unmap (stitch), a map, set_access
+      a.alloc.deallocate(z);
+    } catch (const cuda_error&) {
+      EXPECT_EQ(a.stats().allocation_count[0].current, before.allocation_count[0].current);
+    }
+    a.sim->fail_nth(kind, 0);  // disarm if the allocation did not reach that call
+    a.alloc.check_invariants();
+    expect_no_leak(a);
+    void* w = a.alloc.allocate(16 * MiB);  // works afterwards
+    a.alloc.deallocate(w);
+    a.alloc.deallocate(y);
+    a.alloc.empty_cache();
+    a.alloc.check_invariants();
+    EXPECT_EQ(a.sim->live_handles(), 0u);
+  }
+}
+
+TEST(Expandable, FailedReleaseInEmptyCacheKeepsTheHandleTracked) {
+  sim_allocator a(expandable());
+  void* p = a.alloc.allocate(8 * MiB);
+  a.alloc.deallocate(p);
+  a.sim->fail_nth(sim_call::phys_release, 1);
+  EXPECT_THROW(a.alloc.empty_cache(), cuda_error);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.sim->live_handles(), 0u);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+}
+
+TEST(Expandable, ContentsSurviveStitching) {
+  sim_options o;
+  o.host_memory = true;
+  o.capacity_bytes = 256 * MiB;
+  sim_allocator a(expandable(), o);
+  auto fill = [&](void* p, std::size_t n, std::byte v) {
+    for (std::size_t off = 0; off < n; off += 2 * MiB) {
+      const std::size_t len = std::min(n - off, 2 * MiB - (addr(p) + off) % (2 * MiB));
+      std::byte* h = a.sim->host_view(static_cast<char*>(p) + off, len);
+      ASSERT_NE(h, nullptr);
+      std::fill(h, h + len, v);
+      if (len < 2 * MiB - (addr(p) + off) % (2 * MiB)) break;
+      off -= (2 * MiB - len);  // keep offsets page aligned after the first partial page
+    }
+  };
+  auto check = [&](void* p, std::size_t n, std::byte v) {
+    for (std::size_t off = 0; off < n; ++off) {
+      const std::byte* h = a.sim->host_view(static_cast<char*>(p) + off, 1);
+      ASSERT_NE(h, nullptr);
+      ASSERT_EQ(*h, v) << "offset " << off;
+    }
+  };
+  void* x = a.alloc.allocate(8 * MiB);
+  void* y = a.alloc.allocate(6 * MiB);
+  fill(x, 8 * MiB, std::byte{1});
+  fill(y, 6 * MiB, std::byte{2});
+  a.alloc.deallocate(x);
+  void* z = a.alloc.allocate(12 * MiB);  // moves x's pages behind y
+  EXPECT_GT(a.stats().stitched_pages, 0u);
+  fill(z, 12 * MiB, std::byte{3});
+  check(y, 6 * MiB, std::byte{2});
+  check(z, 12 * MiB, std::byte{3});
+  a.alloc.check_invariants();
+}
+
+TEST(Expandable, SmallRequestsPackIntoTheSmallRange) {
+  sim_allocator a(expandable());
+  std::vector<void*> v;
+  for (int i = 0; i < 4096; ++i) v.push_back(a.alloc.allocate(512));
+  EXPECT_EQ(addr(v.back()), addr(v.front()) + 4095 * 512);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));
+  EXPECT_EQ(a.stats().reserved_bytes[1].current, static_cast<std::int64_t>(2 * MiB));
+  for (void* p : v) a.alloc.deallocate(p);
+  a.alloc.check_invariants();
+}
+
+TEST(Expandable, MemoryLimitReleasesIdleMemoryBeforeRefusing) {
+  sim_allocator a(parse_config("expandable_segments:True,memory_limit:32MiB"));
+  void* p = a.alloc.allocate(20 * MiB, stream(1));
+  a.alloc.deallocate(p);
+  void* q = a.alloc.allocate(30 * MiB, stream(2));  // ladder moves stream 1's idle pages
+  EXPECT_NE(q, nullptr);
+  EXPECT_LE(a.stats().reserved_bytes[0].peak, static_cast<std::int64_t>(32 * MiB));
+  EXPECT_THROW((void)a.alloc.allocate(4 * MiB, stream(2)), out_of_memory);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, DeviceWithoutVirtualMemoryIsAClearError) {
+  sim_options o;
+  o.granularity_bytes = 0;
+  try {
+    sim_allocator a(expandable(), o);
+    FAIL();
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("virtual memory"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace cucache::test
