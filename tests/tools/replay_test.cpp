@@ -1,0 +1,305 @@
+// Tests of the cucache-replay engine on the simulated device: exact figures of a hand-made trace
+// worked out from the size rules, the bundled resnet50 trace's counts and peaks, determinism,
+// capacity limits, and the command line's JSON Lines output.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cucache/cuda_backend.hpp"
+#include "cucache/errors.hpp"
+#include "cucache/trace.hpp"
+#include "replay_engine.hpp"
+
+namespace cucache::replay {
+namespace {
+
+constexpr std::size_t k_mib = std::size_t{1} << 20;
+const std::filesystem::path k_resnet =
+    std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "resnet50_train.csv.gz";
+
+class temp_file {
+ public:
+  explicit temp_file(const std::string& stem, const std::string& text)
+      : path_(std::filesystem::temp_directory_path() /
+              (stem + "." + std::to_string(::getpid()) + ".csv")) {
+    std::ofstream(path_, std::ios::binary) << text;
+  }
+  ~temp_file() { std::filesystem::remove(path_); }
+  temp_file(const temp_file&) = delete;
+  temp_file& operator=(const temp_file&) = delete;
+  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Builds trace text row by row; times are irrelevant to the replay.
+class trace_builder {
+ public:
+  trace_builder& alloc(std::uintptr_t ptr, std::size_t size, std::uintptr_t stream = 0) {
+    return row("allocate", ptr, size, stream);
+  }
+  trace_builder& free(std::uintptr_t ptr, std::size_t size, std::uintptr_t stream = 0) {
+    return row("free", ptr, size, stream);
+  }
+  [[nodiscard]] std::string text() const {
+    return std::string(k_trace_header) + "\n" + rows_.str();
+  }
+
+ private:
+  trace_builder& row(const char* action, std::uintptr_t ptr, std::size_t size,
+                     std::uintptr_t stream) {
+    ++n_;
+    rows_ << "1,00:00:00." << std::setw(6) << std::setfill('0') << n_ << ',' << action << ",0x"
+          << std::hex << ptr << std::dec << ',' << size << ",0x" << std::hex << stream << std::dec
+          << '\n';
+    return *this;
+  }
+  std::ostringstream rows_;
+  unsigned n_ = 0;
+};
+
+options sim_options_for_tests() {
+  options o;
+  o.backend = backend_kind::sim;
+  return o;
+}
+
+struct cli_run {
+  int status = 0;
+  std::string out;
+  std::string err;
+};
+
+cli_run run(std::vector<std::string> args) {
+  args.insert(args.begin(), "cucache-replay");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out;
+  std::ostringstream err;
+  cli_run r;
+  r.status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
+  r.out = out.str();
+  r.err = err.str();
+  return r;
+}
+
+std::vector<nlohmann::json> json_lines(const std::string& text) {
+  std::vector<nlohmann::json> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+// Every step's expectation follows PyTorch's rules, which cucache shares: requests up to 1 MiB
+// come from 2 MiB small segments; a large request under 10 MiB gets a 20 MiB segment; a larger one
+// a segment of its own size rounded up to 2 MiB; a large block splits only when more than 1 MiB
+// would remain; best fit decides which free block serves.
+std::string hand_made_trace() {
+  trace_builder t;
+  t.alloc(0x1000, 1000);            // small segment 1 (2 MiB): reserved 2 MiB
+  t.alloc(0x2000, 800 * 1024);      // fits in segment 1
+  t.alloc(0x3000, 800 * 1024);      // fits in segment 1 (448 KiB left)
+  t.alloc(0x4000, 800 * 1024);      // small segment 2: reserved 4 MiB
+  t.alloc(0x5000, 5 * k_mib);       // 20 MiB segment, split: 15 MiB left; reserved 24 MiB
+  t.alloc(0x6000, 16 * k_mib + 1);  // rounds to 16 MiB + 512: own 18 MiB segment; reserved 42 MiB
+  t.alloc(0x7000, 8 * k_mib);       // best fit: the 15 MiB remainder; reserved stays 42 MiB
+  t.free(0x6000, 16 * k_mib + 1);   // the 18 MiB segment is whole and free again
+  t.alloc(0x8000, 17 * k_mib);      // takes the 18 MiB block unsplit (exactly 1 MiB would remain)
+  for (std::uintptr_t p : {0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x7000, 0x8000}) {
+    t.free(p, 0);  // a free's size is not checked against its allocation's
+  }
+  t.alloc(0x9000, 30 * k_mib);  // nothing cached holds 30 MiB: new segment; reserved 72 MiB
+  t.free(0x9000, 30 * k_mib);
+  t.alloc(0xa000, 600 * 1024);  // reuses a cached small segment
+  return t.text();
+}
+
+TEST(replay_engine, hand_made_trace_has_exact_figures) {
+  const prepared_trace trace = prepare(parse_trace(hand_made_trace()), "hand_made");
+  EXPECT_EQ(trace.summary.allocations, 10u);
+  EXPECT_EQ(trace.summary.frees, 9u);
+  EXPECT_EQ(trace.timed_events, 19u);
+  // Live at the high point (after the 17 MiB allocation): everything but the freed 16 MiB + 1.
+  const std::size_t expected_requested = 1000 + 3 * 800 * 1024 + 5 * k_mib + 8 * k_mib + 17 * k_mib;
+  EXPECT_EQ(trace.summary.peak_requested_bytes, expected_requested);
+
+  const trace_result r = replay_trace(trace, sim_options_for_tests());
+  EXPECT_EQ(r.peak_requested_bytes, expected_requested);
+  EXPECT_EQ(r.figures.peak_requested_bytes, expected_requested);
+  EXPECT_EQ(r.figures.peak_reserved_bytes, 72 * k_mib);
+  EXPECT_EQ(r.figures.device_alloc_calls, 5u);
+  EXPECT_EQ(r.figures.device_free_calls, 0u);
+  EXPECT_EQ(r.figures.oom_count, 0u);
+  EXPECT_FALSE(r.fits.has_value());
+  // At the reserved peak only the 30 MiB block is allocated; the largest free block is the whole
+  // 20 MiB segment.
+  EXPECT_EQ(r.fragmentation_at_peak.reserved_bytes, 72 * k_mib);
+  EXPECT_EQ(r.fragmentation_at_peak.allocated_bytes, 30 * k_mib);
+  EXPECT_EQ(r.fragmentation_at_peak.free_bytes, 42 * k_mib);
+  EXPECT_EQ(r.fragmentation_at_peak.largest_free_block, 20 * k_mib);
+  EXPECT_DOUBLE_EQ(r.fragmentation_at_peak.overhead, 1.0 - 30.0 / 72.0);
+  EXPECT_DOUBLE_EQ(r.fragmentation_at_peak.external, 1.0 - 20.0 / 42.0);
+}
+
+TEST(replay_engine, max_split_size_keeps_large_blocks_whole) {
+  // With a 20 MiB cap a shared 20 MiB segment would itself be oversize, so a 5 MiB request gets a
+  // segment of its own size rounded to 2 MiB (6 MiB), whose 1 MiB remainder is too small to split
+  // off: the second request needs another segment.
+  trace_builder t;
+  t.alloc(0x1000, 5 * k_mib).alloc(0x2000, 5 * k_mib);
+  options o = sim_options_for_tests();
+  o.cfg = parse_config("max_split_size_mb:20");
+  const trace_result r = replay_trace(prepare(parse_trace(t.text()), "split"), o);
+  EXPECT_EQ(r.figures.device_alloc_calls, 2u);
+  EXPECT_EQ(r.figures.peak_reserved_bytes, 12 * k_mib);
+  EXPECT_EQ(r.config, "max_split_size_mb:20");
+}
+
+TEST(replay_engine, frees_match_the_latest_allocation_of_a_reused_pointer) {
+  trace_builder t;
+  t.alloc(0x1000, 4096).free(0x1000, 4096).alloc(0x1000, 8192).free(0x1000, 8192);
+  const prepared_trace trace = prepare(parse_trace(t.text()), "reuse");
+  ASSERT_EQ(trace.ops.size(), 4u);
+  EXPECT_EQ(trace.ops[1].kind, op_kind::free);
+  EXPECT_EQ(trace.ops[1].slot, 0u);
+  EXPECT_EQ(trace.ops[3].slot, 2u);
+  const trace_result r = replay_trace(trace, sim_options_for_tests());
+  EXPECT_EQ(r.figures.peak_requested_bytes, 8192u);
+  EXPECT_EQ(r.figures.peak_reserved_bytes, 2 * k_mib);
+}
+
+TEST(replay_engine, streams_and_skipped_rows) {
+  trace_builder t;
+  t.alloc(0x1000, 4096, 0x10).alloc(0x2000, 4096, 0x20).free(0x1000, 4096, 0x20);
+  std::string text = t.text() + "1,00:00:01.000000,allocate failure,(nil),1024,0x10\n";
+  const prepared_trace trace = prepare(parse_trace(text), "streams");
+  EXPECT_EQ(trace.stream_ids.size(), 2u);
+  EXPECT_EQ(trace.ops[2].kind, op_kind::free_on_other_stream);
+  EXPECT_EQ(trace.skipped_failures, 1u);
+  EXPECT_EQ(trace.timed_events, 3u);
+  const trace_result r = replay_trace(trace, sim_options_for_tests());
+  // One small segment per stream: each stream has its own pool.
+  EXPECT_EQ(r.figures.peak_reserved_bytes, 4 * k_mib);
+  EXPECT_EQ(r.streams, 2u);
+  EXPECT_EQ(r.skipped_failures, 1u);
+}
+
+TEST(replay_engine, resnet50_counts_and_peaks) {
+  const prepared_trace trace = load_trace(k_resnet);
+  EXPECT_EQ(trace.name, "resnet50_train");
+  options o = sim_options_for_tests();
+  o.repeat = 2;  // the engine itself checks that both runs agree
+  const trace_result r = replay_trace(trace, o);
+  EXPECT_EQ(r.events, 13683u);
+  EXPECT_EQ(r.allocations, 6843u);
+  EXPECT_EQ(r.frees, 6840u);
+  EXPECT_EQ(r.peak_requested_bytes, 3192592912u);
+  EXPECT_EQ(r.figures.peak_requested_bytes, 3192592912u);
+  EXPECT_GE(r.figures.peak_reserved_bytes, r.peak_requested_bytes);
+  EXPECT_GE(r.reserved_over_requested, 1.0);
+  EXPECT_EQ(r.figures.oom_count, 0u);
+  EXPECT_EQ(r.host_ns_per_op_runs.size(), 2u);
+  EXPECT_GT(r.host_ns_per_op, 0.0);
+  EXPECT_GT(r.figures.device_alloc_calls, 0u);
+}
+
+TEST(replay_engine, simulated_figures_are_identical_run_to_run) {
+  const prepared_trace trace = load_trace(k_resnet);
+  const trace_result a = replay_trace(trace, sim_options_for_tests());
+  const trace_result b = replay_trace(trace, sim_options_for_tests());
+  EXPECT_EQ(a.figures, b.figures);
+  EXPECT_EQ(a.fragmentation_at_peak.reserved_bytes, b.fragmentation_at_peak.reserved_bytes);
+  EXPECT_EQ(a.fragmentation_at_peak.allocated_bytes, b.fragmentation_at_peak.allocated_bytes);
+  EXPECT_EQ(a.fragmentation_at_peak.largest_free_block, b.fragmentation_at_peak.largest_free_block);
+  EXPECT_EQ(to_json(a)["peak_reserved_bytes"], to_json(b)["peak_reserved_bytes"]);
+}
+
+TEST(replay_cli, json_lines_have_every_key) {
+  const cli_run r =
+      run({"--backend", "sim", "--json", "--repeat", "2", k_resnet.string(), k_resnet.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto lines = json_lines(r.out);
+  ASSERT_EQ(lines.size(), 2u);  // one per trace, nothing else on stdout
+  for (const auto& j : lines) {
+    for (const char* key :
+         {"trace", "backend", "config", "events", "allocations", "peak_requested_bytes",
+          "peak_reserved_bytes", "reserved_over_requested", "device_alloc_calls",
+          "device_free_calls", "host_ns_per_op", "fragmentation_at_peak", "oom_count", "peers"}) {
+      EXPECT_TRUE(j.contains(key)) << key;
+    }
+    EXPECT_TRUE(j["fragmentation_at_peak"].contains("external"));
+    EXPECT_TRUE(j["fragmentation_at_peak"].contains("overhead"));
+    EXPECT_FALSE(j.contains("fits"));  // only with --capacity-gib
+    EXPECT_EQ(j["trace"], "resnet50_train");
+    EXPECT_EQ(j["backend"], "sim");
+    EXPECT_EQ(j["events"], 13683);
+    EXPECT_EQ(j["allocations"], 6843);
+    EXPECT_EQ(j["peak_requested_bytes"], 3192592912u);
+    EXPECT_TRUE(j["peers"].empty());
+  }
+  EXPECT_EQ(lines[0]["peak_reserved_bytes"], lines[1]["peak_reserved_bytes"]);
+  EXPECT_EQ(lines[0]["device_alloc_calls"], lines[1]["device_alloc_calls"]);
+}
+
+TEST(replay_cli, capacity_decides_whether_the_trace_fits) {
+  const cli_run small =
+      run({"--backend", "sim", "--json", "--capacity-gib", "1", k_resnet.string()});
+  ASSERT_EQ(small.status, 0) << small.err;
+  const auto s = json_lines(small.out);
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0]["fits"], false);
+  EXPECT_GT(s[0]["oom_count"].get<std::uint64_t>(), 0u);
+  EXPECT_LE(s[0]["peak_reserved_bytes"].get<std::uint64_t>(), std::uint64_t{1} << 30);
+  EXPECT_EQ(s[0]["capacity_bytes"], std::uint64_t{1} << 30);
+
+  const cli_run large =
+      run({"--backend", "sim", "--json", "--capacity-gib", "8", k_resnet.string()});
+  ASSERT_EQ(large.status, 0) << large.err;
+  const auto l = json_lines(large.out);
+  ASSERT_EQ(l.size(), 1u);
+  EXPECT_EQ(l[0]["fits"], true);
+  EXPECT_EQ(l[0]["oom_count"], 0);
+}
+
+TEST(replay_cli, table_by_default) {
+  const cli_run r =
+      run({"--backend", "sim", "--config", "max_split_size_mb:128", k_resnet.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("resnet50_train"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("max_split_size_mb:128"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("resv/req"), std::string::npos) << r.out;
+}
+
+TEST(replay_cli, falls_back_to_the_simulated_device_with_a_note) {
+  if (cuda_available()) GTEST_SKIP() << "a GPU is usable here; the default is the cuda backend";
+  const cli_run r = run({"--json", k_resnet.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("no GPU: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("; using the simulated device"), std::string::npos) << r.err;
+  EXPECT_EQ(json_lines(r.out).at(0)["backend"], "sim");
+}
+
+TEST(replay_cli, rejects_what_it_cannot_do) {
+  EXPECT_EQ(run({"--backend", "sim", "--peers", "c10", k_resnet.string()}).status, 1);
+  EXPECT_EQ(run({"--backend", "sim", "--config", "no_such_key:1", k_resnet.string()}).status, 1);
+  EXPECT_NE(run({"--backend", "sim", "--repeat", "0", k_resnet.string()}).status, 0);
+  EXPECT_NE(run({"--backend", "sim"}).status, 0);  // a trace is required
+  const temp_file bad("replay_bad_trace", "not a trace\n");
+  const cli_run r = run({"--backend", "sim", bad.path().string()});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("cucache-replay: error:"), std::string::npos) << r.err;
+  // --peers none is always accepted.
+  EXPECT_EQ(run({"--backend", "sim", "--peers", "none", k_resnet.string()}).status, 0);
+}
+
+}  // namespace
+}  // namespace cucache::replay

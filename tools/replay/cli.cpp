@@ -1,0 +1,130 @@
+// The command line of cucache-replay: parses the options with CLI11, picks the backend, replays
+// each trace and prints a table or JSON Lines. In the engine library so tests run it in-process.
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+#include <memory>
+#include <ostream>
+#include <sstream>
+
+#include "cucache/cuda_backend.hpp"
+#include "cucache/errors.hpp"
+#include "peers.hpp"
+#include "replay_engine.hpp"
+
+namespace cucache::replay {
+namespace {
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    const auto first = item.find_first_not_of(" \t");
+    if (first == std::string::npos) continue;
+    const auto last = item.find_last_not_of(" \t");
+    items.push_back(item.substr(first, last - first + 1));
+  }
+  return items;
+}
+
+}  // namespace
+
+int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{
+      "Replays allocation traces (RMM CSV, plain or gzip) through cucache and reports peak "
+      "reserved memory, fragmentation and host time per allocate/free, optionally beside peer "
+      "allocators on a GPU.",
+      "cucache-replay"};
+  std::string backend_name;
+  std::string config_text;
+  double capacity_gib = 0.0;
+  unsigned repeat = 1;
+  bool json = false;
+  std::string peers_text;
+  std::vector<std::string> traces;
+  app.add_option("--backend", backend_name,
+                 "sim or cuda (default: cuda when a GPU is usable, else sim)")
+      ->check(CLI::IsMember({"sim", "cuda"}));
+  app.add_option("--config", config_text, "allocator settings in CUCACHE_CONF syntax");
+  auto* capacity_opt =
+      app.add_option("--capacity-gib", capacity_gib,
+                     "device capacity (sim) or memory limit (cuda) in GiB; reports whether the "
+                     "trace fits")
+          ->check(CLI::PositiveNumber);
+  app.add_option("--repeat", repeat,
+                 "timed replays per trace, each with a fresh allocator; the "
+                 "median is reported")
+      ->check(CLI::Range(1U, 1000000U));
+  app.add_flag("--json", json, "one JSON object per trace per line, nothing else on stdout");
+  auto* peers_opt = app.add_option(
+      "--peers", peers_text,
+      "comma-separated peers: cudaMalloc,cudaMallocAsync,c10 or none (default: every available "
+      "one on cuda, none on sim)");
+  app.add_option("trace", traces, "trace files")->required()->check(CLI::ExistingFile);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e, out, err);
+  }
+
+  try {
+    options opts;
+    if (backend_name.empty()) {
+      if (cuda_available()) {
+        opts.backend = backend_kind::cuda;
+      } else {
+        opts.backend = backend_kind::sim;
+        err << "cucache-replay: no GPU: " << cuda_unavailable_reason()
+            << "; using the simulated device\n";
+      }
+    } else if (backend_name == "cuda") {
+      if (!cuda_available()) {
+        throw error(fmt::format("--backend cuda: {}", cuda_unavailable_reason()));
+      }
+      opts.backend = backend_kind::cuda;
+    }
+    opts.cfg = parse_config(config_text);
+    if (capacity_opt->count() > 0) {
+      const double bytes = std::round(capacity_gib * static_cast<double>(std::size_t{1} << 30));
+      if (!(bytes >= 1.0) || bytes > 1e18) {
+        throw invalid_argument(fmt::format("--capacity-gib {}: out of range", capacity_gib));
+      }
+      opts.capacity_bytes = static_cast<std::size_t>(bytes);
+    }
+    opts.repeat = repeat;
+
+    bool requested = false;
+    if (peers_opt->count() > 0) {
+      opts.peers = split_list(peers_text);
+      if (opts.peers.size() == 1 && opts.peers.front() == "none") opts.peers.clear();
+      requested = true;
+      if (!opts.peers.empty() && opts.backend == backend_kind::sim) {
+        throw invalid_argument("--peers: the peers run on a GPU only (--backend cuda)");
+      }
+    } else if (opts.backend == backend_kind::cuda) {
+      opts.peers.assign(std::begin(k_peer_names), std::end(k_peer_names));
+    }
+    const auto peers = make_peers(opts.peers, requested, opts, err);
+    std::vector<peer*> peer_ptrs;
+    for (const auto& p : peers) peer_ptrs.push_back(p.get());
+
+    std::vector<trace_result> results;
+    for (const std::string& path : traces) {
+      const prepared_trace trace = load_trace(path);
+      trace_result r = replay_trace(trace, opts, peer_ptrs);
+      if (json) {
+        out << to_json(r).dump() << '\n' << std::flush;
+      } else {
+        results.push_back(std::move(r));
+      }
+    }
+    if (!json) out << format_table(results);
+    return 0;
+  } catch (const std::exception& e) {
+    err << "cucache-replay: error: " << e.what() << '\n';
+    return 1;
+  }
+}
+
+}  // namespace cucache::replay

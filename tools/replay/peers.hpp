@@ -1,0 +1,65 @@
+// The allocators cucache-replay compares against on a real GPU: cudaMalloc/cudaFree, the
+// stream-ordered allocator (cudaMallocAsync on a dedicated pool) and PyTorch's caching allocator
+// through the dlopen'd shim of bench/peers/c10_peer.h. Also the table of CUDA streams a replay
+// uses.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "replay_engine.hpp"
+
+namespace cucache::replay {
+
+/// One cold run of a peer.
+struct peer_run {
+  double ns_per_op = 0.0;
+  std::uint64_t oom_count = 0;
+  std::size_t peak_reserved_bytes = 0;
+};
+
+/// A peer allocator. Each run starts from an empty cache and ends with everything freed.
+class peer {
+ public:
+  virtual ~peer() = default;
+  [[nodiscard]] virtual std::string name() const = 0;
+  /// How peak_reserved_bytes is measured, for the JSON output.
+  [[nodiscard]] virtual std::string peak_source() const = 0;
+  /// Called before the runs of each trace (a peer may measure memory once per trace).
+  virtual void begin_trace() {}
+  [[nodiscard]] virtual peer_run run(const prepared_trace& trace,
+                                     std::span<const stream_handle> streams,
+                                     std::span<void*> slots) = 0;
+};
+
+/// Creates the named peers on device 0. `requested` false means "every available one": a peer
+/// that cannot be created is then skipped with a note on `err` instead of failing. Throws
+/// cucache::error for an unknown name or a requested peer that is unavailable.
+[[nodiscard]] std::vector<std::unique_ptr<peer>> make_peers(std::span<const std::string> names,
+                                                            bool requested, const options& opts,
+                                                            std::ostream& err);
+
+/// One CUDA stream per distinct trace stream id (0 maps to the legacy default stream), destroyed
+/// with the table.
+class cuda_stream_table {
+ public:
+  explicit cuda_stream_table(std::span<const std::uintptr_t> ids);
+  ~cuda_stream_table();
+  cuda_stream_table(const cuda_stream_table&) = delete;
+  cuda_stream_table& operator=(const cuda_stream_table&) = delete;
+  [[nodiscard]] std::span<const stream_handle> handles() const noexcept { return handles_; }
+
+ private:
+  std::vector<stream_handle> handles_;
+};
+
+/// The PYTORCH_CUDA_ALLOC_CONF string with the same meaning as `cfg` for the keys both share
+/// (cucache-only keys and the memory fraction, which c10 takes through a call, left out).
+[[nodiscard]] std::string c10_settings(const config& cfg);
+
+}  // namespace cucache::replay

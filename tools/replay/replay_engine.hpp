@@ -1,0 +1,145 @@
+// The engine of cucache-replay: turns a trace into a flat array of operations, replays it through
+// a fresh cucache device_allocator (simulated or real device) and through peer allocators, and
+// reports memory and host-time figures as a table or JSON Lines. A library so tests can drive it.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <iosfwd>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cucache/backend.hpp"
+#include "cucache/config.hpp"
+#include "cucache/trace.hpp"
+
+namespace cucache::replay {
+
+/// What one event does in a replay. Events that need no call (failure rows, null or zero-byte
+/// allocations and their frees) stay in the array as `none` so event indices stay slot indices.
+enum class op_kind : std::uint8_t { none, allocate, free, free_on_other_stream };
+
+/// One trace event, resolved ahead of the timed loop so the loop does no lookups.
+struct replay_op {
+  std::size_t size = 0;
+  /// allocate: the slot its replay pointer goes to (its own index); free: its allocate's slot.
+  std::uint32_t slot = 0;
+  /// Index into prepared_trace::stream_ids.
+  std::uint32_t stream = 0;
+  op_kind kind = op_kind::none;
+};
+
+/// A trace ready to replay.
+struct prepared_trace {
+  std::string name;
+  std::vector<replay_op> ops;
+  /// Distinct trace stream ids, in order of first appearance.
+  std::vector<std::uintptr_t> stream_ids;
+  trace_summary summary;
+  /// allocate + free events: the divisor of ns per op.
+  std::size_t timed_events = 0;
+  /// "allocate failure" rows, skipped.
+  std::size_t skipped_failures = 0;
+  /// Allocations of a null pointer or of zero bytes, which make no call.
+  std::size_t skipped_empty = 0;
+};
+
+/// Resolves events: every free gets the slot of the latest live allocate of its pointer.
+[[nodiscard]] prepared_trace prepare(const std::vector<trace_event>& events, std::string name);
+/// read_trace + prepare; the name is the file name without ".gz" and ".csv".
+[[nodiscard]] prepared_trace load_trace(const std::filesystem::path& path);
+
+enum class backend_kind : std::uint8_t { sim, cuda };
+[[nodiscard]] const char* to_string(backend_kind kind) noexcept;
+
+/// Default simulated capacity: large enough that any trace fits.
+inline constexpr std::size_t k_unbounded_sim_capacity = std::size_t{1} << 40;
+
+struct options {
+  backend_kind backend = backend_kind::sim;
+  config cfg;
+  /// --capacity-gib in bytes: the simulated device's capacity, or a memory_limit on cuda.
+  std::optional<std::size_t> capacity_bytes;
+  unsigned repeat = 1;
+  /// Peer names (see k_peer_names) to replay the same events through; cuda backend only.
+  std::vector<std::string> peers;
+};
+
+/// Allocator state at the moment reserved memory reached its peak.
+struct fragmentation_sample {
+  double external = 0.0;  // 1 - largest free block / free bytes
+  double overhead = 0.0;  // 1 - allocated / reserved
+  std::size_t reserved_bytes = 0;
+  std::size_t allocated_bytes = 0;
+  std::size_t free_bytes = 0;
+  std::size_t largest_free_block = 0;
+};
+
+/// The memory figures of one cucache replay; on the simulated device every run must agree.
+struct memory_figures {
+  std::size_t peak_reserved_bytes = 0;
+  std::size_t peak_allocated_bytes = 0;
+  std::size_t peak_requested_bytes = 0;
+  std::uint64_t device_alloc_calls = 0;
+  std::uint64_t device_free_calls = 0;
+  std::uint64_t oom_count = 0;
+
+  friend bool operator==(const memory_figures&, const memory_figures&) = default;
+};
+
+struct peer_result {
+  std::string name;
+  double host_ns_per_op = 0.0;  // median over repeats
+  std::vector<double> host_ns_per_op_runs;
+  std::size_t peak_reserved_bytes = 0;
+  std::uint64_t oom_count = 0;
+  /// How peak_reserved_bytes was measured.
+  std::string peak_source;
+};
+
+struct trace_result {
+  std::string trace;
+  std::string backend;
+  std::string config;  // to_string of the --config given (capacity not folded in)
+  std::size_t events = 0;
+  std::size_t allocations = 0;
+  std::size_t frees = 0;
+  std::size_t streams = 0;
+  std::size_t skipped_failures = 0;
+  std::size_t peak_requested_bytes = 0;  // from the trace summary
+  memory_figures figures;                // from cucache's stats, first run
+  double reserved_over_requested = 0.0;
+  double host_ns_per_op = 0.0;  // median over repeats
+  std::vector<double> host_ns_per_op_runs;
+  fragmentation_sample fragmentation_at_peak;
+  std::optional<std::size_t> capacity_bytes;
+  std::optional<bool> fits;  // only with a capacity
+  std::vector<peer_result> peers;
+};
+
+/// Peer names accepted by --peers.
+inline constexpr const char* k_peer_names[] = {"cudaMalloc", "cudaMallocAsync", "c10"};
+
+class peer;
+
+/// Replays one trace: `opts.repeat` timed runs, each through a fresh allocator, then one untimed
+/// run that samples the stats at the reserved peak; then each peer. Throws cucache::error when
+/// figures that must agree do not (sim runs, trace vs allocator requested peak).
+[[nodiscard]] trace_result replay_trace(const prepared_trace& trace, const options& opts,
+                                        std::span<peer* const> peers = {});
+
+/// The JSON object of one result (one line of --json output).
+[[nodiscard]] nlohmann::json to_json(const trace_result& result);
+/// The human table of several results.
+[[nodiscard]] std::string format_table(std::span<const trace_result> results);
+
+/// The whole command line tool; returns the exit status. Output goes to `out` (table or JSON
+/// Lines), notes and errors to `err`.
+int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
+
+}  // namespace cucache::replay

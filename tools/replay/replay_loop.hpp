@@ -1,0 +1,68 @@
+// The replay loop shared by cucache and every peer: one pass over the prepared operations, timed
+// with steady_clock around the whole loop. A template over the allocator so that each loop body
+// is a direct call, not a virtual one, and the sampling hook vanishes from timed runs.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+
+#include "replay_engine.hpp"
+
+namespace cucache::replay {
+
+/// What one pass measured.
+struct pass_result {
+  std::chrono::nanoseconds elapsed{0};
+  /// Allocations refused (out of memory); their frees were skipped.
+  std::uint64_t failed_allocations = 0;
+};
+
+/// Never called in timed runs; exists so they pass a hook that compiles to nothing.
+struct no_hook {
+  void operator()(std::size_t /*op_index*/) const noexcept {}
+};
+
+/// Replays every operation through `a`, which provides
+///   void* allocate(std::size_t bytes, stream_handle stream)   -- nullptr when out of memory
+///   void deallocate(void* ptr, stream_handle stream, bool other_stream)
+/// `slots` (one per operation) receives the replay pointers; `after_allocate(i)` runs after each
+/// successful allocation. Pointers still live at the end stay in `slots` for the caller to free.
+template <class Allocator, class Hook = no_hook>
+pass_result run_pass(const prepared_trace& trace, std::span<const stream_handle> streams,
+                     std::span<void*> slots, Allocator& a, Hook&& after_allocate = {}) {
+  pass_result r;
+  const replay_op* const ops = trace.ops.data();
+  const std::size_t n = trace.ops.size();
+  void** const slot = slots.data();
+  const stream_handle* const stream = streams.data();
+  const auto start = std::chrono::steady_clock::now();
+  for (std::size_t i = 0; i < n; ++i) {
+    const replay_op& op = ops[i];
+    switch (op.kind) {
+      case op_kind::allocate: {
+        void* p = a.allocate(op.size, stream[op.stream]);
+        slot[op.slot] = p;
+        if (p == nullptr) {
+          ++r.failed_allocations;
+        } else {
+          after_allocate(i);
+        }
+        break;
+      }
+      case op_kind::free:
+      case op_kind::free_on_other_stream:
+        if (void* p = slot[op.slot]; p != nullptr) {
+          a.deallocate(p, stream[op.stream], op.kind == op_kind::free_on_other_stream);
+          slot[op.slot] = nullptr;
+        }
+        break;
+      case op_kind::none:
+        break;
+    }
+  }
+  r.elapsed = std::chrono::steady_clock::now() - start;
+  return r;
+}
+
+}  // namespace cucache::replay
