@@ -50,6 +50,8 @@ struct device_allocator::impl {
   /// Maps every page b touches. False when no physical memory could be found (b unchanged).
   bool ensure_mapped(detail::stream_pool& p, detail::block* b);
   void undo_carve(detail::stream_pool& p, detail::block* b);
+  void split_idle_overhang(detail::stream_pool& p, detail::vm_range& r, std::uintptr_t addr,
+                           std::size_t bytes);
   void touch_pages(detail::stream_pool& p, const detail::block* b, int delta);
   std::optional<phys_handle> create_handle(detail::stream_pool& p, std::size_t bytes);
   void release_handle(phys_handle h, std::size_t bytes);

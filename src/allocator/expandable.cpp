@@ -25,6 +25,12 @@ namespace {
 /// Largest physical handle created at once. Larger handles cost the same to create and map, but
 /// can only be moved whole; 256 MiB keeps a 1 GiB request at four calls.
 constexpr std::size_t k_max_handle_bytes = std::size_t{256} << 20;
+/// Give the first and last page of each run its own handle (see ensure_mapped), and release an
+/// idle mapping that a new block would use only in part (see split_idle_overhang). Measured on the
+/// seven traces of ../shared/traces (sim): without either, peak reserved / peak requested has a
+/// geometric mean of 1.030 (worst 1.055); with both, 1.005 (worst 1.020), for 2-5x more VM calls.
+constexpr bool k_boundary_pages = true;
+constexpr bool k_split_partial = true;
 
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 }  // namespace
@@ -249,8 +255,13 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
     }
     std::size_t run = 0;
     while (pg + run <= last && r.page_map[pg + run] == nullptr) ++run;
+    const std::size_t run_start = pg;
     while (run > 0) {
-      const std::size_t want = run * page_bytes;
+      // The first and last page of a run get handles of their own: they may be shared with a
+      // neighbouring block, and a handle that a neighbour keeps in use cannot be moved.
+      const std::size_t want_pages =
+          !k_boundary_pages ? run : (pg == run_start || run == 1) ? 1 : run - 1;
+      const std::size_t want = want_pages * page_bytes;
       std::optional<phys_handle> h;
       std::size_t got = 0;
       bool stitched = false;
@@ -328,6 +339,26 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
   return true;
 }
 
+void device_allocator::impl::split_idle_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr,
+                                                 std::size_t bytes) {
+  // An idle mapping that the new block would use only in part would be pinned whole by it: the
+  // rest could no longer be moved. Release it instead; ensure_mapped backs exactly the block.
+  const std::size_t first = r.page_of(addr);
+  const std::size_t last = r.page_of(addr + bytes - 1);
+  bool synced = false;
+  for (std::size_t pg : {first, last}) {
+    vm_mapping* m = r.page_map[pg];
+    if (m == nullptr || !m->idle) continue;
+    if (m->first_page >= first && m->first_page + m->pages - 1 <= last) continue;
+    if (!synced) {
+      backend->stream_synchronize(p.stream);
+      synced = true;
+    }
+    const std::size_t mbytes = m->pages * page_bytes;
+    release_handle(unmap_mapping(p, m), mbytes);
+  }
+}
+
 void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
   const pool_kind kind = b->seg->kind;
   const auto size = static_cast<std::int64_t>(b->size);
@@ -382,6 +413,7 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     ensure_range(p, kind);
     block* b = p.index_of(kind).best_fit(rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
+    if (k_split_partial) split_idle_overhang(p, *b->seg->vm, b->addr, rounded);
     b = carve(p, b, kind, rounded, bytes);
     bool mapped = false;
     try {

@@ -21,24 +21,49 @@ void expect_no_leak(sim_allocator& a) {
             static_cast<std::size_t>(s.reserved_bytes[0].current));
 }
 
-TEST(Expandable, MapsOnlyTheMissingPages) {
+TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
   sim_allocator a(expandable());
-  void* p = a.alloc.allocate(3 * MiB);  // pages 0-1 of the large range: one 4 MiB handle
+  void* p = a.alloc.allocate(3 * MiB);  // pages 0-1 of the large range
   auto s = a.stats();
   EXPECT_EQ(a.sim->calls(sim_call::va_reserve), 1u);
-  EXPECT_EQ(s.vm_create_count, 1u);
-  EXPECT_EQ(s.vm_map_count, 1u);
+  // A run's first and last pages get their own handles (a neighbour may share them).
+  EXPECT_EQ(s.vm_create_count, 2u);
+  EXPECT_EQ(s.vm_map_count, 2u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
   void* q = a.alloc.allocate(3 * MiB);  // [3, 6) MiB: page 1 is mapped, page 2 is not
   EXPECT_EQ(addr(q), addr(p) + 3 * MiB);
   s = a.stats();
-  EXPECT_EQ(s.vm_create_count, 2u);
+  EXPECT_EQ(s.vm_create_count, 3u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(6 * MiB));
   a.alloc.deallocate(p);
   void* r = a.alloc.allocate(MiB + MiB / 2);  // the hole at page 0: no device call at all
   EXPECT_EQ(r, p);
-  EXPECT_EQ(a.stats().vm_create_count, 2u);
-  EXPECT_EQ(a.stats().vm_map_count, 2u);
+  EXPECT_EQ(a.stats().vm_create_count, 3u);
+  EXPECT_EQ(a.stats().vm_map_count, 3u);
+  // A 10-page run: first page, 8 middle pages in one handle, last page.
+  void* big = a.alloc.allocate(20 * MiB);
+  EXPECT_EQ(addr(big), addr(q) + 3 * MiB);
+  EXPECT_EQ(a.stats().vm_create_count, 6u);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(26 * MiB));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, IdleMappingUsedInPartIsReleasedRatherThanPinned) {
+  sim_allocator a(expandable());
+  void* x = a.alloc.allocate(20 * MiB);  // pages 0-9: handles of 1, 8 and 1 pages
+  void* y = a.alloc.allocate(2 * MiB);   // page 10
+  a.alloc.deallocate(x);
+  // 4 MiB at the hole's front: pages 0-1. Page 0's handle is idle and inside the span; page 1's
+  // 8-page handle would be pinned by one page, so it is released, and page 1 is backed by moving
+  // page 9's idle handle there.
+  void* z = a.alloc.allocate(4 * MiB);
+  EXPECT_EQ(z, x);
+  const auto s = a.stats();
+  EXPECT_EQ(s.vm_release_count, 1u);
+  EXPECT_EQ(s.stitched_pages, 1u);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(6 * MiB));  // pages 0, 1, 10
+  (void)y;
   a.alloc.check_invariants();
   expect_no_leak(a);
 }
@@ -64,9 +89,11 @@ TEST(Expandable, StitchesIdlePagesInsteadOfCreatingMemory) {
   void* z = a.alloc.allocate(16 * MiB);  // pages 8-15: 4 moved from the hole, 4 created
   EXPECT_EQ(addr(z), addr(y) + 8 * MiB);
   const auto s = a.stats();
+  // x and y were each backed by handles of 1, 2 and 1 pages. z's run of 8 pages takes x's three
+  // idle handles (1, then 2, then 1 page) and creates 3 pages and 1 page.
   EXPECT_EQ(s.stitched_pages, 4u);
-  EXPECT_EQ(s.vm_unmap_count, 1u);
-  EXPECT_EQ(s.vm_create_count, 3u);  // x, y, and the 8 MiB z still lacked
+  EXPECT_EQ(s.vm_unmap_count, 3u);
+  EXPECT_EQ(s.vm_create_count, 8u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(24 * MiB));
   EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(24 * MiB));  // = live peak
   EXPECT_EQ(a.sim->calls(sim_call::stream_synchronize), 1u);  // before the unmap
@@ -85,10 +112,14 @@ TEST(Expandable, UnmappedHandlesAreReusedBeforeCreatingNewOnes) {
   void* q = a.alloc.allocate(20 * MiB, stream(2));
   EXPECT_NE(q, nullptr);
   const auto s = a.stats();
+  // p: handles of 1, 2, 1 pages. First try for q: 1 page created, then 8 pages would pass the
+  // capacity. The ladder unmaps every idle mapping (p's three, and q's first page after the
+  // undo) into the reusable list; the retry maps those four (2 + 4 + 2 + 2 MiB) and creates
+  // 4 pages and 1 page.
   EXPECT_EQ(s.alloc_retry_count, 1u);
-  EXPECT_EQ(s.vm_create_count, 2u);
+  EXPECT_EQ(s.vm_create_count, 6u);
   EXPECT_EQ(s.vm_release_count, 0u);
-  EXPECT_EQ(s.vm_map_count, 3u);
+  EXPECT_EQ(s.vm_map_count, 10u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(20 * MiB));
   a.alloc.check_invariants();
   expect_no_leak(a);

@@ -128,6 +128,11 @@ memory_figures figures_of(const device_stats& s) {
   f.device_alloc_calls = s.device_alloc_count;
   f.device_free_calls = s.device_free_count;
   f.oom_count = s.oom_count;
+  f.vm_create_calls = s.vm_create_count;
+  f.vm_release_calls = s.vm_release_count;
+  f.vm_map_calls = s.vm_map_count;
+  f.vm_unmap_calls = s.vm_unmap_count;
+  f.stitched_pages = s.stitched_pages;
   return f;
 }
 
@@ -365,6 +370,14 @@ nlohmann::json to_json(const trace_result& r) {
   j["device_alloc_calls"] = r.figures.device_alloc_calls;
   j["device_free_calls"] = r.figures.device_free_calls;
   j["oom_count"] = r.figures.oom_count;
+  j["vm_calls"] = {{"create", r.figures.vm_create_calls},
+                   {"release", r.figures.vm_release_calls},
+                   {"map", r.figures.vm_map_calls},
+                   {"unmap", r.figures.vm_unmap_calls},
+                   {"set_access", r.figures.vm_map_calls},
+                   {"total", r.figures.vm_create_calls + r.figures.vm_release_calls +
+                                 2 * r.figures.vm_map_calls + r.figures.vm_unmap_calls}};
+  j["stitched_pages"] = r.figures.stitched_pages;
   j["host_ns_per_op"] = r.host_ns_per_op;
   j["host_ns_per_op_runs"] = r.host_ns_per_op_runs;
   j["repeat"] = r.host_ns_per_op_runs.size();

@@ -88,6 +88,12 @@ struct memory_figures {
   std::uint64_t device_alloc_calls = 0;
   std::uint64_t device_free_calls = 0;
   std::uint64_t oom_count = 0;
+  // Expandable segments: driver VM calls and pages moved rather than created.
+  std::uint64_t vm_create_calls = 0;
+  std::uint64_t vm_release_calls = 0;
+  std::uint64_t vm_map_calls = 0;
+  std::uint64_t vm_unmap_calls = 0;
+  std::uint64_t stitched_pages = 0;
 
   friend bool operator==(const memory_figures&, const memory_figures&) = default;
 };
