@@ -1,5 +1,6 @@
 // The error hierarchy of cucache. Inside C++ every failure is an exception of one of these types;
-// the C API (cucache.h) turns them into CUDA error codes. free() and destructors never throw.
+// the C API (cucache.h) turns them into CUDA error codes. Destructors never throw; freeing a
+// pointer that is not a live allocation throws invalid_argument.
 #pragma once
 
 #include <new>

@@ -1,0 +1,142 @@
+/* The C API of cucache: drop-in replacements for cudaMalloc, cudaFree, cudaMallocAsync,
+ * cudaFreeAsync and cudaMemGetInfo with the runtime's shapes and error codes, plus statistics.
+ * Usable from C and C++; no exception ever crosses it. See docs/api.md. */
+#pragma once
+
+#include <stddef.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+#define CUCACHE_NOEXCEPT noexcept
+extern "C" {
+#else
+#define CUCACHE_NOEXCEPT
+#endif
+
+/* Error codes common to every function returning cudaError_t:
+ *   cudaSuccess                   the call did what it says.
+ *   cudaErrorInvalidValue         a null out-pointer, or a pointer that is not the start of a live
+ *                                 cucache allocation (unknown, interior, already freed).
+ *   cudaErrorMemoryAllocation     the device is out of memory after cucache released its cache
+ *                                 (cucacheGetLastErrorMessage() then holds the out-of-memory
+ *                                 report), or the host could not allocate.
+ *   cudaErrorInitializationError  CUCACHE_BACKEND or CUCACHE_CONF is malformed, or the trace file
+ *                                 CUCACHE_CONF names cannot be created. Nothing is cached: fix the
+ *                                 environment and call again.
+ *   cudaErrorInvalidDevice        a device ordinal that does not exist.
+ *   any other cudaError_t         what the CUDA runtime answered, e.g. cudaErrorInsufficientDriver
+ *                                 or cudaErrorNoDevice on a machine without a usable GPU.
+ *   cudaErrorUnknown              an unexpected internal failure.
+ * On failure cucacheGetLastErrorMessage() says what went wrong. */
+
+/** Statistics of one device's allocator (cucacheGetStats). Bytes unless named a count. "Peak"
+ * values are the highest since the process started or the last cucacheResetPeakStats. */
+typedef struct cucacheStats {
+  size_t allocatedBytes;     /* in blocks handed to callers (sizes as rounded by cucache) */
+  size_t allocatedBytesPeak; /* upper bound when several streams allocate (per-stream peaks add) */
+  size_t reservedBytes;      /* device memory cucache holds (its cudaMalloc segments) */
+  size_t reservedBytesPeak;  /* exact */
+  size_t activeBytes;        /* allocated, plus freed blocks still waiting for other streams */
+  size_t activeBytesPeak;    /* upper bound with several streams, as allocatedBytesPeak */
+  size_t requestedBytes;     /* the sizes callers asked for */
+  size_t requestedBytesPeak; /* upper bound with several streams, as allocatedBytesPeak */
+  size_t cachedFreeBytes;    /* reserved - active: cached memory ready for reuse */
+  size_t largestFreeBlock;   /* the largest single cached block */
+  size_t allocationCount;    /* live allocations */
+  size_t segmentCount;       /* live device allocations (segments) */
+  unsigned long long
+      deviceAllocCount; /* device allocations made (cudaMalloc calls that succeeded) */
+  unsigned long long deviceFreeCount; /* device allocations released (cudaFree calls) */
+  unsigned long long oomCount;        /* allocations that failed with cudaErrorMemoryAllocation */
+  unsigned long long allocRetryCount; /* times cucache released its cache and retried */
+  double externalFragmentation; /* 1 - largestFreeBlock / cachedFreeBytes; 0 when none cached */
+  double overheadFragmentation; /* 1 - allocatedBytes / reservedBytes; 0 when none reserved */
+  size_t memoryLimit;           /* cap on reservedBytes (CUCACHE_CONF); 0 = none */
+  size_t deviceTotalBytes;      /* the device's total memory */
+} cucacheStats;
+
+/** Allocates `size` bytes on the current device, as cudaMalloc. size == 0: cudaSuccess with
+ * *devPtr = NULL. On failure *devPtr is set to NULL (when devPtr is not NULL).
+ * The memory belongs to the default stream: once freed, the next allocation may reuse it at once,
+ * which is safe for work on blocking streams; for work on non-blocking streams, see
+ * cucacheRecordStream and cucacheFreeAsync.
+ * Errors: cudaErrorInvalidValue (devPtr NULL), cudaErrorMemoryAllocation,
+ * cudaErrorInitializationError, CUDA runtime errors (no driver, no device). */
+cudaError_t cucacheMalloc(void** devPtr, size_t size) CUCACHE_NOEXCEPT;
+
+/** Allocates `size` bytes on the current device for use on `stream`, as cudaMallocAsync. The
+ * memory is ready at once (no work is queued); reuse after cucacheFreeAsync follows the stream's
+ * order. Errors as cucacheMalloc. */
+cudaError_t cucacheMallocAsync(void** devPtr, size_t size, cudaStream_t stream) CUCACHE_NOEXCEPT;
+
+/** Returns memory from cucacheMalloc/cucacheMallocAsync (of any device) to cucache's cache.
+ * Unlike cudaFree it does not synchronize: the memory may be reused by the next allocation on its
+ * stream. NULL: cudaSuccess, no-op.
+ * Errors: cudaErrorInvalidValue (not the start of a live cucache allocation: unknown, interior or
+ * already freed; nothing changes). */
+cudaError_t cucacheFree(void* devPtr) CUCACHE_NOEXCEPT;
+
+/** Frees in the order of `stream`, as cudaFreeAsync: the memory is reused only after the work
+ * queued on `stream` so far. NULL: cudaSuccess. Errors as cucacheFree. */
+cudaError_t cucacheFreeAsync(void* devPtr, cudaStream_t stream) CUCACHE_NOEXCEPT;
+
+/** Declares that the live allocation devPtr is also used on `stream`: when freed, it is not reused
+ * until the work queued on `stream` at free time has completed (PyTorch's record_stream).
+ * Errors: cudaErrorInvalidValue (NULL, or not the start of a live cucache allocation). */
+cudaError_t cucacheRecordStream(void* devPtr, cudaStream_t stream) CUCACHE_NOEXCEPT;
+
+/** Memory of the current device as cucache sees it, in cudaMemGetInfo's shape:
+ * *free = the device's free memory + the bytes cached in cucache's free blocks (memory
+ * cucacheMalloc can hand out without another process giving any back); *total = the device's
+ * total memory. With a memory limit (CUCACHE_CONF memory_limit / memory_fraction), *total is the
+ * limit and *free at most limit - activeBytes. The two figures are read a moment apart, so under
+ * concurrent allocation they are approximate.
+ * Errors: cudaErrorInvalidValue (free or total NULL), cudaErrorInitializationError, CUDA runtime
+ * errors. */
+cudaError_t cucacheMemGetInfo(size_t* free, size_t* total) CUCACHE_NOEXCEPT;
+
+/** Waits for pending stream-ordered frees and returns every wholly free cached segment of every
+ * device to CUDA (PyTorch's empty_cache). Live allocations are untouched. cudaSuccess when
+ * nothing was ever allocated. Errors: CUDA runtime errors. */
+cudaError_t cucacheEmptyCache(void) CUCACHE_NOEXCEPT;
+
+/** Fills *stats for `device` (creating its allocator if needed).
+ * Errors: cudaErrorInvalidValue (stats NULL), cudaErrorInvalidDevice,
+ * cudaErrorInitializationError, CUDA runtime errors. */
+cudaError_t cucacheGetStats(int device, cucacheStats* stats) CUCACHE_NOEXCEPT;
+
+/** Resets every peak of `device` to its current value.
+ * Errors: cudaErrorInvalidDevice, cudaErrorInitializationError, CUDA runtime errors. */
+cudaError_t cucacheResetPeakStats(int device) CUCACHE_NOEXCEPT;
+
+/** Writes the PyTorch-style statistics table of `device` into buf, as snprintf does: at most
+ * len - 1 characters and a terminating NUL (nothing when len == 0; buf may then be NULL).
+ * Returns the length of the whole table (without the NUL): call with len == 0 to size a buffer;
+ * the text was cut when the result is >= len. Returns 0 on failure (the table is never empty):
+ * an invalid device, buf NULL with len > 0, or any error of cucacheGetStats; then
+ * cucacheGetLastErrorMessage() says why. */
+size_t cucacheMemorySummary(int device, char* buf, size_t len) CUCACHE_NOEXCEPT;
+
+/** The message of the most recent failed cucache call on this thread (for an out-of-memory error,
+ * the full report: request, capacity, free, allocated, cached, largest free block,
+ * fragmentation); "" if none failed yet. Successful calls leave it unchanged, as errno. The text
+ * stays valid until the next failing cucache call on this thread. Never NULL. */
+const char* cucacheGetLastErrorMessage(void) CUCACHE_NOEXCEPT;
+
+#ifdef __cplusplus
+}  // extern "C"
+
+// The runtime's C++ headers let `float* p; cudaMalloc(&p, n)` compile through template overloads;
+// these keep such code compiling after cudaMalloc is renamed to cucacheMalloc.
+template <class T>
+inline cudaError_t cucacheMalloc(T** devPtr, size_t size) noexcept {
+  return cucacheMalloc(static_cast<void**>(static_cast<void*>(devPtr)), size);
+}
+template <class T>
+inline cudaError_t cucacheMallocAsync(T** devPtr, size_t size, cudaStream_t stream) noexcept {
+  return cucacheMallocAsync(static_cast<void**>(static_cast<void*>(devPtr)), size, stream);
+}
+#endif
+
+#undef CUCACHE_NOEXCEPT

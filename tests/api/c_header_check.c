@@ -1,0 +1,48 @@
+/* Compiled as C (C11, pedantic, warnings as errors) into c_api_test: proves cucache.h is a C
+ * header, and runs a short sequence through every function from C. */
+#include "cucache/cucache.h"
+
+#include <string.h>
+
+/* Each function with its exact C type: a changed signature fails to compile here. */
+static cudaError_t (*const k_malloc)(void**, size_t) = cucacheMalloc;
+static cudaError_t (*const k_malloc_async)(void**, size_t, cudaStream_t) = cucacheMallocAsync;
+static cudaError_t (*const k_free)(void*) = cucacheFree;
+static cudaError_t (*const k_free_async)(void*, cudaStream_t) = cucacheFreeAsync;
+static cudaError_t (*const k_record)(void*, cudaStream_t) = cucacheRecordStream;
+static cudaError_t (*const k_mem_get_info)(size_t*, size_t*) = cucacheMemGetInfo;
+static cudaError_t (*const k_empty)(void) = cucacheEmptyCache;
+static cudaError_t (*const k_stats)(int, cucacheStats*) = cucacheGetStats;
+static cudaError_t (*const k_reset_peak)(int) = cucacheResetPeakStats;
+static size_t (*const k_summary)(int, char*, size_t) = cucacheMemorySummary;
+static const char* (*const k_message)(void) = cucacheGetLastErrorMessage;
+
+/* Returns 0 when every step behaves, else the number of the first step that did not. */
+int cucache_c_header_check(void) {
+  void* p = NULL;
+  void* q = NULL;
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  cucacheStats stats;
+  char text[64];
+  cudaStream_t stream = (cudaStream_t)(void*)0x100;
+
+  if (k_malloc(&p, 1000) != cudaSuccess || p == NULL) return 1;
+  if (k_malloc_async(&q, 2000, stream) != cudaSuccess || q == NULL) return 2;
+  if (k_record(p, stream) != cudaSuccess) return 3;
+  if (k_mem_get_info(&free_bytes, &total_bytes) != cudaSuccess) return 4;
+  if (free_bytes == 0 || free_bytes > total_bytes) return 5;
+  memset(&stats, 0, sizeof stats);
+  if (k_stats(0, &stats) != cudaSuccess) return 6;
+  if (stats.allocationCount != 2 || stats.requestedBytes != 3000) return 7;
+  if (k_free(p) != cudaSuccess) return 8;
+  if (k_free_async(q, stream) != cudaSuccess) return 9;
+  if (k_free(p) != cudaErrorInvalidValue) return 10; /* double free */
+  if (strstr(k_message(), "already freed") == NULL) return 11;
+  if (k_empty() != cudaSuccess) return 12;
+  if (k_reset_peak(0) != cudaSuccess) return 13;
+  if (k_summary(0, text, sizeof text) <= sizeof text) return 14;
+  if (strlen(text) != sizeof text - 1) return 15;
+  if (k_stats(0, &stats) != cudaSuccess || stats.allocationCount != 0) return 16;
+  return 0;
+}
