@@ -75,15 +75,24 @@ device_allocator::impl::~impl() {
       } catch (...) {
       }
     }
-    for (segment* s = p->segments; s != nullptr; s = s->next) {
+    for (segment* s = p->segments; s != nullptr;) {
+      segment* next = s->next;
       if (s->vm != nullptr) {
         destroy_range(*p, s);
-        continue;
+      } else {
+        try {
+          backend->segment_free(reinterpret_cast<void*>(s->base));
+        } catch (...) {
+        }
       }
-      try {
-        backend->segment_free(reinterpret_cast<void*>(s->base));
-      } catch (...) {
+      // Run the blocks' destructors (their recorded-stream lists own heap memory).
+      for (block* b = s->first; b != nullptr;) {
+        block* nb = b->next;
+        p->blocks.recycle(b);
+        b = nb;
       }
+      p->segs.recycle(s);
+      s = next;
     }
   }
   for (auto& [bytes, h] : free_handles) {
