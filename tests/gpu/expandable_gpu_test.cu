@@ -1,0 +1,200 @@
+// Expandable segments on a real device: pages moved between addresses (stitching) keep what a
+// kernel writes through their new address, neighbours are untouched, a block freed after use on
+// another stream is not remapped while that stream runs, out of memory is recovered from, and
+// empty_cache gives physical memory back to the driver. Skips with a one-line reason without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cucache/config.hpp"
+#include "cucache/cuda_backend.hpp"
+#include "cucache/device_allocator.hpp"
+#include "cucache/errors.hpp"
+
+namespace {
+
+#define CUCACHE_REQUIRE_GPU() \
+  if (!cucache::cuda_available()) GTEST_SKIP() << cucache::cuda_unavailable_reason()
+
+#define CUDA_CHECK(expr)                                                       \
+  do {                                                                         \
+    const cudaError_t cuda_check_code = (expr);                                \
+    if (cuda_check_code != cudaSuccess)                                        \
+      FAIL() << #expr << " failed: " << cudaGetErrorString(cuda_check_code); \
+  } while (false)
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+constexpr std::size_t gib = std::size_t{1} << 30;
+
+__global__ void fill_bytes(unsigned char* p, std::size_t n, unsigned char v) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    p[i] = v;
+  }
+}
+
+__global__ void count_mismatches(const unsigned char* p, std::size_t n, unsigned char v,
+                                 unsigned long long* bad) {
+  unsigned long long local = 0;
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    local += p[i] != v;
+  }
+  if (local != 0) atomicAdd(bad, local);
+}
+
+__global__ void spin_then_fill(unsigned char* p, std::size_t n, unsigned char v,
+                               unsigned long long spin_ns) {
+  unsigned long long start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    unsigned long long now = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > spin_ns) break;
+  }
+  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
+}
+
+cucache::device_allocator make_allocator() {
+  return cucache::device_allocator(std::make_shared<cucache::cuda_backend>(0),
+                                   cucache::parse_config("expandable_segments:True"));
+}
+
+class ExpandableGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CUCACHE_REQUIRE_GPU();
+    ASSERT_EQ(cudaMalloc(&bad_, sizeof(unsigned long long)), cudaSuccess);
+  }
+  void TearDown() override {
+    if (bad_ != nullptr) cudaFree(bad_);
+  }
+  void fill(void* p, std::size_t n, unsigned char v, cudaStream_t s = nullptr) {
+    fill_bytes<<<1024, 256, 0, s>>>(static_cast<unsigned char*>(p), n, v);
+    CUDA_CHECK(cudaGetLastError());
+  }
+  std::uint64_t mismatches(void* p, std::size_t n, unsigned char v) {
+    cudaMemset(bad_, 0, sizeof(unsigned long long));
+    count_mismatches<<<1024, 256>>>(static_cast<const unsigned char*>(p), n, v, bad_);
+    unsigned long long host = ~0ull;
+    cudaMemcpy(&host, bad_, sizeof host, cudaMemcpyDeviceToHost);
+    return host;
+  }
+  unsigned long long* bad_ = nullptr;
+};
+
+TEST_F(ExpandableGpu, KernelsSeeStitchedPagesAtTheirNewAddress) {
+  auto alloc = make_allocator();
+  void* x = alloc.allocate(64 * mib);
+  void* y = alloc.allocate(6 * mib + 1000);
+  fill(x, 64 * mib, 1);
+  fill(y, 6 * mib + 1000, 2);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  alloc.deallocate(x);
+  const auto before = alloc.stats();
+  void* z = alloc.allocate(100 * mib);  // behind y: x's idle pages are moved here
+  const auto after = alloc.stats();
+  EXPECT_GT(after.stitched_pages, before.stitched_pages);
+  EXPECT_LE(after.reserved_bytes[0].current,
+            before.reserved_bytes[0].current + static_cast<std::int64_t>(40 * mib));
+  fill(z, 100 * mib, 3);
+  EXPECT_EQ(mismatches(z, 100 * mib, 3), 0u);
+  EXPECT_EQ(mismatches(y, 6 * mib + 1000, 2), 0u);
+  alloc.check_invariants();
+  alloc.deallocate(y);
+  alloc.deallocate(z);
+}
+
+TEST_F(ExpandableGpu, ChurnKeepsEveryBlocksContents) {
+  auto alloc = make_allocator();
+  struct live {
+    void* p;
+    std::size_t n;
+    unsigned char v;
+  };
+  std::vector<live> blocks;
+  std::uint64_t seed = 12345;
+  auto next = [&] {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return seed >> 33;
+  };
+  for (int op = 0; op < 2000; ++op) {
+    if (blocks.size() < 40 && (next() % 3 != 0 || blocks.empty())) {
+      const std::size_t n = 1 + next() % (48 * mib);
+      const auto v = static_cast<unsigned char>(1 + next() % 250);
+      void* p = alloc.allocate(n);
+      fill(p, n, v);
+      blocks.push_back({p, n, v});
+    } else {
+      const std::size_t i = next() % blocks.size();
+      ASSERT_EQ(mismatches(blocks[i].p, blocks[i].n, blocks[i].v), 0u) << "op " << op;
+      alloc.deallocate(blocks[i].p);
+      blocks[i] = blocks.back();
+      blocks.pop_back();
+    }
+  }
+  for (auto& b : blocks) {
+    EXPECT_EQ(mismatches(b.p, b.n, b.v), 0u);
+    alloc.deallocate(b.p);
+  }
+  const auto s = alloc.stats();
+  EXPECT_GT(s.stitched_pages, 0u);
+  alloc.check_invariants();
+}
+
+TEST_F(ExpandableGpu, BlockUsedOnAnotherStreamIsNotRemappedWhileThatStreamRuns) {
+  auto alloc = make_allocator();
+  cudaStream_t s2 = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  void* a = alloc.allocate(8 * mib);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  spin_then_fill<<<1, 256, 0, s2>>>(static_cast<unsigned char*>(a), 8 * mib, 7,
+                                     200'000'000ull);
+  CUDA_CHECK(cudaGetLastError());
+  alloc.record_stream(a, s2);
+  alloc.deallocate(a);
+  // While s2 still runs, a request that could take A's pages must not: they are pending.
+  void* b = alloc.allocate(8 * mib);
+  EXPECT_NE(b, a);
+  CUDA_CHECK(cudaStreamSynchronize(s2));
+  EXPECT_EQ(mismatches(a, 8 * mib, 7), 0u) << "s2's late write did not land in A's pages";
+  alloc.deallocate(b);
+  alloc.check_invariants();
+  CUDA_CHECK(cudaStreamDestroy(s2));
+}
+
+TEST_F(ExpandableGpu, OutOfMemoryThenEmptyCacheGivesMemoryBack) {
+  auto alloc = make_allocator();
+  std::vector<void*> blocks;
+  std::string report;
+  for (int i = 0; i < 200 && report.empty(); ++i) {
+    try {
+      blocks.push_back(alloc.allocate(gib));
+    } catch (const cucache::out_of_memory& e) {
+      report = e.what();
+    }
+  }
+  ASSERT_FALSE(report.empty());
+  EXPECT_NE(report.find("out of memory"), std::string::npos) << report;
+  alloc.check_invariants();
+  for (std::size_t i = 0; i < blocks.size(); i += 2) alloc.deallocate(blocks[i]);
+  void* again = alloc.allocate(gib);  // served from idle pages
+  EXPECT_NE(again, nullptr);
+  alloc.deallocate(again);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) alloc.deallocate(blocks[i]);
+  const auto cached = alloc.stats();
+  std::size_t free_before = 0, free_after = 0, total = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  alloc.empty_cache();
+  CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  EXPECT_GE(free_after + 2 * mib, free_before + static_cast<std::size_t>(
+                                                    cached.reserved_bytes[0].current));
+  EXPECT_EQ(alloc.stats().reserved_bytes[0].current, 0);
+  alloc.check_invariants();
+}
+
+}  // namespace

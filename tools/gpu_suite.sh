@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs the GPU test binaries (both allocator modes), optionally under compute-sanitizer, writing
+# one log per run into OUT_DIR. Used on the H200 through the device tool; see docs/verified.md.
+#   tools/gpu_suite.sh BIN_DIR OUT_DIR [memcheck]
+set -uo pipefail
+bin=${1:?bin dir}; out=${2:?out dir}; mode=${3:-}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$out/gpu.txt"
+prefix=()
+if [[ $mode == memcheck ]]; then
+  prefix=(compute-sanitizer --tool memcheck --leak-check full --error-exitcode 97)
+fi
+status=0
+run() {  # name, env..., binary, args...
+  local name=$1; shift
+  local start=$SECONDS
+  env "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - start)) s; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')" | tee -a "$out/summary.txt"
+  [[ $rc -ne 0 ]] && status=1
+}
+for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test; do
+  [[ -x $bin/$t ]] || continue
+  run "$t" "${prefix[@]}" "$bin/$t"
+done
+run allocator_gpu_test_expandable CUCACHE_GPU_TEST_CONF=expandable_segments:True "${prefix[@]}" \
+  "$bin/allocator_gpu_test"
+for e in port_before port_after; do
+  [[ -x $bin/$e ]] && run "example_$e" "${prefix[@]}" "$bin/$e"
+done
+exit $status
