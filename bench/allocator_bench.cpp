@@ -1,0 +1,575 @@
+// Google Benchmark figures for cucache against its peers: cache-hit alloc+free pairs by size,
+// random churn over many live blocks, and thread scaling with one stream per thread. Each benchmark
+// runs for every allocator available here: cucache on the simulated device (host cost only),
+// cucache on the GPU, cudaMalloc, cudaMallocAsync and PyTorch's c10 allocator (dlopen'd shim).
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <type_traits>
+#include <vector>
+
+#include "cucache/cuda_backend.hpp"
+#include "cucache/device_allocator.hpp"
+#include "cucache/sim_backend.hpp"
+#include "cucache/stats.hpp"
+
+namespace cucache::bench {
+namespace {
+
+// --- definitions shared by every allocator ---------------------------------------------------
+
+constexpr std::size_t k_kib = std::size_t{1} << 10;
+constexpr std::size_t k_mib = std::size_t{1} << 20;
+
+struct pair_size {
+  std::size_t bytes;
+  const char* label;
+};
+constexpr std::array<pair_size, 7> k_pair_sizes{{{512, "512B"},
+                                                 {4 * k_kib, "4KiB"},
+                                                 {64 * k_kib, "64KiB"},
+                                                 {1 * k_mib, "1MiB"},
+                                                 {8 * k_mib, "8MiB"},
+                                                 {64 * k_mib, "64MiB"},
+                                                 {512 * k_mib, "512MiB"}}};
+
+/// The thread-scaling benchmark: 64 KiB pairs, each thread on its own stream.
+constexpr std::size_t k_thread_pair_bytes = 64 * k_kib;
+constexpr std::array<int, 5> k_thread_counts{1, 2, 4, 8, 16};
+constexpr int k_max_threads = 16;
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double per(std::int64_t ns, double count) {
+  return count > 0 ? static_cast<double>(ns) / count : 0.0;
+}
+
+[[noreturn]] void throw_cuda(const char* call, cudaError_t err) {
+  throw std::runtime_error(std::string(call) + " failed: " + cudaGetErrorString(err));
+}
+void check_cuda(cudaError_t err, const char* call) {
+  if (err != cudaSuccess) throw_cuda(call, err);
+}
+
+// --- streams ------------------------------------------------------------------------------------
+
+/// Stream i of the simulated device: a distinct non-null handle that is never dereferenced.
+stream_handle sim_stream(int index) {
+  return reinterpret_cast<stream_handle>(
+      std::uintptr_t{0x5000} + std::uintptr_t{0x100} * static_cast<std::uintptr_t>(index));
+}
+
+/// Non-blocking GPU streams, one per benchmark thread (stream 0 serves the one-thread benchmarks),
+/// made once in main so that every GPU allocator sees the same handles.
+std::array<cudaStream_t, k_max_threads> g_gpu_streams{};
+
+stream_handle gpu_stream(int index) {
+  return g_gpu_streams[static_cast<std::size_t>(index)];
+}
+
+void make_gpu_streams() {
+  check_cuda(cudaSetDevice(0), "cudaSetDevice");
+  for (auto& s : g_gpu_streams) {
+    check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  }
+}
+
+void destroy_gpu_streams() noexcept {
+  for (auto& s : g_gpu_streams) {
+    if (s != nullptr) static_cast<void>(cudaStreamDestroy(s));
+    s = nullptr;
+  }
+}
+
+/// The memory counters of allocators with statistics (cucache; c10 when its shim exports them):
+/// current and peak reserved bytes, allocated bytes and device allocation calls.
+void set_memory_counters(benchmark::State& state, double reserved, double reserved_peak,
+                         double allocated, double device_allocs) {
+  state.counters["reserved_bytes"] = reserved;
+  state.counters["reserved_peak_bytes"] = reserved_peak;
+  state.counters["allocated_bytes"] = allocated;
+  state.counters["device_allocs"] = device_allocs;
+}
+
+// --- the allocators -----------------------------------------------------------------------------
+//
+// Each is a small class: constructing one makes a fresh instance (an empty cache where the
+// allocator has one), allocate/deallocate act on a stream, stream(i) names stream i, synchronize()
+// waits for the device. Every one is thread-safe, so the thread benchmark shares one instance.
+
+/// cucache over a device backend: on the simulated device (host cost only) or on GPU 0.
+template <bool gpu>
+class cucache_alloc {
+ public:
+  static constexpr const char* k_name = gpu ? "cucache_cuda" : "cucache_sim";
+
+  cucache_alloc() : alloc_(make_backend()) {}
+  void* allocate(std::size_t bytes, stream_handle stream) { return alloc_.allocate(bytes, stream); }
+  void deallocate(void* ptr, stream_handle /*stream*/) { alloc_.deallocate(ptr); }
+  static stream_handle stream(int index) { return gpu ? gpu_stream(index) : sim_stream(index); }
+  void synchronize() {
+    if constexpr (gpu) check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  void add_counters(benchmark::State& state) const {
+    const device_stats s = alloc_.stats();
+    set_memory_counters(state, static_cast<double>(s.reserved_bytes[0].current),
+                        static_cast<double>(s.reserved_bytes[0].peak),
+                        static_cast<double>(s.allocated_bytes[0].current),
+                        static_cast<double>(s.device_alloc_count));
+  }
+
+ private:
+  static std::shared_ptr<device_backend> make_backend() {
+    if constexpr (gpu) {
+      return std::make_shared<cuda_backend>(0);
+    } else {
+      return std::make_shared<sim_backend>();
+    }
+  }
+  device_allocator alloc_;
+};
+
+/// cudaMalloc/cudaFree: no cache, the floor every caching allocator is measured against.
+class cuda_malloc_alloc {
+ public:
+  static constexpr const char* k_name = "cudaMalloc";
+
+  void* allocate(std::size_t bytes, stream_handle /*stream*/) {
+    void* ptr = nullptr;
+    check_cuda(cudaMalloc(&ptr, bytes), "cudaMalloc");
+    return ptr;
+  }
+  void deallocate(void* ptr, stream_handle /*stream*/) { check_cuda(cudaFree(ptr), "cudaFree"); }
+  static stream_handle stream(int index) { return gpu_stream(index); }
+  void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+  void add_counters(benchmark::State& /*state*/) const {}
+};
+
+/// CUDA's stream-ordered allocator on a pool of its own whose release threshold is UINT64_MAX, so
+/// it keeps what it has (the default threshold 0 trims the pool at every synchronize).
+class cuda_malloc_async_alloc {
+ public:
+  static constexpr const char* k_name = "cudaMallocAsync";
+
+  cuda_malloc_async_alloc() {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = 0;
+    check_cuda(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
+    std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
+    const cudaError_t err =
+        cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold);
+    if (err != cudaSuccess) {
+      static_cast<void>(cudaMemPoolDestroy(pool_));
+      throw_cuda("cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)", err);
+    }
+  }
+  ~cuda_malloc_async_alloc() {
+    static_cast<void>(cudaDeviceSynchronize());
+    static_cast<void>(cudaMemPoolDestroy(pool_));
+  }
+  cuda_malloc_async_alloc(const cuda_malloc_async_alloc&) = delete;
+  cuda_malloc_async_alloc& operator=(const cuda_malloc_async_alloc&) = delete;
+
+  void* allocate(std::size_t bytes, stream_handle stream) {
+    void* ptr = nullptr;
+    check_cuda(cudaMallocFromPoolAsync(&ptr, bytes, pool_, static_cast<cudaStream_t>(stream)),
+               "cudaMallocFromPoolAsync");
+    return ptr;
+  }
+  void deallocate(void* ptr, stream_handle stream) {
+    check_cuda(cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)), "cudaFreeAsync");
+  }
+  static stream_handle stream(int index) { return gpu_stream(index); }
+  void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+  void add_counters(benchmark::State& /*state*/) const {}
+
+ private:
+  cudaMemPool_t pool_ = nullptr;
+};
+
+/// The c10 peer shim's entry points (bench/peers/c10_peer.h), found by dlopen. alloc, free and init
+/// are required; reset, stats and last_error are used when the shim has them at the ABI known here.
+struct c10_peer_api {
+  static constexpr int k_abi = 1;
+  /// Layout of cucache_c10_stats at ABI 1.
+  struct stats {
+    std::int64_t reserved_bytes;
+    std::int64_t peak_reserved_bytes;
+    std::int64_t allocated_bytes;
+    std::int64_t peak_allocated_bytes;
+    std::int64_t peak_requested_bytes;
+    std::int64_t num_device_alloc;
+    std::int64_t num_device_free;
+    std::int64_t num_alloc_retries;
+    std::int64_t num_ooms;
+  };
+  void* (*alloc)(std::size_t, void*) = nullptr;
+  void (*free)(void*) = nullptr;
+  int (*init)(const char*) = nullptr;
+  int (*reset)() = nullptr;            // emptyCache and reset the statistics; 0 = ok
+  int (*get_stats)(stats*) = nullptr;  // 0 = ok
+  const char* (*last_error)() = nullptr;
+};
+c10_peer_api g_c10;
+
+/// PyTorch's caching allocator through the peer shim. Its cache is process-wide; a fresh instance
+/// empties it when the shim can (cucache_peer_c10_reset), so every run starts as the others do.
+class c10_alloc {
+ public:
+  static constexpr const char* k_name = "c10";
+
+  c10_alloc() {
+    if (g_c10.reset != nullptr && g_c10.reset() != 0) {
+      throw std::runtime_error("cucache_peer_c10_reset failed");
+    }
+  }
+  void* allocate(std::size_t bytes, stream_handle stream) {
+    void* ptr = g_c10.alloc(bytes, stream);
+    if (ptr == nullptr) {
+      const char* why = g_c10.last_error != nullptr ? g_c10.last_error() : nullptr;
+      throw std::runtime_error(std::string("cucache_peer_c10_alloc failed: ") +
+                               (why != nullptr && *why != '\0' ? why : "returned null"));
+    }
+    return ptr;
+  }
+  void deallocate(void* ptr, stream_handle /*stream*/) { g_c10.free(ptr); }
+  static stream_handle stream(int index) { return gpu_stream(index); }
+  void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+  void add_counters(benchmark::State& state) const {
+    c10_peer_api::stats s{};
+    if (g_c10.get_stats == nullptr || g_c10.get_stats(&s) != 0) return;
+    set_memory_counters(
+        state, static_cast<double>(s.reserved_bytes), static_cast<double>(s.peak_reserved_bytes),
+        static_cast<double>(s.allocated_bytes), static_cast<double>(s.num_device_alloc));
+  }
+};
+
+// --- pair: one size, cache hit ------------------------------------------------------------------
+
+/// One alloc+free pair per iteration on stream 0, after one untimed pair has warmed the cache.
+template <class A>
+void bm_pair(benchmark::State& state, std::size_t bytes) {
+  try {
+    A alloc;
+    const stream_handle stream = A::stream(0);
+    alloc.deallocate(alloc.allocate(bytes, stream), stream);
+    const std::int64_t start = now_ns();
+    for (auto _ : state) {
+      void* ptr = alloc.allocate(bytes, stream);
+      benchmark::DoNotOptimize(ptr);
+      alloc.deallocate(ptr, stream);
+    }
+    const std::int64_t stop = now_ns();
+    alloc.synchronize();
+    state.counters["bytes"] = static_cast<double>(bytes);
+    state.counters["ns_per_pair"] = per(stop - start, static_cast<double>(state.iterations()));
+    alloc.add_counters(state);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+// --- churn: many live blocks, free a random one and allocate a new one --------------------------
+
+/// A precomputed churn sequence, so that no random numbers are drawn while timing. An operation is
+/// one free of a random live block plus one allocation of a log-uniform size into its slot.
+struct churn_plan {
+  struct op {
+    std::uint32_t slot;
+    std::uint32_t bytes;
+  };
+  std::vector<std::uint32_t> initial;  // sizes of the first `live` blocks
+  std::vector<op> ops;                 // a power-of-two count, replayed cyclically
+};
+
+/// SplitMix64: a tiny, well-mixed generator whose sequence is the same on every platform.
+class splitmix64 {
+ public:
+  explicit splitmix64(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+  double uniform() noexcept { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+ private:
+  std::uint64_t state_;
+};
+
+churn_plan make_churn_plan(std::size_t live, std::size_t min_bytes, std::size_t max_bytes,
+                           std::uint64_t seed) {
+  constexpr std::size_t k_ops = std::size_t{1} << 16;
+  splitmix64 rng(seed);
+  const double lo = std::log(static_cast<double>(min_bytes));
+  const double hi = std::log(static_cast<double>(max_bytes));
+  auto log_uniform = [&] {
+    const auto b = static_cast<std::size_t>(std::exp(lo + rng.uniform() * (hi - lo)));
+    return static_cast<std::uint32_t>(std::clamp(b, min_bytes, max_bytes));
+  };
+  churn_plan plan;
+  plan.initial.reserve(live);
+  for (std::size_t i = 0; i < live; ++i) plan.initial.push_back(log_uniform());
+  plan.ops.reserve(k_ops);
+  for (std::size_t i = 0; i < k_ops; ++i) {
+    const auto slot = static_cast<std::uint32_t>(rng.next() % live);
+    plan.ops.push_back({slot, log_uniform()});
+  }
+  return plan;
+}
+
+const churn_plan& small_churn_plan() {
+  static const churn_plan plan = make_churn_plan(2000, 512, 1 * k_mib, 0xC0FFEE01);
+  return plan;
+}
+const churn_plan& large_churn_plan() {
+  static const churn_plan plan = make_churn_plan(1000, 512, 32 * k_mib, 0xC0FFEE02);
+  return plan;
+}
+
+template <class A>
+void bm_churn(benchmark::State& state, const churn_plan* plan) {
+  try {
+    A alloc;
+    const stream_handle stream = A::stream(0);
+    std::vector<void*> live;
+    live.reserve(plan->initial.size());
+    for (std::uint32_t bytes : plan->initial) live.push_back(alloc.allocate(bytes, stream));
+    const std::size_t mask = plan->ops.size() - 1;
+    std::size_t pos = 0;
+    auto step = [&] {
+      const churn_plan::op& op = plan->ops[pos++ & mask];
+      void*& ptr = live[op.slot];
+      alloc.deallocate(ptr, stream);
+      ptr = alloc.allocate(op.bytes, stream);
+    };
+    // Two untimed operations per live block bring the cache near its steady state.
+    for (std::size_t i = 0; i < 2 * live.size(); ++i) step();
+    const std::int64_t start = now_ns();
+    for (auto _ : state) step();
+    const std::int64_t stop = now_ns();
+    state.counters["live_blocks"] = static_cast<double>(live.size());
+    state.counters["ns_per_op"] = per(stop - start, static_cast<double>(state.iterations()));
+    alloc.add_counters(state);
+    for (void* ptr : live) alloc.deallocate(ptr, stream);
+    alloc.synchronize();
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+// --- threads: one stream per thread, 64 KiB pairs -----------------------------------------------
+
+/// The allocator the threads of one run share: made by Setup before the threads start, destroyed
+/// by Teardown after they end (Google Benchmark runs both on the main thread).
+template <class A>
+std::unique_ptr<A> g_shared;
+template <class A>
+std::string g_shared_error;
+
+template <class A>
+void threads_setup(const benchmark::State& /*state*/) {
+  g_shared_error<A>.clear();
+  try {
+    g_shared<A> = std::make_unique<A>();
+  } catch (const std::exception& e) {
+    g_shared_error<A> = e.what();
+  }
+}
+
+template <class A>
+void threads_teardown(const benchmark::State& /*state*/) {
+  if (!g_shared<A>) return;
+  try {
+    g_shared<A>->synchronize();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cucache-bench: %s: %s\n", A::k_name, e.what());
+  }
+  g_shared<A>.reset();
+}
+
+template <class A>
+void bm_threads(benchmark::State& state) {
+  A* alloc = g_shared<A>.get();
+  if (alloc == nullptr) {
+    state.SkipWithError(("allocator setup failed: " + g_shared_error<A>).c_str());
+    return;
+  }
+  try {
+    const stream_handle stream = A::stream(state.thread_index());
+    alloc->deallocate(alloc->allocate(k_thread_pair_bytes, stream), stream);
+    // Timed from the first iteration: the start barrier lies between the setup and it.
+    std::int64_t start = 0;
+    for (auto _ : state) {
+      if (start == 0) [[unlikely]]
+        start = now_ns();
+      void* ptr = alloc->allocate(k_thread_pair_bytes, stream);
+      benchmark::DoNotOptimize(ptr);
+      alloc->deallocate(ptr, stream);
+    }
+    const std::int64_t stop = now_ns();
+    // Each thread's wall time over the pairs of all threads; Google Benchmark sums counters over
+    // threads, kAvgThreads turns the sum back into the mean.
+    const double all_pairs = static_cast<double>(state.iterations()) * state.threads();
+    state.counters["ns_per_pair"] =
+        benchmark::Counter(per(stop - start, all_pairs), benchmark::Counter::kAvgThreads);
+    if (state.thread_index() == 0) {
+      state.counters["bytes"] = static_cast<double>(k_thread_pair_bytes);
+      alloc->add_counters(state);
+    }
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+// --- registration -------------------------------------------------------------------------------
+
+template <class A>
+void register_pairs() {
+  for (const pair_size& size : k_pair_sizes) {
+    const std::string name = std::string("pair/") + A::k_name + "/" + size.label;
+    benchmark::RegisterBenchmark(name.c_str(), bm_pair<A>, size.bytes);
+  }
+}
+
+template <class A>
+void register_churn() {
+  benchmark::RegisterBenchmark((std::string("churn_small/") + A::k_name).c_str(), bm_churn<A>,
+                               &small_churn_plan());
+  benchmark::RegisterBenchmark((std::string("churn_large/") + A::k_name).c_str(), bm_churn<A>,
+                               &large_churn_plan());
+}
+
+template <class A>
+void register_threads() {
+  auto* b =
+      benchmark::RegisterBenchmark((std::string("threads/") + A::k_name).c_str(), bm_threads<A>);
+  for (int t : k_thread_counts) b->Threads(t);
+  b->UseRealTime()->Setup(threads_setup<A>)->Teardown(threads_teardown<A>);
+}
+
+struct allocator_entry {
+  void (*pairs)();
+  void (*churn)();
+  void (*threads)();
+};
+template <class A>
+constexpr allocator_entry entry_of() {
+  return {register_pairs<A>, register_churn<A>, register_threads<A>};
+}
+
+/// Loads the c10 peer shim: $CUCACHE_C10_PEER, else libcucache_c10_peer.so beside this executable
+/// or in ../lib (where the build puts shared libraries). Returns "" on success, else why not.
+std::string load_c10_peer() {
+  constexpr const char* k_file = "libcucache_c10_peer.so";
+  std::string path;
+  if (const char* env = std::getenv("CUCACHE_C10_PEER"); env != nullptr && *env != '\0') {
+    path = env;
+  } else {
+    std::error_code ec;
+    const auto dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
+    if (ec) return "cannot locate the executable: " + ec.message();
+    path = (dir / k_file).string();
+    if (!std::filesystem::exists(path, ec)) {
+      if (auto lib = dir.parent_path() / "lib" / k_file; std::filesystem::exists(lib, ec)) {
+        path = lib.string();
+      }
+    }
+  }
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    return "dlopen " + path + ": " + (why != nullptr ? why : "unknown error");
+  }
+  // POSIX guarantees that dlsym's object pointer converts to a function pointer.
+  auto bind = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+  };
+  bind(g_c10.alloc, "cucache_peer_c10_alloc");
+  bind(g_c10.free, "cucache_peer_c10_free");
+  bind(g_c10.init, "cucache_peer_c10_init");
+  if (g_c10.alloc == nullptr || g_c10.free == nullptr || g_c10.init == nullptr) {
+    return path + " lacks cucache_peer_c10_{alloc,free,init}";
+  }
+  int (*abi)() = nullptr;
+  bind(abi, "cucache_peer_c10_abi");
+  if (abi != nullptr && abi() == c10_peer_api::k_abi) {
+    bind(g_c10.reset, "cucache_peer_c10_reset");
+    bind(g_c10.get_stats, "cucache_peer_c10_stats");
+    bind(g_c10.last_error, "cucache_peer_c10_last_error");
+  }
+  const char* conf = std::getenv("CUCACHE_C10_CONF");
+  if (conf == nullptr) conf = "";
+  if (const int rc = g_c10.init(conf); rc != 0) {
+    return "cucache_peer_c10_init(\"" + std::string(conf) + "\") returned " + std::to_string(rc);
+  }
+  benchmark::AddCustomContext("c10_peer", path);
+  benchmark::AddCustomContext("c10_conf", conf);
+  return {};
+}
+
+int run(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+
+  std::vector<allocator_entry> allocators{entry_of<cucache_alloc<false>>()};
+  if (cuda_available()) {
+    try {
+      make_gpu_streams();
+      cudaDeviceProp prop{};
+      check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+      benchmark::AddCustomContext("cuda_device", prop.name);
+      allocators.push_back(entry_of<cucache_alloc<true>>());
+      allocators.push_back(entry_of<cuda_malloc_alloc>());
+      allocators.push_back(entry_of<cuda_malloc_async_alloc>());
+      if (const std::string why = load_c10_peer(); why.empty()) {
+        allocators.push_back(entry_of<c10_alloc>());
+      } else {
+        std::fprintf(stderr, "cucache-bench: c10 not registered: %s\n", why.c_str());
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "cucache-bench: GPU allocators not registered: %s\n", e.what());
+    }
+  } else {
+    std::fprintf(stderr, "cucache-bench: GPU allocators not registered: %s\n",
+                 cuda_unavailable_reason().c_str());
+  }
+  for (const auto& a : allocators) a.pairs();
+  for (const auto& a : allocators) a.churn();
+  for (const auto& a : allocators) a.threads();
+
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  destroy_gpu_streams();
+  return 0;
+}
+
+}  // namespace
+}  // namespace cucache::bench
+
+int main(int argc, char** argv) {
+  return cucache::bench::run(argc, argv);
+}
