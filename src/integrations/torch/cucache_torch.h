@@ -1,0 +1,113 @@
+/* The C interface of libcucache_torch.so, the plug-in that makes cucache PyTorch's CUDA allocator
+ * through torch.cuda.memory.CUDAPluggableAllocator. Plain C so that ctypes
+ * (python/cucache_torch.py) and torch's dlsym can use it; nothing here needs the CUDA or torch
+ * headers. */
+#ifndef CUCACHE_TORCH_H_
+#define CUCACHE_TORCH_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CUCACHE_TORCH_API __attribute__((visibility("default")))
+
+/* cudaStream_t without the CUDA headers: the same type, spelled by its struct. */
+typedef struct CUstream_st* cucache_torch_stream;
+
+/* One statistic: current value, peak since the last reset, sums of increases and decreases. */
+typedef struct cucache_torch_stat {
+  int64_t current;
+  int64_t peak;
+  int64_t allocated;
+  int64_t freed;
+} cucache_torch_stat;
+
+/* Pools of the per-pool arrays: 0 all, 1 small (<= 1 MiB), 2 large. */
+#define CUCACHE_TORCH_POOLS 3
+
+/* The statistics of one device (cucache::device_stats, flattened). Byte counts unless named. */
+typedef struct cucache_torch_stats {
+  cucache_torch_stat allocated_bytes[CUCACHE_TORCH_POOLS];
+  cucache_torch_stat reserved_bytes[CUCACHE_TORCH_POOLS];
+  cucache_torch_stat active_bytes[CUCACHE_TORCH_POOLS];
+  cucache_torch_stat requested_bytes[CUCACHE_TORCH_POOLS];
+  cucache_torch_stat inactive_split_bytes[CUCACHE_TORCH_POOLS];
+  cucache_torch_stat allocation[CUCACHE_TORCH_POOLS];     /* counts */
+  cucache_torch_stat segment[CUCACHE_TORCH_POOLS];        /* counts */
+  cucache_torch_stat active[CUCACHE_TORCH_POOLS];         /* counts */
+  cucache_torch_stat inactive_split[CUCACHE_TORCH_POOLS]; /* counts */
+  uint64_t num_device_alloc;
+  uint64_t num_device_free;
+  uint64_t num_ooms;
+  uint64_t num_alloc_retries;
+  uint64_t oversize_allocations;
+  uint64_t oversize_segments;
+  uint64_t events_pending;
+  uint64_t vm_create_count;
+  uint64_t vm_release_count;
+  uint64_t vm_map_count;
+  uint64_t vm_unmap_count;
+  uint64_t stitched_pages;
+  uint64_t mapped_bytes;
+  uint64_t unmapped_handle_bytes;
+  uint64_t free_bytes;
+  uint64_t free_block_count;
+  uint64_t largest_free_block;
+  uint64_t memory_limit;
+  uint64_t device_total_bytes;
+  double fragmentation_external;
+  double fragmentation_overhead;
+} cucache_torch_stats;
+
+/* CUDAPluggableAllocator's alloc: `size` bytes on `device` for use on `stream`. Returns NULL for
+ * size 0 (no error) and on failure, after storing the message (cucache_torch_last_error) and
+ * printing it to stderr. Never throws unless CUCACHE_TORCH_OOM=throw is set (docs/torch.md). */
+CUCACHE_TORCH_API void* cucache_torch_alloc(size_t size, int device, cucache_torch_stream stream);
+/* CUDAPluggableAllocator's free. A `stream` other than the block's allocation stream orders the
+ * free on it: the block is reused only after the work queued on `stream` now has completed. A
+ * pointer cucache does not own, or one already freed, is reported to stderr and counted, never
+ * fatal. NULL is a no-op. */
+CUCACHE_TORCH_API void cucache_torch_free(void* ptr, size_t size, int device,
+                                          cucache_torch_stream stream);
+/* Marks a live allocation as used on `stream` (tensor.record_stream). 0, or -1 on error. */
+CUCACHE_TORCH_API int cucache_torch_record_stream(void* ptr, cucache_torch_stream stream);
+/* Releases every wholly free cached segment of every device. 0, or -1 on error. */
+CUCACHE_TORCH_API int cucache_torch_empty_cache(void);
+/* Resets peak statistics of `device` (every device when negative). 0, or -1 on error. */
+CUCACHE_TORCH_API int cucache_torch_reset_peak_stats(int device);
+/* Resets the total allocated/freed sums of `device` (every device when negative). 0, or -1. */
+CUCACHE_TORCH_API int cucache_torch_reset_accumulated_stats(int device);
+/* Caps what `device` may reserve at `fraction` of its memory, overriding CUCACHE_CONF's
+ * memory_fraction. Only before the device's first allocation (the cap is part of the allocator's
+ * config): 0, or -1 when the device is in use already or the fraction is not in (0, 1]. */
+CUCACHE_TORCH_API int cucache_torch_set_memory_fraction(int device, double fraction);
+/* Fills *out with the statistics of `device` (all zero for a device not used yet). 0, or -1. */
+CUCACHE_TORCH_API int cucache_torch_get_stats(int device, cucache_torch_stats* out);
+/* sizeof(cucache_torch_stats), for bindings to check their copy of the layout. */
+CUCACHE_TORCH_API size_t cucache_torch_stats_size(void);
+/* The text table of memory_summary / the JSON snapshot of `device`. Both copy at most len - 1
+ * bytes and a terminating NUL into buf (buf may be NULL when len is 0) and return the full text's
+ * length without the NUL: a return >= len means buf was too small. -1 on error. */
+CUCACHE_TORCH_API int64_t cucache_torch_memory_summary(int device, char* buf, size_t len);
+CUCACHE_TORCH_API int64_t cucache_torch_snapshot_json(int device, char* buf, size_t len);
+/* The message of the latest failure in any thread ("" if none). Valid in the calling thread until
+ * its next call of this function. */
+CUCACHE_TORCH_API const char* cucache_torch_last_error(void);
+/* Stores `message` as the latest error (for the hooks library, which reports through this one). */
+CUCACHE_TORCH_API void cucache_torch_set_error(const char* message);
+/* Frees of unknown or already freed pointers seen so far. */
+CUCACHE_TORCH_API uint64_t cucache_torch_bad_free_count(void);
+/* "cuda" or "sim" (CUCACHE_TORCH_BACKEND=sim). */
+CUCACHE_TORCH_API const char* cucache_torch_backend_name(void);
+/* Test hook: completes every event recorded so far on the simulated devices, as if every stream
+ * had caught up. 0, or -1 with the CUDA backend. */
+CUCACHE_TORCH_API int cucache_torch_sim_complete_all(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CUCACHE_TORCH_H_ */

@@ -1,0 +1,235 @@
+// libcucache_torch.so through its C interface, on the simulated device (CUCACHE_TORCH_BACKEND=sim):
+// the calls torch makes, the statistics the Python module reads, the buffer contract, and bad
+// frees that must be reported and survived. Each test uses its own device ordinal, so the tests
+// stay exact whether they run in one process or one each.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cucache_torch.h"
+
+namespace {
+
+// Before main, hence before the plug-in's first call reads the environment.
+const bool k_sim_env = [] {
+  ::setenv("CUCACHE_TORCH_BACKEND", "sim", 1);
+  ::unsetenv("CUCACHE_CONF");
+  ::unsetenv("CUCACHE_TORCH_OOM");
+  return true;
+}();
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = KiB * 1024;
+
+cucache_torch_stream stream(std::uintptr_t id) {
+  return reinterpret_cast<cucache_torch_stream>(id);
+}
+
+cucache_torch_stats stats(int device) {
+  cucache_torch_stats s{};
+  EXPECT_EQ(cucache_torch_get_stats(device, &s), 0) << cucache_torch_last_error();
+  return s;
+}
+
+TEST(TorchPlugin, RunsOnTheSimulatedDevice) {
+  ASSERT_TRUE(k_sim_env);
+  EXPECT_STREQ(cucache_torch_backend_name(), "sim");
+  EXPECT_EQ(cucache_torch_stats_size(), sizeof(cucache_torch_stats));
+}
+
+TEST(TorchPlugin, AllocFreeReuse) {
+  const int dev = 1;
+  void* p = cucache_torch_alloc(1000, dev, stream(0));
+  ASSERT_NE(p, nullptr) << cucache_torch_last_error();
+  cucache_torch_free(p, 1000, dev, stream(0));
+  void* q = cucache_torch_alloc(1000, dev, stream(0));
+  EXPECT_EQ(q, p);  // freed on its own stream: reusable at once
+  cucache_torch_free(q, 1000, dev, stream(0));
+}
+
+TEST(TorchPlugin, StatsExactAfterAKnownSequence) {
+  const int dev = 2;
+  const cucache_torch_stats zero = stats(dev);
+  EXPECT_EQ(zero.reserved_bytes[0].current, 0);  // an unused device reads as all zero
+
+  void* a = cucache_torch_alloc(1000, dev, stream(0));     // 1 KiB block, small pool
+  void* b = cucache_torch_alloc(3 * MiB, dev, stream(0));  // large pool: a 20 MiB segment
+  void* c = cucache_torch_alloc(512, dev, stream(0));
+  ASSERT_TRUE(a && b && c);
+  cucache_torch_free(a, 1000, dev, stream(0));
+
+  const cucache_torch_stats s = stats(dev);
+  EXPECT_EQ(s.allocated_bytes[0].current, static_cast<int64_t>(3 * MiB + 512));
+  EXPECT_EQ(s.allocated_bytes[0].peak, static_cast<int64_t>(3 * MiB + 1024 + 512));
+  EXPECT_EQ(s.allocated_bytes[0].allocated, static_cast<int64_t>(3 * MiB + 1024 + 512));
+  EXPECT_EQ(s.allocated_bytes[0].freed, 1024);
+  EXPECT_EQ(s.allocated_bytes[1].current, 512);  // small pool
+  EXPECT_EQ(s.allocated_bytes[2].current, static_cast<int64_t>(3 * MiB));
+  EXPECT_EQ(s.requested_bytes[0].current, static_cast<int64_t>(3 * MiB + 512));
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<int64_t>(2 * MiB + 20 * MiB));
+  EXPECT_EQ(s.segment[0].current, 2);
+  EXPECT_EQ(s.allocation[0].current, 2);
+  EXPECT_EQ(s.num_device_alloc, 2u);
+  EXPECT_EQ(s.num_ooms, 0u);
+  EXPECT_DOUBLE_EQ(s.fragmentation_overhead,
+                   1.0 - static_cast<double>(3 * MiB + 512) / static_cast<double>(22 * MiB));
+
+  ASSERT_EQ(cucache_torch_reset_peak_stats(dev), 0);
+  EXPECT_EQ(stats(dev).allocated_bytes[0].peak, static_cast<int64_t>(3 * MiB + 512));
+  ASSERT_EQ(cucache_torch_reset_accumulated_stats(dev), 0);
+  EXPECT_EQ(stats(dev).allocated_bytes[0].freed, 0);
+
+  cucache_torch_free(b, 3 * MiB, dev, stream(0));
+  cucache_torch_free(c, 512, dev, stream(0));
+  ASSERT_EQ(cucache_torch_empty_cache(), 0);
+  const cucache_torch_stats e = stats(dev);
+  EXPECT_EQ(e.reserved_bytes[0].current, 0);
+  EXPECT_EQ(e.num_device_free, 2u);
+}
+
+TEST(TorchPlugin, SummaryAndSnapshotBufferContract) {
+  const int dev = 3;
+  void* p = cucache_torch_alloc(4096, dev, stream(0));
+  ASSERT_NE(p, nullptr);
+  using text_fn = int64_t (*)(int, char*, size_t);
+  for (text_fn fn : {&cucache_torch_memory_summary, &cucache_torch_snapshot_json}) {
+    const int64_t n = fn(dev, nullptr, 0);
+    ASSERT_GT(n, 16);
+    char small[8];
+    std::memset(small, 'x', sizeof small);
+    EXPECT_EQ(fn(dev, small, sizeof small), n);  // too small: truncated, still the full length
+    EXPECT_EQ(std::strlen(small), sizeof small - 1);
+    std::vector<char> buf(static_cast<std::size_t>(n) + 1, 'x');
+    EXPECT_EQ(fn(dev, buf.data(), buf.size()), n);
+    EXPECT_EQ(std::strlen(buf.data()), static_cast<std::size_t>(n));
+  }
+  std::vector<char> json(static_cast<std::size_t>(cucache_torch_snapshot_json(dev, nullptr, 0)) +
+                         1);
+  cucache_torch_snapshot_json(dev, json.data(), json.size());
+  EXPECT_EQ(json[0], '{');
+  // A device with no allocator still answers.
+  EXPECT_GT(cucache_torch_memory_summary(50, nullptr, 0), 0);
+  cucache_torch_free(p, 4096, dev, stream(0));
+}
+
+TEST(TorchPlugin, BadFreesAreReportedAndCounted) {
+  const int dev = 4;
+  void* p = cucache_torch_alloc(4096, dev, stream(0));
+  ASSERT_NE(p, nullptr);
+  const uint64_t before = cucache_torch_bad_free_count();
+
+  auto* foreign = reinterpret_cast<void*>(std::uintptr_t{0x1234});
+  testing::internal::CaptureStderr();
+  cucache_torch_free(foreign, 16, dev, stream(0));
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(cucache_torch_bad_free_count(), before + 1);
+  EXPECT_NE(err.find("0x1234"), std::string::npos) << err;
+  EXPECT_NE(err.find("not allocated by cucache"), std::string::npos) << err;
+
+  cucache_torch_free(p, 4096, dev, stream(0));
+  testing::internal::CaptureStderr();
+  cucache_torch_free(p, 4096, dev, stream(0));  // double free
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(cucache_torch_bad_free_count(), before + 2);
+  EXPECT_NE(err.find("already freed"), std::string::npos) << err;
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("already freed"), std::string::npos);
+
+  // A device that never allocated, and a device ordinal torch could not have passed.
+  testing::internal::CaptureStderr();
+  cucache_torch_free(foreign, 16, 60, stream(0));
+  cucache_torch_free(foreign, 16, -3, stream(0));
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(cucache_torch_bad_free_count(), before + 4);
+  EXPECT_NE(err.find("no cucache allocator holds it"), std::string::npos) << err;
+
+  // The allocator is unharmed.
+  void* q = cucache_torch_alloc(4096, dev, stream(0));
+  EXPECT_EQ(q, p);
+  cucache_torch_free(q, 4096, dev, stream(0));
+}
+
+TEST(TorchPlugin, FreeWithTheWrongDeviceStillFrees) {
+  void* p = cucache_torch_alloc(4096, 11, stream(0));
+  ASSERT_NE(p, nullptr);
+  const uint64_t before = cucache_torch_bad_free_count();
+  cucache_torch_free(p, 4096, 12, stream(0));
+  EXPECT_EQ(cucache_torch_bad_free_count(), before);
+  EXPECT_EQ(stats(11).allocated_bytes[0].current, 0);
+}
+
+TEST(TorchPlugin, SizeZeroAndNull) {
+  const uint64_t before = cucache_torch_bad_free_count();
+  EXPECT_EQ(cucache_torch_alloc(0, 5, stream(0)), nullptr);
+  cucache_torch_free(nullptr, 0, 5, stream(0));
+  EXPECT_EQ(cucache_torch_bad_free_count(), before);
+  EXPECT_EQ(stats(5).allocation[0].current, 0);
+}
+
+TEST(TorchPlugin, FreeOnAnotherStreamDefersReuse) {
+  const int dev = 6;
+  void* p = cucache_torch_alloc(4096, dev, stream(1));
+  ASSERT_NE(p, nullptr);
+  cucache_torch_free(p, 4096, dev, stream(2));  // ordered on stream 2, still running there
+  EXPECT_EQ(stats(dev).events_pending, 1u);
+  void* q = cucache_torch_alloc(4096, dev, stream(1));
+  EXPECT_NE(q, p);                                 // not reused while stream 2 may still use it
+  ASSERT_EQ(cucache_torch_sim_complete_all(), 0);  // stream 2 caught up
+  void* r = cucache_torch_alloc(4096, dev, stream(1));
+  EXPECT_EQ(r, p);
+  EXPECT_EQ(stats(dev).events_pending, 0u);
+  cucache_torch_free(q, 4096, dev, stream(1));
+  cucache_torch_free(r, 4096, dev, stream(1));
+}
+
+TEST(TorchPlugin, RecordStreamDefersReuse) {
+  const int dev = 7;
+  void* p = cucache_torch_alloc(4096, dev, stream(1));
+  ASSERT_NE(p, nullptr);
+  ASSERT_EQ(cucache_torch_record_stream(p, stream(3)), 0) << cucache_torch_last_error();
+  cucache_torch_free(p, 4096, dev, stream(1));
+  void* q = cucache_torch_alloc(4096, dev, stream(1));
+  EXPECT_NE(q, p);
+  cucache_torch_free(q, 4096, dev, stream(1));
+
+  EXPECT_EQ(cucache_torch_record_stream(reinterpret_cast<void*>(std::uintptr_t{0x40}), stream(3)),
+            -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("not a live cucache allocation"),
+            std::string::npos);
+}
+
+TEST(TorchPlugin, FailuresReturnNullWithAMessage) {
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cucache_torch_alloc(std::size_t{1} << 40, 8, stream(0)), nullptr);  // > 80 GiB device
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("out of memory"), std::string::npos) << err;
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("out of memory"), std::string::npos);
+  EXPECT_EQ(stats(8).num_ooms, 1u);
+
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cucache_torch_alloc(16, -1, stream(0)), nullptr);
+  EXPECT_EQ(cucache_torch_alloc(16, 64, stream(0)), nullptr);
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("out of range"), std::string::npos) << err;
+  EXPECT_EQ(cucache_torch_get_stats(0, nullptr), -1);
+}
+
+TEST(TorchPlugin, MemoryFractionOnlyBeforeFirstUse) {
+  const int dev = 9;
+  ASSERT_EQ(cucache_torch_set_memory_fraction(dev, 0.001), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_set_memory_fraction(dev, 1.5), -1);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cucache_torch_alloc(100 * MiB, dev, stream(0)), nullptr);  // cap: 0.1% of 80 GiB
+  (void)testing::internal::GetCapturedStderr();
+  void* p = cucache_torch_alloc(10 * MiB, dev, stream(0));
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(cucache_torch_set_memory_fraction(dev, 0.5), -1);  // in use already
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("before its first allocation"),
+            std::string::npos);
+  cucache_torch_free(p, 10 * MiB, dev, stream(0));
+}
+
+}  // namespace
