@@ -50,6 +50,10 @@ struct device_allocator::impl {
   /// Maps every page b touches. False when no physical memory could be found (b unchanged).
   bool ensure_mapped(detail::stream_pool& p, detail::block* b);
   void undo_carve(detail::stream_pool& p, detail::block* b);
+  bool within_slack(detail::stream_pool& p, std::size_t extra);
+  std::pair<detail::block*, bool> place(detail::free_index& index, std::size_t rounded) const;
+  detail::block* split_for_back(detail::stream_pool& p, detail::pool_kind kind, detail::block* b,
+                                std::size_t rounded);
   void split_idle_overhang(detail::stream_pool& p, detail::vm_range& r, std::uintptr_t addr,
                            std::size_t bytes);
   void touch_pages(detail::stream_pool& p, const detail::block* b, int delta);

@@ -26,11 +26,19 @@ namespace {
 /// can only be moved whole; 256 MiB keeps a 1 GiB request at four calls.
 constexpr std::size_t k_max_handle_bytes = std::size_t{256} << 20;
 /// Give the first and last page of each run its own handle (see ensure_mapped), and release an
-/// idle mapping that a new block would use only in part (see split_idle_overhang). Measured on the
-/// seven traces of ../shared/traces (sim): without either, peak reserved / peak requested has a
-/// geometric mean of 1.030 (worst 1.055); with both, 1.005 (worst 1.020), for 2-5x more VM calls.
+/// idle mapping that a new block would use only in part (see split_idle_overhang): a handle that
+/// a live block touches cannot be moved, so both keep idle memory movable.
 constexpr bool k_boundary_pages = true;
-constexpr bool k_split_partial = true;
+/// Moving a page costs an unmap, a map and a set-access (~100 us on an H200) plus a stream
+/// synchronization. Pages are moved only when new memory would raise reserved memory above its
+/// high-water mark and above this fraction over the pool's active bytes; below that, creating is
+/// as cheap, and idle pages stay where steady loops will want them again.
+constexpr double k_vm_slack = 0.0;
+/// Free blocks examined, in best-fit order, for a placement whose pages are already mapped.
+constexpr int k_placement_probes = 4;
+// Measured on the seven traces of ../shared/traces (sim, peak reserved / peak requested, VM calls):
+// moving pages whenever possible gave a geometric mean of 1.005 with 8.6k-282k VM calls per
+// trace; moving only above the high-water mark gives 1.009 with 4.6k-165k (docs/benchmarks.md).
 
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
 }  // namespace
@@ -277,8 +285,9 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
           free_handle_bytes -= got;
         }
       }
-      // 2. Stitch: move the largest idle mapping of this pool that fits the run.
-      if (!h) {
+      // 2. Stitch: move the largest idle mapping of this pool that fits the run -- unless new
+      //    memory still fits in the slack.
+      if (!h && !within_slack(p, std::min(want, k_max_handle_bytes))) {
         vm_mapping* best = nullptr;
         for (vm_mapping* m = p.idle_head; m != nullptr; m = m->idle_next) {
           if (m->pages * page_bytes <= want && (best == nullptr || m->pages > best->pages)) {
@@ -314,7 +323,7 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
             released = true;
           }
         }
-        if (!released && p.idle_head != nullptr) {
+        if (!released && p.idle_head != nullptr && !within_slack(p, bytes)) {
           vm_mapping* big = nullptr;
           for (vm_mapping* m = p.idle_head; m != nullptr; m = m->idle_next) {
             if (big == nullptr || m->pages < big->pages) big = m;
@@ -357,6 +366,83 @@ void device_allocator::impl::split_idle_overhang(stream_pool& p, vm_range& r, st
     const std::size_t mbytes = m->pages * page_bytes;
     release_handle(unmap_mapping(p, m), mbytes);
   }
+}
+
+namespace {
+std::size_t unmapped_pages(const vm_range& r, std::uintptr_t addr, std::size_t bytes) {
+  std::size_t n = 0;
+  for (std::size_t pg = r.page_of(addr), last = r.page_of(addr + bytes - 1); pg <= last; ++pg) {
+    n += r.page_map[pg] == nullptr;
+  }
+  return n;
+}
+}  // namespace
+
+std::pair<block*, bool> device_allocator::impl::place(detail::free_index& index,
+                                                      std::size_t rounded) const {
+  // Best fit at the front of the block, unless that needs VM calls: then, among the first
+  // k_placement_probes candidates in best-fit order, the front or back placement with the fewest
+  // unmapped pages. Freed blocks keep their pages, so a request that fits a freed block's place
+  // moves nothing; and a buffer that grows step by step (a KV cache) is placed at the back of the
+  // hole it leaves, on its own mapped pages, instead of leapfrogging and moving them every step.
+  block* best = index.best_fit(rounded);
+  if (best == nullptr) return {nullptr, false};
+  std::size_t best_cost = unmapped_pages(*best->seg->vm, best->addr, rounded);
+  if (best_cost == 0) return {best, false};
+  block* choice = best;
+  bool back = false;
+  block* cand = best;
+  for (int i = 0; cand != nullptr && i < k_placement_probes; ++i, cand = index.next_fit(cand)) {
+    const vm_range& r = *cand->seg->vm;
+    const std::size_t front = i == 0 ? best_cost : unmapped_pages(r, cand->addr, rounded);
+    if (front < best_cost) {
+      best_cost = front;
+      choice = cand;
+      back = false;
+    }
+    if (cand->size > rounded && cand->size - rounded < r.size / 2) {  // not the open tail
+      const std::size_t tail =
+          unmapped_pages(r, cand->addr + cand->size - rounded, rounded);
+      if (tail < best_cost) {
+        best_cost = tail;
+        choice = cand;
+        back = true;
+      }
+    }
+    if (best_cost == 0) break;
+  }
+  return {choice, back};
+}
+
+block* device_allocator::impl::split_for_back(stream_pool& p, pool_kind kind, block* b,
+                                              std::size_t rounded) {
+  // REQUIRES: b free and indexed, b->size > rounded. Leaves b's front free and indexed, returns
+  // its last `rounded` bytes as a free, indexed block.
+  auto& index = p.index_of(kind);
+  index.erase(b);
+  block* back = p.blocks.make();
+  back->addr = b->addr + b->size - rounded;
+  back->size = rounded;
+  back->seg = b->seg;
+  back->prev = b;
+  back->next = b->next;
+  back->state = block_state::free;
+  back->free_tick = b->free_tick;
+  if (b->next != nullptr) b->next->prev = back;
+  b->next = back;
+  b->size -= rounded;
+  index.insert(b);
+  index.insert(back);
+  return back;
+}
+
+bool device_allocator::impl::within_slack(stream_pool& p, std::size_t extra) {
+  // Growing is free below the high-water mark (peak reserved does not move) or within the slack
+  // above the pool's active bytes; beyond both, idle pages must be moved instead.
+  const auto active = static_cast<double>(p.stats.active_bytes[0].current);
+  std::lock_guard lock(grow_mu_);
+  return reserved + extra <= reserved_peak ||
+         static_cast<double>(reserved + extra) <= active * (1.0 + k_vm_slack);
 }
 
 void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
@@ -411,9 +497,12 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
   if (rounded > device_total || (limit != 0 && rounded > limit)) return nullptr;  // never fits
   for (int attempt = 0; attempt < 2; ++attempt) {
     ensure_range(p, kind);
-    block* b = p.index_of(kind).best_fit(rounded);
+    auto [b, at_back] = place(p.index_of(kind), rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
-    if (k_split_partial) split_idle_overhang(p, *b->seg->vm, b->addr, rounded);
+    // May throw (a failed unmap): before any block changes, so nothing is left half done.
+    split_idle_overhang(p, *b->seg->vm, at_back ? b->addr + b->size - rounded : b->addr,
+                        rounded);
+    if (at_back) b = split_for_back(p, kind, b, rounded);
     b = carve(p, b, kind, rounded, bytes);
     bool mapped = false;
     try {

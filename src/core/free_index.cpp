@@ -74,6 +74,22 @@ block* free_index::best_fit(std::size_t bytes) const noexcept {
   return heads_[l * k_sub_bins + static_cast<unsigned>(std::countr_zero(sub_map_[l]))];
 }
 
+block* free_index::next_fit(const block* b) const noexcept {
+  if (b->free_next != nullptr) return b->free_next;
+  const unsigned level = b->bin / k_sub_bins;
+  const unsigned sub = b->bin % k_sub_bins;
+  const std::uint32_t above_in_level =
+      sub + 1 < k_sub_bins ? sub_map_[level] & ~((2u << sub) - 1) : 0u;
+  if (above_in_level != 0) {
+    return heads_[level * k_sub_bins + static_cast<unsigned>(std::countr_zero(above_in_level))];
+  }
+  const std::uint64_t levels_above =
+      level + 1 < k_levels ? level_map_ & ~((std::uint64_t{2} << level) - 1) : 0;
+  if (levels_above == 0) return nullptr;
+  const unsigned l = static_cast<unsigned>(std::countr_zero(levels_above));
+  return heads_[l * k_sub_bins + static_cast<unsigned>(std::countr_zero(sub_map_[l]))];
+}
+
 block* free_index::largest() const noexcept {
   if (level_map_ == 0) return nullptr;
   const unsigned l = 63u - static_cast<unsigned>(std::countl_zero(level_map_));

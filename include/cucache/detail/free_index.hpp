@@ -28,6 +28,8 @@ class free_index {
   void erase(block* b) noexcept;
   /// The smallest indexed block with size >= bytes (lowest address among equal sizes), or nullptr.
   [[nodiscard]] block* best_fit(std::size_t bytes) const noexcept;
+  /// The indexed block after b in best-fit order (size, then address), or nullptr.
+  [[nodiscard]] block* next_fit(const block* b) const noexcept;
   /// The largest indexed block, or nullptr.
   [[nodiscard]] block* largest() const noexcept;
 
