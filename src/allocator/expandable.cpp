@@ -352,6 +352,8 @@ void device_allocator::impl::split_idle_overhang(stream_pool& p, vm_range& r, st
                                                  std::size_t bytes) {
   // An idle mapping that the new block would use only in part would be pinned whole by it: the
   // rest could no longer be moved. Release it instead; ensure_mapped backs exactly the block.
+  // In on_growth mode, below the high-water mark, that churn does not lower the peak: keep it.
+  if (!cfg.eager_stitching && within_slack(p, 0)) return;
   const std::size_t first = r.page_of(addr);
   const std::size_t last = r.page_of(addr + bytes - 1);
   bool synced = false;

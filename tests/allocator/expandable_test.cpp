@@ -49,8 +49,23 @@ TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
   expect_no_leak(a);
 }
 
-TEST(Expandable, IdleMappingUsedInPartIsReleasedRatherThanPinned) {
-  sim_allocator a(expandable());
+TEST(Expandable, OnGrowthKeepsAnIdleMappingUsedInPartBelowTheHighWaterMark) {
+  sim_allocator a(expandable());  // expandable_stitching:on_growth is the default
+  void* x = a.alloc.allocate(20 * MiB);  // pages 0-9: handles of 1, 8 and 1 pages
+  void* y = a.alloc.allocate(2 * MiB);   // page 10
+  a.alloc.deallocate(x);
+  void* z = a.alloc.allocate(4 * MiB);  // pages 0-1, both still mapped: no VM call at all
+  EXPECT_EQ(z, x);
+  const auto s = a.stats();
+  EXPECT_EQ(s.vm_release_count, 0u);
+  EXPECT_EQ(s.vm_map_count, 4u);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(22 * MiB));
+  (void)y;
+  a.alloc.check_invariants();
+}
+
+TEST(Expandable, EagerReleasesAnIdleMappingUsedInPartRatherThanPinningIt) {
+  sim_allocator a(parse_config("expandable_segments:True,expandable_stitching:eager"));
   void* x = a.alloc.allocate(20 * MiB);  // pages 0-9: handles of 1, 8 and 1 pages
   void* y = a.alloc.allocate(2 * MiB);   // page 10
   a.alloc.deallocate(x);
