@@ -28,6 +28,7 @@
 
 #include "cucache/config.hpp"
 #include "cucache/cuda_backend.hpp"
+#include "gpu/gpu_test_support.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/stats.hpp"
@@ -37,16 +38,6 @@ namespace {
 using cucache::device_allocator;
 using cucache::device_stats;
 
-#define CUCACHE_REQUIRE_GPU() \
-  if (!cucache::cuda_available()) GTEST_SKIP() << cucache::cuda_unavailable_reason()
-
-// Evaluates `expr` once and FAILs (returning from the enclosing void function) with its text.
-#define CUDA_CHECK(expr)                                                     \
-  do {                                                                       \
-    const cudaError_t cuda_check_code = (expr);                              \
-    if (cuda_check_code != cudaSuccess)                                      \
-      FAIL() << #expr << " failed: " << cudaGetErrorString(cuda_check_code); \
-  } while (false)
 
 // The same for worker threads, which return their first error to the main thread: gtest's fatal
 // assertions only leave the function they are in, so a thread must not use them.

@@ -10,12 +10,11 @@
 #include <vector>
 
 #include "cucache/cuda_backend.hpp"
+#include "gpu/gpu_test_support.hpp"
 #include "cucache/errors.hpp"
 
 namespace {
 
-#define CUCACHE_REQUIRE_GPU() \
-  if (!cucache::cuda_available()) GTEST_SKIP() << cucache::cuda_unavailable_reason()
 
 // Evaluates `expr` once, so the failure message reports the same call's error.
 #define CUDA_OK(expr)                                                                          \

@@ -12,20 +12,12 @@
 
 #include "cucache/config.hpp"
 #include "cucache/cuda_backend.hpp"
+#include "gpu/gpu_test_support.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
 
 namespace {
 
-#define CUCACHE_REQUIRE_GPU() \
-  if (!cucache::cuda_available()) GTEST_SKIP() << cucache::cuda_unavailable_reason()
-
-#define CUDA_CHECK(expr)                                                       \
-  do {                                                                         \
-    const cudaError_t cuda_check_code = (expr);                                \
-    if (cuda_check_code != cudaSuccess)                                        \
-      FAIL() << #expr << " failed: " << cudaGetErrorString(cuda_check_code); \
-  } while (false)
 
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t gib = std::size_t{1} << 30;

@@ -13,11 +13,10 @@
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
 #include "cucache/cuda_backend.hpp"
+#include "gpu/gpu_test_support.hpp"
 
 namespace {
 
-#define CUCACHE_REQUIRE_GPU() \
-  if (!cucache::cuda_available()) GTEST_SKIP() << cucache::cuda_unavailable_reason()
 
 #define CUDA_OK(expr)                                                                         \
   do {                                                                                        \
