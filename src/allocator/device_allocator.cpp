@@ -376,7 +376,7 @@ void device_allocator::impl::collect_garbage(std::size_t incoming) {
 // --- allocate ---------------------------------------------------------------------------------
 
 block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t rounded,
-                                    std::unique_lock<std::mutex>& lk) {
+                                    std::unique_lock<detail::pool_mutex>& lk) {
   const std::size_t seg_bytes = policy.segment_size(rounded);
   if (seg_bytes > device_total || (limit != 0 && seg_bytes > limit)) return nullptr;  // never fits
 

@@ -493,7 +493,7 @@ void device_allocator::impl::destroy_range(stream_pool& p, segment* s) noexcept 
 
 void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind,
                                                   std::size_t rounded, std::size_t bytes,
-                                                  std::unique_lock<std::mutex>& lk) {
+                                                  std::unique_lock<detail::pool_mutex>& lk) {
   if (rounded > device_total || (limit != 0 && rounded > limit)) return nullptr;  // never fits
   for (int attempt = 0; attempt < 2; ++attempt) {
     ensure_range(p, kind);

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "allocator/pool_mutex.hpp"
 #include "cucache/backend.hpp"
 #include "cucache/detail/block.hpp"
 #include "cucache/detail/free_index.hpp"
@@ -77,7 +78,7 @@ class stream_pool {
 
   const stream_handle stream;
   const std::size_t index;  // creation order; pools are always locked in this order
-  alignas(64) std::mutex mu;
+  alignas(64) pool_mutex mu;
   free_index free[2];                // [pool_kind]
   segment* segments = nullptr;       // doubly linked, newest first
   std::vector<pending_free> pending;  // freed blocks waiting on events
