@@ -240,8 +240,8 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
   b->state = block_state::free;
   b->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
-  pool_stats::add(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::add(p.stats.segment_count, kind, 1);
+  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::inc(p.stats.segment_count, kind, 1);
   if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
   return b;
 }
@@ -256,8 +256,8 @@ bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   }
   device_free_count.fetch_add(1, std::memory_order_relaxed);
   p.index_of(s->kind).erase(s->first);
-  pool_stats::add(p.stats.reserved_bytes, s->kind, -static_cast<std::int64_t>(s->size));
-  pool_stats::add(p.stats.segment_count, s->kind, -1);
+  pool_stats::dec(p.stats.reserved_bytes, s->kind, static_cast<std::int64_t>(s->size));
+  pool_stats::dec(p.stats.segment_count, s->kind, 1);
   if (policy.is_oversize(s->size)) --p.stats.oversize_segments;
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
@@ -289,12 +289,8 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
   b->state = block_state::allocated;
   b->requested = requested;
   if (b->seg->vm != nullptr) touch_pages(p, b, +1);
-  const auto size = static_cast<std::int64_t>(b->size);
-  pool_stats::add(p.stats.allocation_count, kind, 1);
-  pool_stats::add(p.stats.allocated_bytes, kind, size);
-  pool_stats::add(p.stats.active_count, kind, 1);
-  pool_stats::add(p.stats.active_bytes, kind, size);
-  pool_stats::add(p.stats.requested_bytes, kind, static_cast<std::int64_t>(requested));
+  p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size),
+                      static_cast<std::int64_t>(requested));
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
   return b;
 }
@@ -302,8 +298,10 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
 void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
   // REQUIRES: p.mu held; b allocated-then-freed (allocation stats already taken off).
   const pool_kind kind = b->seg->kind;
-  pool_stats::add(p.stats.active_count, kind, -1);
-  pool_stats::add(p.stats.active_bytes, kind, -static_cast<std::int64_t>(b->size));
+  if (b->state == block_state::pending) {
+    pool_stats::dec(p.stats.pending_count, kind, 1);
+    pool_stats::dec(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
+  }
   if (b->seg->vm != nullptr) touch_pages(p, b, -1);
   b->state = block_state::free;
   b->recorded_streams.clear();
@@ -452,10 +450,8 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
   const pool_kind kind = b->seg->kind;
-  const auto size = static_cast<std::int64_t>(b->size);
-  pool_stats::add(p.stats.allocation_count, kind, -1);
-  pool_stats::add(p.stats.allocated_bytes, kind, -size);
-  pool_stats::add(p.stats.requested_bytes, kind, -static_cast<std::int64_t>(b->requested));
+  p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
+                  static_cast<std::int64_t>(b->requested));
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
   if (ordered && stream != p.stream &&
@@ -474,6 +470,8 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   // Used on other streams: reuse waits for an event on each of them.
   b->state = block_state::pending;
   b->pending_events = 0;
+  pool_stats::inc(p.stats.pending_count, kind, 1);
+  pool_stats::inc(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
   for (stream_handle s : b->recorded_streams) {
     event_handle e = nullptr;
     try {

@@ -151,8 +151,8 @@ phys_handle device_allocator::impl::unmap_mapping(stream_pool& p, vm_mapping* m)
                                            : (p.ranges[0] != nullptr && p.ranges[0]->vm == &r
                                                   ? pool_kind::small
                                                   : pool_kind::large);
-  pool_stats::add(p.stats.reserved_bytes, kind, -static_cast<std::int64_t>(bytes));
-  pool_stats::add(p.stats.segment_count, kind, -1);
+  pool_stats::dec(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::dec(p.stats.segment_count, kind, 1);
   const phys_handle h = m->handle;
   p.maps.recycle(m);
   return h;
@@ -189,8 +189,8 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
       r.mapped_pages += pages;
       const pool_kind kind = p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small
                                                                             : pool_kind::large;
-      pool_stats::add(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-      pool_stats::add(p.stats.segment_count, kind, 1);
+      pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+      pool_stats::inc(p.stats.segment_count, kind, 1);
       for (std::size_t i = 0; i < pages; ++i) m->used_pages += r.page_use[first_page + i] > 0;
       if (m->used_pages == 0) idle_link(p, m);
     }
@@ -206,8 +206,8 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
   r.mapped_pages += pages;
   const pool_kind kind =
       p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small : pool_kind::large;
-  pool_stats::add(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::add(p.stats.segment_count, kind, 1);
+  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::inc(p.stats.segment_count, kind, 1);
   if (m->used_pages == 0) idle_link(p, m);
 }
 
@@ -439,7 +439,7 @@ block* device_allocator::impl::split_for_back(stream_pool& p, pool_kind kind, bl
 bool device_allocator::impl::within_slack(stream_pool& p, std::size_t extra) {
   // Growing is free below the high-water mark (peak reserved does not move) or within the slack
   // above the pool's active bytes; beyond both, idle pages must be moved instead.
-  const auto active = static_cast<double>(p.stats.active_bytes[0].current);
+  const auto active = static_cast<double>(p.stats.active_bytes(0).current);
   std::lock_guard lock(grow_mu_);
   return reserved + extra <= reserved_peak ||
          static_cast<double>(reserved + extra) <= active * (1.0 + k_vm_slack);
@@ -447,10 +447,8 @@ bool device_allocator::impl::within_slack(stream_pool& p, std::size_t extra) {
 
 void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
   const pool_kind kind = b->seg->kind;
-  const auto size = static_cast<std::int64_t>(b->size);
-  pool_stats::add(p.stats.allocation_count, kind, -1);
-  pool_stats::add(p.stats.allocated_bytes, kind, -size);
-  pool_stats::add(p.stats.requested_bytes, kind, -static_cast<std::int64_t>(b->requested));
+  p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
+                  static_cast<std::int64_t>(b->requested));
   b->requested = 0;
   release_to_free(p, b);
 }
