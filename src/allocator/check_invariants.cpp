@@ -139,10 +139,10 @@ void device_allocator::check_invariants() const {
             active_count[k] += 1;
             break;
           case block_state::pending:
-            if (b->pending_events == 0) {
+            if (b->uses == nullptr || b->uses->pending_events == 0) {
               violated(fmt::format("pending block {:#x} waits on no event", b->addr));
             }
-            pending_blocks_events += b->pending_events;
+            pending_blocks_events += b->uses->pending_events;
             active_bytes[k] += static_cast<std::int64_t>(b->size);
             active_count[k] += 1;
             break;

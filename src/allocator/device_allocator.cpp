@@ -85,9 +85,9 @@ device_allocator::impl::~impl() {
         } catch (...) {
         }
       }
-      // Run the blocks' destructors (their recorded-stream lists own heap memory).
       for (block* b = s->first; b != nullptr;) {
         block* nb = b->next;
+        if (b->state != block_state::free) delete b->uses;
         p->blocks.recycle(b);
         b = nb;
       }
@@ -180,7 +180,7 @@ void device_allocator::impl::poll_pending(stream_pool& p) {
       continue;
     }
     return_event(it->event);
-    if (--it->b->pending_events == 0) release_to_free(p, it->b);
+    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
   }
   p.pending.erase(keep, p.pending.end());
 }
@@ -198,7 +198,7 @@ void device_allocator::impl::sync_pending(stream_pool& p) {
       continue;
     }
     return_event(it->event);
-    if (--it->b->pending_events == 0) release_to_free(p, it->b);
+    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
   }
   p.pending.erase(keep, p.pending.end());
   if (first_error) std::rethrow_exception(first_error);
@@ -238,7 +238,7 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
   b->size = bytes;
   b->seg = s;
   b->state = block_state::free;
-  b->free_tick = ++p.tick;
+  s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
   pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
   pool_stats::inc(p.stats.segment_count, kind, 1);
@@ -280,7 +280,6 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
     rest->prev = b;
     rest->next = b->next;
     rest->state = block_state::free;
-    rest->free_tick = b->free_tick;
     if (b->next != nullptr) b->next->prev = rest;
     b->next = rest;
     b->size = rounded;
@@ -288,6 +287,7 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
   }
   b->state = block_state::allocated;
   b->requested = requested;
+  b->uses = nullptr;
   if (b->seg->vm != nullptr) touch_pages(p, b, +1);
   p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size),
                       static_cast<std::int64_t>(requested));
@@ -303,8 +303,11 @@ void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
     pool_stats::dec(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
   }
   if (b->seg->vm != nullptr) touch_pages(p, b, -1);
+  if (b->uses != nullptr) [[unlikely]] {
+    delete b->uses;
+    b->uses = nullptr;
+  }
   b->state = block_state::free;
-  b->recorded_streams.clear();
   auto& index = p.index_of(kind);
   if (block* n = b->next; n != nullptr && n->state == block_state::free) {
     index.erase(n);
@@ -321,7 +324,7 @@ void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
     p.blocks.recycle(b);
     b = q;
   }
-  b->free_tick = ++p.tick;
+  b->seg->free_tick = ++p.tick;
   index.insert(b);
 }
 
@@ -349,7 +352,7 @@ std::size_t device_allocator::impl::release_free_segments(std::size_t target_res
   }
   if (oldest_first) {
     std::stable_sort(victims.begin(), victims.end(), [](const auto& a, const auto& b) {
-      return a.second->first->free_tick < b.second->first->free_tick;
+      return a.second->free_tick < b.second->free_tick;
     });
   }
   std::size_t released = 0;
@@ -455,30 +458,31 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
   if (ordered && stream != p.stream &&
-      std::find(b->recorded_streams.begin(), b->recorded_streams.end(), stream) ==
-          b->recorded_streams.end()) {
+      (b->uses == nullptr || std::find(b->uses->streams.begin(), b->uses->streams.end(),
+                                       stream) == b->uses->streams.end())) {
     try {
-      b->recorded_streams.push_back(stream);
+      if (b->uses == nullptr) b->uses = new detail::stream_uses;
+      b->uses->streams.push_back(stream);
     } catch (...) {
       backend->stream_synchronize(stream);
     }
   }
-  if (b->recorded_streams.empty()) {
+  if (b->uses == nullptr || b->uses->streams.empty()) {
     release_to_free(p, b);
     return;
   }
   // Used on other streams: reuse waits for an event on each of them.
   b->state = block_state::pending;
-  b->pending_events = 0;
+  b->uses->pending_events = 0;
   pool_stats::inc(p.stats.pending_count, kind, 1);
   pool_stats::inc(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
-  for (stream_handle s : b->recorded_streams) {
+  for (stream_handle s : b->uses->streams) {
     event_handle e = nullptr;
     try {
       e = take_event();
       backend->event_record(e, s);
       p.pending.push_back({b, e});
-      ++b->pending_events;
+      ++b->uses->pending_events;
     } catch (...) {
       // Without an event the only safe reuse is after the stream drains.
       if (e != nullptr) return_event(e);
@@ -492,14 +496,17 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
       }
     }
   }
-  if (b->pending_events == 0) release_to_free(p, b);
+  if (b->uses->pending_events == 0) release_to_free(p, b);
 }
 
 void device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   bool found = blocks.with(addr, [&](block* b) {
     if (stream == b->seg->owner->stream) return;
-    auto& rs = b->recorded_streams;
+    // Under the map's shard lock only: the block cannot be freed meanwhile, and nothing else
+    // touches its uses while it is allocated.
+    if (b->uses == nullptr) b->uses = new detail::stream_uses;
+    auto& rs = b->uses->streams;
     if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
   });
   if (!found) throw_bad_pointer(ptr, "record_stream");

@@ -73,7 +73,7 @@ segment* device_allocator::impl::ensure_range(stream_pool& p, pool_kind kind) {
   b->size = bytes;
   b->seg = s;
   b->state = block_state::free;
-  b->free_tick = ++p.tick;
+  s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
   p.ranges[k] = s;
   return s;
@@ -427,7 +427,6 @@ block* device_allocator::impl::split_for_back(stream_pool& p, pool_kind kind, bl
   back->prev = b;
   back->next = b->next;
   back->state = block_state::free;
-  back->free_tick = b->free_tick;
   if (b->next != nullptr) b->next->prev = back;
   b->next = back;
   b->size -= rounded;
