@@ -269,7 +269,6 @@ bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
 
 block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
                                      std::size_t requested) {
-  p.index_of(kind).erase(b);
   const bool split = b->seg->vm != nullptr ? b->size - rounded >= detail::k_min_block_bytes
                                            : policy.should_split(kind, b->size, rounded);
   if (split) {
@@ -282,8 +281,10 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
     rest->state = block_state::free;
     if (b->next != nullptr) b->next->prev = rest;
     b->next = rest;
+    p.index_of(kind).replace(b, rest);
     b->size = rounded;
-    p.index_of(kind).insert(rest);
+  } else {
+    p.index_of(kind).erase(b);
   }
   b->state = block_state::allocated;
   b->requested = requested;
@@ -308,23 +309,35 @@ void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
     b->uses = nullptr;
   }
   b->state = block_state::free;
+  b->seg->free_tick = ++p.tick;
+  // Coalesce with free neighbours. The merged block often stays in the bin, and at the place, of
+  // the neighbour it absorbs; the index then re-links it without a walk.
   auto& index = p.index_of(kind);
-  if (block* n = b->next; n != nullptr && n->state == block_state::free) {
-    index.erase(n);
+  block* n = b->next;
+  const bool merge_next = n != nullptr && n->state == block_state::free;
+  if (block* q = b->prev; q != nullptr && q->state == block_state::free) {
+    std::size_t size = q->size + b->size;
+    block* after = b->next;
+    if (merge_next) {
+      index.erase(n);
+      size += n->size;
+      after = n->next;
+      p.blocks.recycle(n);
+    }
+    q->next = after;
+    if (after != nullptr) after->prev = q;
+    index.resize(q, size);
+    p.blocks.recycle(b);
+    return;
+  }
+  if (merge_next) {
     b->size += n->size;
     b->next = n->next;
     if (n->next != nullptr) n->next->prev = b;
+    index.replace(n, b);
     p.blocks.recycle(n);
+    return;
   }
-  if (block* q = b->prev; q != nullptr && q->state == block_state::free) {
-    index.erase(q);
-    q->size += b->size;
-    q->next = b->next;
-    if (b->next != nullptr) b->next->prev = q;
-    p.blocks.recycle(b);
-    b = q;
-  }
-  b->seg->free_tick = ++p.tick;
   index.insert(b);
 }
 
