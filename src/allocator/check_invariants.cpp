@@ -173,6 +173,21 @@ void device_allocator::check_invariants() const {
                            p.pending.size(), pending_blocks_events));
     }
     for (int k = 0; k < 2; ++k) {
+      // Bins hold blocks of their size class in strict (size, address) order: best fit relies on
+      // it, and splits and merges re-link blocks in place.
+      const block* last = nullptr;
+      p.free[k].for_each([&](const block* b) {
+        if (b->bin != detail::free_index::bin_of(b->size)) {
+          violated(fmt::format("free block {:#x} of {} bytes is in bin {}", b->addr, b->size,
+                               b->bin));
+        }
+        if (last != nullptr && last->bin == b->bin &&
+            !(last->size < b->size || (last->size == b->size && last->addr < b->addr))) {
+          violated(fmt::format("bin {}: block {:#x} is listed before {:#x}", b->bin, last->addr,
+                               b->addr));
+        }
+        last = b;
+      });
       if (p.free[k].count() != free_count[k] || p.free[k].bytes() != free_bytes[k]) {
         violated(fmt::format("pool {} {}: free index holds {} blocks / {} bytes, segments {} / {}",
                              p.index, k == 0 ? "small" : "large", p.free[k].count(),
