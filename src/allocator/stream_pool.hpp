@@ -83,7 +83,33 @@ struct counter {
     base = current;
   }
 };
-using counter_array = std::array<counter, k_stat_pools>;
+
+/// One statistic per pool kind. The "all" figures are derived from the two kinds' sums; only
+/// their peak needs state of its own (the peak of a sum is not the sum of peaks), kept as the
+/// highest sum seen after an increase -- the only time the sum can reach a new peak.
+struct counter_array {
+  std::array<counter, 2> kind;  // [pool_kind]
+  std::int64_t all_peak = 0;
+
+  void inc(pool_kind k, std::int64_t delta) noexcept {
+    kind[static_cast<int>(k)].inc(delta);
+    all_peak = std::max(all_peak, kind[0].current + kind[1].current);
+  }
+  void dec(pool_kind k, std::int64_t delta) noexcept { kind[static_cast<int>(k)].dec(delta); }
+  /// The statistic at a stat_pool slot: 0 all, 1 small, 2 large.
+  [[nodiscard]] counter operator[](std::size_t slot) const noexcept {
+    if (slot != 0) return kind[slot - 1];
+    return {kind[0].current + kind[1].current, all_peak, kind[0].allocated + kind[1].allocated,
+            kind[0].base + kind[1].base};
+  }
+  void reset_peak() noexcept {
+    for (auto& c : kind) c.reset_peak();
+    all_peak = kind[0].current + kind[1].current;
+  }
+  void reset_totals() noexcept {
+    for (auto& c : kind) c.reset_totals();
+  }
+};
 
 /// Per-pool statistics, updated under the pool's mutex.
 ///
@@ -106,14 +132,8 @@ struct pool_stats {
   std::uint64_t oversize_segments = 0;
 
   static std::size_t slot(pool_kind k) noexcept { return k == pool_kind::small ? 1 : 2; }
-  static void inc(counter_array& s, pool_kind k, std::int64_t delta) noexcept {
-    s[0].inc(delta);
-    s[slot(k)].inc(delta);
-  }
-  static void dec(counter_array& s, pool_kind k, std::int64_t delta) noexcept {
-    s[0].dec(delta);
-    s[slot(k)].dec(delta);
-  }
+  static void inc(counter_array& s, pool_kind k, std::int64_t delta) noexcept { s.inc(k, delta); }
+  static void dec(counter_array& s, pool_kind k, std::int64_t delta) noexcept { s.dec(k, delta); }
 
   /// A block of `bytes` was carved: allocated, and active.
   void on_allocate(pool_kind k, std::int64_t bytes, std::int64_t requested) noexcept {
@@ -151,7 +171,7 @@ struct pool_stats {
   void reset_peaks() noexcept {
     for (auto* arr : {&allocated_bytes, &requested_bytes, &allocation_count, &reserved_bytes,
                       &segment_count, &pending_bytes, &pending_count}) {
-      for (auto& c : *arr) c.reset_peak();
+      arr->reset_peak();
     }
     for (std::size_t i = 0; i < k_stat_pools; ++i) {
       active_bytes_peak[i] = active_bytes(i).current;
@@ -161,7 +181,7 @@ struct pool_stats {
   void reset_totals() noexcept {
     for (auto* arr : {&allocated_bytes, &requested_bytes, &allocation_count, &reserved_bytes,
                       &segment_count, &pending_bytes, &pending_count}) {
-      for (auto& c : *arr) c.reset_totals();
+      arr->reset_totals();
     }
   }
 };
