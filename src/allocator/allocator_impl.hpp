@@ -34,7 +34,7 @@ struct device_allocator::impl {
   detail::stream_pool& pool_for(stream_handle stream);
   detail::block* find_free(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded);
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                      std::unique_lock<std::mutex>& lk);
+                      std::unique_lock<detail::pool_mutex>& lk);
   detail::block* new_segment(detail::stream_pool& p, detail::pool_kind kind, std::size_t bytes);
   detail::block* carve(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
                        std::size_t rounded, std::size_t requested);
@@ -70,7 +70,7 @@ struct device_allocator::impl {
   void release_free_handles(std::size_t target_reserved);
   void destroy_range(detail::stream_pool& p, detail::segment* s) noexcept;
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                            std::size_t bytes, std::unique_lock<std::mutex>& lk);
+                            std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk);
 
   [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream);
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
@@ -78,7 +78,7 @@ struct device_allocator::impl {
   /// All pools, locked in index order, for device-wide work.
   struct all_locked {
     std::shared_lock<std::shared_mutex> list;
-    std::vector<std::unique_lock<std::mutex>> locks;
+    std::vector<std::unique_lock<detail::pool_mutex>> locks;
   };
   all_locked lock_all() const;
 

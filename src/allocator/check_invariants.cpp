@@ -139,10 +139,10 @@ void device_allocator::check_invariants() const {
             active_count[k] += 1;
             break;
           case block_state::pending:
-            if (b->pending_events == 0) {
+            if (b->uses == nullptr || b->uses->pending_events == 0) {
               violated(fmt::format("pending block {:#x} waits on no event", b->addr));
             }
-            pending_blocks_events += b->pending_events;
+            pending_blocks_events += b->uses->pending_events;
             active_bytes[k] += static_cast<std::int64_t>(b->size);
             active_count[k] += 1;
             break;
@@ -173,25 +173,41 @@ void device_allocator::check_invariants() const {
                            p.pending.size(), pending_blocks_events));
     }
     for (int k = 0; k < 2; ++k) {
+      // Bins hold blocks of their size class in strict (size, address) order: best fit relies on
+      // it, and splits and merges re-link blocks in place.
+      const block* last = nullptr;
+      p.free[k].for_each([&](const block* b) {
+        if (b->bin != detail::free_index::bin_of(b->size)) {
+          violated(fmt::format("free block {:#x} of {} bytes is in bin {}", b->addr, b->size,
+                               b->bin));
+        }
+        if (last != nullptr && last->bin == b->bin &&
+            !(last->size < b->size || (last->size == b->size && last->addr < b->addr))) {
+          violated(fmt::format("bin {}: block {:#x} is listed before {:#x}", b->bin, last->addr,
+                               b->addr));
+        }
+        last = b;
+      });
       if (p.free[k].count() != free_count[k] || p.free[k].bytes() != free_bytes[k]) {
         violated(fmt::format("pool {} {}: free index holds {} blocks / {} bytes, segments {} / {}",
                              p.index, k == 0 ? "small" : "large", p.free[k].count(),
                              p.free[k].bytes(), free_count[k], free_bytes[k]));
       }
       const std::size_t slot = k == 0 ? 1 : 2;
-      auto check = [&](const char* name, const stat_array& st, std::int64_t expect) {
-        if (st[slot].current != expect) {
+      auto check = [&](const char* name, std::int64_t current, std::int64_t expect) {
+        if (current != expect) {
           violated(fmt::format("pool {} {} {}: stat says {}, recount {}", p.index,
-                               k == 0 ? "small" : "large", name, st[slot].current, expect));
+                               k == 0 ? "small" : "large", name, current, expect));
         }
       };
-      check("allocated_bytes", p.stats.allocated_bytes, alloc_bytes[k]);
-      check("allocation_count", p.stats.allocation_count, alloc_count[k]);
-      check("active_bytes", p.stats.active_bytes, active_bytes[k]);
-      check("active_count", p.stats.active_count, active_count[k]);
-      check("reserved_bytes", p.stats.reserved_bytes, reserved[k]);
-      check("segment_count", p.stats.segment_count, seg_count[k]);
-      check("requested_bytes", p.stats.requested_bytes, requested[k]);
+      const auto& st = p.stats;
+      check("allocated_bytes", st.allocated_bytes[slot].current, alloc_bytes[k]);
+      check("allocation_count", st.allocation_count[slot].current, alloc_count[k]);
+      check("active_bytes", st.active_bytes(slot).current, active_bytes[k]);
+      check("active_count", st.active_count(slot).current, active_count[k]);
+      check("reserved_bytes", st.reserved_bytes[slot].current, reserved[k]);
+      check("segment_count", st.segment_count[slot].current, seg_count[k]);
+      check("requested_bytes", st.requested_bytes[slot].current, requested[k]);
     }
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
   }

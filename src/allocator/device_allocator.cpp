@@ -85,9 +85,9 @@ device_allocator::impl::~impl() {
         } catch (...) {
         }
       }
-      // Run the blocks' destructors (their recorded-stream lists own heap memory).
       for (block* b = s->first; b != nullptr;) {
         block* nb = b->next;
+        if (b->state != block_state::free) delete b->uses;
         p->blocks.recycle(b);
         b = nb;
       }
@@ -180,7 +180,7 @@ void device_allocator::impl::poll_pending(stream_pool& p) {
       continue;
     }
     return_event(it->event);
-    if (--it->b->pending_events == 0) release_to_free(p, it->b);
+    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
   }
   p.pending.erase(keep, p.pending.end());
 }
@@ -198,7 +198,7 @@ void device_allocator::impl::sync_pending(stream_pool& p) {
       continue;
     }
     return_event(it->event);
-    if (--it->b->pending_events == 0) release_to_free(p, it->b);
+    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
   }
   p.pending.erase(keep, p.pending.end());
   if (first_error) std::rethrow_exception(first_error);
@@ -238,10 +238,10 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
   b->size = bytes;
   b->seg = s;
   b->state = block_state::free;
-  b->free_tick = ++p.tick;
+  s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
-  pool_stats::add(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::add(p.stats.segment_count, kind, 1);
+  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::inc(p.stats.segment_count, kind, 1);
   if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
   return b;
 }
@@ -256,8 +256,8 @@ bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   }
   device_free_count.fetch_add(1, std::memory_order_relaxed);
   p.index_of(s->kind).erase(s->first);
-  pool_stats::add(p.stats.reserved_bytes, s->kind, -static_cast<std::int64_t>(s->size));
-  pool_stats::add(p.stats.segment_count, s->kind, -1);
+  pool_stats::dec(p.stats.reserved_bytes, s->kind, static_cast<std::int64_t>(s->size));
+  pool_stats::dec(p.stats.segment_count, s->kind, 1);
   if (policy.is_oversize(s->size)) --p.stats.oversize_segments;
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
@@ -269,7 +269,6 @@ bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
 
 block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
                                      std::size_t requested) {
-  p.index_of(kind).erase(b);
   const bool split = b->seg->vm != nullptr ? b->size - rounded >= detail::k_min_block_bytes
                                            : policy.should_split(kind, b->size, rounded);
   if (split) {
@@ -280,21 +279,19 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
     rest->prev = b;
     rest->next = b->next;
     rest->state = block_state::free;
-    rest->free_tick = b->free_tick;
     if (b->next != nullptr) b->next->prev = rest;
     b->next = rest;
+    p.index_of(kind).replace(b, rest);
     b->size = rounded;
-    p.index_of(kind).insert(rest);
+  } else {
+    p.index_of(kind).erase(b);
   }
   b->state = block_state::allocated;
   b->requested = requested;
+  b->uses = nullptr;
   if (b->seg->vm != nullptr) touch_pages(p, b, +1);
-  const auto size = static_cast<std::int64_t>(b->size);
-  pool_stats::add(p.stats.allocation_count, kind, 1);
-  pool_stats::add(p.stats.allocated_bytes, kind, size);
-  pool_stats::add(p.stats.active_count, kind, 1);
-  pool_stats::add(p.stats.active_bytes, kind, size);
-  pool_stats::add(p.stats.requested_bytes, kind, static_cast<std::int64_t>(requested));
+  p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size),
+                      static_cast<std::int64_t>(requested));
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
   return b;
 }
@@ -302,28 +299,45 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
 void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
   // REQUIRES: p.mu held; b allocated-then-freed (allocation stats already taken off).
   const pool_kind kind = b->seg->kind;
-  pool_stats::add(p.stats.active_count, kind, -1);
-  pool_stats::add(p.stats.active_bytes, kind, -static_cast<std::int64_t>(b->size));
+  if (b->state == block_state::pending) {
+    pool_stats::dec(p.stats.pending_count, kind, 1);
+    pool_stats::dec(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
+  }
   if (b->seg->vm != nullptr) touch_pages(p, b, -1);
+  if (b->uses != nullptr) [[unlikely]] {
+    delete b->uses;
+    b->uses = nullptr;
+  }
   b->state = block_state::free;
-  b->recorded_streams.clear();
+  b->seg->free_tick = ++p.tick;
+  // Coalesce with free neighbours. The merged block often stays in the bin, and at the place, of
+  // the neighbour it absorbs; the index then re-links it without a walk.
   auto& index = p.index_of(kind);
-  if (block* n = b->next; n != nullptr && n->state == block_state::free) {
-    index.erase(n);
+  block* n = b->next;
+  const bool merge_next = n != nullptr && n->state == block_state::free;
+  if (block* q = b->prev; q != nullptr && q->state == block_state::free) {
+    std::size_t size = q->size + b->size;
+    block* after = b->next;
+    if (merge_next) {
+      index.erase(n);
+      size += n->size;
+      after = n->next;
+      p.blocks.recycle(n);
+    }
+    q->next = after;
+    if (after != nullptr) after->prev = q;
+    index.resize(q, size);
+    p.blocks.recycle(b);
+    return;
+  }
+  if (merge_next) {
     b->size += n->size;
     b->next = n->next;
     if (n->next != nullptr) n->next->prev = b;
+    index.replace(n, b);
     p.blocks.recycle(n);
+    return;
   }
-  if (block* q = b->prev; q != nullptr && q->state == block_state::free) {
-    index.erase(q);
-    q->size += b->size;
-    q->next = b->next;
-    if (b->next != nullptr) b->next->prev = q;
-    p.blocks.recycle(b);
-    b = q;
-  }
-  b->free_tick = ++p.tick;
   index.insert(b);
 }
 
@@ -351,7 +365,7 @@ std::size_t device_allocator::impl::release_free_segments(std::size_t target_res
   }
   if (oldest_first) {
     std::stable_sort(victims.begin(), victims.end(), [](const auto& a, const auto& b) {
-      return a.second->first->free_tick < b.second->first->free_tick;
+      return a.second->free_tick < b.second->free_tick;
     });
   }
   std::size_t released = 0;
@@ -376,7 +390,7 @@ void device_allocator::impl::collect_garbage(std::size_t incoming) {
 // --- allocate ---------------------------------------------------------------------------------
 
 block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t rounded,
-                                    std::unique_lock<std::mutex>& lk) {
+                                    std::unique_lock<detail::pool_mutex>& lk) {
   const std::size_t seg_bytes = policy.segment_size(rounded);
   if (seg_bytes > device_total || (limit != 0 && seg_bytes > limit)) return nullptr;  // never fits
 
@@ -452,35 +466,36 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
   const pool_kind kind = b->seg->kind;
-  const auto size = static_cast<std::int64_t>(b->size);
-  pool_stats::add(p.stats.allocation_count, kind, -1);
-  pool_stats::add(p.stats.allocated_bytes, kind, -size);
-  pool_stats::add(p.stats.requested_bytes, kind, -static_cast<std::int64_t>(b->requested));
+  p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
+                  static_cast<std::int64_t>(b->requested));
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
   if (ordered && stream != p.stream &&
-      std::find(b->recorded_streams.begin(), b->recorded_streams.end(), stream) ==
-          b->recorded_streams.end()) {
+      (b->uses == nullptr || std::find(b->uses->streams.begin(), b->uses->streams.end(),
+                                       stream) == b->uses->streams.end())) {
     try {
-      b->recorded_streams.push_back(stream);
+      if (b->uses == nullptr) b->uses = new detail::stream_uses;
+      b->uses->streams.push_back(stream);
     } catch (...) {
       backend->stream_synchronize(stream);
     }
   }
-  if (b->recorded_streams.empty()) {
+  if (b->uses == nullptr || b->uses->streams.empty()) {
     release_to_free(p, b);
     return;
   }
   // Used on other streams: reuse waits for an event on each of them.
   b->state = block_state::pending;
-  b->pending_events = 0;
-  for (stream_handle s : b->recorded_streams) {
+  b->uses->pending_events = 0;
+  pool_stats::inc(p.stats.pending_count, kind, 1);
+  pool_stats::inc(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
+  for (stream_handle s : b->uses->streams) {
     event_handle e = nullptr;
     try {
       e = take_event();
       backend->event_record(e, s);
       p.pending.push_back({b, e});
-      ++b->pending_events;
+      ++b->uses->pending_events;
     } catch (...) {
       // Without an event the only safe reuse is after the stream drains.
       if (e != nullptr) return_event(e);
@@ -494,14 +509,17 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
       }
     }
   }
-  if (b->pending_events == 0) release_to_free(p, b);
+  if (b->uses->pending_events == 0) release_to_free(p, b);
 }
 
 void device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   bool found = blocks.with(addr, [&](block* b) {
     if (stream == b->seg->owner->stream) return;
-    auto& rs = b->recorded_streams;
+    // Under the map's shard lock only: the block cannot be freed meanwhile, and nothing else
+    // touches its uses while it is allocated.
+    if (b->uses == nullptr) b->uses = new detail::stream_uses;
+    auto& rs = b->uses->streams;
     if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
   });
   if (!found) throw_bad_pointer(ptr, "record_stream");

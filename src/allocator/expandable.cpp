@@ -73,7 +73,7 @@ segment* device_allocator::impl::ensure_range(stream_pool& p, pool_kind kind) {
   b->size = bytes;
   b->seg = s;
   b->state = block_state::free;
-  b->free_tick = ++p.tick;
+  s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
   p.ranges[k] = s;
   return s;
@@ -151,8 +151,8 @@ phys_handle device_allocator::impl::unmap_mapping(stream_pool& p, vm_mapping* m)
                                            : (p.ranges[0] != nullptr && p.ranges[0]->vm == &r
                                                   ? pool_kind::small
                                                   : pool_kind::large);
-  pool_stats::add(p.stats.reserved_bytes, kind, -static_cast<std::int64_t>(bytes));
-  pool_stats::add(p.stats.segment_count, kind, -1);
+  pool_stats::dec(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::dec(p.stats.segment_count, kind, 1);
   const phys_handle h = m->handle;
   p.maps.recycle(m);
   return h;
@@ -189,8 +189,8 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
       r.mapped_pages += pages;
       const pool_kind kind = p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small
                                                                             : pool_kind::large;
-      pool_stats::add(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-      pool_stats::add(p.stats.segment_count, kind, 1);
+      pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+      pool_stats::inc(p.stats.segment_count, kind, 1);
       for (std::size_t i = 0; i < pages; ++i) m->used_pages += r.page_use[first_page + i] > 0;
       if (m->used_pages == 0) idle_link(p, m);
     }
@@ -206,8 +206,8 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
   r.mapped_pages += pages;
   const pool_kind kind =
       p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small : pool_kind::large;
-  pool_stats::add(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::add(p.stats.segment_count, kind, 1);
+  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::inc(p.stats.segment_count, kind, 1);
   if (m->used_pages == 0) idle_link(p, m);
 }
 
@@ -429,7 +429,6 @@ block* device_allocator::impl::split_for_back(stream_pool& p, pool_kind kind, bl
   back->prev = b;
   back->next = b->next;
   back->state = block_state::free;
-  back->free_tick = b->free_tick;
   if (b->next != nullptr) b->next->prev = back;
   b->next = back;
   b->size -= rounded;
@@ -441,7 +440,7 @@ block* device_allocator::impl::split_for_back(stream_pool& p, pool_kind kind, bl
 bool device_allocator::impl::within_slack(stream_pool& p, std::size_t extra) {
   // Growing is free below the high-water mark (peak reserved does not move) or within the slack
   // above the pool's active bytes; beyond both, idle pages must be moved instead.
-  const auto active = static_cast<double>(p.stats.active_bytes[0].current);
+  const auto active = static_cast<double>(p.stats.active_bytes(0).current);
   std::lock_guard lock(grow_mu_);
   return reserved + extra <= reserved_peak ||
          static_cast<double>(reserved + extra) <= active * (1.0 + k_vm_slack);
@@ -449,10 +448,8 @@ bool device_allocator::impl::within_slack(stream_pool& p, std::size_t extra) {
 
 void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
   const pool_kind kind = b->seg->kind;
-  const auto size = static_cast<std::int64_t>(b->size);
-  pool_stats::add(p.stats.allocation_count, kind, -1);
-  pool_stats::add(p.stats.allocated_bytes, kind, -size);
-  pool_stats::add(p.stats.requested_bytes, kind, -static_cast<std::int64_t>(b->requested));
+  p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
+                  static_cast<std::int64_t>(b->requested));
   b->requested = 0;
   release_to_free(p, b);
 }
@@ -495,7 +492,7 @@ void device_allocator::impl::destroy_range(stream_pool& p, segment* s) noexcept 
 
 void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind,
                                                   std::size_t rounded, std::size_t bytes,
-                                                  std::unique_lock<std::mutex>& lk) {
+                                                  std::unique_lock<detail::pool_mutex>& lk) {
   if (rounded > device_total || (limit != 0 && rounded > limit)) return nullptr;  // never fits
   for (int attempt = 0; attempt < 2; ++attempt) {
     ensure_range(p, kind);

@@ -4,11 +4,14 @@
 // never contend here.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
 
+#include "allocator/pool_mutex.hpp"
 #include "cucache/backend.hpp"
 #include "cucache/detail/block.hpp"
 #include "cucache/detail/free_index.hpp"
@@ -57,17 +60,129 @@ struct pending_free {
   event_handle event;
 };
 
+/// One statistic of one pool, shaped for the hot path: an increase updates current, allocated and
+/// peak; a decrease only current. The public `freed` total is derived, since
+/// current = base + allocated - freed, where base is current at the last reset of totals.
+struct counter {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;
+  std::int64_t base = 0;
+
+  void inc(std::int64_t delta) noexcept {
+    current += delta;
+    allocated += delta;
+    if (current > peak) peak = current;
+  }
+  void dec(std::int64_t delta) noexcept { current -= delta; }
+  [[nodiscard]] stat get() const noexcept { return {current, peak, allocated, freed()}; }
+  [[nodiscard]] std::int64_t freed() const noexcept { return base + allocated - current; }
+  void reset_peak() noexcept { peak = current; }
+  void reset_totals() noexcept {
+    allocated = 0;
+    base = current;
+  }
+};
+
+/// One statistic per pool kind. The "all" figures are derived from the two kinds' sums; only
+/// their peak needs state of its own (the peak of a sum is not the sum of peaks), kept as the
+/// highest sum seen after an increase -- the only time the sum can reach a new peak.
+struct counter_array {
+  std::array<counter, 2> kind;  // [pool_kind]
+  std::int64_t all_peak = 0;
+
+  void inc(pool_kind k, std::int64_t delta) noexcept {
+    kind[static_cast<int>(k)].inc(delta);
+    all_peak = std::max(all_peak, kind[0].current + kind[1].current);
+  }
+  void dec(pool_kind k, std::int64_t delta) noexcept { kind[static_cast<int>(k)].dec(delta); }
+  /// The statistic at a stat_pool slot: 0 all, 1 small, 2 large.
+  [[nodiscard]] counter operator[](std::size_t slot) const noexcept {
+    if (slot != 0) return kind[slot - 1];
+    return {kind[0].current + kind[1].current, all_peak, kind[0].allocated + kind[1].allocated,
+            kind[0].base + kind[1].base};
+  }
+  void reset_peak() noexcept {
+    for (auto& c : kind) c.reset_peak();
+    all_peak = kind[0].current + kind[1].current;
+  }
+  void reset_totals() noexcept {
+    for (auto& c : kind) c.reset_totals();
+  }
+};
+
 /// Per-pool statistics, updated under the pool's mutex.
+///
+/// Active figures (allocated plus pending) are not kept as counters of their own: a cache-hit pair
+/// would update them exactly as it updates the allocated ones. They are derived from the allocated
+/// and the pending counters instead, exactly:
+/// - current = allocated + pending;
+/// - allocated total = allocated's (both grow only when a block is carved);
+/// - freed total from the same identity as `counter`, with base = both bases;
+/// - peak: active only grows when a block is carved. While nothing is pending it equals allocated,
+///   so allocated's peak covers it; `active_*_peak` records the value whenever a block is carved
+///   while something is pending. Both are lower bounds of the true peak and one of them reaches
+///   it, so the maximum of the two is exact.
 struct pool_stats {
-  stat_array allocated_bytes, reserved_bytes, active_bytes, requested_bytes;
-  stat_array allocation_count, segment_count, active_count;
+  counter_array allocated_bytes, requested_bytes, allocation_count;
+  counter_array reserved_bytes, segment_count;
+  counter_array pending_bytes, pending_count;  // freed blocks waiting for events
+  std::array<std::int64_t, k_stat_pools> active_bytes_peak{}, active_count_peak{};
   std::uint64_t oversize_allocations = 0;
   std::uint64_t oversize_segments = 0;
 
   static std::size_t slot(pool_kind k) noexcept { return k == pool_kind::small ? 1 : 2; }
-  static void add(stat_array& s, pool_kind k, std::int64_t delta) noexcept {
-    s[0].add(delta);
-    s[slot(k)].add(delta);
+  static void inc(counter_array& s, pool_kind k, std::int64_t delta) noexcept { s.inc(k, delta); }
+  static void dec(counter_array& s, pool_kind k, std::int64_t delta) noexcept { s.dec(k, delta); }
+
+  /// A block of `bytes` was carved: allocated, and active.
+  void on_allocate(pool_kind k, std::int64_t bytes, std::int64_t requested) noexcept {
+    inc(allocation_count, k, 1);
+    inc(allocated_bytes, k, bytes);
+    inc(requested_bytes, k, requested);
+    if (pending_count[0].current != 0) [[unlikely]] {
+      for (std::size_t i : {std::size_t{0}, slot(k)}) {
+        active_bytes_peak[i] =
+            std::max(active_bytes_peak[i], allocated_bytes[i].current + pending_bytes[i].current);
+        active_count_peak[i] =
+            std::max(active_count_peak[i], allocation_count[i].current + pending_count[i].current);
+      }
+    }
+  }
+  /// A block was freed by its caller (it may still be active, pending).
+  void on_free(pool_kind k, std::int64_t bytes, std::int64_t requested) noexcept {
+    dec(allocation_count, k, 1);
+    dec(allocated_bytes, k, bytes);
+    dec(requested_bytes, k, requested);
+  }
+
+  [[nodiscard]] static stat active(const counter& alloc, const counter& pend,
+                                   std::int64_t pending_peak) noexcept {
+    const std::int64_t current = alloc.current + pend.current;
+    return {current, std::max(alloc.peak, pending_peak), alloc.allocated,
+            alloc.base + pend.base + alloc.allocated - current};
+  }
+  [[nodiscard]] stat active_bytes(std::size_t i) const noexcept {
+    return active(allocated_bytes[i], pending_bytes[i], active_bytes_peak[i]);
+  }
+  [[nodiscard]] stat active_count(std::size_t i) const noexcept {
+    return active(allocation_count[i], pending_count[i], active_count_peak[i]);
+  }
+  void reset_peaks() noexcept {
+    for (auto* arr : {&allocated_bytes, &requested_bytes, &allocation_count, &reserved_bytes,
+                      &segment_count, &pending_bytes, &pending_count}) {
+      arr->reset_peak();
+    }
+    for (std::size_t i = 0; i < k_stat_pools; ++i) {
+      active_bytes_peak[i] = active_bytes(i).current;
+      active_count_peak[i] = active_count(i).current;
+    }
+  }
+  void reset_totals() noexcept {
+    for (auto* arr : {&allocated_bytes, &requested_bytes, &allocation_count, &reserved_bytes,
+                      &segment_count, &pending_bytes, &pending_count}) {
+      arr->reset_totals();
+    }
   }
 };
 
@@ -77,7 +192,7 @@ class stream_pool {
 
   const stream_handle stream;
   const std::size_t index;  // creation order; pools are always locked in this order
-  alignas(64) std::mutex mu;
+  alignas(64) pool_mutex mu;
   free_index free[2];                // [pool_kind]
   segment* segments = nullptr;       // doubly linked, newest first
   std::vector<pending_free> pending;  // freed blocks waiting on events

@@ -5,16 +5,7 @@
 
 namespace cucache::detail {
 
-std::uint32_t free_index::bin_of(std::size_t bytes) noexcept {
-  const std::size_t units = bytes / k_min_block_bytes;  // >= 1 for every real block
-  if (units < k_sub_bins) return static_cast<std::uint32_t>(units);
-  const unsigned level = static_cast<unsigned>(std::bit_width(units)) - 1;  // >= 4
-  const unsigned sub = static_cast<unsigned>(units >> (level - k_sub_bins_log2)) & (k_sub_bins - 1);
-  return (level - k_sub_bins_log2 + 1) * k_sub_bins + sub;
-}
-
-void free_index::insert(block* b) noexcept {
-  const std::uint32_t bin = bin_of(b->size);
+void free_index::link(block* b, std::uint32_t bin) noexcept {
   b->bin = bin;
   block* prev = nullptr;
   block* cur = heads_[bin];
@@ -52,6 +43,44 @@ void free_index::erase(block* b) noexcept {
   b->free_prev = b->free_next = nullptr;
   --count_;
   bytes_ -= b->size;
+}
+
+void free_index::replace(block* out, block* in) noexcept {
+  const std::uint32_t bin = bin_of(in->size);
+  block* p = out->free_prev;
+  block* n = out->free_next;
+  if (bin == out->bin && (p == nullptr || before(p, in->size, in->addr)) &&
+      (n == nullptr || before(in->size, in->addr, n))) {
+    in->bin = bin;
+    in->free_prev = p;
+    in->free_next = n;
+    if (p != nullptr) {
+      p->free_next = in;
+    } else {
+      heads_[bin] = in;
+    }
+    if (n != nullptr) n->free_prev = in;
+    out->free_prev = out->free_next = nullptr;
+    bytes_ = bytes_ - out->size + in->size;
+    return;
+  }
+  erase(out);
+  link(in, bin);
+}
+
+void free_index::resize(block* b, std::size_t size) noexcept {
+  block* p = b->free_prev;
+  block* n = b->free_next;
+  const std::uint32_t bin = bin_of(size);
+  if (bin == b->bin && (p == nullptr || before(p, size, b->addr)) &&
+      (n == nullptr || before(size, b->addr, n))) {
+    bytes_ = bytes_ - b->size + size;
+    b->size = size;
+    return;
+  }
+  erase(b);
+  b->size = size;
+  link(b, bin);
 }
 
 block* free_index::best_fit(std::size_t bytes) const noexcept {

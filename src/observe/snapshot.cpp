@@ -20,7 +20,9 @@ std::string device_allocator::snapshot_json() const {
                                                                        : "free";
         blocks.push_back({{"address", b->addr},
                           {"size", b->size},
-                          {"requested_size", b->requested},
+                          {"requested_size", b->state == detail::block_state::allocated
+                                                 ? b->requested
+                                                 : std::size_t{0}},
                           {"state", state}});
       }
       segments.push_back({{"id", seg->id},

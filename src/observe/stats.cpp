@@ -8,16 +8,18 @@
 namespace cucache {
 namespace {
 
-void accumulate(stat_array& into, const stat_array& from, bool first) {
-  for (std::size_t i = 0; i < k_stat_pools; ++i) {
-    into[i].current += from[i].current;
-    into[i].allocated += from[i].allocated;
-    into[i].freed += from[i].freed;
-    // Device-wide peaks are exact with one stream. With several, per-stream peaks are summed:
-    // an upper bound. Keeping an exact device-wide peak would put a shared atomic on every
-    // allocation and free, which is what makes other allocators slow down with threads.
-    into[i].peak = first ? from[i].peak : into[i].peak + from[i].peak;
-  }
+void accumulate(stat& into, const stat& from, bool first) {
+  into.current += from.current;
+  into.allocated += from.allocated;
+  into.freed += from.freed;
+  // Device-wide peaks are exact with one stream. With several, per-stream peaks are summed:
+  // an upper bound. Keeping an exact device-wide peak would put a shared atomic on every
+  // allocation and free, which is what makes other allocators slow down with threads.
+  into.peak = first ? from.peak : into.peak + from.peak;
+}
+
+void accumulate(stat_array& into, const detail::counter_array& from, bool first) {
+  for (std::size_t i = 0; i < k_stat_pools; ++i) accumulate(into[i], from[i].get(), first);
 }
 
 }  // namespace
@@ -29,11 +31,13 @@ device_stats device_allocator::impl::stats_locked() const {
     const auto& ps = p->stats;
     accumulate(s.allocated_bytes, ps.allocated_bytes, first);
     accumulate(s.reserved_bytes, ps.reserved_bytes, first);
-    accumulate(s.active_bytes, ps.active_bytes, first);
     accumulate(s.requested_bytes, ps.requested_bytes, first);
     accumulate(s.allocation_count, ps.allocation_count, first);
     accumulate(s.segment_count, ps.segment_count, first);
-    accumulate(s.active_count, ps.active_count, first);
+    for (std::size_t i = 0; i < k_stat_pools; ++i) {
+      accumulate(s.active_bytes[i], ps.active_bytes(i), first);
+      accumulate(s.active_count[i], ps.active_count(i), first);
+    }
     s.oversize_allocations += ps.oversize_allocations;
     s.oversize_segments += ps.oversize_segments;
     s.events_pending += p->pending.size();
@@ -104,28 +108,14 @@ device_stats device_allocator::stats() const {
 
 void device_allocator::reset_peak_stats() {
   auto all = impl_->lock_all();
-  for (auto& p : impl_->pools) {
-    auto& ps = p->stats;
-    for (auto* arr : {&ps.allocated_bytes, &ps.reserved_bytes, &ps.active_bytes,
-                      &ps.requested_bytes, &ps.allocation_count, &ps.segment_count,
-                      &ps.active_count}) {
-      for (auto& st : *arr) st.reset_peak();
-    }
-  }
+  for (auto& p : impl_->pools) p->stats.reset_peaks();
   std::lock_guard lock(impl_->grow_mu_);
   impl_->reserved_peak = impl_->reserved;
 }
 
 void device_allocator::reset_accumulated_stats() {
   auto all = impl_->lock_all();
-  for (auto& p : impl_->pools) {
-    auto& ps = p->stats;
-    for (auto* arr : {&ps.allocated_bytes, &ps.reserved_bytes, &ps.active_bytes,
-                      &ps.requested_bytes, &ps.allocation_count, &ps.segment_count,
-                      &ps.active_count}) {
-      for (auto& st : *arr) st.reset_totals();
-    }
-  }
+  for (auto& p : impl_->pools) p->stats.reset_totals();
   impl_->device_alloc_count = 0;
   impl_->vm_create_count = 0;
   impl_->vm_release_count = 0;

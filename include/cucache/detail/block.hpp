@@ -1,7 +1,8 @@
 // Blocks and segments: the plain data the caching core works on. A segment is one device
 // allocation (a cudaMalloc'd range); its blocks tile it exactly, in address order, linked through
 // prev/next. A block is allocated, free (indexed in its pool's free_index) or pending (freed, but
-// waiting for events on other streams before it may be reused).
+// waiting for events on other streams before it may be reused). Blocks are the cache-hit path's
+// working set: keep them to one cache line.
 #pragma once
 
 #include <cstddef>
@@ -19,21 +20,34 @@ class stream_pool;
 
 enum class block_state : std::uint8_t { free, allocated, pending };
 
-struct block {
-  std::uintptr_t addr = 0;
-  std::size_t size = 0;       // bytes this block spans in its segment
-  std::size_t requested = 0;  // bytes the caller asked for (allocated blocks only)
-  block* prev = nullptr;      // address-order neighbours inside the segment
-  block* next = nullptr;
-  block* free_prev = nullptr;  // links inside a free_index bin (free blocks only)
-  block* free_next = nullptr;
-  segment* seg = nullptr;
-  block_state state = block_state::free;
-  std::uint32_t bin = 0;             // free_index bin while free
-  std::uint32_t pending_events = 0;  // events still to complete before reuse (pending blocks)
-  std::uint64_t free_tick = 0;       // when the block last became free (garbage collection age)
-  std::vector<stream_handle> recorded_streams;  // streams other than seg->stream that used it
+/// What a block needs only once it is used on a stream other than its own (record_stream, or a
+/// free ordered on another stream): rare, so it lives outside the block, owned through
+/// block::uses and deleted when the block becomes free.
+struct stream_uses {
+  std::vector<stream_handle> streams;  // streams other than seg->owner->stream that used it
+  std::uint32_t pending_events = 0;    // events still to complete before reuse (pending blocks)
 };
+
+/// One cache line: the fast paths touch a block, its neighbours and their bin neighbours, so each
+/// costs one line. Fields that only a free or only a used block needs share storage.
+struct alignas(64) block {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;   // bytes this block spans in its segment
+  block* prev = nullptr;  // address-order neighbours inside the segment
+  block* next = nullptr;
+  segment* seg = nullptr;
+  union {
+    block* free_prev = nullptr;  // free: links inside a free_index bin
+    std::size_t requested;       // allocated: bytes the caller asked for (0 once freed)
+  };
+  union {
+    block* free_next = nullptr;  // free
+    stream_uses* uses;           // allocated or pending: nullptr until used on another stream
+  };
+  block_state state = block_state::free;
+  std::uint32_t bin = 0;  // free_index bin while free
+};
+static_assert(sizeof(block) == 64);
 
 struct segment {
   std::uintptr_t base = 0;
@@ -45,6 +59,8 @@ struct segment {
   segment* next = nullptr;
   std::uint64_t id = 0;        // creation order, for snapshots
   vm_range* vm = nullptr;      // expandable segments: the page table; nullptr for cudaMalloc'd
+  std::uint64_t free_tick = 0;  // the pool's tick when a block of it last became free: for a
+                                // wholly free segment, when it became so (garbage collection age)
   /// A cudaMalloc'd segment with no live block: it can be returned to the device.
   [[nodiscard]] bool whole_free() const noexcept {
     return vm == nullptr && first != nullptr && first->next == nullptr &&

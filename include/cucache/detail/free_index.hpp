@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -19,13 +20,27 @@ class free_index {
   static constexpr unsigned k_levels = 64;
   static constexpr unsigned k_bins = k_levels * k_sub_bins;
 
-  /// Bin of a block size (a multiple of 512 B). Exposed for tests.
-  [[nodiscard]] static std::uint32_t bin_of(std::size_t bytes) noexcept;
+  /// Bin of a block size (a multiple of 512 B). Exposed for tests. Inline: every insert and
+  /// lookup computes one.
+  [[nodiscard]] static std::uint32_t bin_of(std::size_t bytes) noexcept {
+    const std::size_t units = bytes / k_min_block_bytes;  // >= 1 for every real block
+    if (units < k_sub_bins) return static_cast<std::uint32_t>(units);
+    const unsigned level = static_cast<unsigned>(std::bit_width(units)) - 1;  // >= 4
+    const unsigned sub =
+        static_cast<unsigned>(units >> (level - k_sub_bins_log2)) & (k_sub_bins - 1);
+    return (level - k_sub_bins_log2 + 1) * k_sub_bins + sub;
+  }
 
   /// REQUIRES: b is free and not indexed.
-  void insert(block* b) noexcept;
+  void insert(block* b) noexcept { link(b, bin_of(b->size)); }
   /// REQUIRES: b is indexed here.
   void erase(block* b) noexcept;
+  /// Indexes `in` (free, not indexed, its size set) instead of `out` (indexed). When `in` belongs
+  /// in the same bin at the same place -- usual when a split or a merge changes a block by a
+  /// little -- it takes over out's links without a walk; otherwise erase + insert.
+  void replace(block* out, block* in) noexcept;
+  /// Changes the size of indexed block b, in place when its bin and position stay right.
+  void resize(block* b, std::size_t size) noexcept;
   /// The smallest indexed block with size >= bytes (lowest address among equal sizes), or nullptr.
   [[nodiscard]] block* best_fit(std::size_t bytes) const noexcept;
   /// The indexed block after b in best-fit order (size, then address), or nullptr.
@@ -51,6 +66,15 @@ class free_index {
   [[nodiscard]] bool contains(const block* b) const noexcept;
 
  private:
+  void link(block* b, std::uint32_t bin) noexcept;  // insert into a known bin
+  /// Best-fit order: size, then address.
+  static bool before(std::size_t size_a, std::uintptr_t addr_a, const block* b) noexcept {
+    return size_a < b->size || (size_a == b->size && addr_a < b->addr);
+  }
+  static bool before(const block* a, std::size_t size_b, std::uintptr_t addr_b) noexcept {
+    return a->size < size_b || (a->size == size_b && a->addr < addr_b);
+  }
+
   std::array<block*, k_bins> heads_{};
   std::uint64_t level_map_ = 0;                  // bit l: some bin of level l is non-empty
   std::array<std::uint32_t, k_levels> sub_map_{};  // bit s of level l: bin l*16+s is non-empty
