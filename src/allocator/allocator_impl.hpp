@@ -39,6 +39,8 @@ struct device_allocator::impl {
   detail::block* carve(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
                        std::size_t rounded, std::size_t requested);
   void release_to_free(detail::stream_pool& p, detail::block* b);
+  detail::segment* add_segment(detail::stream_pool& p, detail::pool_kind kind, std::uintptr_t base,
+                               std::size_t bytes, detail::vm_range* vm);
   bool release_segment(detail::stream_pool& p, detail::segment* s);
   void poll_pending(detail::stream_pool& p);
   void sync_pending(detail::stream_pool& p);

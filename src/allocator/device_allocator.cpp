@@ -223,27 +223,36 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
     reserved_peak = std::max(reserved_peak, reserved);
   }
   device_alloc_count.fetch_add(1, std::memory_order_relaxed);
+  segment* s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(ptr), bytes, nullptr);
+  block* b = s->first;
+  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
+  pool_stats::inc(p.stats.segment_count, kind, 1);
+  if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
+  return b;
+}
+
+segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std::uintptr_t base,
+                                             std::size_t bytes, detail::vm_range* vm) {
+  // A new segment (or expandable range) of p: one free block covering it, indexed.
   segment* s = p.segs.make();
   block* b = p.blocks.make();
-  s->base = reinterpret_cast<std::uintptr_t>(ptr);
+  s->base = base;
   s->size = bytes;
   s->kind = kind;
   s->owner = &p;
   s->first = b;
+  s->vm = vm;
   s->id = segment_ids.fetch_add(1, std::memory_order_relaxed);
   s->next = p.segments;
   if (p.segments != nullptr) p.segments->prev = s;
   p.segments = s;
-  b->addr = s->base;
+  b->addr = base;
   b->size = bytes;
   b->seg = s;
   b->state = block_state::free;
   s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
-  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::inc(p.stats.segment_count, kind, 1);
-  if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
-  return b;
+  return s;
 }
 
 bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {

@@ -57,24 +57,8 @@ segment* device_allocator::impl::ensure_range(stream_pool& p, pool_kind kind) {
   range->page_bytes = page_bytes;
   range->page_map.assign(bytes / page_bytes, nullptr);
   range->page_use.assign(bytes / page_bytes, 0);
-  segment* s = p.segs.make();
-  block* b = p.blocks.make();
-  s->base = range->base;
-  s->size = bytes;
-  s->kind = kind;
-  s->owner = &p;
-  s->first = b;
-  s->id = segment_ids.fetch_add(1, std::memory_order_relaxed);
-  s->vm = range.release();
-  s->next = p.segments;
-  if (p.segments != nullptr) p.segments->prev = s;
-  p.segments = s;
-  b->addr = s->base;
-  b->size = bytes;
-  b->seg = s;
-  b->state = block_state::free;
-  s->free_tick = ++p.tick;
-  p.index_of(kind).insert(b);
+  segment* s = add_segment(p, kind, range->base, bytes, range.get());
+  range.release();  // owned by the segment from here (destroy_range deletes it)
   p.ranges[k] = s;
   return s;
 }

@@ -83,12 +83,8 @@ void free_index::resize(block* b, std::size_t size) noexcept {
   link(b, bin);
 }
 
-block* free_index::best_fit(std::size_t bytes) const noexcept {
-  const std::uint32_t bin = bin_of(bytes);
-  for (block* b = heads_[bin]; b != nullptr; b = b->free_next) {
-    if (b->size >= bytes) return b;
-  }
-  // First non-empty bin above `bin`: its head is its smallest block, larger than any in `bin`.
+block* free_index::first_above(std::uint32_t bin) const noexcept {
+  // The head of the first non-empty bin above `bin`: its smallest block, larger than any in `bin`.
   const unsigned level = bin / k_sub_bins;
   const unsigned sub = bin % k_sub_bins;
   const std::uint32_t above_in_level =
@@ -103,20 +99,16 @@ block* free_index::best_fit(std::size_t bytes) const noexcept {
   return heads_[l * k_sub_bins + static_cast<unsigned>(std::countr_zero(sub_map_[l]))];
 }
 
-block* free_index::next_fit(const block* b) const noexcept {
-  if (b->free_next != nullptr) return b->free_next;
-  const unsigned level = b->bin / k_sub_bins;
-  const unsigned sub = b->bin % k_sub_bins;
-  const std::uint32_t above_in_level =
-      sub + 1 < k_sub_bins ? sub_map_[level] & ~((2u << sub) - 1) : 0u;
-  if (above_in_level != 0) {
-    return heads_[level * k_sub_bins + static_cast<unsigned>(std::countr_zero(above_in_level))];
+block* free_index::best_fit(std::size_t bytes) const noexcept {
+  const std::uint32_t bin = bin_of(bytes);
+  for (block* b = heads_[bin]; b != nullptr; b = b->free_next) {
+    if (b->size >= bytes) return b;
   }
-  const std::uint64_t levels_above =
-      level + 1 < k_levels ? level_map_ & ~((std::uint64_t{2} << level) - 1) : 0;
-  if (levels_above == 0) return nullptr;
-  const unsigned l = static_cast<unsigned>(std::countr_zero(levels_above));
-  return heads_[l * k_sub_bins + static_cast<unsigned>(std::countr_zero(sub_map_[l]))];
+  return first_above(bin);
+}
+
+block* free_index::next_fit(const block* b) const noexcept {
+  return b->free_next != nullptr ? b->free_next : first_above(b->bin);
 }
 
 block* free_index::largest() const noexcept {

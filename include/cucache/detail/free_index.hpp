@@ -66,6 +66,7 @@ class free_index {
   [[nodiscard]] bool contains(const block* b) const noexcept;
 
  private:
+  [[nodiscard]] block* first_above(std::uint32_t bin) const noexcept;
   void link(block* b, std::uint32_t bin) noexcept;  // insert into a known bin
   /// Best-fit order: size, then address.
   static bool before(std::size_t size_a, std::uintptr_t addr_a, const block* b) noexcept {
