@@ -71,6 +71,14 @@ std::string device_allocator::memory_summary() const {
                         100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation()));
   line(out, fmt::format("Oversize allocations: {}   oversize segments: {}   pending frees: {}",
                         s.oversize_allocations, s.oversize_segments, s.events_pending));
+  if (get_config().expandable_segments) {
+    line(out, fmt::format("Expandable: {} mapped, {} in unmapped handles; VM calls: {} create, "
+                          "{} release, {} map, {} unmap; {} pages stitched",
+                          detail::format_bytes(static_cast<double>(s.mapped_bytes)),
+                          detail::format_bytes(static_cast<double>(s.unmapped_handle_bytes)),
+                          s.vm_create_count, s.vm_release_count, s.vm_map_count,
+                          s.vm_unmap_count, s.stitched_pages));
+  }
   line(out, fmt::format("Memory limit: {}   device capacity: {}",
                         s.memory_limit == 0
                             ? std::string("none")

@@ -25,12 +25,29 @@ std::string device_allocator::snapshot_json() const {
                                                  : std::size_t{0}},
                           {"state", state}});
       }
-      segments.push_back({{"id", seg->id},
-                          {"address", seg->base},
-                          {"size", seg->size},
-                          {"pool", seg->kind == detail::pool_kind::small ? "small" : "large"},
-                          {"stream", reinterpret_cast<std::uintptr_t>(p->stream)},
-                          {"blocks", std::move(blocks)}});
+      json entry = {{"id", seg->id},
+                    {"address", seg->base},
+                    {"size", seg->size},
+                    {"pool", seg->kind == detail::pool_kind::small ? "small" : "large"},
+                    {"stream", reinterpret_cast<std::uintptr_t>(p->stream)},
+                    {"expandable", seg->vm != nullptr},
+                    {"blocks", std::move(blocks)}};
+      if (const detail::vm_range* r = seg->vm) {
+        // The virtual range's mapped runs, one per physical handle; the rest is unmapped.
+        json mappings = json::array();
+        for (std::size_t pg = 0; pg < r->page_map.size(); ++pg) {
+          const detail::vm_mapping* m = r->page_map[pg];
+          if (m == nullptr || m->first_page != pg) continue;
+          mappings.push_back({{"address", r->page_addr(pg)},
+                              {"size", m->pages * r->page_bytes},
+                              {"idle", m->idle}});
+        }
+        entry["page_bytes"] = r->page_bytes;
+        entry["mapped_bytes"] = r->mapped_pages * r->page_bytes;
+        entry["unmapped_bytes"] = r->size - r->mapped_pages * r->page_bytes;
+        entry["mappings"] = std::move(mappings);
+      }
+      segments.push_back(std::move(entry));
     }
   }
   json out = {{"device", impl_->backend->device()},
@@ -42,6 +59,13 @@ std::string device_allocator::snapshot_json() const {
               {"largest_free_block", s.largest_free_block},
               {"external_fragmentation", s.external_fragmentation()},
               {"overhead_fragmentation", s.overhead_fragmentation()},
+              {"vm_calls",
+               {{"create", s.vm_create_count},
+                {"release", s.vm_release_count},
+                {"map", s.vm_map_count},
+                {"unmap", s.vm_unmap_count},
+                {"stitched_pages", s.stitched_pages}}},
+              {"unmapped_handle_bytes", s.unmapped_handle_bytes},
               {"segments", std::move(segments)}};
   return out.dump();
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 #include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
@@ -297,6 +298,27 @@ TEST(Expandable, AGrowingBufferIsPlacedAtTheBackOfItsOldHoleNotLeapfrogged) {
   a.alloc.deallocate(cache);
   a.alloc.deallocate(pin);
   expect_no_leak(a);
+}
+
+TEST(Expandable, SnapshotAndSummaryShowMappedAndUnmappedParts) {
+  sim_allocator a(expandable());
+  void* x = a.alloc.allocate(3 * MiB);  // pages 0-1: two one-page handles
+  void* y = a.alloc.allocate(2 * MiB);  // [3, 5) MiB: page 2 added
+  a.alloc.deallocate(y);                // page 2 idle (page 1 is shared with x)
+  const auto snap = nlohmann::json::parse(a.alloc.snapshot_json());
+  ASSERT_EQ(snap["segments"].size(), 1u);
+  const auto& range = snap["segments"][0];
+  EXPECT_TRUE(range["expandable"].get<bool>());
+  EXPECT_EQ(range["mapped_bytes"], 6 * MiB);
+  EXPECT_EQ(range["unmapped_bytes"], range["size"].get<std::size_t>() - 6 * MiB);
+  ASSERT_EQ(range["mappings"].size(), 3u);
+  EXPECT_EQ(range["mappings"][0]["address"], addr(x));
+  EXPECT_EQ(range["mappings"][2]["idle"], true);
+  EXPECT_EQ(snap["vm_calls"]["create"], 3u);
+  const std::string summary = a.alloc.memory_summary();
+  EXPECT_NE(summary.find("Expandable: 6.00 MiB mapped"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("3 create"), std::string::npos) << summary;
+  a.alloc.deallocate(x);
 }
 
 TEST(Expandable, DeviceWithoutVirtualMemoryIsAClearError) {
