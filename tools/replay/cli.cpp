@@ -4,7 +4,10 @@
 #include <CLI/CLI.hpp>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
 
@@ -26,6 +29,38 @@ std::vector<std::string> split_list(const std::string& text) {
     items.push_back(item.substr(first, last - first + 1));
   }
   return items;
+}
+
+}  // namespace
+
+namespace {
+
+/// PyTorch's figures for the same traces, when a reference.json sits beside them (as in
+/// ../shared/traces and the bundled traces/): the comparison a CPU-only run can make.
+std::string format_reference(const std::vector<std::string>& paths,
+                             const std::vector<trace_result>& results) {
+  std::string s;
+  for (std::size_t i = 0; i < paths.size() && i < results.size(); ++i) {
+    const auto ref_path = std::filesystem::path(paths[i]).parent_path() / "reference.json";
+    std::ifstream in(ref_path);
+    if (!in) continue;
+    const nlohmann::json ref = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    const trace_result& r = results[i];
+    if (!ref.is_object() || !ref.contains(r.trace)) continue;
+    const nlohmann::json& t = ref[r.trace];
+    if (s.empty()) {
+      s += fmt::format("\nPyTorch 2.11 on an H200 ({}): peak reserved / peak requested\n",
+                       ref_path.string());
+      s += fmt::format("{:<20} {:>9} {:>12} {:>12} {:>15} {:>17}\n", "trace", "cucache",
+                       "torch dflt", "torch exp.", "torch split128", "c10 ns/op (H200)");
+    }
+    s += fmt::format("{:<20} {:>9.3f} {:>12.3f} {:>12.3f} {:>15.3f} {:>17.1f}\n", r.trace,
+                     r.reserved_over_requested, t.value("torch_default_ratio", 0.0),
+                     t.value("torch_expandable_ratio", 0.0),
+                     t.value("torch_max_split_128_ratio", 0.0),
+                     t.value("c10_replay_ns_per_op_default", 0.0));
+  }
+  return s;
 }
 
 }  // namespace
@@ -119,7 +154,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
         results.push_back(std::move(r));
       }
     }
-    if (!json) out << format_table(results);
+    if (!json) {
+      out << format_table(results);
+      out << format_reference(traces, results);
+    }
     return 0;
   } catch (const std::exception& e) {
     err << "cucache-replay: error: " << e.what() << '\n';
