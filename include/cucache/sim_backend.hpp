@@ -144,7 +144,7 @@ class sim_backend final : public device_backend {
   bool should_fail(sim_call kind);  // REQUIRES: mu_ held; counts the call
   [[noreturn]] void fail(sim_call kind, const std::string& why, int code = 999) const;
   std::uintptr_t take_address(std::size_t bytes, std::size_t align);  // REQUIRES: mu_ held
-  void give_address(std::uintptr_t addr, std::size_t bytes);         // REQUIRES: mu_ held
+  void give_address(std::uintptr_t addr, std::size_t bytes);          // REQUIRES: mu_ held
   std::size_t page_round(std::size_t bytes) const;
 
   sim_options options_;
@@ -153,7 +153,8 @@ class sim_backend final : public device_backend {
   std::array<std::uint64_t, k_sim_call_kinds> fail_at_{};  // absolute call number to fail; 0 = none
   std::array<bool, k_sim_call_kinds> fail_always_{};
   std::size_t used_ = 0;
-  std::map<std::uintptr_t, std::size_t> free_ranges_;  // address space not handed out: addr -> bytes
+  std::map<std::uintptr_t, std::size_t>
+      free_ranges_;  // address space not handed out: addr -> bytes
   std::map<std::uintptr_t, segment_rec> segments_;
   std::map<std::uintptr_t, std::size_t> reservations_;
   std::map<std::uintptr_t, mapping_rec> mappings_;

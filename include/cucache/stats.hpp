@@ -65,22 +65,23 @@ struct device_stats {
   std::uint64_t vm_release_count = 0;  // cuMemRelease
   std::uint64_t vm_map_count = 0;      // cuMemMap (each followed by one cuMemSetAccess)
   std::uint64_t vm_unmap_count = 0;    // cuMemUnmap
-  std::uint64_t stitched_pages = 0;    // pages moved from idle free space to where a request needed them
-  std::size_t mapped_bytes = 0;        // physical memory mapped into ranges
+  std::uint64_t stitched_pages =
+      0;                         // pages moved from idle free space to where a request needed them
+  std::size_t mapped_bytes = 0;  // physical memory mapped into ranges
   std::size_t unmapped_handle_bytes = 0;  // physical memory held in unmapped handles (reusable)
 
-  std::size_t free_bytes = 0;           // reserved - active: cached, reusable bytes
+  std::size_t free_bytes = 0;  // reserved - active: cached, reusable bytes
   std::size_t free_block_count = 0;
   std::size_t largest_free_block = 0;
-  std::size_t memory_limit = 0;         // effective cap on reserved bytes; 0 = none
+  std::size_t memory_limit = 0;  // effective cap on reserved bytes; 0 = none
   std::size_t device_total_bytes = 0;
 
   /// External fragmentation: 1 - largest free block / total free bytes (0 when nothing is free).
   /// How much of the cached memory a single large request cannot use.
   [[nodiscard]] double external_fragmentation() const noexcept {
-    return free_bytes == 0 ? 0.0
-                           : 1.0 - static_cast<double>(largest_free_block) /
-                                       static_cast<double>(free_bytes);
+    return free_bytes == 0
+               ? 0.0
+               : 1.0 - static_cast<double>(largest_free_block) / static_cast<double>(free_bytes);
   }
   /// Overhead: 1 - allocated / reserved (0 when nothing is reserved). The share of device memory
   /// held by the allocator that no caller is using (cache, rounding, split remainders).

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <atomic>
-#include <map>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -95,8 +95,8 @@ struct device_allocator::impl {
   detail::size_policy policy;
   std::uint64_t id;  // unique per allocator instance, for the thread-local pool cache
   std::size_t device_total = 0;
-  std::size_t limit = 0;       // cap on reserved bytes; 0 = none
-  std::size_t gc_bytes = 0;    // garbage-collection trigger on reserved bytes; 0 = off
+  std::size_t limit = 0;     // cap on reserved bytes; 0 = none
+  std::size_t gc_bytes = 0;  // garbage-collection trigger on reserved bytes; 0 = off
 
   detail::block_map blocks;
   mutable std::shared_mutex pools_mu_;
@@ -126,7 +126,6 @@ struct device_allocator::impl {
 
   std::mutex events_mu_;
   std::vector<event_handle> free_events;
-
 };
 
 }  // namespace cucache

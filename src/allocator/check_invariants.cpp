@@ -54,9 +54,10 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
       used += use[pg + i] > 0;
     }
     if (used != mp->used_pages || mp->idle != (used == 0)) {
-      violated(fmt::format("range {:#x}: mapping at page {} counts {} used pages, recount {}, "
-                           "idle {}",
-                           r.base, pg, mp->used_pages, used, mp->idle));
+      violated(
+          fmt::format("range {:#x}: mapping at page {} counts {} used pages, recount {}, "
+                      "idle {}",
+                      r.base, pg, mp->used_pages, used, mp->idle));
     }
     idle_seen += mp->idle;
     reserved += static_cast<std::int64_t>(mp->pages * r.page_bytes);
@@ -108,14 +109,14 @@ void device_allocator::check_invariants() const {
                                cursor, b->addr));
         }
         if (b->size == 0 || b->size % detail::k_min_block_bytes != 0) {
-          violated(fmt::format("block {:#x}: size {} not a positive multiple of 512", b->addr,
-                               b->size));
+          violated(
+              fmt::format("block {:#x}: size {} not a positive multiple of 512", b->addr, b->size));
         }
         switch (b->state) {
           case block_state::free:
             if (prev != nullptr && prev->state == block_state::free) {
-              violated(fmt::format("blocks {:#x} and {:#x} are adjacent and both free",
-                                   prev->addr, b->addr));
+              violated(fmt::format("blocks {:#x} and {:#x} are adjacent and both free", prev->addr,
+                                   b->addr));
             }
             if (!p.free[k].contains(b)) {
               violated(fmt::format("free block {:#x} is not in its free index", b->addr));
@@ -164,9 +165,10 @@ void device_allocator::check_invariants() const {
       idle_listed_bytes += im->pages * m.page_bytes;
     }
     if (idle_listed != idle_seen || idle_listed_bytes != p.idle_bytes) {
-      violated(fmt::format("pool {}: idle list holds {} mappings / {} bytes, page tables show {} "
-                           "idle mappings, pool says {} bytes",
-                           p.index, idle_listed, idle_listed_bytes, idle_seen, p.idle_bytes));
+      violated(
+          fmt::format("pool {}: idle list holds {} mappings / {} bytes, page tables show {} "
+                      "idle mappings, pool says {} bytes",
+                      p.index, idle_listed, idle_listed_bytes, idle_seen, p.idle_bytes));
     }
     if (pending_blocks_events != p.pending.size()) {
       violated(fmt::format("pool {}: {} pending events recorded, blocks wait on {}", p.index,
@@ -178,8 +180,8 @@ void device_allocator::check_invariants() const {
       const block* last = nullptr;
       p.free[k].for_each([&](const block* b) {
         if (b->bin != detail::free_index::bin_of(b->size)) {
-          violated(fmt::format("free block {:#x} of {} bytes is in bin {}", b->addr, b->size,
-                               b->bin));
+          violated(
+              fmt::format("free block {:#x} of {} bytes is in bin {}", b->addr, b->size, b->bin));
         }
         if (last != nullptr && last->bin == b->bin &&
             !(last->size < b->size || (last->size == b->size && last->addr < b->addr))) {

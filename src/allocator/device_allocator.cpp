@@ -61,7 +61,8 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c)
   }
   if (cfg.garbage_collection_threshold > 0.0) {
     const std::size_t base = limit != 0 ? limit : device_total;
-    gc_bytes = static_cast<std::size_t>(cfg.garbage_collection_threshold * static_cast<double>(base));
+    gc_bytes =
+        static_cast<std::size_t>(cfg.garbage_collection_threshold * static_cast<double>(base));
   }
 }
 
@@ -403,7 +404,8 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   const std::size_t seg_bytes = policy.segment_size(rounded);
   if (seg_bytes > device_total || (limit != 0 && seg_bytes > limit)) return nullptr;  // never fits
 
-  if (kind == pool_kind::large && policy.max_split_size() != std::numeric_limits<std::size_t>::max()) {
+  if (kind == pool_kind::large &&
+      policy.max_split_size() != std::numeric_limits<std::size_t>::max()) {
     release_oversize(p);
   }
   if (gc_bytes != 0) {
@@ -480,8 +482,8 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
   if (ordered && stream != p.stream &&
-      (b->uses == nullptr || std::find(b->uses->streams.begin(), b->uses->streams.end(),
-                                       stream) == b->uses->streams.end())) {
+      (b->uses == nullptr || std::find(b->uses->streams.begin(), b->uses->streams.end(), stream) ==
+                                 b->uses->streams.end())) {
     try {
       if (b->uses == nullptr) b->uses = new detail::stream_uses;
       b->uses->streams.push_back(stream);
@@ -554,17 +556,27 @@ device_allocator::~device_allocator() = default;
 void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {
   return impl_->allocate(bytes, stream);
 }
-void device_allocator::deallocate(void* ptr) { impl_->deallocate(ptr, nullptr, false); }
+void device_allocator::deallocate(void* ptr) {
+  impl_->deallocate(ptr, nullptr, false);
+}
 void device_allocator::deallocate(void* ptr, stream_handle stream) {
   impl_->deallocate(ptr, stream, true);
 }
 void device_allocator::record_stream(void* ptr, stream_handle stream) {
   impl_->record_stream(ptr, stream);
 }
-void device_allocator::empty_cache() { impl_->empty_cache(); }
-const config& device_allocator::get_config() const noexcept { return impl_->cfg; }
-int device_allocator::device() const noexcept { return impl_->backend->device(); }
-device_backend& device_allocator::backend() const noexcept { return *impl_->backend; }
+void device_allocator::empty_cache() {
+  impl_->empty_cache();
+}
+const config& device_allocator::get_config() const noexcept {
+  return impl_->cfg;
+}
+int device_allocator::device() const noexcept {
+  return impl_->backend->device();
+}
+device_backend& device_allocator::backend() const noexcept {
+  return *impl_->backend;
+}
 
 std::size_t device_allocator::allocation_size(const void* ptr) const {
   std::size_t size = 0;

@@ -40,7 +40,9 @@ constexpr int k_placement_probes = 4;
 // moving pages whenever possible gave a geometric mean of 1.005 with 8.6k-282k VM calls per
 // trace; moving only above the high-water mark gives 1.009 with 4.6k-165k (docs/benchmarks.md).
 
-std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+std::size_t round_up(std::size_t n, std::size_t m) {
+  return (n + m - 1) / m * m;
+}
 }  // namespace
 
 segment* device_allocator::impl::ensure_range(stream_pool& p, pool_kind kind) {
@@ -131,10 +133,10 @@ phys_handle device_allocator::impl::unmap_mapping(stream_pool& p, vm_mapping* m)
   for (std::size_t i = 0; i < m->pages; ++i) r.page_map[m->first_page + i] = nullptr;
   r.mapped_pages -= m->pages;
   if (m->idle) idle_unlink(p, m);
-  const pool_kind kind = r.page_bytes == 0 ? pool_kind::large
-                                           : (p.ranges[0] != nullptr && p.ranges[0]->vm == &r
-                                                  ? pool_kind::small
-                                                  : pool_kind::large);
+  const pool_kind kind =
+      r.page_bytes == 0
+          ? pool_kind::large
+          : (p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small : pool_kind::large);
   pool_stats::dec(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
   pool_stats::dec(p.stats.segment_count, kind, 1);
   const phys_handle h = m->handle;
@@ -171,8 +173,8 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
       *m = vm_mapping{&r, first_page, pages, h, 0, nullptr, nullptr, false};
       for (std::size_t i = 0; i < pages; ++i) r.page_map[first_page + i] = m;
       r.mapped_pages += pages;
-      const pool_kind kind = p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small
-                                                                            : pool_kind::large;
+      const pool_kind kind =
+          p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small : pool_kind::large;
       pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
       pool_stats::inc(p.stats.segment_count, kind, 1);
       for (std::size_t i = 0; i < pages; ++i) m->used_pages += r.page_use[first_page + i] > 0;
@@ -251,8 +253,9 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
     while (run > 0) {
       // The first and last page of a run get handles of their own: they may be shared with a
       // neighbouring block, and a handle that a neighbour keeps in use cannot be moved.
-      const std::size_t want_pages =
-          !k_boundary_pages ? run : (pg == run_start || run == 1) ? 1 : run - 1;
+      const std::size_t want_pages = !k_boundary_pages               ? run
+                                     : (pg == run_start || run == 1) ? 1
+                                                                     : run - 1;
       const std::size_t want = want_pages * page_bytes;
       std::optional<phys_handle> h;
       std::size_t got = 0;
@@ -387,8 +390,7 @@ std::pair<block*, bool> device_allocator::impl::place(detail::free_index& index,
       back = false;
     }
     if (cand->size > rounded && cand->size - rounded < r.size / 2) {  // not the open tail
-      const std::size_t tail =
-          unmapped_pages(r, cand->addr + cand->size - rounded, rounded);
+      const std::size_t tail = unmapped_pages(r, cand->addr + cand->size - rounded, rounded);
       if (tail < best_cost) {
         best_cost = tail;
         choice = cand;
@@ -483,8 +485,7 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     auto [b, at_back] = place(p.index_of(kind), rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
     // May throw (a failed unmap): before any block changes, so nothing is left half done.
-    split_idle_overhang(p, *b->seg->vm, at_back ? b->addr + b->size - rounded : b->addr,
-                        rounded);
+    split_idle_overhang(p, *b->seg->vm, at_back ? b->addr + b->size - rounded : b->addr, rounded);
     if (at_back) b = split_for_back(p, kind, b, rounded);
     b = carve(p, b, kind, rounded, bytes);
     bool mapped = false;

@@ -193,11 +193,11 @@ class stream_pool {
   const stream_handle stream;
   const std::size_t index;  // creation order; pools are always locked in this order
   alignas(64) pool_mutex mu;
-  free_index free[2];                // [pool_kind]
-  segment* segments = nullptr;       // doubly linked, newest first
+  free_index free[2];                 // [pool_kind]
+  segment* segments = nullptr;        // doubly linked, newest first
   std::vector<pending_free> pending;  // freed blocks waiting on events
   pool_stats stats;
-  std::uint64_t tick = 0;            // free order, for garbage collection
+  std::uint64_t tick = 0;  // free order, for garbage collection
   object_arena<block> blocks;
   object_arena<segment> segs;
 

@@ -18,32 +18,54 @@ constexpr std::uintptr_t k_address_base = 0x7f0000000000ULL;
 constexpr std::size_t k_address_window = std::size_t{1} << 46;
 constexpr int k_sim_invalid_value = 1;  // cudaErrorInvalidValue's number
 
-std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+std::size_t round_up(std::size_t n, std::size_t m) {
+  return (n + m - 1) / m * m;
+}
 
 }  // namespace
 
 const char* to_string(sim_call call) noexcept {
   switch (call) {
-    case sim_call::segment_malloc: return "segment_malloc";
-    case sim_call::segment_free: return "segment_free";
-    case sim_call::vm_granularity: return "vm_granularity";
-    case sim_call::va_reserve: return "va_reserve";
-    case sim_call::va_free: return "va_free";
-    case sim_call::phys_create: return "phys_create";
-    case sim_call::phys_release: return "phys_release";
-    case sim_call::map: return "map";
-    case sim_call::unmap: return "unmap";
-    case sim_call::set_access: return "set_access";
-    case sim_call::event_create: return "event_create";
-    case sim_call::event_destroy: return "event_destroy";
-    case sim_call::event_record: return "event_record";
-    case sim_call::event_query: return "event_query";
-    case sim_call::event_synchronize: return "event_synchronize";
-    case sim_call::stream_wait_event: return "stream_wait_event";
-    case sim_call::stream_synchronize: return "stream_synchronize";
-    case sim_call::device_synchronize: return "device_synchronize";
-    case sim_call::mem_get_info: return "mem_get_info";
-    case sim_call::count_: break;
+    case sim_call::segment_malloc:
+      return "segment_malloc";
+    case sim_call::segment_free:
+      return "segment_free";
+    case sim_call::vm_granularity:
+      return "vm_granularity";
+    case sim_call::va_reserve:
+      return "va_reserve";
+    case sim_call::va_free:
+      return "va_free";
+    case sim_call::phys_create:
+      return "phys_create";
+    case sim_call::phys_release:
+      return "phys_release";
+    case sim_call::map:
+      return "map";
+    case sim_call::unmap:
+      return "unmap";
+    case sim_call::set_access:
+      return "set_access";
+    case sim_call::event_create:
+      return "event_create";
+    case sim_call::event_destroy:
+      return "event_destroy";
+    case sim_call::event_record:
+      return "event_record";
+    case sim_call::event_query:
+      return "event_query";
+    case sim_call::event_synchronize:
+      return "event_synchronize";
+    case sim_call::stream_wait_event:
+      return "stream_wait_event";
+    case sim_call::stream_synchronize:
+      return "stream_synchronize";
+    case sim_call::device_synchronize:
+      return "device_synchronize";
+    case sim_call::mem_get_info:
+      return "mem_get_info";
+    case sim_call::count_:
+      break;
   }
   return "unknown";
 }
@@ -147,8 +169,8 @@ void* sim_backend::va_reserve(std::size_t bytes) {
   if (should_fail(sim_call::va_reserve)) fail(sim_call::va_reserve, "injected failure", 2);
   if (options_.granularity_bytes == 0) fail(sim_call::va_reserve, "virtual memory not supported");
   if (bytes == 0 || bytes % options_.granularity_bytes != 0) {
-    fail(sim_call::va_reserve, fmt::format("size {} is not a positive multiple of {}", bytes,
-                                           options_.granularity_bytes),
+    fail(sim_call::va_reserve,
+         fmt::format("size {} is not a positive multiple of {}", bytes, options_.granularity_bytes),
          k_sim_invalid_value);
   }
   const std::uintptr_t addr = take_address(bytes, options_.granularity_bytes);
@@ -179,8 +201,8 @@ std::optional<phys_handle> sim_backend::phys_create(std::size_t bytes) {
   if (should_fail(sim_call::phys_create)) return std::nullopt;
   if (options_.granularity_bytes == 0) fail(sim_call::phys_create, "virtual memory not supported");
   if (bytes == 0 || bytes % options_.granularity_bytes != 0) {
-    fail(sim_call::phys_create, fmt::format("size {} is not a positive multiple of {}", bytes,
-                                            options_.granularity_bytes),
+    fail(sim_call::phys_create,
+         fmt::format("size {} is not a positive multiple of {}", bytes, options_.granularity_bytes),
          k_sim_invalid_value);
   }
   if (bytes > options_.capacity_bytes - std::min(used_, options_.capacity_bytes)) {
@@ -320,7 +342,8 @@ void sim_backend::event_synchronize(event_handle event) {
 
 void sim_backend::stream_wait_event(stream_handle /*stream*/, event_handle event) {
   std::lock_guard lock(mu_);
-  if (should_fail(sim_call::stream_wait_event)) fail(sim_call::stream_wait_event, "injected failure");
+  if (should_fail(sim_call::stream_wait_event))
+    fail(sim_call::stream_wait_event, "injected failure");
   if (events_.find(reinterpret_cast<std::uintptr_t>(event)) == events_.end()) {
     fail(sim_call::stream_wait_event, "unknown event", k_sim_invalid_value);
   }
@@ -367,8 +390,8 @@ void sim_backend::complete_all() {
 
 std::size_t sim_backend::pending_events() const {
   std::lock_guard lock(mu_);
-  return static_cast<std::size_t>(
-      std::count_if(events_.begin(), events_.end(), [](const auto& e) { return !e.second.complete; }));
+  return static_cast<std::size_t>(std::count_if(events_.begin(), events_.end(),
+                                                [](const auto& e) { return !e.second.complete; }));
 }
 
 void sim_backend::fail_nth(sim_call kind, std::uint64_t n) {

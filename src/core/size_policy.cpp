@@ -6,7 +6,9 @@
 namespace cucache::detail {
 namespace {
 
-constexpr std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+constexpr std::size_t round_up(std::size_t n, std::size_t m) {
+  return (n + m - 1) / m * m;
+}
 
 }  // namespace
 
@@ -21,8 +23,7 @@ std::size_t size_policy::round_size(std::size_t bytes) const noexcept {
     // Interval i covers [2^(20+i), 2^(21+i)); interval 0 also covers everything below 2 MiB.
     const int log2 = static_cast<int>(std::bit_width(bytes)) - 1;
     const std::size_t index = log2 <= 20 ? 0 : static_cast<std::size_t>(log2 - 20);
-    const std::size_t div =
-        divisions_[index < divisions_.size() ? index : divisions_.size() - 1];
+    const std::size_t div = divisions_[index < divisions_.size() ? index : divisions_.size() - 1];
     if (div > 1 && bytes > k_min_block_bytes * div) {
       // Round up to the next of `div` equal steps between the two surrounding powers of two.
       if (std::has_single_bit(bytes)) return bytes;

@@ -46,9 +46,9 @@ std::string device_allocator::memory_summary() const {
   rule(out, '=');
   line(out, fmt::format("cucache memory summary, device {} ({})", device(), backend().name()));
   rule(out, '-');
-  line(out, fmt::format("device allocs: {:<8} device frees: {:<8} OOMs: {:<6} retries: {}",
-                        s.device_alloc_count, s.device_free_count, s.oom_count,
-                        s.alloc_retry_count));
+  line(out,
+       fmt::format("device allocs: {:<8} device frees: {:<8} OOMs: {:<6} retries: {}",
+                   s.device_alloc_count, s.device_free_count, s.oom_count, s.alloc_retry_count));
   rule(out, '=');
   out += fmt::format("| {:<21}| {:>13} | {:>13} | {:>12} | {:>12} |\n", "Metric", "Cur Usage",
                      "Peak Usage", "Tot Alloc", "Tot Freed");
@@ -63,8 +63,7 @@ std::string device_allocator::memory_summary() const {
   stat_rows(out, "Segments", s.segment_count, false);
   stat_rows(out, "Non-releasable allocs (current only)", s.inactive_split_count, false);
   line(out, fmt::format("Free (cached) memory: {} in {} blocks, largest {}",
-                        detail::format_bytes(static_cast<double>(s.free_bytes)),
-                        s.free_block_count,
+                        detail::format_bytes(static_cast<double>(s.free_bytes)), s.free_block_count,
                         detail::format_bytes(static_cast<double>(s.largest_free_block))));
   line(out, fmt::format("Fragmentation: external {:.1f}% (1 - largest free / free), overhead "
                         "{:.1f}% (1 - allocated / reserved)",
@@ -76,14 +75,14 @@ std::string device_allocator::memory_summary() const {
                           "{} release, {} map, {} unmap; {} pages stitched",
                           detail::format_bytes(static_cast<double>(s.mapped_bytes)),
                           detail::format_bytes(static_cast<double>(s.unmapped_handle_bytes)),
-                          s.vm_create_count, s.vm_release_count, s.vm_map_count,
-                          s.vm_unmap_count, s.stitched_pages));
+                          s.vm_create_count, s.vm_release_count, s.vm_map_count, s.vm_unmap_count,
+                          s.stitched_pages));
   }
-  line(out, fmt::format("Memory limit: {}   device capacity: {}",
-                        s.memory_limit == 0
-                            ? std::string("none")
-                            : detail::format_bytes(static_cast<double>(s.memory_limit)),
-                        detail::format_bytes(static_cast<double>(s.device_total_bytes))));
+  line(out,
+       fmt::format("Memory limit: {}   device capacity: {}",
+                   s.memory_limit == 0 ? std::string("none")
+                                       : detail::format_bytes(static_cast<double>(s.memory_limit)),
+                   detail::format_bytes(static_cast<double>(s.device_total_bytes))));
   rule(out, '=');
   return out;
 }

@@ -58,13 +58,15 @@ void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what
           if (b->addr == addr) {
             why = "it was already freed";
           } else if (b->state == detail::block_state::allocated) {
-            why = fmt::format("it points {} bytes into the live allocation at {:#x}: pass the "
-                              "allocation's start",
-                              addr - b->addr, b->addr);
+            why = fmt::format(
+                "it points {} bytes into the live allocation at {:#x}: pass the "
+                "allocation's start",
+                addr - b->addr, b->addr);
           } else {
-            why = fmt::format("it points into free memory (inside the block at {:#x}, already "
-                              "freed)",
-                              b->addr);
+            why = fmt::format(
+                "it points into free memory (inside the block at {:#x}, already "
+                "freed)",
+                b->addr);
           }
         }
       }

@@ -18,12 +18,12 @@ std::string device_allocator::snapshot_json() const {
         const char* state = b->state == detail::block_state::allocated ? "allocated"
                             : b->state == detail::block_state::pending ? "pending"
                                                                        : "free";
-        blocks.push_back({{"address", b->addr},
-                          {"size", b->size},
-                          {"requested_size", b->state == detail::block_state::allocated
-                                                 ? b->requested
-                                                 : std::size_t{0}},
-                          {"state", state}});
+        blocks.push_back(
+            {{"address", b->addr},
+             {"size", b->size},
+             {"requested_size",
+              b->state == detail::block_state::allocated ? b->requested : std::size_t{0}},
+             {"state", state}});
       }
       json entry = {{"id", seg->id},
                     {"address", seg->base},

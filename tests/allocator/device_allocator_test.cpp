@@ -128,10 +128,10 @@ TEST(BestFit, PicksTheSmallestFittingBlockThenTheLowestAddress) {
   }
   for (int i : {0, 2, 4, 6}) a.alloc.deallocate(v[static_cast<std::size_t>(i)]);
   a.alloc.check_invariants();
-  EXPECT_EQ(a.alloc.allocate(4 * KiB), v[2]);   // two 4 KiB holes: the lower one
-  EXPECT_EQ(a.alloc.allocate(4 * KiB), v[6]);   // then the other
-  EXPECT_EQ(a.alloc.allocate(5 * KiB), v[0]);   // 8 KiB is the best fit for 5 KiB
-  EXPECT_EQ(a.alloc.allocate(9 * KiB), v[4]);   // only the 16 KiB hole fits
+  EXPECT_EQ(a.alloc.allocate(4 * KiB), v[2]);  // two 4 KiB holes: the lower one
+  EXPECT_EQ(a.alloc.allocate(4 * KiB), v[6]);  // then the other
+  EXPECT_EQ(a.alloc.allocate(5 * KiB), v[0]);  // 8 KiB is the best fit for 5 KiB
+  EXPECT_EQ(a.alloc.allocate(9 * KiB), v[4]);  // only the 16 KiB hole fits
   EXPECT_EQ(a.mallocs(), 1u);
   a.alloc.check_invariants();
 }
@@ -274,7 +274,7 @@ TEST(OutOfMemory, LadderReleasesOtherStreamsCacheAndRetries) {
   o.capacity_bytes = 100 * MiB;
   sim_allocator a({}, o);
   void* p = a.alloc.allocate(60 * MiB, stream(1));
-  a.alloc.deallocate(p);  // cached on stream 1
+  a.alloc.deallocate(p);                            // cached on stream 1
   void* q = a.alloc.allocate(60 * MiB, stream(2));  // misses, the device refuses, ladder frees
   EXPECT_NE(q, nullptr);
   const auto s = a.stats();
@@ -366,8 +366,8 @@ TEST(OutOfMemory, FailedSegmentFreeLeavesTheAllocatorIntact) {
 
 TEST(EmptyCache, ReleasesWholeFreeSegmentsOnly) {
   sim_allocator a;
-  void* keep = a.alloc.allocate(4 * KiB);       // small segment stays (partly used)
-  void* gone = a.alloc.allocate(30 * MiB);      // large segment, freed below
+  void* keep = a.alloc.allocate(4 * KiB);   // small segment stays (partly used)
+  void* gone = a.alloc.allocate(30 * MiB);  // large segment, freed below
   void* gone2 = a.alloc.allocate(4 * KiB, stream(7));
   a.alloc.deallocate(gone);
   a.alloc.deallocate(gone2);
@@ -467,8 +467,8 @@ TEST(BadInput, UnknownInteriorAndDoubleFreedPointersAreClearErrorsThatChangeNoth
 
 TEST(Stats, ExactFiguresPeaksAndResets) {
   sim_allocator a;
-  void* s1 = a.alloc.allocate(1000);       // small: 1024
-  void* l1 = a.alloc.allocate(3 * MiB);    // large: 20 MiB segment, split
+  void* s1 = a.alloc.allocate(1000);                 // small: 1024
+  void* l1 = a.alloc.allocate(3 * MiB);              // large: 20 MiB segment, split
   void* l2 = a.alloc.allocate(12 * MiB, stream(2));  // large: own 12 MiB segment
   auto s = a.stats();
   EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(1024 + 15 * MiB));
@@ -521,10 +521,10 @@ TEST(Observe, MemorySummaryAndSnapshot) {
   sim_allocator a;
   void* p = a.alloc.allocate(3 * MiB);
   const std::string summary = a.alloc.memory_summary();
-  for (const char* row : {"Allocated memory", "Reserved memory", "Active memory",
-                          "Requested memory", "Segments", "Cur Usage", "Peak Usage",
-                          "Tot Alloc", "Tot Freed", "from large pool", "from small pool",
-                          "Fragmentation", "20.00 MiB", "3.00 MiB"}) {
+  for (const char* row :
+       {"Allocated memory", "Reserved memory", "Active memory", "Requested memory", "Segments",
+        "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed", "from large pool", "from small pool",
+        "Fragmentation", "20.00 MiB", "3.00 MiB"}) {
     EXPECT_NE(summary.find(row), std::string::npos) << row << "\n" << summary;
   }
   const auto snap = nlohmann::json::parse(a.alloc.snapshot_json());

@@ -12,7 +12,9 @@
 namespace cucache::test {
 namespace {
 
-config expandable() { return parse_config("expandable_segments:True"); }
+config expandable() {
+  return parse_config("expandable_segments:True");
+}
 
 /// Physical handles the sim holds must equal what the allocator accounts for.
 void expect_no_leak(sim_allocator& a) {
@@ -51,7 +53,7 @@ TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
 }
 
 TEST(Expandable, OnGrowthKeepsAnIdleMappingUsedInPartBelowTheHighWaterMark) {
-  sim_allocator a(expandable());  // expandable_stitching:on_growth is the default
+  sim_allocator a(expandable());         // expandable_stitching:on_growth is the default
   void* x = a.alloc.allocate(20 * MiB);  // pages 0-9: handles of 1, 8 and 1 pages
   void* y = a.alloc.allocate(2 * MiB);   // page 10
   a.alloc.deallocate(x);
@@ -100,9 +102,9 @@ TEST(Expandable, SplitsFreelyAndIgnoresTheSplitCap) {
 
 TEST(Expandable, StitchesIdlePagesInsteadOfCreatingMemory) {
   sim_allocator a(expandable());
-  void* x = a.alloc.allocate(8 * MiB);  // pages 0-3
-  void* y = a.alloc.allocate(8 * MiB);  // pages 4-7
-  a.alloc.deallocate(x);                // pages 0-3 idle
+  void* x = a.alloc.allocate(8 * MiB);   // pages 0-3
+  void* y = a.alloc.allocate(8 * MiB);   // pages 4-7
+  a.alloc.deallocate(x);                 // pages 0-3 idle
   void* z = a.alloc.allocate(16 * MiB);  // pages 8-15: 4 moved from the hole, 4 created
   EXPECT_EQ(addr(z), addr(y) + 8 * MiB);
   const auto s = a.stats();
@@ -113,7 +115,7 @@ TEST(Expandable, StitchesIdlePagesInsteadOfCreatingMemory) {
   EXPECT_EQ(s.vm_create_count, 8u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(24 * MiB));
   EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(24 * MiB));  // = live peak
-  EXPECT_EQ(a.sim->calls(sim_call::stream_synchronize), 1u);  // before the unmap
+  EXPECT_EQ(a.sim->calls(sim_call::stream_synchronize), 1u);                 // before the unmap
   a.alloc.check_invariants();
   expect_no_leak(a);
 }

@@ -31,8 +31,8 @@ std::uint64_t seed_from_env(std::uint64_t fallback) {
 class randomized : public ::testing::TestWithParam<std::string> {};
 
 void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
-  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with CUCACHE_RANDOM_SEED=" +
-               std::to_string(seed) + ")");
+  SCOPED_TRACE("seed " + std::to_string(seed) +
+               " (rerun with CUCACHE_RANDOM_SEED=" + std::to_string(seed) + ")");
   sim_options o;
   o.capacity_bytes = 3 * GiB;  // small enough that the ladder and real OOMs happen
   sim_allocator a(cfg, o);
@@ -108,10 +108,10 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
       } else if (r < 0.99) {
         // Inject one failure of a device call the allocator makes.
         const sim_call kinds[] = {
-            sim_call::segment_malloc, sim_call::segment_free,       sim_call::event_record,
-            sim_call::event_query,    sim_call::event_create,       sim_call::event_synchronize,
-            sim_call::phys_create,    sim_call::phys_release,       sim_call::map,
-            sim_call::unmap,          sim_call::set_access,         sim_call::stream_synchronize};
+            sim_call::segment_malloc, sim_call::segment_free, sim_call::event_record,
+            sim_call::event_query,    sim_call::event_create, sim_call::event_synchronize,
+            sim_call::phys_create,    sim_call::phys_release, sim_call::map,
+            sim_call::unmap,          sim_call::set_access,   sim_call::stream_synchronize};
         a.sim->fail_nth(kinds[rng() % std::size(kinds)], 1 + rng() % 4);
         ++injected;
       } else {
@@ -132,8 +132,7 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
     }
     ASSERT_NO_THROW(a.alloc.check_invariants());
     // Every byte the device holds is accounted for: no leaked segment or handle.
-    ASSERT_EQ(a.sim->used_bytes(),
-              static_cast<std::size_t>(a.stats().reserved_bytes[0].current));
+    ASSERT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(a.stats().reserved_bytes[0].current));
     const auto s = a.stats();
     ASSERT_EQ(static_cast<std::size_t>(s.allocation_count[0].current), live.size());
   }

@@ -19,8 +19,12 @@ inline constexpr std::size_t GiB = std::size_t{1} << 30;
 /// The sim backend's first address: every scenario starts here.
 inline constexpr std::uintptr_t k_base = 0x7f0000000000ULL;
 
-inline stream_handle stream(std::uintptr_t id) { return reinterpret_cast<stream_handle>(id); }
-inline std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+inline stream_handle stream(std::uintptr_t id) {
+  return reinterpret_cast<stream_handle>(id);
+}
+inline std::uintptr_t addr(const void* p) {
+  return reinterpret_cast<std::uintptr_t>(p);
+}
 
 struct sim_allocator {
   explicit sim_allocator(config cfg = {}, sim_options opts = {})

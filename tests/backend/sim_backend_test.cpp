@@ -40,8 +40,8 @@ TEST(SimBackend, VirtualMemoryRules) {
   EXPECT_THROW(s.map(static_cast<char*>(va) + 2 * MiB, 4 * MiB, *h), cuda_error);  // overlap
   EXPECT_THROW(s.set_access(va, 6 * MiB), cuda_error);  // not fully mapped
   s.set_access(va, 4 * MiB);
-  EXPECT_THROW(s.unmap(va, 2 * MiB), cuda_error);  // must unmap whole mappings
-  EXPECT_THROW(s.phys_release(*h), cuda_error);    // still mapped
+  EXPECT_THROW(s.unmap(va, 2 * MiB), cuda_error);    // must unmap whole mappings
+  EXPECT_THROW(s.phys_release(*h), cuda_error);      // still mapped
   EXPECT_THROW(s.va_free(va, 8 * MiB), cuda_error);  // still has mappings
   s.unmap(va, 4 * MiB);
   s.phys_release(*h);

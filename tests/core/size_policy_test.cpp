@@ -44,9 +44,9 @@ TEST(SizePolicy, MaxSplitSize) {
   EXPECT_TRUE(p.is_oversize(64 * k_mib));
   EXPECT_FALSE(p.is_oversize(64 * k_mib - 512));
   EXPECT_TRUE(p.may_take(40 * k_mib, 30 * k_mib));
-  EXPECT_FALSE(p.may_take(100 * k_mib, 30 * k_mib));       // under the cap never takes oversize
-  EXPECT_TRUE(p.may_take(100 * k_mib, 81 * k_mib));        // wastes 19 MiB < 20 MiB
-  EXPECT_FALSE(p.may_take(100 * k_mib, 80 * k_mib));       // wastes exactly 20 MiB
+  EXPECT_FALSE(p.may_take(100 * k_mib, 30 * k_mib));  // under the cap never takes oversize
+  EXPECT_TRUE(p.may_take(100 * k_mib, 81 * k_mib));   // wastes 19 MiB < 20 MiB
+  EXPECT_FALSE(p.may_take(100 * k_mib, 80 * k_mib));  // wastes exactly 20 MiB
   EXPECT_FALSE(p.should_split(pool_kind::large, 100 * k_mib, 81 * k_mib));
 }
 
@@ -57,10 +57,10 @@ TEST(SizePolicy, PowerOfTwoDivisionsPerInterval) {
   c.roundup_power2_divisions[8] = 2;  // [256 MiB, 512 MiB)
   size_policy p(c);
   EXPECT_EQ(p.round_size(1'200'000), 1'310'720u);
-  EXPECT_EQ(p.round_size(3 * k_mib), 3 * k_mib);               // interval 1: plain rounding
-  EXPECT_EQ(p.round_size(300 * k_mib), 384 * k_mib);           // halves of [256, 512)
-  EXPECT_EQ(p.round_size(256 * k_mib), 256 * k_mib);           // powers of two stay
-  EXPECT_EQ(p.round_size(1500), 1536u);                        // <= 512 * divisions: plain
+  EXPECT_EQ(p.round_size(3 * k_mib), 3 * k_mib);      // interval 1: plain rounding
+  EXPECT_EQ(p.round_size(300 * k_mib), 384 * k_mib);  // halves of [256, 512)
+  EXPECT_EQ(p.round_size(256 * k_mib), 256 * k_mib);  // powers of two stay
+  EXPECT_EQ(p.round_size(1500), 1536u);               // <= 512 * divisions: plain
 }
 
 }  // namespace

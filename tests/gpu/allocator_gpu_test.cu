@@ -28,16 +28,15 @@
 
 #include "cucache/config.hpp"
 #include "cucache/cuda_backend.hpp"
-#include "gpu/gpu_test_support.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/stats.hpp"
+#include "gpu/gpu_test_support.hpp"
 
 namespace {
 
 using cucache::device_allocator;
 using cucache::device_stats;
-
 
 // The same for worker threads, which return their first error to the main thread: gtest's fatal
 // assertions only leave the function they are in, so a thread must not use them.
@@ -280,7 +279,9 @@ cucache::config test_config() {
   const char* conf = std::getenv("CUCACHE_GPU_TEST_CONF");
   return cucache::parse_config(conf != nullptr ? conf : "");
 }
-bool expandable_mode() { return test_config().expandable_segments; }
+bool expandable_mode() {
+  return test_config().expandable_segments;
+}
 
 std::int64_t as_i64(std::size_t n) {
   return static_cast<std::int64_t>(n);

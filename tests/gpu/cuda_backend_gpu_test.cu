@@ -10,11 +10,10 @@
 #include <vector>
 
 #include "cucache/cuda_backend.hpp"
-#include "gpu/gpu_test_support.hpp"
 #include "cucache/errors.hpp"
+#include "gpu/gpu_test_support.hpp"
 
 namespace {
-
 
 // Evaluates `expr` once, so the failure message reports the same call's error.
 #define CUDA_OK(expr)                                                                          \

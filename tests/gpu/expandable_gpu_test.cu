@@ -12,12 +12,11 @@
 
 #include "cucache/config.hpp"
 #include "cucache/cuda_backend.hpp"
-#include "gpu/gpu_test_support.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
+#include "gpu/gpu_test_support.hpp"
 
 namespace {
-
 
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t gib = std::size_t{1} << 30;
@@ -144,8 +143,7 @@ TEST_F(ExpandableGpu, BlockUsedOnAnotherStreamIsNotRemappedWhileThatStreamRuns) 
   CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
   void* a = alloc.allocate(8 * mib);
   CUDA_CHECK(cudaDeviceSynchronize());
-  spin_then_fill<<<1, 256, 0, s2>>>(static_cast<unsigned char*>(a), 8 * mib, 7,
-                                     200'000'000ull);
+  spin_then_fill<<<1, 256, 0, s2>>>(static_cast<unsigned char*>(a), 8 * mib, 7, 200'000'000ull);
   CUDA_CHECK(cudaGetLastError());
   alloc.record_stream(a, s2);
   alloc.deallocate(a);
@@ -183,8 +181,8 @@ TEST_F(ExpandableGpu, OutOfMemoryThenEmptyCacheGivesMemoryBack) {
   CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   alloc.empty_cache();
   CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-  EXPECT_GE(free_after + 2 * mib, free_before + static_cast<std::size_t>(
-                                                    cached.reserved_bytes[0].current));
+  EXPECT_GE(free_after + 2 * mib,
+            free_before + static_cast<std::size_t>(cached.reserved_bytes[0].current));
   EXPECT_EQ(alloc.stats().reserved_bytes[0].current, 0);
   alloc.check_invariants();
 }

@@ -17,7 +17,6 @@
 
 namespace {
 
-
 #define CUDA_OK(expr)                                                                         \
   do {                                                                                        \
     const cudaError_t cuda_ok_code = (expr);                                                  \

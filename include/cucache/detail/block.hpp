@@ -54,11 +54,11 @@ struct segment {
   std::size_t size = 0;
   pool_kind kind = pool_kind::small;
   stream_pool* owner = nullptr;
-  block* first = nullptr;      // lowest-address block
-  segment* prev = nullptr;     // the owner's list of segments
+  block* first = nullptr;   // lowest-address block
+  segment* prev = nullptr;  // the owner's list of segments
   segment* next = nullptr;
-  std::uint64_t id = 0;        // creation order, for snapshots
-  vm_range* vm = nullptr;      // expandable segments: the page table; nullptr for cudaMalloc'd
+  std::uint64_t id = 0;         // creation order, for snapshots
+  vm_range* vm = nullptr;       // expandable segments: the page table; nullptr for cudaMalloc'd
   std::uint64_t free_tick = 0;  // the pool's tick when a block of it last became free: for a
                                 // wholly free segment, when it became so (garbage collection age)
   /// A cudaMalloc'd segment with no live block: it can be returned to the device.

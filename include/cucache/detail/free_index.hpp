@@ -77,7 +77,7 @@ class free_index {
   }
 
   std::array<block*, k_bins> heads_{};
-  std::uint64_t level_map_ = 0;                  // bit l: some bin of level l is non-empty
+  std::uint64_t level_map_ = 0;                    // bit l: some bin of level l is non-empty
   std::array<std::uint32_t, k_levels> sub_map_{};  // bit s of level l: bin l*16+s is non-empty
   std::size_t count_ = 0;
   std::size_t bytes_ = 0;

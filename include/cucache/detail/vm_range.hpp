@@ -21,7 +21,7 @@ struct vm_mapping {
   std::size_t first_page = 0;
   std::size_t pages = 0;
   phys_handle handle = 0;
-  std::size_t used_pages = 0;  // pages touched by at least one allocated or pending block
+  std::size_t used_pages = 0;       // pages touched by at least one allocated or pending block
   vm_mapping* idle_prev = nullptr;  // the owner pool's list of idle mappings (used_pages == 0)
   vm_mapping* idle_next = nullptr;
   bool idle = false;
