@@ -41,18 +41,19 @@ struct device_allocator::impl {
   void release_to_free(detail::stream_pool& p, detail::block* b);
   detail::segment* add_segment(detail::stream_pool& p, detail::pool_kind kind, std::uintptr_t base,
                                std::size_t bytes, detail::vm_range* vm);
-  bool release_segment(detail::stream_pool& p, detail::segment* s);
+  void release_segment(detail::stream_pool& p, detail::segment* s);
+  detail::block* split_off(detail::stream_pool& p, detail::block* b, std::size_t front_bytes);
   void poll_pending(detail::stream_pool& p);
   void sync_pending(detail::stream_pool& p);
   void release_oversize(detail::stream_pool& p);
-  std::size_t release_free_segments(std::size_t target_reserved, bool oldest_first);
+  void release_free_segments(std::size_t target_reserved, bool oldest_first);
   void collect_garbage(std::size_t incoming);
   // --- expandable segments (expandable.cpp) ---
   detail::segment* ensure_range(detail::stream_pool& p, detail::pool_kind kind);
   /// Maps every page b touches. False when no physical memory could be found (b unchanged).
   bool ensure_mapped(detail::stream_pool& p, detail::block* b);
   void undo_carve(detail::stream_pool& p, detail::block* b);
-  bool within_slack(detail::stream_pool& p, std::size_t extra);
+  bool may_grow_in_place(detail::stream_pool& p, std::size_t extra);
   std::pair<detail::block*, bool> place(detail::free_index& index, std::size_t rounded) const;
   detail::block* split_for_back(detail::stream_pool& p, detail::pool_kind kind, detail::block* b,
                                 std::size_t rounded);
@@ -64,6 +65,11 @@ struct device_allocator::impl {
   void map_handle(detail::stream_pool& p, detail::vm_range& r, std::size_t first_page,
                   std::size_t pages, phys_handle h, bool stitched);
   phys_handle unmap_mapping(detail::stream_pool& p, detail::vm_mapping* m);
+  void record_mapping(detail::stream_pool& p, detail::vm_range& r, std::size_t first_page,
+                      std::size_t pages, phys_handle h);
+  /// Puts an unmapped handle on the reusable list (_locked: REQUIRES grow_mu_ held).
+  void keep_handle(phys_handle h, std::size_t bytes);
+  void keep_handle_locked(phys_handle h, std::size_t bytes);
   void idle_link(detail::stream_pool& p, detail::vm_mapping* m);
   void idle_unlink(detail::stream_pool& p, detail::vm_mapping* m);
   /// Unmaps every idle mapping of p (after synchronizing its stream); handles go to the free

@@ -16,7 +16,6 @@ namespace cucache {
 using detail::block;
 using detail::block_state;
 using detail::pool_kind;
-using detail::pool_stats;
 using detail::segment;
 using detail::stream_pool;
 
@@ -34,7 +33,7 @@ thread_local pool_cache_entry t_pool_cache;
 }  // namespace
 
 device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c)
-    : backend(std::move(b)), cfg(std::move(c)), id(g_allocator_ids.fetch_add(1)) {
+    : backend(std::move(b)), cfg(std::move(c)), policy(cfg), id(g_allocator_ids.fetch_add(1)) {
   if (!backend) throw invalid_argument("device_allocator: backend is null");
   expandable = cfg.expandable_segments;
   if (expandable) {
@@ -45,12 +44,6 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c)
           "not support; use expandable_segments:False",
           backend->device(), backend->name()));
     }
-    // Splitting virtual space costs no physical memory, so the cap has nothing to protect.
-    config vm_cfg = cfg;
-    vm_cfg.max_split_size = std::numeric_limits<std::size_t>::max();
-    policy = detail::size_policy(vm_cfg);
-  } else {
-    policy = detail::size_policy(cfg);
   }
   device_total = backend->mem_get_info().total_bytes;
   if (cfg.memory_fraction > 0.0) {
@@ -226,8 +219,8 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
   device_alloc_count.fetch_add(1, std::memory_order_relaxed);
   segment* s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(ptr), bytes, nullptr);
   block* b = s->first;
-  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::inc(p.stats.segment_count, kind, 1);
+  p.stats.reserved_bytes.inc(kind, static_cast<std::int64_t>(bytes));
+  p.stats.segment_count.inc(kind, 1);
   if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
   return b;
 }
@@ -256,7 +249,22 @@ segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std
   return s;
 }
 
-bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
+block* device_allocator::impl::split_off(stream_pool& p, block* b, std::size_t front_bytes) {
+  // A new free block for b's bytes from front_bytes on, linked after b. b's size and both blocks'
+  // places in the free index are the caller's to set.
+  block* rest = p.blocks.make();
+  rest->addr = b->addr + front_bytes;
+  rest->size = b->size - front_bytes;
+  rest->seg = b->seg;
+  rest->prev = b;
+  rest->next = b->next;
+  rest->state = block_state::free;
+  if (b->next != nullptr) b->next->prev = rest;
+  b->next = rest;
+  return rest;
+}
+
+void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   // REQUIRES: p.mu held, s whole and free. The device call comes first so that a failure leaves
   // every structure as it was.
   {
@@ -266,31 +274,20 @@ bool device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   }
   device_free_count.fetch_add(1, std::memory_order_relaxed);
   p.index_of(s->kind).erase(s->first);
-  pool_stats::dec(p.stats.reserved_bytes, s->kind, static_cast<std::int64_t>(s->size));
-  pool_stats::dec(p.stats.segment_count, s->kind, 1);
+  p.stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
+  p.stats.segment_count.dec(s->kind, 1);
   if (policy.is_oversize(s->size)) --p.stats.oversize_segments;
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
   if (p.segments == s) p.segments = s->next;
   p.blocks.recycle(s->first);
   p.segs.recycle(s);
-  return true;
 }
 
 block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
                                      std::size_t requested) {
-  const bool split = b->seg->vm != nullptr ? b->size - rounded >= detail::k_min_block_bytes
-                                           : policy.should_split(kind, b->size, rounded);
-  if (split) {
-    block* rest = p.blocks.make();
-    rest->addr = b->addr + rounded;
-    rest->size = b->size - rounded;
-    rest->seg = b->seg;
-    rest->prev = b;
-    rest->next = b->next;
-    rest->state = block_state::free;
-    if (b->next != nullptr) b->next->prev = rest;
-    b->next = rest;
+  if (policy.should_split(kind, b->size, rounded)) {
+    block* rest = split_off(p, b, rounded);
     p.index_of(kind).replace(b, rest);
     b->size = rounded;
   } else {
@@ -310,8 +307,8 @@ void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
   // REQUIRES: p.mu held; b allocated-then-freed (allocation stats already taken off).
   const pool_kind kind = b->seg->kind;
   if (b->state == block_state::pending) {
-    pool_stats::dec(p.stats.pending_count, kind, 1);
-    pool_stats::dec(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
+    p.stats.pending_count.dec(kind, 1);
+    p.stats.pending_bytes.dec(kind, static_cast<std::int64_t>(b->size));
   }
   if (b->seg->vm != nullptr) touch_pages(p, b, -1);
   if (b->uses != nullptr) [[unlikely]] {
@@ -364,8 +361,7 @@ void device_allocator::impl::release_oversize(stream_pool& p) {
   for (segment* s : victims) release_segment(p, s);
 }
 
-std::size_t device_allocator::impl::release_free_segments(std::size_t target_reserved,
-                                                          bool oldest_first) {
+void device_allocator::impl::release_free_segments(std::size_t target_reserved, bool oldest_first) {
   // REQUIRES: all pools locked. Releases whole free segments until reserved <= target.
   std::vector<std::pair<stream_pool*, segment*>> victims;
   for (auto& p : pools) {
@@ -378,17 +374,13 @@ std::size_t device_allocator::impl::release_free_segments(std::size_t target_res
       return a.second->free_tick < b.second->free_tick;
     });
   }
-  std::size_t released = 0;
   for (auto [p, s] : victims) {
     {
       std::lock_guard lock(grow_mu_);
       if (reserved <= target_reserved) break;
     }
-    const std::size_t size = s->size;
     release_segment(*p, s);
-    released += size;
   }
-  return released;
 }
 
 void device_allocator::impl::collect_garbage(std::size_t incoming) {
@@ -498,8 +490,8 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   // Used on other streams: reuse waits for an event on each of them.
   b->state = block_state::pending;
   b->uses->pending_events = 0;
-  pool_stats::inc(p.stats.pending_count, kind, 1);
-  pool_stats::inc(p.stats.pending_bytes, kind, static_cast<std::int64_t>(b->size));
+  p.stats.pending_count.inc(kind, 1);
+  p.stats.pending_bytes.inc(kind, static_cast<std::int64_t>(b->size));
   for (stream_handle s : b->uses->streams) {
     event_handle e = nullptr;
     try {

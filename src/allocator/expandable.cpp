@@ -15,7 +15,6 @@ namespace cucache {
 using detail::block;
 using detail::block_state;
 using detail::pool_kind;
-using detail::pool_stats;
 using detail::segment;
 using detail::stream_pool;
 using detail::vm_mapping;
@@ -25,15 +24,6 @@ namespace {
 /// Largest physical handle created at once. Larger handles cost the same to create and map, but
 /// can only be moved whole; 256 MiB keeps a 1 GiB request at four calls.
 constexpr std::size_t k_max_handle_bytes = std::size_t{256} << 20;
-/// Give the first and last page of each run its own handle (see ensure_mapped), and release an
-/// idle mapping that a new block would use only in part (see split_idle_overhang): a handle that
-/// a live block touches cannot be moved, so both keep idle memory movable.
-constexpr bool k_boundary_pages = true;
-/// Moving a page costs an unmap, a map and a set-access (~100 us on an H200) plus a stream
-/// synchronization. Pages are moved only when new memory would raise reserved memory above its
-/// high-water mark and above this fraction over the pool's active bytes; below that, creating is
-/// as cheap, and idle pages stay where steady loops will want them again.
-constexpr double k_vm_slack = 0.0;
 /// Free blocks examined, in best-fit order, for a placement whose pages are already mapped.
 constexpr int k_placement_probes = 4;
 // Measured on the seven traces of ../shared/traces (sim, peak reserved / peak requested, VM calls):
@@ -57,6 +47,7 @@ segment* device_allocator::impl::ensure_range(stream_pool& p, pool_kind kind) {
   range->base = reinterpret_cast<std::uintptr_t>(va);
   range->size = bytes;
   range->page_bytes = page_bytes;
+  range->kind = kind;
   range->page_map.assign(bytes / page_bytes, nullptr);
   range->page_use.assign(bytes / page_bytes, 0);
   segment* s = add_segment(p, kind, range->base, bytes, range.get());
@@ -102,8 +93,7 @@ void device_allocator::impl::release_handle(phys_handle h, std::size_t bytes) {
   try {
     backend->phys_release(h);
   } catch (...) {
-    free_handles.emplace(bytes, h);  // still ours: keep it tracked, never leak it
-    free_handle_bytes += bytes;
+    keep_handle_locked(h, bytes);  // still ours: keep it tracked, never leak it
     throw;
   }
   reserved -= bytes;
@@ -133,12 +123,8 @@ phys_handle device_allocator::impl::unmap_mapping(stream_pool& p, vm_mapping* m)
   for (std::size_t i = 0; i < m->pages; ++i) r.page_map[m->first_page + i] = nullptr;
   r.mapped_pages -= m->pages;
   if (m->idle) idle_unlink(p, m);
-  const pool_kind kind =
-      r.page_bytes == 0
-          ? pool_kind::large
-          : (p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small : pool_kind::large);
-  pool_stats::dec(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::dec(p.stats.segment_count, kind, 1);
+  p.stats.reserved_bytes.dec(r.kind, static_cast<std::int64_t>(bytes));
+  p.stats.segment_count.dec(r.kind, 1);
   const phys_handle h = m->handle;
   p.maps.recycle(m);
   return h;
@@ -151,9 +137,7 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
   try {
     backend->map(va, bytes, h);
   } catch (...) {
-    std::lock_guard lock(grow_mu_);
-    free_handles.emplace(bytes, h);
-    free_handle_bytes += bytes;
+    keep_handle(h, bytes);
     throw;
   }
   vm_map_count.fetch_add(1, std::memory_order_relaxed);
@@ -164,25 +148,20 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
     try {
       backend->unmap(va, bytes);
       vm_unmap_count.fetch_add(1, std::memory_order_relaxed);
-      std::lock_guard lock(grow_mu_);
-      free_handles.emplace(bytes, h);
-      free_handle_bytes += bytes;
+      keep_handle(h, bytes);
     } catch (...) {
-      // The mapping could not be undone: record it as mapped (and idle) so it stays tracked.
-      vm_mapping* m = p.maps.make();
-      *m = vm_mapping{&r, first_page, pages, h, 0, nullptr, nullptr, false};
-      for (std::size_t i = 0; i < pages; ++i) r.page_map[first_page + i] = m;
-      r.mapped_pages += pages;
-      const pool_kind kind =
-          p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small : pool_kind::large;
-      pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-      pool_stats::inc(p.stats.segment_count, kind, 1);
-      for (std::size_t i = 0; i < pages; ++i) m->used_pages += r.page_use[first_page + i] > 0;
-      if (m->used_pages == 0) idle_link(p, m);
+      // The mapping could not be undone: record it as mapped (idle unless used) so it stays
+      // tracked.
+      record_mapping(p, r, first_page, pages, h);
     }
     throw;
   }
   if (stitched) stitched_pages.fetch_add(pages, std::memory_order_relaxed);
+  record_mapping(p, r, first_page, pages, h);
+}
+
+void device_allocator::impl::record_mapping(stream_pool& p, vm_range& r, std::size_t first_page,
+                                            std::size_t pages, phys_handle h) {
   vm_mapping* m = p.maps.make();
   *m = vm_mapping{&r, first_page, pages, h, 0, nullptr, nullptr, false};
   for (std::size_t i = 0; i < pages; ++i) {
@@ -190,11 +169,19 @@ void device_allocator::impl::map_handle(stream_pool& p, vm_range& r, std::size_t
     m->used_pages += r.page_use[first_page + i] > 0;
   }
   r.mapped_pages += pages;
-  const pool_kind kind =
-      p.ranges[0] != nullptr && p.ranges[0]->vm == &r ? pool_kind::small : pool_kind::large;
-  pool_stats::inc(p.stats.reserved_bytes, kind, static_cast<std::int64_t>(bytes));
-  pool_stats::inc(p.stats.segment_count, kind, 1);
+  p.stats.reserved_bytes.inc(r.kind, static_cast<std::int64_t>(pages * page_bytes));
+  p.stats.segment_count.inc(r.kind, 1);
   if (m->used_pages == 0) idle_link(p, m);
+}
+
+void device_allocator::impl::keep_handle_locked(phys_handle h, std::size_t bytes) {
+  free_handles.emplace(bytes, h);
+  free_handle_bytes += bytes;
+}
+
+void device_allocator::impl::keep_handle(phys_handle h, std::size_t bytes) {
+  std::lock_guard lock(grow_mu_);
+  keep_handle_locked(h, bytes);
 }
 
 std::optional<phys_handle> device_allocator::impl::create_handle(stream_pool& p,
@@ -253,9 +240,7 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
     while (run > 0) {
       // The first and last page of a run get handles of their own: they may be shared with a
       // neighbouring block, and a handle that a neighbour keeps in use cannot be moved.
-      const std::size_t want_pages = !k_boundary_pages               ? run
-                                     : (pg == run_start || run == 1) ? 1
-                                                                     : run - 1;
+      const std::size_t want_pages = pg == run_start || run == 1 ? 1 : run - 1;
       const std::size_t want = want_pages * page_bytes;
       std::optional<phys_handle> h;
       std::size_t got = 0;
@@ -273,8 +258,8 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
         }
       }
       // 2. Stitch: move the largest idle mapping of this pool that fits the run -- unless new
-      //    memory still fits in the slack.
-      if (!h && !within_slack(p, std::min(want, k_max_handle_bytes))) {
+      //    memory can be created without raising the peak (may_grow_in_place).
+      if (!h && !may_grow_in_place(p, std::min(want, k_max_handle_bytes))) {
         vm_mapping* best = nullptr;
         for (vm_mapping* m = p.idle_head; m != nullptr; m = m->idle_next) {
           if (m->pages * page_bytes <= want && (best == nullptr || m->pages > best->pages)) {
@@ -310,7 +295,7 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
             released = true;
           }
         }
-        if (!released && p.idle_head != nullptr && !within_slack(p, bytes)) {
+        if (!released && p.idle_head != nullptr && !may_grow_in_place(p, bytes)) {
           vm_mapping* big = nullptr;
           for (vm_mapping* m = p.idle_head; m != nullptr; m = m->idle_next) {
             if (big == nullptr || m->pages < big->pages) big = m;
@@ -339,8 +324,9 @@ void device_allocator::impl::split_idle_overhang(stream_pool& p, vm_range& r, st
                                                  std::size_t bytes) {
   // An idle mapping that the new block would use only in part would be pinned whole by it: the
   // rest could no longer be moved. Release it instead; ensure_mapped backs exactly the block.
-  // In on_growth mode, below the high-water mark, that churn does not lower the peak: keep it.
-  if (!cfg.eager_stitching && within_slack(p, 0)) return;
+  // Only in eager mode: otherwise the churn of release and re-creation costs more than the
+  // memory it frees is worth.
+  if (!cfg.eager_stitching) return;
   const std::size_t first = r.page_of(addr);
   const std::size_t last = r.page_of(addr + bytes - 1);
   bool synced = false;
@@ -408,28 +394,22 @@ block* device_allocator::impl::split_for_back(stream_pool& p, pool_kind kind, bl
   // its last `rounded` bytes as a free, indexed block.
   auto& index = p.index_of(kind);
   index.erase(b);
-  block* back = p.blocks.make();
-  back->addr = b->addr + b->size - rounded;
-  back->size = rounded;
-  back->seg = b->seg;
-  back->prev = b;
-  back->next = b->next;
-  back->state = block_state::free;
-  if (b->next != nullptr) b->next->prev = back;
-  b->next = back;
+  block* back = split_off(p, b, b->size - rounded);
   b->size -= rounded;
   index.insert(b);
   index.insert(back);
   return back;
 }
 
-bool device_allocator::impl::within_slack(stream_pool& p, std::size_t extra) {
-  // Growing is free below the high-water mark (peak reserved does not move) or within the slack
-  // above the pool's active bytes; beyond both, idle pages must be moved instead.
-  const auto active = static_cast<double>(p.stats.active_bytes(0).current);
+bool device_allocator::impl::may_grow_in_place(stream_pool& p, std::size_t extra) {
+  // Moving a page costs an unmap, a map and a set-access (~100 us on an H200) plus a stream
+  // synchronization. Creating instead costs about as much and is harmless while reserved memory
+  // stays at or below its high-water mark (the peak does not move), or at or below the pool's
+  // active bytes -- which, during ensure_mapped, already count the block being backed (no memory
+  // would sit idle). Idle pages then stay where steady loops will want them again.
+  const auto active = static_cast<std::size_t>(p.stats.active_bytes(0).current);
   std::lock_guard lock(grow_mu_);
-  return reserved + extra <= reserved_peak ||
-         static_cast<double>(reserved + extra) <= active * (1.0 + k_vm_slack);
+  return reserved + extra <= std::max(reserved_peak, active);
 }
 
 void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
@@ -449,9 +429,7 @@ void device_allocator::impl::unmap_idle(stream_pool& p, bool release) {
     if (release) {
       release_handle(h, bytes);
     } else {
-      std::lock_guard lock(grow_mu_);
-      free_handles.emplace(bytes, h);
-      free_handle_bytes += bytes;
+      keep_handle(h, bytes);
     }
   }
 }

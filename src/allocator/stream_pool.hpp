@@ -132,14 +132,12 @@ struct pool_stats {
   std::uint64_t oversize_segments = 0;
 
   static std::size_t slot(pool_kind k) noexcept { return k == pool_kind::small ? 1 : 2; }
-  static void inc(counter_array& s, pool_kind k, std::int64_t delta) noexcept { s.inc(k, delta); }
-  static void dec(counter_array& s, pool_kind k, std::int64_t delta) noexcept { s.dec(k, delta); }
 
   /// A block of `bytes` was carved: allocated, and active.
   void on_allocate(pool_kind k, std::int64_t bytes, std::int64_t requested) noexcept {
-    inc(allocation_count, k, 1);
-    inc(allocated_bytes, k, bytes);
-    inc(requested_bytes, k, requested);
+    allocation_count.inc(k, 1);
+    allocated_bytes.inc(k, bytes);
+    requested_bytes.inc(k, requested);
     if (pending_count[0].current != 0) [[unlikely]] {
       for (std::size_t i : {std::size_t{0}, slot(k)}) {
         active_bytes_peak[i] =
@@ -151,9 +149,9 @@ struct pool_stats {
   }
   /// A block was freed by its caller (it may still be active, pending).
   void on_free(pool_kind k, std::int64_t bytes, std::int64_t requested) noexcept {
-    dec(allocation_count, k, 1);
-    dec(allocated_bytes, k, bytes);
-    dec(requested_bytes, k, requested);
+    allocation_count.dec(k, 1);
+    allocated_bytes.dec(k, bytes);
+    requested_bytes.dec(k, requested);
   }
 
   [[nodiscard]] static stat active(const counter& alloc, const counter& pend,

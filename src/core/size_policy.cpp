@@ -13,9 +13,13 @@ constexpr std::size_t round_up(std::size_t n, std::size_t m) {
 }  // namespace
 
 size_policy::size_policy(const config& cfg)
-    : max_split_size_(cfg.max_split_size),
+    // Expandable segments split virtual space, which costs no physical memory: the cap has
+    // nothing to protect there, and any remainder of 512 B or more is split off.
+    : max_split_size_(cfg.expandable_segments ? std::numeric_limits<std::size_t>::max()
+                                              : cfg.max_split_size),
       max_non_split_rounding_(cfg.max_non_split_rounding),
-      divisions_(cfg.roundup_power2_divisions) {}
+      divisions_(cfg.roundup_power2_divisions),
+      split_any_remainder_(cfg.expandable_segments) {}
 
 std::size_t size_policy::round_size(std::size_t bytes) const noexcept {
   if (bytes <= k_min_block_bytes) return k_min_block_bytes;
@@ -51,7 +55,7 @@ std::size_t size_policy::segment_size(std::size_t rounded) const noexcept {
 bool size_policy::should_split(pool_kind pool, std::size_t block_bytes,
                                std::size_t rounded) const noexcept {
   const std::size_t remaining = block_bytes - rounded;
-  if (pool == pool_kind::small) return remaining >= k_min_block_bytes;
+  if (pool == pool_kind::small || split_any_remainder_) return remaining >= k_min_block_bytes;
   return rounded < max_split_size_ && remaining > k_large_split_remainder_bytes;
 }
 

@@ -65,6 +65,7 @@ class size_policy {
   std::size_t max_split_size_ = std::numeric_limits<std::size_t>::max();
   std::size_t max_non_split_rounding_ = 20 * k_mib;
   std::vector<std::uint32_t> divisions_;  // empty: plain 512 B rounding
+  bool split_any_remainder_ = false;      // expandable segments: split both pools like the small
 };
 
 }  // namespace cucache::detail

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cucache/backend.hpp"
+#include "cucache/detail/size_policy.hpp"
 
 namespace cucache::detail {
 
@@ -31,6 +32,7 @@ struct vm_range {
   std::uintptr_t base = 0;
   std::size_t size = 0;
   std::size_t page_bytes = 0;
+  pool_kind kind = pool_kind::large;    // the pool whose stats its mappings count in
   std::vector<vm_mapping*> page_map;    // per page: the mapping backing it, or nullptr
   std::vector<std::uint32_t> page_use;  // per page: allocated or pending blocks touching it
   std::size_t mapped_pages = 0;
