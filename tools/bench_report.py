@@ -148,14 +148,14 @@ def load_replay(paths: list[Path]) -> list[dict]:
                 "events": dig(rec, "events"),
                 "ns": {},
                 "reserved": {},
-                "requested": dig(rec, "peak_requested_bytes", "figures.peak_requested_bytes"),
+                "requested": dig(rec, "peak_requested_bytes"),
             }
             name = "cucache_" + row["backend"] if row["backend"] else "cucache"
-            row["ns"][name] = dig(rec, "host_ns_per_op", "ns_per_op")
-            row["reserved"][name] = dig(rec, "figures.peak_reserved_bytes", "peak_reserved_bytes")
-            for peer in dig(rec, "peers", default=[]) or []:
-                pname = peer.get("name", "?")
-                row["ns"][pname] = dig(peer, "host_ns_per_op", "ns_per_op")
+            row["ns"][name] = dig(rec, "host_ns_per_op")
+            row["reserved"][name] = dig(rec, "peak_reserved_bytes")
+            # cucache-replay writes its peers as an object keyed by peer name.
+            for pname, peer in (rec.get("peers") or {}).items():
+                row["ns"][pname] = dig(peer, "host_ns_per_op")
                 row["reserved"][pname] = dig(peer, "peak_reserved_bytes")
             rows.append(row)
     return rows

@@ -24,8 +24,10 @@ for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu
   [[ -x $bin/$t ]] || continue
   run "$t" "${prefix[@]}" "$bin/$t"
 done
-run allocator_gpu_test_expandable CUCACHE_GPU_TEST_CONF=expandable_segments:True "${prefix[@]}" \
-  "$bin/allocator_gpu_test"
+if [[ -x $bin/allocator_gpu_test ]]; then
+  run allocator_gpu_test_expandable CUCACHE_GPU_TEST_CONF=expandable_segments:True "${prefix[@]}" \
+    "$bin/allocator_gpu_test"
+fi
 for e in port_before port_after; do
   [[ -x $bin/$e ]] && run "example_$e" "${prefix[@]}" "$bin/$e"
 done

@@ -158,8 +158,9 @@ global_state& state() {
 }
 
 int current_device(const global_state& s) {
-  // The simulated backend has one device; only a real one needs the runtime's answer.
-  if (s.kind == backend_kind::sim) return 0;
+  // With one device (the simulated backend always has one) it is current: only a machine with
+  // several needs the runtime's answer, which costs a call on every malloc and free.
+  if (s.device_count == 1) return 0;
   if (s.device_count == 0) throw_cuda_unusable(s);
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
@@ -171,9 +172,9 @@ int current_device(const global_state& s) {
 // The current device's created allocator, or nullptr; never throws, never creates.
 device_allocator* current_if_created(const global_state& s, int& device) noexcept {
   device = -1;
-  if (s.kind == backend_kind::sim) {
+  if (s.device_count == 1) {
     device = 0;
-  } else if (s.device_count > 0) {
+  } else if (s.device_count > 1) {
     if (cudaGetDevice(&device) != cudaSuccess) {
       static_cast<void>(cudaGetLastError());
       device = -1;
@@ -360,9 +361,7 @@ namespace {
 void release(void* ptr, stream_handle stream, free_kind kind) {
   detail::global_state* s = detail::g_state.load(std::memory_order_acquire);
   if (s == nullptr) detail::throw_not_ours(ptr, kind);
-  if (s->trace == nullptr) [[likely]] {
-    detail::apply_anywhere(*s, ptr, stream, kind);
-  } else if (kind == free_kind::record) {
+  if (s->trace == nullptr || kind == free_kind::record) [[likely]] {
     detail::apply_anywhere(*s, ptr, stream, kind);
   } else {
     detail::traced_release(*s, ptr, stream, kind);

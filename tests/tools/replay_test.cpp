@@ -289,8 +289,14 @@ TEST(replay_cli, falls_back_to_the_simulated_device_with_a_note) {
 }
 
 TEST(replay_cli, rejects_what_it_cannot_do) {
-  EXPECT_EQ(run({"--backend", "sim", "--peers", "c10", k_resnet.string()}).status, 1);
-  EXPECT_EQ(run({"--backend", "sim", "--config", "no_such_key:1", k_resnet.string()}).status, 1);
+  const cli_run peers_on_sim = run({"--backend", "sim", "--peers", "c10", k_resnet.string()});
+  EXPECT_EQ(peers_on_sim.status, 1);
+  EXPECT_NE(peers_on_sim.err.find("--peers: the peers run on a GPU only"), std::string::npos)
+      << peers_on_sim.err;
+  const cli_run bad_config =
+      run({"--backend", "sim", "--config", "no_such_key:1", k_resnet.string()});
+  EXPECT_EQ(bad_config.status, 1);
+  EXPECT_NE(bad_config.err.find("no_such_key"), std::string::npos) << bad_config.err;
   EXPECT_NE(run({"--backend", "sim", "--repeat", "0", k_resnet.string()}).status, 0);
   EXPECT_NE(run({"--backend", "sim"}).status, 0);  // a trace is required
   const temp_file bad("replay_bad_trace", "not a trace\n");

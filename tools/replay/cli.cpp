@@ -31,10 +31,6 @@ std::vector<std::string> split_list(const std::string& text) {
   return items;
 }
 
-}  // namespace
-
-namespace {
-
 /// PyTorch's figures for the same traces, when a reference.json sits beside them (as in
 /// ../shared/traces and the bundled traces/): the comparison a CPU-only run can make.
 std::string format_reference(const std::vector<std::string>& paths,
