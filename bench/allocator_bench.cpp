@@ -27,6 +27,7 @@
 #include "cucache/device_allocator.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/stats.hpp"
+#include "peers/c10_peer.h"
 
 namespace cucache::bench {
 namespace {
@@ -210,27 +211,14 @@ class cuda_malloc_async_alloc {
 };
 
 /// The c10 peer shim's entry points (bench/peers/c10_peer.h), found by dlopen. alloc, free and init
-/// are required; reset, stats and last_error are used when the shim has them at the ABI known here.
+/// are required; reset, stats and last_error are used when the shim reports the ABI known here.
 struct c10_peer_api {
-  static constexpr int k_abi = 1;
-  /// Layout of cucache_c10_stats at ABI 1.
-  struct stats {
-    std::int64_t reserved_bytes;
-    std::int64_t peak_reserved_bytes;
-    std::int64_t allocated_bytes;
-    std::int64_t peak_allocated_bytes;
-    std::int64_t peak_requested_bytes;
-    std::int64_t num_device_alloc;
-    std::int64_t num_device_free;
-    std::int64_t num_alloc_retries;
-    std::int64_t num_ooms;
-  };
-  void* (*alloc)(std::size_t, void*) = nullptr;
-  void (*free)(void*) = nullptr;
-  int (*init)(const char*) = nullptr;
-  int (*reset)() = nullptr;            // emptyCache and reset the statistics; 0 = ok
-  int (*get_stats)(stats*) = nullptr;  // 0 = ok
-  const char* (*last_error)() = nullptr;
+  cucache_peer_c10_alloc_fn alloc = nullptr;
+  cucache_peer_c10_free_fn free = nullptr;
+  cucache_peer_c10_init_fn init = nullptr;
+  cucache_peer_c10_reset_fn reset = nullptr;      // emptyCache and reset the statistics; 0 = ok
+  cucache_peer_c10_stats_fn get_stats = nullptr;  // 0 = ok
+  cucache_peer_c10_last_error_fn last_error = nullptr;
 };
 c10_peer_api g_c10;
 
@@ -258,7 +246,7 @@ class c10_alloc {
   static stream_handle stream(int index) { return gpu_stream(index); }
   void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
   void add_counters(benchmark::State& state) const {
-    c10_peer_api::stats s{};
+    cucache_c10_stats s{};
     if (g_c10.get_stats == nullptr || g_c10.get_stats(&s) != 0) return;
     set_memory_counters(
         state, static_cast<double>(s.reserved_bytes), static_cast<double>(s.peak_reserved_bytes),
@@ -514,9 +502,9 @@ std::string load_c10_peer() {
   if (g_c10.alloc == nullptr || g_c10.free == nullptr || g_c10.init == nullptr) {
     return path + " lacks cucache_peer_c10_{alloc,free,init}";
   }
-  int (*abi)() = nullptr;
+  cucache_peer_c10_abi_fn abi = nullptr;
   bind(abi, "cucache_peer_c10_abi");
-  if (abi != nullptr && abi() == c10_peer_api::k_abi) {
+  if (abi != nullptr && abi() == CUCACHE_C10_PEER_ABI) {
     bind(g_c10.reset, "cucache_peer_c10_reset");
     bind(g_c10.get_stats, "cucache_peer_c10_stats");
     bind(g_c10.last_error, "cucache_peer_c10_last_error");
