@@ -1,6 +1,7 @@
 // The peer allocators of cucache-replay (see peers.hpp). Each run starts cold and frees what the
 // trace leaves live, outside the timed loop, so every run sees the same device.
 #include "peers.hpp"
+#include "backend/device_guard.hpp"
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -14,6 +15,7 @@
 #include <ostream>
 #include <system_error>
 
+#include "backend/device_guard.hpp"
 #include "c10_peer.h"
 #include "cucache/errors.hpp"
 #include "replay_loop.hpp"
@@ -21,13 +23,8 @@
 namespace cucache::replay {
 namespace {
 
-[[noreturn]] void throw_cuda(const char* call, cudaError_t code) {
-  throw cuda_error(call, static_cast<int>(code), cudaGetErrorString(code));
-}
-
-void check(cudaError_t code, const char* call) {
-  if (code != cudaSuccess) throw_cuda(call, code);
-}
+using detail::check_runtime;
+using detail::throw_runtime_error;
 
 double ns_per_op(const pass_result& r, const prepared_trace& trace) {
   return trace.timed_events == 0
@@ -49,7 +46,7 @@ void free_leftovers(const prepared_trace& trace, std::span<const stream_handle> 
 std::size_t device_used_bytes() {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
-  check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  check_runtime(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
   return total_bytes - free_bytes;
 }
 
@@ -59,14 +56,14 @@ struct cuda_malloc_ops {
   void* allocate(std::size_t bytes, stream_handle /*stream*/) {
     void* p = nullptr;
     if (const cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
-      (void)cudaGetLastError();  // so a later, unrelated check does not report it again
-      if (e != cudaErrorMemoryAllocation) throw_cuda("cudaMalloc", e);
+      if (e != cudaErrorMemoryAllocation) throw_runtime_error("cudaMalloc", e);
+      detail::clear_expected_error(e);  // so a later, unrelated check does not report it again
       return nullptr;
     }
     return p;
   }
   void deallocate(void* p, stream_handle /*stream*/, bool /*other_stream*/) {
-    check(cudaFree(p), "cudaFree");
+    check_runtime(cudaFree(p), "cudaFree");
   }
 };
 
@@ -83,7 +80,7 @@ class cuda_malloc_peer final : public peer {
                std::span<void*> slots) override {
     cuda_malloc_ops ops;
     std::fill(slots.begin(), slots.end(), nullptr);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const pass_result r = run_pass(trace, streams, slots, ops);
     free_leftovers(trace, streams, slots,
                    [&](void* p, stream_handle s) { ops.deallocate(p, s, false); });
@@ -114,15 +111,15 @@ struct async_ops {
     if (const cudaError_t e =
             cudaMallocFromPoolAsync(&p, bytes, pool, static_cast<cudaStream_t>(stream));
         e != cudaSuccess) {
-      (void)cudaGetLastError();
-      if (e != cudaErrorMemoryAllocation) throw_cuda("cudaMallocFromPoolAsync", e);
+      if (e != cudaErrorMemoryAllocation) throw_runtime_error("cudaMallocFromPoolAsync", e);
+      detail::clear_expected_error(e);
       return nullptr;
     }
     return p;
   }
   void deallocate(void* p, stream_handle stream, bool /*other_stream*/) {
     // The free's own stream: reuse then follows that stream's order, as cudaFreeAsync promises.
-    check(cudaFreeAsync(p, static_cast<cudaStream_t>(stream)), "cudaFreeAsync");
+    check_runtime(cudaFreeAsync(p, static_cast<cudaStream_t>(stream)), "cudaFreeAsync");
   }
 };
 
@@ -143,7 +140,7 @@ class async_peer final : public peer {
     props.location.id = 0;
     props.maxSize = max_pool_bytes_;  // 0: the driver's default (no cap of ours)
     async_ops ops;
-    check(cudaMemPoolCreate(&ops.pool, &props), "cudaMemPoolCreate");
+    check_runtime(cudaMemPoolCreate(&ops.pool, &props), "cudaMemPoolCreate");
     struct pool_guard {
       cudaMemPool_t pool;
       ~pool_guard() {
@@ -154,17 +151,17 @@ class async_peer final : public peer {
     // The default threshold (0) trims the pool at every synchronization; a caching allocator
     // keeps its memory, so compare like with like.
     std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
-    check(cudaMemPoolSetAttribute(ops.pool, cudaMemPoolAttrReleaseThreshold, &threshold),
-          "cudaMemPoolSetAttribute(ReleaseThreshold)");
+    check_runtime(cudaMemPoolSetAttribute(ops.pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+                  "cudaMemPoolSetAttribute(ReleaseThreshold)");
     std::fill(slots.begin(), slots.end(), nullptr);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const pass_result r = run_pass(trace, streams, slots, ops);
     free_leftovers(trace, streams, slots,
                    [&](void* p, stream_handle s) { ops.deallocate(p, s, false); });
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     std::uint64_t high = 0;
-    check(cudaMemPoolGetAttribute(ops.pool, cudaMemPoolAttrReservedMemHigh, &high),
-          "cudaMemPoolGetAttribute(ReservedMemHigh)");
+    check_runtime(cudaMemPoolGetAttribute(ops.pool, cudaMemPoolAttrReservedMemHigh, &high),
+                  "cudaMemPoolGetAttribute(ReservedMemHigh)");
     return {ns_per_op(r, trace), r.failed_allocations, static_cast<std::size_t>(high)};
   }
 
@@ -253,7 +250,7 @@ class c10_peer final : public peer {
     if (opts.capacity_bytes) {
       std::size_t free_bytes = 0;
       std::size_t total_bytes = 0;
-      check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+      check_runtime(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
       fraction = std::min(
           fraction, static_cast<double>(*opts.capacity_bytes) / static_cast<double>(total_bytes));
     }
@@ -269,7 +266,7 @@ class c10_peer final : public peer {
                std::span<void*> slots) override {
     if (api_.reset() != 0) fail("reset");
     std::fill(slots.begin(), slots.end(), nullptr);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     c10_ops ops{&api_};
     const pass_result r = run_pass(trace, streams, slots, ops);
     free_leftovers(trace, streams, slots,
@@ -328,7 +325,8 @@ cuda_stream_table::cuda_stream_table(std::span<const std::uintptr_t> ids) {
       cudaStream_t s = nullptr;
       // Streams that allocate in a PyTorch program are its side streams, which do not
       // synchronize with the legacy default stream.
-      if (id != 0) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      if (id != 0)
+        check_runtime(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
       handles_.push_back(s);
     }
   } catch (...) {
