@@ -473,13 +473,14 @@ TEST_F(Global, EightThreadsWithTheirOwnStreams) {
 }
 
 TEST_F(Global, ResetForTestingDropsEverything) {
-  device_allocator* before = &get();
   void* p = cucache::malloc(1000);
-  static_cast<void>(p);
+  ASSERT_EQ(get().stats().device_alloc_count, 1u);
   detail::reset_for_testing();
+  // A fresh allocator on a fresh device: it never allocated, and p means nothing to it.
   EXPECT_EQ(get().stats().allocation_count[0].current, 0);
+  EXPECT_EQ(get().stats().device_alloc_count, 0u);
   EXPECT_EQ(sim().live_segments(), 0u);
-  static_cast<void>(before);  // dangling now; only its address was kept
+  EXPECT_THROW(cucache::free(p), invalid_argument);
   EXPECT_NO_THROW(detail::reset_for_testing());
   EXPECT_NO_THROW(detail::reset_for_testing());  // nothing to drop
 }
