@@ -13,10 +13,29 @@
 
 namespace cucache {
 
+/// Told of every allocation and free of a device_allocator (tracing, and later leak detection
+/// and tags, are observers). Calls are made on the allocating or freeing thread, without any
+/// allocator-wide lock, in an order consistent with address reuse: on_free for a block is called
+/// before its memory can be handed out again, on_allocate before allocate returns. Observers
+/// must be thread-safe and must not call back into the allocator.
+class allocation_observer {
+ public:
+  virtual ~allocation_observer() = default;
+  /// `ptr` was handed out for `requested` bytes (the caller's size, not the rounded one).
+  virtual void on_allocate(const void* ptr, std::size_t requested, stream_handle stream) noexcept = 0;
+  /// `ptr`, an allocation of `requested` bytes, is being freed in the order of `stream` (the
+  /// allocation's own stream for a plain free).
+  virtual void on_free(const void* ptr, std::size_t requested, stream_handle stream) noexcept = 0;
+  /// An allocation of `requested` bytes on `stream` failed (it threw).
+  virtual void on_failure(std::size_t requested, stream_handle stream) noexcept = 0;
+};
+
 class device_allocator {
  public:
   /// An allocator over `backend` (one device). Throws invalid_argument on an inconsistent config.
-  explicit device_allocator(std::shared_ptr<device_backend> backend, config cfg = {});
+  /// `observer`, when given, is told of every allocation and free for the allocator's life.
+  explicit device_allocator(std::shared_ptr<device_backend> backend, config cfg = {},
+                            std::shared_ptr<allocation_observer> observer = nullptr);
   /// Returns every segment to the device, live blocks included: destroy only when done with all.
   ~device_allocator();
   device_allocator(const device_allocator&) = delete;
@@ -38,6 +57,17 @@ class device_allocator {
   /// queued on `stream` at free time has completed. Throws invalid_argument on a pointer that is
   /// not the start of a live block.
   void record_stream(void* ptr, stream_handle stream);
+  /// As deallocate(ptr, stream) -- or deallocate(ptr) when `ordered` is false -- but answers false,
+  /// changing nothing, when ptr is not the start of a live allocation of this allocator. The
+  /// owner search of a multi-device front end: no exception, no diagnosis, no device-wide lock.
+  [[nodiscard]] bool try_deallocate(void* ptr, stream_handle stream, bool ordered);
+  /// As record_stream, but answers false, changing nothing, for a pointer that is not the start of
+  /// a live allocation of this allocator.
+  [[nodiscard]] bool try_record_stream(void* ptr, stream_handle stream);
+  /// Why `ptr` is not the start of a live allocation here (unknown, interior, already freed), as
+  /// the invalid_argument that deallocate would throw says it: "cucache: <what>(<ptr>) on device
+  /// N: <why>". Takes every pool lock: for error paths.
+  [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
   /// Waits for pending frees, then returns every whole free segment to the device.
   void empty_cache();
 

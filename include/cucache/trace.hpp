@@ -3,11 +3,13 @@
 // writes the same format from a live allocator.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <iosfwd>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "cucache/backend.hpp"
+#include "cucache/device_allocator.hpp"
 
 namespace cucache {
 
@@ -83,15 +86,19 @@ struct trace_summary {
 /// subtracts that allocation's size; frees that match nothing are counted but change no bytes.
 [[nodiscard]] trace_summary summarize(const std::vector<trace_event>& events);
 
-/// Writes a trace file as an allocator runs. Thread-safe. Rows are formatted into a buffer under
-/// a mutex and written out when the buffer grows large, on flush() and on destruction, so a
-/// record call costs a clock read and some formatting, not a system call.
+/// Writes a trace file as an allocator runs. Thread-safe, with no process-wide lock on the
+/// recording path: each thread formats its rows into a buffer of its own (under a lock only it and
+/// flush() take), numbered from one atomic counter; flush() -- called by hand, when a thread's
+/// buffer grows large, and on destruction -- merges every thread's rows in that order and writes
+/// them. A free's row is numbered before its memory can be reused, so the file never shows an
+/// allocation of an address before the free of its previous owner.
 ///
 /// Thread is a small id (1, 2, ...) given to each thread on its first record on this recorder;
-/// Time is the local wall clock as HH:MM:SS.ffffff.
+/// Time is the local wall clock as HH:MM:SS.ffffff, read by each thread when it records (rows of
+/// different threads may therefore be a few microseconds out of time order).
 class trace_recorder {
  public:
-  /// Creates (truncates) the file and buffers the header. Throws cucache::invalid_argument naming
+  /// Creates (truncates) the file and writes the header. Throws cucache::invalid_argument naming
   /// the path if it cannot be opened.
   explicit trace_recorder(const std::filesystem::path& path);
   /// Flushes; a write error here is swallowed (call flush() first to see it).
@@ -105,30 +112,40 @@ class trace_recorder {
   void record_free(const void* ptr, std::size_t size, stream_handle stream);
   /// An allocation of `size` bytes that failed; the row's pointer is null.
   void record_failure(std::size_t size, stream_handle stream);
+  /// A row that could not be buffered (host out of memory): the next flush() reports the trace as
+  /// incomplete.
+  void note_lost_row() noexcept;
 
   /// Writes buffered rows to the file and flushes it. Throws cucache::error if any write since
-  /// the last flush() failed.
+  /// the last flush() failed or a row was lost.
   void flush();
 
   [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
 
+  struct thread_buffer;  // one per recording thread (trace_recorder.cpp)
+
  private:
   void record(trace_event::action act, const void* ptr, std::size_t size, stream_handle stream);
-  std::uint32_t thread_id_locked();
-  void write_locked();
+  thread_buffer& buffer_of_this_thread();
+  void write_all_locked();  // REQUIRES mutex_
 
   std::filesystem::path path_;
-  /// Tells recorders apart in the per-thread id cache, even one built where another was freed.
+  /// Tells recorders apart in the per-thread buffer cache, even one built where another was freed.
   std::uint64_t serial_;
-  std::mutex mutex_;
+  std::atomic<std::uint64_t> next_row_{0};
+  std::atomic<bool> lost_rows_{false};
+  std::mutex mutex_;  // the file, the buffer list and the thread ids
   std::FILE* file_ = nullptr;
-  std::string buffer_;
   bool write_failed_ = false;
-  std::unordered_map<std::thread::id, std::uint32_t> thread_ids_;
-  // The H:M:S text changes once a second; converting to local time every row would take glibc's
-  // time zone lock each time.
-  std::int64_t cached_second_ = -1;
-  char cached_hms_[8] = {};
+  std::vector<std::shared_ptr<thread_buffer>> buffers_;
+  std::unordered_map<std::thread::id, std::size_t> thread_ids_;  // -> index in buffers_
 };
+
+/// An allocation_observer that writes every allocation, free and failure of the allocators it is
+/// given to (device_allocator's constructor) to `recorder`, from the block's own requested size
+/// and stream: the tracing of every front end. A free's row names the stream the free is ordered
+/// on (the allocation's own for a plain free).
+[[nodiscard]] std::shared_ptr<allocation_observer> make_trace_observer(
+    std::shared_ptr<trace_recorder> recorder);
 
 }  // namespace cucache

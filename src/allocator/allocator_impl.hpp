@@ -15,20 +15,21 @@
 
 #include "allocator/stream_pool.hpp"
 #include "cucache/config.hpp"
-#include "cucache/detail/block_map.hpp"
-#include "cucache/detail/size_policy.hpp"
+#include "core/block_map.hpp"
+#include "core/size_policy.hpp"
 #include "cucache/device_allocator.hpp"
 
 namespace cucache {
 
 struct device_allocator::impl {
-  impl(std::shared_ptr<device_backend> b, config c);
+  impl(std::shared_ptr<device_backend> b, config c, std::shared_ptr<allocation_observer> o);
   ~impl();
 
   // --- allocation paths (device_allocator.cpp) ---
   void* allocate(std::size_t bytes, stream_handle stream);
-  void deallocate(void* ptr, stream_handle stream, bool ordered);
-  void record_stream(void* ptr, stream_handle stream);
+  /// False (nothing changed) when ptr is not the start of a live block.
+  bool deallocate(void* ptr, stream_handle stream, bool ordered);
+  bool record_stream(void* ptr, stream_handle stream);
   void empty_cache();
 
   detail::stream_pool& pool_for(stream_handle stream);
@@ -82,6 +83,7 @@ struct device_allocator::impl {
 
   [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream);
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
+  [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
 
   /// All pools, locked in index order, for device-wide work.
   struct all_locked {
@@ -98,6 +100,7 @@ struct device_allocator::impl {
 
   std::shared_ptr<device_backend> backend;
   config cfg;
+  std::shared_ptr<allocation_observer> observer;  // null: nobody listens
   detail::size_policy policy;
   std::uint64_t id;  // unique per allocator instance, for the thread-local pool cache
   std::size_t device_total = 0;

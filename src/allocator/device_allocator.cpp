@@ -32,8 +32,13 @@ thread_local pool_cache_entry t_pool_cache;
 
 }  // namespace
 
-device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c)
-    : backend(std::move(b)), cfg(std::move(c)), policy(cfg), id(g_allocator_ids.fetch_add(1)) {
+device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
+                             std::shared_ptr<allocation_observer> o)
+    : backend(std::move(b)),
+      cfg(std::move(c)),
+      observer(std::move(o)),
+      policy(cfg),
+      id(g_allocator_ids.fetch_add(1)) {
   if (!backend) throw invalid_argument("device_allocator: backend is null");
   expandable = cfg.expandable_segments;
   if (expandable) {
@@ -461,13 +466,17 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
 
 // --- free -------------------------------------------------------------------------------------
 
-void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool ordered) {
-  if (ptr == nullptr) return;
+bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool ordered) {
+  if (ptr == nullptr) return true;
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   block* b = blocks.take(addr);
-  if (b == nullptr) throw_bad_pointer(ptr, "free");
+  if (b == nullptr) return false;
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
+  // Before the block can be reused: a trace then lists this free before the next allocation of
+  // the same address.
+  if (observer != nullptr) [[unlikely]]
+    observer->on_free(ptr, b->requested, ordered ? stream : p.stream);
   const pool_kind kind = b->seg->kind;
   p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
                   static_cast<std::int64_t>(b->requested));
@@ -485,7 +494,7 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   }
   if (b->uses == nullptr || b->uses->streams.empty()) {
     release_to_free(p, b);
-    return;
+    return true;
   }
   // Used on other streams: reuse waits for an event on each of them.
   b->state = block_state::pending;
@@ -513,9 +522,10 @@ void device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
     }
   }
   if (b->uses->pending_events == 0) release_to_free(p, b);
+  return true;
 }
 
-void device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
+bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   bool found = blocks.with(addr, [&](block* b) {
     if (stream == b->seg->owner->stream) return;
@@ -525,7 +535,7 @@ void device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
     auto& rs = b->uses->streams;
     if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
   });
-  if (!found) throw_bad_pointer(ptr, "record_stream");
+  return found;
 }
 
 void device_allocator::impl::empty_cache() {
@@ -541,21 +551,38 @@ void device_allocator::impl::empty_cache() {
 
 // --- public shell -----------------------------------------------------------------------------
 
-device_allocator::device_allocator(std::shared_ptr<device_backend> backend, config cfg)
-    : impl_(std::make_unique<impl>(std::move(backend), std::move(cfg))) {}
+device_allocator::device_allocator(std::shared_ptr<device_backend> backend, config cfg,
+                                   std::shared_ptr<allocation_observer> observer)
+    : impl_(std::make_unique<impl>(std::move(backend), std::move(cfg), std::move(observer))) {}
 device_allocator::~device_allocator() = default;
 
 void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {
-  return impl_->allocate(bytes, stream);
+  if (impl_->observer == nullptr) [[likely]]
+    return impl_->allocate(bytes, stream);
+  void* ptr = nullptr;
+  try {
+    ptr = impl_->allocate(bytes, stream);
+  } catch (...) {
+    impl_->observer->on_failure(bytes, stream);
+    throw;
+  }
+  if (ptr != nullptr) impl_->observer->on_allocate(ptr, bytes, stream);
+  return ptr;
 }
 void device_allocator::deallocate(void* ptr) {
-  impl_->deallocate(ptr, nullptr, false);
+  if (!impl_->deallocate(ptr, nullptr, false)) impl_->throw_bad_pointer(ptr, "free");
 }
 void device_allocator::deallocate(void* ptr, stream_handle stream) {
-  impl_->deallocate(ptr, stream, true);
+  if (!impl_->deallocate(ptr, stream, true)) impl_->throw_bad_pointer(ptr, "free");
 }
 void device_allocator::record_stream(void* ptr, stream_handle stream) {
-  impl_->record_stream(ptr, stream);
+  if (!impl_->record_stream(ptr, stream)) impl_->throw_bad_pointer(ptr, "record_stream");
+}
+bool device_allocator::try_deallocate(void* ptr, stream_handle stream, bool ordered) {
+  return impl_->deallocate(ptr, stream, ordered);
+}
+bool device_allocator::try_record_stream(void* ptr, stream_handle stream) {
+  return ptr != nullptr && impl_->record_stream(ptr, stream);
 }
 void device_allocator::empty_cache() {
   impl_->empty_cache();

@@ -13,9 +13,9 @@
 
 #include "allocator/pool_mutex.hpp"
 #include "cucache/backend.hpp"
-#include "cucache/detail/block.hpp"
-#include "cucache/detail/free_index.hpp"
-#include "cucache/detail/vm_range.hpp"
+#include "core/block.hpp"
+#include "core/free_index.hpp"
+#include "core/vm_range.hpp"
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {

@@ -13,54 +13,31 @@
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/stats.hpp"
+#include "api/registry.hpp"
 
 namespace {
 
-thread_local std::string t_last_error;
+using cucache::detail::error_code_of_current_exception;
+using cucache::detail::set_last_error;
 
-cudaError_t fail(cudaError_t code, const char* function, std::string_view what) noexcept {
-  try {
-    t_last_error.assign(function);
-    t_last_error.append(": ");
-    t_last_error.append(what);
-  } catch (...) {
-    // Out of host memory while reporting: the text is lost, the code still says what failed.
-    t_last_error.clear();
-  }
-  return code;
-}
-
-// Runs f, translating every exception into the runtime's vocabulary. The order of the handlers
-// matters: environment_error is an invalid_argument, out_of_memory a std::bad_alloc.
+// Runs f, translating every exception into the runtime's vocabulary (registry.hpp).
 template <class F>
 cudaError_t guarded(const char* function, F&& f) noexcept {
   try {
     f();
     return cudaSuccess;
-  } catch (const cucache::out_of_memory& e) {
-    return fail(cudaErrorMemoryAllocation, function, e.what());
-  } catch (const cucache::environment_error& e) {
-    return fail(cudaErrorInitializationError, function, e.what());
-  } catch (const cucache::invalid_argument& e) {
-    return fail(cudaErrorInvalidValue, function, e.what());
-  } catch (const cucache::cuda_error& e) {
-    const auto code = e.code() != 0 ? static_cast<cudaError_t>(e.code()) : cudaErrorUnknown;
-    return fail(code, function, e.what());
-  } catch (const std::bad_alloc&) {
-    return fail(cudaErrorMemoryAllocation, function, "host out of memory");
-  } catch (const std::exception& e) {
-    return fail(cudaErrorUnknown, function, e.what());
   } catch (...) {
-    return fail(cudaErrorUnknown, function, "unknown exception");
+    return static_cast<cudaError_t>(error_code_of_current_exception(function));
   }
 }
 
 cudaError_t null_argument(const char* function, const char* name) noexcept {
   try {
-    return fail(cudaErrorInvalidValue, function, std::string(name) + " is NULL");
+    set_last_error(std::string(function) + ": " + name + " is NULL");
   } catch (...) {
-    return cudaErrorInvalidValue;
+    set_last_error("");
   }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t allocate(const char* function, void** devPtr, size_t size,
@@ -178,7 +155,7 @@ size_t cucacheMemorySummary(int device, char* buf, size_t len) noexcept {
 }
 
 const char* cucacheGetLastErrorMessage(void) noexcept {
-  return t_last_error.c_str();
+  return cucache::detail::thread_last_error();
 }
 
 }  // extern "C"

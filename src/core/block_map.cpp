@@ -1,5 +1,5 @@
-// Sharded pointer -> block map (see include/cucache/detail/block_map.hpp).
-#include "cucache/detail/block_map.hpp"
+// Sharded pointer -> block map (see src/core/block_map.hpp).
+#include "core/block_map.hpp"
 
 #include <mutex>
 

@@ -1,5 +1,5 @@
-// Segregated-fit free index (see include/cucache/detail/free_index.hpp).
-#include "cucache/detail/free_index.hpp"
+// Segregated-fit free index (see src/core/free_index.hpp).
+#include "core/free_index.hpp"
 
 #include <bit>
 

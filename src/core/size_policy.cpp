@@ -1,5 +1,5 @@
-// Size rules of the caching core (see include/cucache/detail/size_policy.hpp).
-#include "cucache/detail/size_policy.hpp"
+// Size rules of the caching core (see src/core/size_policy.hpp).
+#include "core/size_policy.hpp"
 
 #include <bit>
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "allocator/allocator_impl.hpp"
-#include "observe/format_bytes.hpp"
+#include "core/format_bytes.hpp"
 
 namespace cucache {
 namespace {

@@ -13,7 +13,7 @@
 
 #include "cucache/cucache.hpp"
 #include "cucache/cuda_backend.hpp"
-#include "cucache/detail/global.hpp"
+#include "api/registry.hpp"
 
 extern "C" int cucache_c_header_check(void);
 

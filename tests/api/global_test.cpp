@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cucache/cuda_backend.hpp"
-#include "cucache/detail/global.hpp"
+#include "api/registry.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/trace.hpp"
 

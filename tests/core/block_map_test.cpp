@@ -1,6 +1,6 @@
 // block_map: insert/take/find against a model, including deletions that must shift probe chains,
 // and concurrent use by several threads on disjoint keys.
-#include "cucache/detail/block_map.hpp"
+#include "core/block_map.hpp"
 
 #include <gtest/gtest.h>
 

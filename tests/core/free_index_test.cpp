@@ -1,6 +1,6 @@
 // free_index: bins are monotonic in size, and best_fit returns exactly the smallest block that
 // fits (lowest address among equals), checked against a brute-force model on random contents.
-#include "cucache/detail/free_index.hpp"
+#include "core/free_index.hpp"
 
 #include <gtest/gtest.h>
 

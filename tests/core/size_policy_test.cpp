@@ -1,5 +1,5 @@
 // size_policy: every size rule and named constant, at and around its boundaries.
-#include "cucache/detail/size_policy.hpp"
+#include "core/size_policy.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 """Checks python/cucache_torch.py's ctypes layer against libcucache_torch.so on the simulated device
-(CUCACHE_TORCH_BACKEND=sim, set by ctest): the struct layout, the stats keys and values, the text
+(CUCACHE_BACKEND=sim, set by ctest): the struct layout, the stats keys and values, the text
 buffers. Needs no torch: it calls the plug-in's alloc/free itself, as torch would."""
 
 import ctypes

@@ -1,4 +1,4 @@
-// libcucache_torch.so through its C interface, on the simulated device (CUCACHE_TORCH_BACKEND=sim):
+// libcucache_torch.so through its C interface, on the simulated device (CUCACHE_BACKEND=sim, 16 devices):
 // the calls torch makes, the statistics the Python module reads, the buffer contract, and bad
 // frees that must be reported and survived. Each test uses its own device ordinal, so the tests
 // stay exact whether they run in one process or one each.
@@ -16,7 +16,8 @@ namespace {
 
 // Before main, hence before the plug-in's first call reads the environment.
 const bool k_sim_env = [] {
-  ::setenv("CUCACHE_TORCH_BACKEND", "sim", 1);
+  ::setenv("CUCACHE_BACKEND", "sim", 1);
+  ::setenv("CUCACHE_SIM_DEVICES", "16", 1);
   ::unsetenv("CUCACHE_CONF");
   ::unsetenv("CUCACHE_TORCH_OOM");
   return true;
@@ -197,8 +198,10 @@ TEST(TorchPlugin, RecordStreamDefersReuse) {
 
   EXPECT_EQ(cucache_torch_record_stream(reinterpret_cast<void*>(std::uintptr_t{0x40}), stream(3)),
             -1);
-  EXPECT_NE(std::string(cucache_torch_last_error()).find("not a live cucache allocation"),
-            std::string::npos);
+  const std::string why = cucache_torch_last_error();
+  EXPECT_NE(why.find("record_stream: 0x40 is not the start of a live cucache allocation"),
+            std::string::npos)
+      << why;
 }
 
 TEST(TorchPlugin, FailuresReturnNullWithAMessage) {
@@ -213,7 +216,9 @@ TEST(TorchPlugin, FailuresReturnNullWithAMessage) {
   EXPECT_EQ(cucache_torch_alloc(16, -1, stream(0)), nullptr);
   EXPECT_EQ(cucache_torch_alloc(16, 64, stream(0)), nullptr);
   err = testing::internal::GetCapturedStderr();
-  EXPECT_NE(err.find("out of range"), std::string::npos) << err;
+  // The registry's words, as the C and C++ APIs say them.
+  EXPECT_NE(err.find("invalid device ordinal -1 (16 sim devices)"), std::string::npos) << err;
+  EXPECT_NE(err.find("invalid device ordinal 64 (16 sim devices)"), std::string::npos) << err;
   EXPECT_EQ(cucache_torch_get_stats(0, nullptr), -1);
 }
 

@@ -100,7 +100,7 @@ CUCACHE_TORCH_API const char* cucache_torch_last_error(void);
 CUCACHE_TORCH_API void cucache_torch_set_error(const char* message);
 /* Frees of unknown or already freed pointers seen so far. */
 CUCACHE_TORCH_API uint64_t cucache_torch_bad_free_count(void);
-/* "cuda" or "sim" (CUCACHE_TORCH_BACKEND=sim). */
+/* "cuda" or "sim" (CUCACHE_BACKEND=sim). */
 CUCACHE_TORCH_API const char* cucache_torch_backend_name(void);
 /* Test hook: completes every event recorded so far on the simulated devices, as if every stream
  * had caught up. 0, or -1 with the CUDA backend. */

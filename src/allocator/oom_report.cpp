@@ -4,7 +4,7 @@
 
 #include "allocator/allocator_impl.hpp"
 #include "cucache/errors.hpp"
-#include "observe/format_bytes.hpp"
+#include "core/format_bytes.hpp"
 
 namespace cucache {
 
@@ -45,7 +45,7 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
   throw out_of_memory(std::move(msg));
 }
 
-void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what) {
+std::string device_allocator::impl::explain_bad_pointer(const void* ptr, const char* what) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::string why = "it was not allocated by cucache on this device";
   {
@@ -72,8 +72,15 @@ void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what
       }
     }
   }
-  throw invalid_argument(
-      fmt::format("cucache: {}({}) on device {}: {}", what, ptr, backend->device(), why));
+  return fmt::format("cucache: {}({}) on device {}: {}", what, ptr, backend->device(), why);
+}
+
+void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what) {
+  throw invalid_argument(explain_bad_pointer(ptr, what));
+}
+
+std::string device_allocator::explain_bad_pointer(const void* ptr, const char* what) const {
+  return impl_->explain_bad_pointer(ptr, what);
 }
 
 }  // namespace cucache

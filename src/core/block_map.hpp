@@ -10,7 +10,7 @@
 #include <memory>
 #include <new>
 
-#include "cucache/detail/block.hpp"
+#include "core/block.hpp"
 
 namespace cucache::detail {
 

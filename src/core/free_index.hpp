@@ -9,7 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cucache/detail/block.hpp"
+#include "core/block.hpp"
 
 namespace cucache::detail {
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "cucache/backend.hpp"
-#include "cucache/detail/size_policy.hpp"
+#include "core/size_policy.hpp"
 
 namespace cucache::detail {
 

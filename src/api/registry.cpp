@@ -1,0 +1,317 @@
+// The process registry (registry.hpp).
+#include "api/registry.hpp"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <exception>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include "cucache/cucache.hpp"
+#include "cucache/errors.hpp"
+#include "cucache/trace.hpp"
+
+namespace cucache::detail {
+namespace {
+
+// Never deleted (except by reset_for_testing): destroying allocators at static destruction time
+// would call into a CUDA runtime that may already be torn down.
+constinit std::atomic<registry*> g_registry{nullptr};
+constinit std::mutex g_init_mu;
+bool g_atexit_registered = false;  // under g_init_mu
+
+// At normal exit (std::exit or return from main): write the trace, and give cached memory back
+// while the runtime is still up -- its own exit handler was registered before this one (the
+// census called it first), so it runs after. Tools such as compute-sanitizer's leak check then
+// see only what the program itself never freed.
+void flush_trace_and_empty_cache_at_exit() noexcept {
+  registry* r = g_registry.load(std::memory_order_acquire);
+  if (r == nullptr) return;
+  try {
+    r->flush_trace();
+  } catch (...) {
+    // Nothing can report it at exit.
+  }
+  try {
+    r->empty_cache();
+  } catch (...) {
+  }
+}
+
+[[noreturn]] void throw_unusable(const device_census& c) {
+  throw cuda_error("cudaGetDeviceCount", c.error_code, c.error_message);
+}
+
+int sim_devices_from_env() {
+  const char* env = std::getenv("CUCACHE_SIM_DEVICES");
+  if (env == nullptr || *env == '\0') return 1;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (*end != '\0' || n < 1 || n > 64) {
+    throw environment_error(fmt::format(
+        "environment variable CUCACHE_SIM_DEVICES: '{}' is not a device count in [1, 64]", env));
+  }
+  return static_cast<int>(n);
+}
+
+thread_local std::string t_last_error;
+std::mutex g_error_mu;
+std::string g_last_error;  // under g_error_mu
+
+}  // namespace
+
+// --- building ----------------------------------------------------------------------------------
+
+registry::registry() {
+  try {
+    kind_ = backend_kind_from_env();
+  } catch (const invalid_argument& e) {
+    throw environment_error(e.what());
+  }
+  try {
+    cfg_ = config_from_env();
+  } catch (const invalid_argument& e) {
+    throw environment_error(e.what());
+  }
+  if (kind_ == backend_kind::sim) {
+    census_.count = sim_devices_from_env();
+  } else {
+    // Kept, not thrown: a machine without a GPU stays that way, and every allocation reports the
+    // same cause without asking the runtime again.
+    census_ = count_devices(kind_);
+  }
+  const auto n = static_cast<std::size_t>(census_.count);
+  slots_ = std::make_unique<std::atomic<device_allocator*>[]>(n);
+  fractions_.assign(n, 0.0);
+  if (!cfg_.trace_path.empty()) {
+    try {
+      trace_ = std::make_shared<trace_recorder>(cfg_.trace_path);
+    } catch (const invalid_argument& e) {
+      throw environment_error(
+          fmt::format("environment variable CUCACHE_CONF: trace: {}", e.what()));
+    }
+    observer_ = make_trace_observer(trace_);
+  }
+}
+
+registry::~registry() {
+  for (int d = 0; d < census_.count; ++d) delete slots_[static_cast<std::size_t>(d)].load();
+  // The recorder's destructor flushes the trace.
+}
+
+registry& registry::instance() {
+  if (registry* r = g_registry.load(std::memory_order_acquire)) [[likely]]
+    return *r;
+  std::lock_guard lock(g_init_mu);
+  if (registry* r = g_registry.load(std::memory_order_acquire)) return *r;
+  auto* r = new registry();  // throws, storing nothing, on a bad environment
+  if (!g_atexit_registered) {
+    // Only normal exit gets here; std::atexit fails only when its table is full.
+    g_atexit_registered = std::atexit([] { flush_trace_and_empty_cache_at_exit(); }) == 0;
+  }
+  g_registry.store(r, std::memory_order_release);
+  return *r;
+}
+
+registry* registry::if_built() noexcept {
+  return g_registry.load(std::memory_order_acquire);
+}
+
+void registry::reset_for_testing() {
+  std::lock_guard lock(g_init_mu);
+  registry* r = g_registry.load(std::memory_order_acquire);
+  if (r == nullptr) return;
+  if (r->kind_ == backend_kind::cuda) {
+    for (int d = 0; d < r->census_.count; ++d) {
+      if (r->find(d) != nullptr) {
+        throw std::logic_error(
+            "cucache::detail::reset_for_testing: refused with CUCACHE_BACKEND=cuda once an "
+            "allocator exists (it would free device memory the program may still use)");
+      }
+    }
+  }
+  g_registry.store(nullptr, std::memory_order_release);
+  delete r;
+}
+
+// --- devices -----------------------------------------------------------------------------------
+
+int registry::current_device() const {
+  // With one device (the simulated backend's default) it is current: only a machine with several
+  // needs the runtime's answer, which costs a call on every malloc and free.
+  if (census_.count == 1) return 0;
+  if (census_.count == 0) throw_unusable(census_);
+  if (kind_ == backend_kind::sim) return 0;  // the simulated devices have no "current" one
+  return current_cuda_device();
+}
+
+int registry::try_current_device() const noexcept {
+  if (census_.count == 1 || kind_ == backend_kind::sim) return census_.count > 0 ? 0 : -1;
+  if (census_.count == 0) return -1;
+  return try_current_cuda_device();
+}
+
+device_allocator& registry::create(int device) {
+  if (kind_ == backend_kind::cuda && census_.count == 0) throw_unusable(census_);
+  if (device < 0 || device >= census_.count) {
+    throw cuda_error(
+        "cucache::get", static_cast<int>(cudaErrorInvalidDevice),
+        fmt::format("invalid device ordinal {} ({} {} device{})", device, census_.count,
+                    to_string(kind_), census_.count == 1 ? "" : "s"));
+  }
+  std::lock_guard lock(create_mu_);
+  auto& slot = slots_[static_cast<std::size_t>(device)];
+  if (device_allocator* a = slot.load(std::memory_order_acquire)) return *a;
+  config cfg = cfg_;
+  if (const double f = fractions_[static_cast<std::size_t>(device)]; f > 0) {
+    cfg.memory_fraction = f;
+  }
+  auto backend = make_backend(kind_, device);
+  device_allocator* a = nullptr;
+  try {
+    a = new device_allocator(std::move(backend), std::move(cfg), observer_);
+  } catch (const invalid_argument& e) {
+    // The only caller-supplied input here is the config, so the fault is CUCACHE_CONF's.
+    throw environment_error(fmt::format("environment variable CUCACHE_CONF: {}", e.what()));
+  }
+  slot.store(a, std::memory_order_release);
+  return *a;
+}
+
+void registry::set_memory_fraction(int device, double fraction) {
+  if (device < 0 || device >= census_.count) {
+    throw invalid_argument(fmt::format("set_memory_fraction: device {} does not exist ({} {})",
+                                       device, census_.count, to_string(kind_)));
+  }
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    throw invalid_argument(
+        fmt::format("set_memory_fraction: fraction {} is not in (0, 1]", fraction));
+  }
+  std::lock_guard lock(create_mu_);
+  if (find(device) != nullptr) {
+    throw invalid_argument(fmt::format(
+        "set_memory_fraction: device {} has allocated already; the cap can only be set before "
+        "its first allocation (or with CUCACHE_CONF=memory_fraction:F)",
+        device));
+  }
+  fractions_[static_cast<std::size_t>(device)] = fraction;
+}
+
+device_backend* registry::backend_of(int device) const noexcept {
+  device_allocator* a = find(device);
+  return a != nullptr ? &a->backend() : nullptr;
+}
+
+// --- the owner of a pointer --------------------------------------------------------------------
+
+namespace {
+bool apply(device_allocator& a, void* ptr, stream_handle stream, release_kind kind) {
+  switch (kind) {
+    case release_kind::plain:
+      return a.try_deallocate(ptr, nullptr, false);
+    case release_kind::ordered:
+      return a.try_deallocate(ptr, stream, true);
+    case release_kind::record:
+      return a.try_record_stream(ptr, stream);
+  }
+  return false;
+}
+}  // namespace
+
+bool registry::release(void* ptr, stream_handle stream, release_kind kind, int hint) {
+  if (device_allocator* a = find(hint)) [[likely]] {
+    if (apply(*a, ptr, stream, kind)) return true;
+  }
+  // Not the hinted device's: a multi-GPU program may free after switching devices.
+  for (int d = 0; d < census_.count; ++d) {
+    if (d == hint) continue;
+    if (device_allocator* a = find(d); a != nullptr && apply(*a, ptr, stream, kind)) return true;
+  }
+  return false;
+}
+
+void registry::empty_cache() {
+  std::exception_ptr first;
+  for (int d = 0; d < census_.count; ++d) {
+    device_allocator* a = find(d);
+    if (a == nullptr) continue;
+    try {
+      a->empty_cache();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void registry::flush_trace() {
+  if (trace_ != nullptr) trace_->flush();
+}
+
+void throw_not_ours(const void* ptr, release_kind kind, int hint) {
+  const char* what = kind == release_kind::record ? "record_stream" : "free";
+  if (registry* r = registry::if_built()) {
+    if (device_allocator* a = r->find(hint)) throw invalid_argument(a->explain_bad_pointer(ptr, what));
+  }
+  throw invalid_argument(fmt::format(
+      "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
+      "pointer or already freed)",
+      kind == release_kind::record ? "record_stream" : "free", ptr));
+}
+
+// --- errors ------------------------------------------------------------------------------------
+
+void set_last_error(std::string_view message) noexcept {
+  try {
+    t_last_error.assign(message);
+    std::lock_guard lock(g_error_mu);
+    g_last_error.assign(message);
+  } catch (...) {
+    // Out of host memory while reporting: the text is lost, the code still says what failed.
+    t_last_error.clear();
+  }
+}
+
+const char* thread_last_error() noexcept {
+  return t_last_error.c_str();
+}
+
+std::string process_last_error() {
+  std::lock_guard lock(g_error_mu);
+  return g_last_error;
+}
+
+int error_code_of_current_exception(const char* function) noexcept {
+  auto fail = [&](cudaError_t code, std::string_view what) {
+    try {
+      set_last_error(std::string(function) + ": " + std::string(what));
+    } catch (...) {
+      set_last_error("");
+    }
+    return static_cast<int>(code);
+  };
+  // The order matters: environment_error is an invalid_argument, out_of_memory a bad_alloc.
+  try {
+    throw;
+  } catch (const out_of_memory& e) {
+    return fail(cudaErrorMemoryAllocation, e.what());
+  } catch (const environment_error& e) {
+    return fail(cudaErrorInitializationError, e.what());
+  } catch (const invalid_argument& e) {
+    return fail(cudaErrorInvalidValue, e.what());
+  } catch (const cuda_error& e) {
+    return fail(e.code() != 0 ? static_cast<cudaError_t>(e.code()) : cudaErrorUnknown, e.what());
+  } catch (const std::bad_alloc&) {
+    return fail(cudaErrorMemoryAllocation, "host out of memory");
+  } catch (const std::exception& e) {
+    return fail(cudaErrorUnknown, e.what());
+  } catch (...) {
+    return fail(cudaErrorUnknown, "unknown exception");
+  }
+}
+
+}  // namespace cucache::detail

@@ -1,0 +1,131 @@
+// The process registry: the one place that turns the environment (CUCACHE_BACKEND, CUCACHE_CONF,
+// CUCACHE_SIM_DEVICES) into one caching allocator per device, finds the owner of a pointer, and
+// turns exceptions into the CUDA runtime's error codes and a last-error text. Every front end --
+// the C++ global API (cucache.hpp), the C API (cucache.h), the PyTorch plug-in and the replay's
+// global mode -- is a thin layer over it, so a behaviour of one holds for all.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cucache/backend_factory.hpp"
+#include "cucache/config.hpp"
+#include "cucache/device_allocator.hpp"
+
+namespace cucache {
+class trace_recorder;
+}
+
+namespace cucache::detail {
+
+/// What a release does to a live allocation.
+enum class release_kind : std::uint8_t {
+  plain,    ///< free (cudaFree): reusable on its own stream at once
+  ordered,  ///< free in the order of a stream (cudaFreeAsync)
+  record,   ///< record_stream: mark it used on another stream too
+};
+
+class registry {
+ public:
+  /// The process's registry, built on first use from the environment. Throws environment_error
+  /// (storing nothing: the next call reads the environment again) when CUCACHE_BACKEND,
+  /// CUCACHE_SIM_DEVICES or CUCACHE_CONF is unusable or the trace file cannot be created.
+  [[nodiscard]] static registry& instance();
+  /// The registry if it was built, else nullptr. Never builds, never throws.
+  [[nodiscard]] static registry* if_built() noexcept;
+
+  [[nodiscard]] backend_kind kind() const noexcept { return kind_; }
+  [[nodiscard]] int device_count() const noexcept { return census_.count; }
+  /// The configuration every allocator of this registry is created with (CUCACHE_CONF).
+  [[nodiscard]] const config& settings() const noexcept { return cfg_; }
+
+  /// The calling thread's current device: 0 where there is one device, cudaGetDevice otherwise.
+  /// Throws cuda_error when CUDA is unusable (the census's reason).
+  [[nodiscard]] int current_device() const;
+  /// As current_device, without throwing: -1 when unknown.
+  [[nodiscard]] int try_current_device() const noexcept;
+
+  /// The allocator of `device` if it was created, else nullptr. Never creates, never throws.
+  [[nodiscard]] device_allocator* find(int device) const noexcept {
+    if (device < 0 || device >= census_.count) return nullptr;
+    return slots_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+  }
+  /// The allocator of `device`, created on first use. Throws cuda_error (cudaErrorInvalidDevice)
+  /// for a device that does not exist or CUDA's reason when it is unusable.
+  [[nodiscard]] device_allocator& allocator(int device) {
+    if (device_allocator* a = find(device)) [[likely]]
+      return *a;
+    return create(device);
+  }
+
+  /// Applies `kind` to `ptr` on whichever created allocator owns it, trying device `hint` first
+  /// (any value; -1 for none). False, with nothing changed, when no allocator owns it. Throws
+  /// what the allocator throws (a device error while recording an event).
+  bool release(void* ptr, stream_handle stream, release_kind kind, int hint);
+
+  /// Caps `device`'s reserved memory at `fraction` of its capacity. Only before the device's
+  /// first allocation (invalid_argument afterwards, or for a fraction outside (0, 1]).
+  void set_memory_fraction(int device, double fraction);
+
+  /// Empties the cache of every created allocator; every one gets its turn, the first failure is
+  /// rethrown afterwards.
+  void empty_cache();
+  /// Writes buffered trace rows (CUCACHE_CONF=trace:PATH); no-op when tracing is off.
+  void flush_trace();
+  /// The backend of a created allocator, else nullptr.
+  [[nodiscard]] device_backend* backend_of(int device) const noexcept;
+
+  /// Drops the registry and every allocator it created (flushing the trace), so that the next
+  /// call reads the environment again. Only for the simulated backend: with CUDA it throws
+  /// std::logic_error once an allocator exists. No other thread may be inside a cucache call.
+  static void reset_for_testing();
+
+  registry(const registry&) = delete;
+  registry& operator=(const registry&) = delete;
+  ~registry();
+
+ private:
+  registry();
+  device_allocator& create(int device);
+
+  backend_kind kind_ = backend_kind::cuda;
+  device_census census_;
+  config cfg_;
+  std::shared_ptr<trace_recorder> trace_;
+  std::shared_ptr<allocation_observer> observer_;
+  std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
+  std::mutex create_mu_;
+  std::vector<double> fractions_;  // per device, under create_mu_; 0 = the config's
+};
+
+/// Kept for tests written against the old name.
+inline void reset_for_testing() {
+  registry::reset_for_testing();
+}
+
+// --- errors in the runtime's vocabulary --------------------------------------------------------
+
+/// Call inside a catch block: stores "function: what" as the last error (of this thread, and of
+/// the process) and returns the CUDA runtime's code for the exception in flight:
+/// out_of_memory / std::bad_alloc -> cudaErrorMemoryAllocation, environment_error ->
+/// cudaErrorInitializationError, invalid_argument -> cudaErrorInvalidValue, cuda_error -> its
+/// code, anything else -> cudaErrorUnknown.
+[[nodiscard]] int error_code_of_current_exception(const char* function) noexcept;
+/// Stores `message` as the last error of this thread and of the process.
+void set_last_error(std::string_view message) noexcept;
+/// The last error stored by this thread ("" if none).
+[[nodiscard]] const char* thread_last_error() noexcept;
+/// The last error stored by any thread ("" if none): what a caller on another thread than the
+/// one that failed (torch's autograd thread) can read.
+[[nodiscard]] std::string process_last_error();
+
+/// Throws invalid_argument: `ptr` is not the start of a live cucache allocation. With a built
+/// registry, the allocator of device `hint` (when created) explains why (interior pointer, already
+/// freed...).
+[[noreturn]] void throw_not_ours(const void* ptr, release_kind kind, int hint = -1);
+
+}  // namespace cucache::detail
