@@ -402,7 +402,8 @@ TEST_F(Global, TracedConcurrentUseGivesAValidTrace) {
   ::setenv("CUCACHE_CONF", ("trace:" + trace.path.string()).c_str(), 1);
   detail::reset_for_testing();
   constexpr int k_threads = 8;
-  constexpr int k_rounds = 500;
+  // Enough rows (~300 KiB per thread) that buffers fill and flush while other threads record.
+  constexpr int k_rounds = 3000;
   std::vector<std::thread> threads;
   for (int t = 0; t < k_threads; ++t) {
     threads.emplace_back([t] {
