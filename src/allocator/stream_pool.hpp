@@ -202,6 +202,7 @@ class stream_pool {
   // Expandable segments: one range per pool kind, created on first use.
   segment* ranges[2] = {nullptr, nullptr};
   vm_mapping* idle_head = nullptr;  // mappings no block touches, most recently idle first
+  vm_mapping* idle_tail = nullptr;  // least recently idle
   std::size_t idle_bytes = 0;
   object_arena<vm_mapping> maps;
 

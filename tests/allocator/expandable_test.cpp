@@ -52,23 +52,8 @@ TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
   expect_no_leak(a);
 }
 
-TEST(Expandable, OnGrowthKeepsAnIdleMappingUsedInPartBelowTheHighWaterMark) {
-  sim_allocator a(expandable());         // expandable_stitching:on_growth is the default
-  void* x = a.alloc.allocate(20 * MiB);  // pages 0-9: handles of 1, 8 and 1 pages
-  void* y = a.alloc.allocate(2 * MiB);   // page 10
-  a.alloc.deallocate(x);
-  void* z = a.alloc.allocate(4 * MiB);  // pages 0-1, both still mapped: no VM call at all
-  EXPECT_EQ(z, x);
-  const auto s = a.stats();
-  EXPECT_EQ(s.vm_release_count, 0u);
-  EXPECT_EQ(s.vm_map_count, 4u);
-  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(22 * MiB));
-  (void)y;
-  a.alloc.check_invariants();
-}
-
-TEST(Expandable, EagerReleasesAnIdleMappingUsedInPartRatherThanPinningIt) {
-  sim_allocator a(parse_config("expandable_segments:True,expandable_stitching:eager"));
+TEST(Expandable, AnIdleMappingUsedInPartIsReleasedRatherThanPinned) {
+  sim_allocator a(expandable());
   void* x = a.alloc.allocate(20 * MiB);  // pages 0-9: handles of 1, 8 and 1 pages
   void* y = a.alloc.allocate(2 * MiB);   // page 10
   a.alloc.deallocate(x);
@@ -79,6 +64,7 @@ TEST(Expandable, EagerReleasesAnIdleMappingUsedInPartRatherThanPinningIt) {
   EXPECT_EQ(z, x);
   const auto s = a.stats();
   EXPECT_EQ(s.vm_release_count, 1u);
+  EXPECT_EQ(s.vm_split_count, 1u);
   EXPECT_EQ(s.stitched_pages, 0u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(8 * MiB));  // pages 0,1,9,10
   EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(22 * MiB));
@@ -115,30 +101,35 @@ TEST(Expandable, StitchesIdlePagesInsteadOfCreatingMemory) {
   EXPECT_EQ(s.vm_create_count, 8u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(24 * MiB));
   EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(24 * MiB));  // = live peak
-  EXPECT_EQ(a.sim->calls(sim_call::stream_synchronize), 1u);                 // before the unmap
+  // One device synchronization before the first unmap (never the pool's own stream, which the
+  // program may have destroyed); the later unmaps need none, since nothing was freed after it.
+  EXPECT_EQ(a.sim->calls(sim_call::device_synchronize), 1u);
+  EXPECT_EQ(a.sim->calls(sim_call::stream_synchronize), 0u);
+  EXPECT_EQ(s.vm_sync_count, 1u);
   a.alloc.check_invariants();
   expect_no_leak(a);
 }
 
-TEST(Expandable, UnmappedHandlesAreReusedBeforeCreatingNewOnes) {
+TEST(Expandable, IdlePagesOfAnotherStreamServeAGrowingPoolWithoutTheLadder) {
   sim_options o;
   o.capacity_bytes = 24 * MiB;
   sim_allocator a(expandable(), o);
   void* p = a.alloc.allocate(8 * MiB, stream(1));
   a.alloc.deallocate(p);  // an idle 8 MiB mapping in stream 1's range
-  // Stream 2 needs 20 MiB: creating it fails (8 + 20 > 24), so the ladder unmaps stream 1's idle
-  // pages into the handle list, and the retry maps that handle plus a new 12 MiB one.
+  // Stream 2 needs 20 MiB (10 pages); 8 + 20 > 24. p was backed by handles of 1, 2 and 1 pages.
+  // q's first page is created (reserved 10 MiB stays below q's active 20 MiB); the 8 middle pages
+  // would raise reserved above both its peak and q's active bytes, so stream 1's idle handles
+  // are moved first -- 2 pages, then 1 -- and the last 5 are created (10 + 10 <= 20). The last
+  // page takes stream 1's remaining idle page. No out-of-memory ladder, nothing released.
   void* q = a.alloc.allocate(20 * MiB, stream(2));
   EXPECT_NE(q, nullptr);
   const auto s = a.stats();
-  // p: handles of 1, 2, 1 pages. First try for q: 1 page created, then 8 pages would pass the
-  // capacity. The ladder unmaps every idle mapping (p's three, and q's first page after the
-  // undo) into the reusable list; the retry maps those four (2 + 4 + 2 + 2 MiB) and creates
-  // 4 pages and 1 page.
-  EXPECT_EQ(s.alloc_retry_count, 1u);
-  EXPECT_EQ(s.vm_create_count, 6u);
+  EXPECT_EQ(s.alloc_retry_count, 0u);
+  EXPECT_EQ(s.vm_create_count, 5u);
   EXPECT_EQ(s.vm_release_count, 0u);
-  EXPECT_EQ(s.vm_map_count, 10u);
+  EXPECT_EQ(s.vm_map_count, 8u);
+  EXPECT_EQ(s.stitched_pages, 4u);
+  EXPECT_EQ(s.shared_pages, 4u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(20 * MiB));
   a.alloc.check_invariants();
   expect_no_leak(a);
@@ -185,7 +176,7 @@ TEST(Expandable, FailedVmCallsLeaveNoHalfMappedBlockAndNoLeakedHandle) {
   // phys_release is covered by FailedReleaseInEmptyCacheKeepsTheHandleTracked: this allocation
   // releases nothing.
   for (sim_call kind :
-       {sim_call::map, sim_call::set_access, sim_call::unmap, sim_call::stream_synchronize}) {
+       {sim_call::map, sim_call::set_access, sim_call::unmap, sim_call::device_synchronize}) {
     SCOPED_TRACE(to_string(kind));
     sim_allocator a(expandable());
     void* x = a.alloc.allocate(8 * MiB);
@@ -197,7 +188,7 @@ TEST(Expandable, FailedVmCallsLeaveNoHalfMappedBlockAndNoLeakedHandle) {
     bool threw = false;
     try {
       void* z =
-          a.alloc.allocate(16 * MiB);  // needs a stream sync, an unmap (stitch), a map, set_access
+          a.alloc.allocate(16 * MiB);  // needs a device sync, an unmap (stitch), a map, set_access
       a.alloc.deallocate(z);
     } catch (const cuda_error&) {
       threw = true;
