@@ -50,12 +50,9 @@ struct device_allocator::impl {
   void release_oversize(detail::stream_pool& p);
   void release_free_segments(std::size_t target_reserved, bool oldest_first);
   void collect_garbage(std::size_t incoming);
-  // --- expandable segments: placement and the ladder (expandable.cpp); pages: the pager ---
+  // --- expandable segments: ranges, placement and the ladder (expandable.cpp); pages: the pager ---
   detail::segment* ensure_range(detail::stream_pool& p, detail::pool_kind kind);
   void undo_carve(detail::stream_pool& p, detail::block* b);
-  std::pair<detail::block*, bool> place(detail::free_index& index, std::size_t rounded) const;
-  detail::block* split_for_back(detail::stream_pool& p, detail::pool_kind kind, detail::block* b,
-                                std::size_t rounded);
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                             std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk);
 

@@ -87,6 +87,10 @@ class pager {
   /// and leaves no half-mapped run and no untracked handle.
   [[nodiscard]] bool back(stream_pool& p, const block* b);
 
+  /// True when the device, the memory limit or the garbage-collection threshold could not supply
+  /// `bytes` more physical memory fresh (idle memory may still serve them).
+  [[nodiscard]] bool short_of(std::size_t bytes) { return !fits(bytes); }
+
   /// Unmaps every idle mapping of p: handles go to the reusable list, or are released.
   void unmap_idle(stream_pool& p, bool release);
   /// Releases unmapped handles, largest first, until reserved <= target.
