@@ -278,6 +278,61 @@ TEST(Expandable, MemoryLimitReleasesIdleMemoryBeforeRefusing) {
   expect_no_leak(a);
 }
 
+TEST(Expandable, UnderALimitALargeIdleHandleOfAnotherStreamIsReleasedWholeToFindOnePage) {
+  // Stream 1 frees 256 MiB: handles of 1, 126 and 1 pages, idle. Stream 2 then needs 8 MiB under
+  // a 258 MiB limit. Its first and second pieces take stream 1's two one-page handles (moving
+  // them, since new memory would raise reserved above its peak); the third is created (258 MiB,
+  // at the limit); the fourth cannot be: memory is short, and the only idle memory left is the
+  // 252 MiB handle, of which one page is needed. A handle is given back whole or not at all, so
+  // it is released and one page created. Nothing goes through the out-of-memory ladder.
+  sim_allocator a(parse_config("expandable_segments:True,memory_limit:258MiB"));
+  void* big = a.alloc.allocate(256 * MiB, stream(1));
+  a.alloc.deallocate(big);
+  void* q = a.alloc.allocate(8 * MiB, stream(2));
+  ASSERT_NE(q, nullptr);
+  const auto s = a.stats();
+  EXPECT_EQ(s.alloc_retry_count, 0u);
+  EXPECT_EQ(s.vm_reclaim_count, 1u);
+  EXPECT_EQ(s.vm_create_count, 5u);
+  EXPECT_EQ(s.vm_release_count, 1u);
+  EXPECT_EQ(s.shared_pages, 2u);
+  EXPECT_EQ(s.vm_sync_count, 1u);  // the 252 MiB handle went idle before that one sync
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(8 * MiB));
+  EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(258 * MiB));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, FailedVmCallsDuringCompactionLeaveNoHalfMappedBlockAndNoLeakedHandle) {
+  for (sim_call kind : {sim_call::device_synchronize, sim_call::unmap, sim_call::phys_release,
+                        sim_call::phys_create, sim_call::map, sim_call::set_access}) {
+    for (std::uint64_t nth = 1; nth <= 3; ++nth) {
+      SCOPED_TRACE(std::string(to_string(kind)) + " #" + std::to_string(nth));
+      sim_allocator a(parse_config("expandable_segments:True,memory_limit:258MiB"));
+      void* big = a.alloc.allocate(256 * MiB, stream(1));
+      a.alloc.deallocate(big);
+      a.sim->fail_nth(kind, nth);
+      void* q = nullptr;
+      try {
+        q = a.alloc.allocate(8 * MiB, stream(2));
+      } catch (const cuda_error&) {
+      } catch (const out_of_memory&) {
+      }
+      a.sim->fail_nth(kind, 0);  // an injection the allocation did not reach stays off
+      a.alloc.check_invariants();
+      expect_no_leak(a);
+      if (q == nullptr) q = a.alloc.allocate(8 * MiB, stream(2));  // works afterwards
+      ASSERT_NE(q, nullptr);
+      a.alloc.check_invariants();
+      a.alloc.deallocate(q);
+      a.alloc.empty_cache();
+      a.alloc.check_invariants();
+      EXPECT_EQ(a.sim->live_handles(), 0u);
+      EXPECT_EQ(a.sim->live_mappings(), 0u);
+    }
+  }
+}
+
 TEST(Expandable, AGrowingBufferMovesItsPagesInsteadOfGrowingReservedMemory) {
   // A KV cache grown by concatenation: the new buffer is allocated while the old one is live,
   // then the old one is freed. Best fit leapfrogs: each new buffer lands in the hole the one
