@@ -15,9 +15,9 @@
 
 #include "allocator/pager.hpp"
 #include "allocator/stream_pool.hpp"
-#include "cucache/config.hpp"
 #include "core/block_map.hpp"
 #include "core/size_policy.hpp"
+#include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
 
 namespace cucache {
@@ -50,7 +50,8 @@ struct device_allocator::impl {
   void release_oversize(detail::stream_pool& p);
   void release_free_segments(std::size_t target_reserved, bool oldest_first);
   void collect_garbage(std::size_t incoming);
-  // --- expandable segments: ranges, placement and the ladder (expandable.cpp); pages: the pager ---
+  // --- expandable segments: ranges, placement and the ladder (expandable.cpp); pages: the pager
+  // ---
   detail::segment* ensure_range(detail::stream_pool& p, detail::pool_kind kind);
   void undo_carve(detail::stream_pool& p, detail::block* b);
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,

@@ -1,5 +1,5 @@
 // Expandable segments, the allocator's side: one reserved virtual range per pool kind, placement
-// of blocks on pages that are already mapped, and the out-of-memory ladder. Backing the pages
+// of blocks (best fit), and the out-of-memory ladder. Backing the pages
 // with physical memory is the pager's (pager.hpp): this file places and carves blocks, the pager
 // maps their pages.
 #include <fmt/format.h>

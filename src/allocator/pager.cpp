@@ -415,7 +415,8 @@ bool pager::back(stream_pool& p, const block* b) {
         if (!pc) pc = take_peer_idle(p, want);
         if (!pc) make_room(p, fresh);
       }
-      if (!pc && budget_.gc_bytes != 0 && over_caps(fresh)) (void)reclaim(p, fresh);  // keep under the threshold
+      if (!pc && budget_.gc_bytes != 0 && over_caps(fresh))
+        (void)reclaim(p, fresh);  // keep under the threshold
       if (!pc) pc = create(fresh);
       if (!pc && reclaim(p, fresh)) pc = create(fresh);
       if (!pc) return false;

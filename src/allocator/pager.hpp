@@ -40,10 +40,10 @@ struct device_budget {
 
 /// What the pager did, for stats. Relaxed counters.
 struct pager_counters {
-  std::atomic<std::uint64_t> create{0};   // cuMemCreate
-  std::atomic<std::uint64_t> release{0};  // cuMemRelease
-  std::atomic<std::uint64_t> map{0};      // cuMemMap (+ cuMemSetAccess)
-  std::atomic<std::uint64_t> unmap{0};    // cuMemUnmap
+  std::atomic<std::uint64_t> create{0};          // cuMemCreate
+  std::atomic<std::uint64_t> release{0};         // cuMemRelease
+  std::atomic<std::uint64_t> map{0};             // cuMemMap (+ cuMemSetAccess)
+  std::atomic<std::uint64_t> unmap{0};           // cuMemUnmap
   std::atomic<std::uint64_t> stitched_pages{0};  // idle pages moved to where a request needed them
   std::atomic<std::uint64_t> shared_pages{0};    // of those, pages taken from another pool
   std::atomic<std::uint64_t> synchronizations{0};  // device synchronizations before an unmap
@@ -86,10 +86,6 @@ class pager {
   /// pages already mapped stay mapped, idle once the caller un-carves b). A failed VM call throws
   /// and leaves no half-mapped run and no untracked handle.
   [[nodiscard]] bool back(stream_pool& p, const block* b);
-
-  /// True when the device, the memory limit or the garbage-collection threshold could not supply
-  /// `bytes` more physical memory fresh (idle memory may still serve them).
-  [[nodiscard]] bool short_of(std::size_t bytes) { return !fits(bytes); }
 
   /// Unmaps every idle mapping of p: handles go to the reusable list, or are released.
   void unmap_idle(stream_pool& p, bool release);

@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "allocator/pool_mutex.hpp"
-#include "cucache/backend.hpp"
 #include "core/block.hpp"
 #include "core/free_index.hpp"
 #include "core/vm_range.hpp"
+#include "cucache/backend.hpp"
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {

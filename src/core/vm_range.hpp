@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "cucache/backend.hpp"
 #include "core/size_policy.hpp"
+#include "cucache/backend.hpp"
 
 namespace cucache::detail {
 

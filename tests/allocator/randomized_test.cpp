@@ -107,12 +107,19 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
         a.alloc.empty_cache();
       } else if (r < 0.99) {
         // Inject one failure of a device call the allocator makes.
-        const sim_call kinds[] = {
-            sim_call::segment_malloc, sim_call::segment_free, sim_call::event_record,
-            sim_call::event_query,    sim_call::event_create, sim_call::event_synchronize,
-            sim_call::phys_create,    sim_call::phys_release, sim_call::map,
-            sim_call::unmap,          sim_call::set_access,   sim_call::stream_synchronize,
-            sim_call::device_synchronize};
+        const sim_call kinds[] = {sim_call::segment_malloc,
+                                  sim_call::segment_free,
+                                  sim_call::event_record,
+                                  sim_call::event_query,
+                                  sim_call::event_create,
+                                  sim_call::event_synchronize,
+                                  sim_call::phys_create,
+                                  sim_call::phys_release,
+                                  sim_call::map,
+                                  sim_call::unmap,
+                                  sim_call::set_access,
+                                  sim_call::stream_synchronize,
+                                  sim_call::device_synchronize};
         a.sim->fail_nth(kinds[rng() % std::size(kinds)], 1 + rng() % 4);
         ++injected;
       } else {

@@ -258,8 +258,8 @@ TEST(ConfigParse, StructuralErrors) {
   EXPECT_NE(unknown.find("unknown key"), std::string::npos) << unknown;
   for (const char* key :
        {"max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
-        "garbage_collection_threshold", "expandable_segments",
-        "memory_fraction", "per_process_memory_fraction", "memory_limit", "trace"}) {
+        "garbage_collection_threshold", "expandable_segments", "memory_fraction",
+        "per_process_memory_fraction", "memory_limit", "trace"}) {
     EXPECT_NE(unknown.find(key), std::string::npos) << key;
   }
   expect_error("bogus", "bogus", "unknown key");
@@ -404,7 +404,5 @@ TEST(ConfigFromEnv, ReadsCucacheConf) {
 }  // namespace cucache
 
 namespace cucache {
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 }  // namespace cucache
