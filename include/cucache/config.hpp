@@ -29,11 +29,6 @@ struct config {
   double garbage_collection_threshold = 0.0;
   /// Use CUDA virtual memory (expandable segments) instead of cudaMalloc segments.
   bool expandable_segments = false;
-  /// Expandable segments: trim idle handles that a new block would use only in part, so their
-  /// rest stays movable ("eager": lowest peak reserved), or never ("on_growth", the default:
-  /// 3-10x fewer VM calls and stream synchronizations). In both, idle pages are moved rather
-  /// than new memory created only above the high-water mark. Key `expandable_stitching`.
-  bool eager_stitching = false;
   /// Per-device cap on reserved memory as a fraction of total device memory. 0 = off.
   double memory_fraction = 0.0;
   /// Per-device cap on reserved memory in bytes. 0 = off. When both are set the lower wins.

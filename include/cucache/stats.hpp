@@ -66,8 +66,12 @@ struct device_stats {
   std::uint64_t vm_map_count = 0;      // cuMemMap (each followed by one cuMemSetAccess)
   std::uint64_t vm_unmap_count = 0;    // cuMemUnmap
   std::uint64_t stitched_pages =
-      0;                         // pages moved from idle free space to where a request needed them
-  std::size_t mapped_bytes = 0;  // physical memory mapped into ranges
+      0;  // pages moved from idle free space to where a request needed them
+  std::uint64_t shared_pages = 0;      // of those, pages taken from another stream's pool
+  std::uint64_t vm_sync_count = 0;     // device synchronizations before unmapping idle pages
+  std::uint64_t vm_split_count = 0;    // idle mappings released because a block used them in part
+  std::uint64_t vm_reclaim_count = 0;  // times memory was short and idle memory was given back
+  std::size_t mapped_bytes = 0;        // physical memory mapped into ranges
   std::size_t unmapped_handle_bytes = 0;  // physical memory held in unmapped handles (reusable)
 
   std::size_t free_bytes = 0;  // reserved - active: cached, reusable bytes

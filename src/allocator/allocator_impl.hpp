@@ -13,10 +13,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "allocator/pager.hpp"
 #include "allocator/stream_pool.hpp"
-#include "cucache/config.hpp"
 #include "core/block_map.hpp"
 #include "core/size_policy.hpp"
+#include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
 
 namespace cucache {
@@ -49,35 +50,10 @@ struct device_allocator::impl {
   void release_oversize(detail::stream_pool& p);
   void release_free_segments(std::size_t target_reserved, bool oldest_first);
   void collect_garbage(std::size_t incoming);
-  // --- expandable segments (expandable.cpp) ---
+  // --- expandable segments: ranges, placement and the ladder (expandable.cpp); pages: the pager
+  // ---
   detail::segment* ensure_range(detail::stream_pool& p, detail::pool_kind kind);
-  /// Maps every page b touches. False when no physical memory could be found (b unchanged).
-  bool ensure_mapped(detail::stream_pool& p, detail::block* b);
   void undo_carve(detail::stream_pool& p, detail::block* b);
-  bool may_grow_in_place(detail::stream_pool& p, std::size_t extra);
-  std::pair<detail::block*, bool> place(detail::free_index& index, std::size_t rounded) const;
-  detail::block* split_for_back(detail::stream_pool& p, detail::pool_kind kind, detail::block* b,
-                                std::size_t rounded);
-  void split_idle_overhang(detail::stream_pool& p, detail::vm_range& r, std::uintptr_t addr,
-                           std::size_t bytes);
-  void touch_pages(detail::stream_pool& p, const detail::block* b, int delta);
-  std::optional<phys_handle> create_handle(detail::stream_pool& p, std::size_t bytes);
-  void release_handle(phys_handle h, std::size_t bytes);
-  void map_handle(detail::stream_pool& p, detail::vm_range& r, std::size_t first_page,
-                  std::size_t pages, phys_handle h, bool stitched);
-  phys_handle unmap_mapping(detail::stream_pool& p, detail::vm_mapping* m);
-  void record_mapping(detail::stream_pool& p, detail::vm_range& r, std::size_t first_page,
-                      std::size_t pages, phys_handle h);
-  /// Puts an unmapped handle on the reusable list (_locked: REQUIRES grow_mu_ held).
-  void keep_handle(phys_handle h, std::size_t bytes);
-  void keep_handle_locked(phys_handle h, std::size_t bytes);
-  void idle_link(detail::stream_pool& p, detail::vm_mapping* m);
-  void idle_unlink(detail::stream_pool& p, detail::vm_mapping* m);
-  /// Unmaps every idle mapping of p (after synchronizing its stream); handles go to the free
-  /// list, or are released when `release` is set.
-  void unmap_idle(detail::stream_pool& p, bool release);
-  void release_free_handles(std::size_t target_reserved);
-  void destroy_range(detail::stream_pool& p, detail::segment* s) noexcept;
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                             std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk);
 
@@ -122,16 +98,10 @@ struct device_allocator::impl {
   std::atomic<std::uint64_t> retry_count{0};
   std::atomic<std::uint64_t> segment_ids{0};
 
-  // Expandable segments. Physical handles not mapped anywhere, by size; under grow_mu_.
+  // Expandable segments: the pager backs the pools' virtual ranges with physical memory.
   bool expandable = false;
   std::size_t page_bytes = 0;
-  std::multimap<std::size_t, phys_handle> free_handles;
-  std::size_t free_handle_bytes = 0;
-  std::atomic<std::uint64_t> vm_create_count{0};
-  std::atomic<std::uint64_t> vm_release_count{0};
-  std::atomic<std::uint64_t> vm_map_count{0};
-  std::atomic<std::uint64_t> vm_unmap_count{0};
-  std::atomic<std::uint64_t> stitched_pages{0};
+  std::unique_ptr<detail::pager> pager;
 
   std::mutex events_mu_;
   std::vector<event_handle> free_events;

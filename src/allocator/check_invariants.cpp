@@ -157,12 +157,20 @@ void device_allocator::check_invariants() const {
       }
     }
     std::size_t idle_listed = 0, idle_listed_bytes = 0;
+    const detail::vm_mapping* idle_last = nullptr;
     for (const detail::vm_mapping* im = p.idle_head; im != nullptr; im = im->idle_next) {
+      if (im->idle_prev != idle_last) {
+        violated(fmt::format("pool {}: idle list links are inconsistent", p.index));
+      }
+      idle_last = im;
       if (!im->idle || im->used_pages != 0) {
         violated(fmt::format("pool {}: a used mapping is on the idle list", p.index));
       }
       ++idle_listed;
       idle_listed_bytes += im->pages * m.page_bytes;
+    }
+    if (idle_last != p.idle_tail) {
+      violated(fmt::format("pool {}: idle list tail is not its last mapping", p.index));
     }
     if (idle_listed != idle_seen || idle_listed_bytes != p.idle_bytes) {
       violated(
@@ -214,10 +222,13 @@ void device_allocator::check_invariants() const {
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
   }
   std::size_t handle_bytes = 0;
-  for (const auto& [bytes, h] : m.free_handles) handle_bytes += bytes;
-  if (handle_bytes != m.free_handle_bytes) {
-    violated(fmt::format("unmapped handle list holds {} bytes, counter says {}", handle_bytes,
-                         m.free_handle_bytes));
+  if (m.pager) {
+    std::lock_guard lock(m.grow_mu_);
+    for (const auto& [bytes, h] : m.pager->free_handles) handle_bytes += bytes;
+    if (handle_bytes != m.pager->free_handle_bytes) {
+      violated(fmt::format("unmapped handle list holds {} bytes, counter says {}", handle_bytes,
+                           m.pager->free_handle_bytes));
+    }
   }
   reserved_total += handle_bytes;
   (void)mapped_total;

@@ -62,6 +62,13 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
     gc_bytes =
         static_cast<std::size_t>(cfg.garbage_collection_threshold * static_cast<double>(base));
   }
+  if (expandable) {
+    pager = std::make_unique<detail::pager>(
+        *backend,
+        detail::device_budget{grow_mu_, reserved, reserved_peak, limit, gc_bytes,
+                              device_alloc_count, device_free_count},
+        page_bytes, device_total, pools_mu_, pools);
+  }
 }
 
 device_allocator::impl::~impl() {
@@ -77,7 +84,9 @@ device_allocator::impl::~impl() {
     for (segment* s = p->segments; s != nullptr;) {
       segment* next = s->next;
       if (s->vm != nullptr) {
-        destroy_range(*p, s);
+        pager->destroy_range(*s->vm);
+        delete s->vm;
+        s->vm = nullptr;
       } else {
         try {
           backend->segment_free(reinterpret_cast<void*>(s->base));
@@ -92,12 +101,6 @@ device_allocator::impl::~impl() {
       }
       p->segs.recycle(s);
       s = next;
-    }
-  }
-  for (auto& [bytes, h] : free_handles) {
-    try {
-      backend->phys_release(h);
-    } catch (...) {
     }
   }
   for (event_handle e : free_events) {
@@ -301,7 +304,7 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
   b->state = block_state::allocated;
   b->requested = requested;
   b->uses = nullptr;
-  if (b->seg->vm != nullptr) touch_pages(p, b, +1);
+  if (b->seg->vm != nullptr) pager->touch(p, b, +1);
   p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size),
                       static_cast<std::int64_t>(requested));
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
@@ -315,7 +318,7 @@ void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
     p.stats.pending_count.dec(kind, 1);
     p.stats.pending_bytes.dec(kind, static_cast<std::int64_t>(b->size));
   }
-  if (b->seg->vm != nullptr) touch_pages(p, b, -1);
+  if (b->seg->vm != nullptr) pager->touch(p, b, -1);
   if (b->uses != nullptr) [[unlikely]] {
     delete b->uses;
     b->uses = nullptr;
@@ -542,8 +545,8 @@ void device_allocator::impl::empty_cache() {
   auto all = lock_all();
   for (auto& p : pools) sync_pending(*p);
   if (expandable) {
-    for (auto& p : pools) unmap_idle(*p, /*release=*/true);
-    release_free_handles(0);
+    for (auto& p : pools) pager->unmap_idle(*p, /*release_handles=*/true);
+    pager->release_unmapped(0);
     return;
   }
   release_free_segments(0, /*oldest_first=*/false);

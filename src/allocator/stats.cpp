@@ -79,7 +79,7 @@ device_stats device_allocator::impl::stats_locked() const {
     // The device-wide reservation is exact, peak included: it changes only under grow_mu_.
     s.reserved_bytes[0].current = static_cast<std::int64_t>(reserved);
     s.reserved_bytes[0].peak = static_cast<std::int64_t>(reserved_peak);
-    s.unmapped_handle_bytes = free_handle_bytes;
+    if (pager) s.unmapped_handle_bytes = pager->free_handle_bytes;
   }
   if (expandable) {
     s.largest_free_block += s.unmapped_handle_bytes;
@@ -87,11 +87,19 @@ device_stats device_allocator::impl::stats_locked() const {
     s.free_bytes = reserved > active ? reserved - active : 0;
     s.largest_free_block = std::min(s.largest_free_block, s.free_bytes);
   }
-  s.vm_create_count = vm_create_count.load(std::memory_order_relaxed);
-  s.vm_release_count = vm_release_count.load(std::memory_order_relaxed);
-  s.vm_map_count = vm_map_count.load(std::memory_order_relaxed);
-  s.vm_unmap_count = vm_unmap_count.load(std::memory_order_relaxed);
-  s.stitched_pages = stitched_pages.load(std::memory_order_relaxed);
+  if (pager) {
+    const auto& c = pager->counters;
+    constexpr auto relaxed = std::memory_order_relaxed;
+    s.vm_create_count = c.create.load(relaxed);
+    s.vm_release_count = c.release.load(relaxed);
+    s.vm_map_count = c.map.load(relaxed);
+    s.vm_unmap_count = c.unmap.load(relaxed);
+    s.stitched_pages = c.stitched_pages.load(relaxed);
+    s.shared_pages = c.shared_pages.load(relaxed);
+    s.vm_sync_count = c.synchronizations.load(relaxed);
+    s.vm_split_count = c.splits.load(relaxed);
+    s.vm_reclaim_count = c.reclaims.load(relaxed);
+  }
   s.device_alloc_count = device_alloc_count.load(std::memory_order_relaxed);
   s.device_free_count = device_free_count.load(std::memory_order_relaxed);
   s.oom_count = oom_count.load(std::memory_order_relaxed);
@@ -117,11 +125,7 @@ void device_allocator::reset_accumulated_stats() {
   auto all = impl_->lock_all();
   for (auto& p : impl_->pools) p->stats.reset_totals();
   impl_->device_alloc_count = 0;
-  impl_->vm_create_count = 0;
-  impl_->vm_release_count = 0;
-  impl_->vm_map_count = 0;
-  impl_->vm_unmap_count = 0;
-  impl_->stitched_pages = 0;
+  if (impl_->pager) impl_->pager->counters.reset();
   impl_->device_free_count = 0;
   impl_->oom_count = 0;
   impl_->retry_count = 0;

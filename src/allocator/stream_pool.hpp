@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "allocator/pool_mutex.hpp"
-#include "cucache/backend.hpp"
 #include "core/block.hpp"
 #include "core/free_index.hpp"
 #include "core/vm_range.hpp"
+#include "cucache/backend.hpp"
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {
@@ -202,6 +202,7 @@ class stream_pool {
   // Expandable segments: one range per pool kind, created on first use.
   segment* ranges[2] = {nullptr, nullptr};
   vm_mapping* idle_head = nullptr;  // mappings no block touches, most recently idle first
+  vm_mapping* idle_tail = nullptr;  // least recently idle
   std::size_t idle_bytes = 0;
   object_arena<vm_mapping> maps;
 

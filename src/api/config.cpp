@@ -225,16 +225,6 @@ void parse_expandable(std::string_view key, std::string_view value, config& out)
   }
 }
 
-void parse_stitching(std::string_view key, std::string_view value, config& out) {
-  if (value == "eager") {
-    out.eager_stitching = true;
-  } else if (value == "on_growth") {
-    out.eager_stitching = false;
-  } else {
-    fail_value(key, value, "not eager or on_growth");
-  }
-}
-
 void parse_memory_fraction(std::string_view key, std::string_view value, config& out) {
   const double v = parse_double(key, value);
   if (!(v > 0.0 && v <= 1.0)) fail_value(key, value, "must be > 0 and <= 1");
@@ -309,8 +299,6 @@ const std::array<key_spec, 10>& key_specs() {
        "a number > 0 and < 1, e.g. garbage_collection_threshold:0.8", parse_gc_threshold},
       {"expandable_segments", "expandable_segments",
        "True, False, true, false, 1 or 0, e.g. expandable_segments:True", parse_expandable},
-      {"expandable_stitching", "expandable_stitching",
-       "eager or on_growth, e.g. expandable_stitching:eager", parse_stitching},
       {"memory_fraction", "memory_fraction",
        "a number > 0 and <= 1, e.g. memory_fraction:0.9 (alias per_process_memory_fraction)",
        parse_memory_fraction},
@@ -485,10 +473,6 @@ std::string to_string(const config& cfg) {
   if (cfg.expandable_segments != def.expandable_segments) {
     put("expandable_segments", cfg.expandable_segments ? "True" : "False",
         [&](const config& c) { return c.expandable_segments == cfg.expandable_segments; });
-  }
-  if (cfg.eager_stitching != def.eager_stitching) {
-    put("expandable_stitching", cfg.eager_stitching ? "eager" : "on_growth",
-        [&](const config& c) { return c.eager_stitching == cfg.eager_stitching; });
   }
   if (cfg.memory_fraction != def.memory_fraction) {
     put("memory_fraction", fmt::format("{}", cfg.memory_fraction),

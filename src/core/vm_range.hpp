@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "cucache/backend.hpp"
 #include "core/size_policy.hpp"
+#include "cucache/backend.hpp"
 
 namespace cucache::detail {
 
@@ -26,6 +26,7 @@ struct vm_mapping {
   vm_mapping* idle_prev = nullptr;  // the owner pool's list of idle mappings (used_pages == 0)
   vm_mapping* idle_next = nullptr;
   bool idle = false;
+  std::uint64_t idle_epoch = 0;  // device synchronizations started when it last became idle
 };
 
 struct vm_range {

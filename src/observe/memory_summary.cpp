@@ -72,11 +72,13 @@ std::string device_allocator::memory_summary() const {
                         s.oversize_allocations, s.oversize_segments, s.events_pending));
   if (get_config().expandable_segments) {
     line(out, fmt::format("Expandable: {} mapped, {} in unmapped handles; VM calls: {} create, "
-                          "{} release, {} map, {} unmap; {} pages stitched",
+                          "{} release, {} map, {} unmap; {} pages stitched ({} from other "
+                          "streams); {} device syncs; {} idle mappings split; {} reclaims",
                           detail::format_bytes(static_cast<double>(s.mapped_bytes)),
                           detail::format_bytes(static_cast<double>(s.unmapped_handle_bytes)),
                           s.vm_create_count, s.vm_release_count, s.vm_map_count, s.vm_unmap_count,
-                          s.stitched_pages));
+                          s.stitched_pages, s.shared_pages, s.vm_sync_count, s.vm_split_count,
+                          s.vm_reclaim_count));
   }
   line(out,
        fmt::format("Memory limit: {}   device capacity: {}",

@@ -107,11 +107,19 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
         a.alloc.empty_cache();
       } else if (r < 0.99) {
         // Inject one failure of a device call the allocator makes.
-        const sim_call kinds[] = {
-            sim_call::segment_malloc, sim_call::segment_free, sim_call::event_record,
-            sim_call::event_query,    sim_call::event_create, sim_call::event_synchronize,
-            sim_call::phys_create,    sim_call::phys_release, sim_call::map,
-            sim_call::unmap,          sim_call::set_access,   sim_call::stream_synchronize};
+        const sim_call kinds[] = {sim_call::segment_malloc,
+                                  sim_call::segment_free,
+                                  sim_call::event_record,
+                                  sim_call::event_query,
+                                  sim_call::event_create,
+                                  sim_call::event_synchronize,
+                                  sim_call::phys_create,
+                                  sim_call::phys_release,
+                                  sim_call::map,
+                                  sim_call::unmap,
+                                  sim_call::set_access,
+                                  sim_call::stream_synchronize,
+                                  sim_call::device_synchronize};
         a.sim->fail_nth(kinds[rng() % std::size(kinds)], 1 + rng() % 4);
         ++injected;
       } else {
@@ -149,6 +157,14 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   EXPECT_GT(allocs, ops / 4);
   EXPECT_GT(ooms, 0u) << "the program should reach the device's capacity";
   EXPECT_GT(injected, 0u);
+  if (cfg.expandable_segments) {
+    // The pager's paths were exercised: pages moved between streams' pools without the ladder,
+    // idle mappings split, and memory reclaimed when the device or the limit was short.
+    const auto s = a.stats();
+    EXPECT_GT(s.shared_pages, 0u);
+    EXPECT_GT(s.vm_split_count, 0u);
+    EXPECT_GT(s.vm_reclaim_count, 0u);
+  }
 }
 
 TEST_P(randomized, InvariantsHoldAfterEveryOperation) {
@@ -163,7 +179,10 @@ INSTANTIATE_TEST_SUITE_P(Configs, randomized,
                                            "roundup_power2_divisions:[1:4,64:2,>:1]",
                                            "memory_limit:2GiB", "expandable_segments:True",
                                            "expandable_segments:True,memory_limit:2GiB,"
-                                           "garbage_collection_threshold:0.5"),
+                                           "garbage_collection_threshold:0.5",
+                                           // Compaction under a tight limit: most large
+                                           // requests find their pages among idle ones.
+                                           "expandable_segments:True,memory_limit:768MiB"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            return "config" + std::to_string(p.index);
                          });

@@ -258,8 +258,8 @@ TEST(ConfigParse, StructuralErrors) {
   EXPECT_NE(unknown.find("unknown key"), std::string::npos) << unknown;
   for (const char* key :
        {"max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
-        "garbage_collection_threshold", "expandable_segments", "expandable_stitching",
-        "memory_fraction", "per_process_memory_fraction", "memory_limit", "trace"}) {
+        "garbage_collection_threshold", "expandable_segments", "memory_fraction",
+        "per_process_memory_fraction", "memory_limit", "trace"}) {
     EXPECT_NE(unknown.find(key), std::string::npos) << key;
   }
   expect_error("bogus", "bogus", "unknown key");
@@ -404,25 +404,5 @@ TEST(ConfigFromEnv, ReadsCucacheConf) {
 }  // namespace cucache
 
 namespace cucache {
-namespace {
-
-TEST(ConfigParse, ExpandableStitching) {
-  EXPECT_FALSE(parse_config("").eager_stitching);
-  EXPECT_TRUE(parse_config("expandable_stitching:eager").eager_stitching);
-  EXPECT_FALSE(parse_config("expandable_stitching:on_growth").eager_stitching);
-  try {
-    (void)parse_config("expandable_stitching:sometimes");
-    FAIL() << "accepted a bad value";
-  } catch (const invalid_argument& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find("expandable_stitching"), std::string::npos) << what;
-    EXPECT_NE(what.find("eager or on_growth"), std::string::npos) << what;
-  }
-  config c;
-  c.eager_stitching = true;
-  EXPECT_EQ(to_string(c), "expandable_stitching:eager");
-  EXPECT_TRUE(parse_config(to_string(c)).eager_stitching);
-}
-
-}  // namespace
+namespace {}  // namespace
 }  // namespace cucache

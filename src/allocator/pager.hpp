@@ -1,0 +1,162 @@
+// The pager of expandable segments: it owns what backs the reserved virtual ranges with physical
+// memory -- the page table of each range (which mapping backs a page, how many blocks touch it),
+// the idle mappings (no block touches them), the unmapped handles kept for reuse -- and the
+// sources of physical memory a block's pages are backed from, each a named function. It never
+// calls the allocator: the allocator places and carves blocks, the pager backs their pages.
+//
+// Locking: a pool's page tables and idle list are under that pool's mutex, which the caller
+// holds; the unmapped handles and the device-wide reservation are under the budget's mutex.
+// Another pool's idle pages are taken only under try_lock, which never waits, so the pool lock
+// order (creation order) is never violated.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <vector>
+
+#include "allocator/stream_pool.hpp"
+#include "core/vm_range.hpp"
+#include "cucache/backend.hpp"
+
+namespace cucache::detail {
+
+/// The device-wide reservation the pager charges physical memory to: owned by the allocator and
+/// shared with its cudaMalloc path. reserved and peak are under `mu`.
+struct device_budget {
+  std::mutex& mu;
+  std::size_t& reserved;
+  std::size_t& peak;
+  std::size_t limit = 0;     // cap on reserved bytes; 0 = none
+  std::size_t gc_bytes = 0;  // garbage-collection threshold on reserved bytes; 0 = off
+  std::atomic<std::uint64_t>& device_allocs;
+  std::atomic<std::uint64_t>& device_frees;
+};
+
+/// What the pager did, for stats. Relaxed counters.
+struct pager_counters {
+  std::atomic<std::uint64_t> create{0};          // cuMemCreate
+  std::atomic<std::uint64_t> release{0};         // cuMemRelease
+  std::atomic<std::uint64_t> map{0};             // cuMemMap (+ cuMemSetAccess)
+  std::atomic<std::uint64_t> unmap{0};           // cuMemUnmap
+  std::atomic<std::uint64_t> stitched_pages{0};  // idle pages moved to where a request needed them
+  std::atomic<std::uint64_t> shared_pages{0};    // of those, pages taken from another pool
+  std::atomic<std::uint64_t> synchronizations{0};  // device synchronizations before an unmap
+  std::atomic<std::uint64_t> splits{0};  // idle mappings released because a block used them in part
+  std::atomic<std::uint64_t> reclaims{0};  // times memory was short and idle memory was released
+  void reset() noexcept {
+    for (auto* c : {&create, &release, &map, &unmap, &stitched_pages, &shared_pages,
+                    &synchronizations, &splits, &reclaims}) {
+      c->store(0, std::memory_order_relaxed);
+    }
+  }
+};
+
+class pager {
+ public:
+  pager(device_backend& backend, device_budget budget, std::size_t page_bytes,
+        std::size_t device_total, std::shared_mutex& pools_mu,
+        const std::vector<std::unique_ptr<stream_pool>>& pools);
+  ~pager();  // releases the unmapped handles; ranges are destroyed by their owner first
+  pager(const pager&) = delete;
+  pager& operator=(const pager&) = delete;
+
+  [[nodiscard]] std::size_t page_bytes() const noexcept { return page_bytes_; }
+
+  /// Reserves a virtual range for one pool kind and its (empty) page table.
+  [[nodiscard]] std::unique_ptr<vm_range> reserve_range(pool_kind kind);
+  /// Unmaps and releases every mapping of r and frees its virtual range. Never throws.
+  void destroy_range(vm_range& r) noexcept;
+
+  /// Adds delta (+1 carve, -1 free) to the use count of every page b touches; mappings whose
+  /// pages become untouched go on the pool's idle list, and come off it when touched again.
+  void touch(stream_pool& p, const block* b, int delta);
+
+  /// Before a block is carved at [addr, addr + bytes) of r: an idle mapping the block would use
+  /// only in part is released, so that the block pins no more physical memory than the pages it
+  /// touches. May throw (a failed unmap) before anything changed.
+  void split_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr, std::size_t bytes);
+
+  /// Maps every page carved block b touches. False when no physical memory could be found (the
+  /// pages already mapped stay mapped, idle once the caller un-carves b). A failed VM call throws
+  /// and leaves no half-mapped run and no untracked handle.
+  [[nodiscard]] bool back(stream_pool& p, const block* b);
+
+  /// Unmaps every idle mapping of p: handles go to the reusable list, or are released.
+  void unmap_idle(stream_pool& p, bool release);
+  /// Releases unmapped handles, largest first, until reserved <= target.
+  void release_unmapped(std::size_t target_reserved);
+
+  // Under the budget's mutex (read by stats and the invariant check).
+  std::multimap<std::size_t, phys_handle> free_handles;  // unmapped handles by size
+  std::size_t free_handle_bytes = 0;
+  pager_counters counters;
+
+ private:
+  /// A piece of physical memory found for a run of pages.
+  struct piece {
+    phys_handle handle = 0;
+    std::size_t bytes = 0;
+    bool moved = false;  // taken from an idle mapping (stitched)
+  };
+
+  // --- physical-memory sources, in the order back() asks them ---
+  /// 1. An unmapped handle kept for reuse: the largest that fits `want`.
+  std::optional<piece> take_unmapped(std::size_t want);
+  /// 2. An idle mapping of p that fits `want`, unmapped where it sits (its data is dead).
+  std::optional<piece> take_idle(stream_pool& p, std::size_t want);
+  /// 3. An idle mapping of another pool that fits `want` (pools that are busy are skipped).
+  std::optional<piece> take_peer_idle(stream_pool& p, std::size_t want);
+  /// 4. New physical memory; none above the memory limit or the device's capacity.
+  std::optional<piece> create(std::size_t bytes);
+
+  /// Memory is short for `bytes` more: gives back unmapped handles, then idle mappings of p and
+  /// of the other pools, least recently idle first, whole (a handle cannot be cut), until the
+  /// device, the limit and the garbage-collection threshold have room. True when they have.
+  bool reclaim(stream_pool& p, std::size_t bytes);
+  /// Gives back idle memory that is too large to reuse for `bytes`, so that creating `bytes`
+  /// does not raise reserved memory above its high-water mark while unused memory sits idle.
+  void make_room(stream_pool& p, std::size_t bytes);
+  /// Creating `extra` bytes keeps reserved memory at or below its high-water mark, or below the
+  /// pool's active bytes: nothing needs to move.
+  bool may_grow(stream_pool& p, std::size_t extra);
+
+  /// Unmapping is not stream-ordered: work queued before a free may still use the page at its
+  /// old address. The one wait that is always safe is the device's -- the pool's stream may have
+  /// been destroyed by the program -- and it is skipped when a device synchronization completed
+  /// after the mapping became idle.
+  void wait_until_unmappable(const vm_mapping& m);
+  void synchronize_device();
+
+  void idle_link(stream_pool& p, vm_mapping* m);
+  void idle_unlink(stream_pool& p, vm_mapping* m);
+  phys_handle unmap(stream_pool& p, vm_mapping* m);
+  void map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc);
+  void record_mapping(stream_pool& p, vm_range& r, std::size_t first_page, std::size_t pages,
+                      phys_handle h);
+  void keep(phys_handle h, std::size_t bytes);
+  void keep_locked(phys_handle h, std::size_t bytes);  // REQUIRES budget.mu
+  void release(phys_handle h, std::size_t bytes);
+  /// Unmaps the idle mapping m of q and releases its handle.
+  void release_idle(stream_pool& q, vm_mapping* m);
+  /// Would `bytes` more pass the memory limit or the garbage-collection threshold?
+  bool over_caps(std::size_t bytes);
+  /// Room for `bytes` more under the caps and on the device.
+  bool fits(std::size_t bytes);
+
+  device_backend& backend_;
+  device_budget budget_;
+  const std::size_t page_bytes_;
+  const std::size_t device_total_;
+  std::shared_mutex& pools_mu_;
+  const std::vector<std::unique_ptr<stream_pool>>& pools_;
+  std::atomic<std::uint64_t> syncs_started_{0};
+  std::atomic<std::uint64_t> syncs_done_{0};
+};
+
+}  // namespace cucache::detail
