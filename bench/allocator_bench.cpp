@@ -4,7 +4,6 @@
 // cucache on the GPU, cudaMalloc, cudaMallocAsync and PyTorch's c10 allocator (dlopen'd shim).
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
@@ -14,20 +13,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <filesystem>
-#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <system_error>
-#include <type_traits>
 #include <vector>
 
+#include "common/c10_loader.hpp"
+#include "common/cuda_check.hpp"
+#include "common/device_peers.hpp"
+#include "cucache/backend_factory.hpp"
 #include "cucache/cuda_backend.hpp"
 #include "cucache/device_allocator.hpp"
-#include "cucache/sim_backend.hpp"
 #include "cucache/stats.hpp"
-#include "peers/c10_peer.h"
 
 namespace cucache::bench {
 namespace {
@@ -64,11 +61,15 @@ double per(std::int64_t ns, double count) {
   return count > 0 ? static_cast<double>(ns) / count : 0.0;
 }
 
-[[noreturn]] void throw_cuda(const char* call, cudaError_t err) {
-  throw std::runtime_error(std::string(call) + " failed: " + cudaGetErrorString(err));
-}
-void check_cuda(cudaError_t err, const char* call) {
-  if (err != cudaSuccess) throw_cuda(call, err);
+using tools::check_cuda;
+
+/// An allocator that returned no memory: a benchmark cannot go on without its block.
+void* require(void* ptr, const char* allocator, std::size_t bytes) {
+  if (ptr == nullptr) {
+    throw std::runtime_error(std::string(allocator) + ": out of memory allocating " +
+                             std::to_string(bytes) + " bytes");
+  }
+  return ptr;
 }
 
 // --- streams ------------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class cucache_alloc {
  public:
   static constexpr const char* k_name = gpu ? "cucache_cuda" : "cucache_sim";
 
-  cucache_alloc() : alloc_(make_backend()) {}
+  cucache_alloc() : alloc_(make_backend(gpu ? backend_kind::cuda : backend_kind::sim, 0)) {}
   void* allocate(std::size_t bytes, stream_handle stream) { return alloc_.allocate(bytes, stream); }
   void deallocate(void* ptr, stream_handle /*stream*/) { alloc_.deallocate(ptr); }
   static stream_handle stream(int index) { return gpu ? gpu_stream(index) : sim_stream(index); }
@@ -139,13 +140,6 @@ class cucache_alloc {
   }
 
  private:
-  static std::shared_ptr<device_backend> make_backend() {
-    if constexpr (gpu) {
-      return std::make_shared<cuda_backend>(0);
-    } else {
-      return std::make_shared<sim_backend>();
-    }
-  }
   device_allocator alloc_;
 };
 
@@ -155,14 +149,15 @@ class cuda_malloc_alloc {
   static constexpr const char* k_name = "cudaMalloc";
 
   void* allocate(std::size_t bytes, stream_handle /*stream*/) {
-    void* ptr = nullptr;
-    check_cuda(cudaMalloc(&ptr, bytes), "cudaMalloc");
-    return ptr;
+    return require(device_.allocate(bytes), k_name, bytes);
   }
-  void deallocate(void* ptr, stream_handle /*stream*/) { check_cuda(cudaFree(ptr), "cudaFree"); }
+  void deallocate(void* ptr, stream_handle /*stream*/) { device_.deallocate(ptr); }
   static stream_handle stream(int index) { return gpu_stream(index); }
   void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
   void add_counters(benchmark::State& /*state*/) const {}
+
+ private:
+  tools::cuda_malloc_device device_;
 };
 
 /// CUDA's stream-ordered allocator on a pool of its own whose release threshold is UINT64_MAX, so
@@ -171,83 +166,40 @@ class cuda_malloc_async_alloc {
  public:
   static constexpr const char* k_name = "cudaMallocAsync";
 
-  cuda_malloc_async_alloc() {
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.handleTypes = cudaMemHandleTypeNone;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = 0;
-    check_cuda(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
-    std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
-    const cudaError_t err =
-        cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold);
-    if (err != cudaSuccess) {
-      static_cast<void>(cudaMemPoolDestroy(pool_));
-      throw_cuda("cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)", err);
-    }
-  }
-  ~cuda_malloc_async_alloc() {
-    static_cast<void>(cudaDeviceSynchronize());
-    static_cast<void>(cudaMemPoolDestroy(pool_));
-  }
-  cuda_malloc_async_alloc(const cuda_malloc_async_alloc&) = delete;
-  cuda_malloc_async_alloc& operator=(const cuda_malloc_async_alloc&) = delete;
-
   void* allocate(std::size_t bytes, stream_handle stream) {
-    void* ptr = nullptr;
-    check_cuda(cudaMallocFromPoolAsync(&ptr, bytes, pool_, static_cast<cudaStream_t>(stream)),
-               "cudaMallocFromPoolAsync");
-    return ptr;
+    return require(pool_.allocate(bytes, stream), k_name, bytes);
   }
-  void deallocate(void* ptr, stream_handle stream) {
-    check_cuda(cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)), "cudaFreeAsync");
-  }
+  void deallocate(void* ptr, stream_handle stream) { pool_.deallocate(ptr, stream); }
   static stream_handle stream(int index) { return gpu_stream(index); }
   void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
   void add_counters(benchmark::State& /*state*/) const {}
 
  private:
-  cudaMemPool_t pool_ = nullptr;
+  tools::cuda_async_pool pool_{0};
 };
 
-/// The c10 peer shim's entry points (bench/peers/c10_peer.h), found by dlopen. alloc, free and init
-/// are required; reset, stats and last_error are used when the shim reports the ABI known here.
-struct c10_peer_api {
-  cucache_peer_c10_alloc_fn alloc = nullptr;
-  cucache_peer_c10_free_fn free = nullptr;
-  cucache_peer_c10_init_fn init = nullptr;
-  cucache_peer_c10_reset_fn reset = nullptr;      // emptyCache and reset the statistics; 0 = ok
-  cucache_peer_c10_stats_fn get_stats = nullptr;  // 0 = ok
-  cucache_peer_c10_last_error_fn last_error = nullptr;
-};
-c10_peer_api g_c10;
+/// The c10 peer shim (tools/common/c10_loader.hpp), loaded once in run() when a GPU is usable.
+const tools::c10_peer_library* g_c10 = nullptr;
 
 /// PyTorch's caching allocator through the peer shim. Its cache is process-wide; a fresh instance
-/// empties it when the shim can (cucache_peer_c10_reset), so every run starts as the others do.
+/// empties it (cucache_peer_c10_reset), so every run starts as the others do.
 class c10_alloc {
  public:
   static constexpr const char* k_name = "c10";
 
-  c10_alloc() {
-    if (g_c10.reset != nullptr && g_c10.reset() != 0) {
-      throw std::runtime_error("cucache_peer_c10_reset failed");
-    }
-  }
+  c10_alloc() { g_c10->reset(); }
   void* allocate(std::size_t bytes, stream_handle stream) {
-    void* ptr = g_c10.alloc(bytes, stream);
+    void* ptr = g_c10->allocate(bytes, stream);
     if (ptr == nullptr) {
-      const char* why = g_c10.last_error != nullptr ? g_c10.last_error() : nullptr;
-      throw std::runtime_error(std::string("cucache_peer_c10_alloc failed: ") +
-                               (why != nullptr && *why != '\0' ? why : "returned null"));
+      throw std::runtime_error("cucache_peer_c10_alloc failed: " + g_c10->last_error());
     }
     return ptr;
   }
-  void deallocate(void* ptr, stream_handle /*stream*/) { g_c10.free(ptr); }
+  void deallocate(void* ptr, stream_handle /*stream*/) { g_c10->deallocate(ptr); }
   static stream_handle stream(int index) { return gpu_stream(index); }
   void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
   void add_counters(benchmark::State& state) const {
-    cucache_c10_stats s{};
-    if (g_c10.get_stats == nullptr || g_c10.get_stats(&s) != 0) return;
+    const cucache_c10_stats s = g_c10->stats();
     set_memory_counters(
         state, static_cast<double>(s.reserved_bytes), static_cast<double>(s.peak_reserved_bytes),
         static_cast<double>(s.allocated_bytes), static_cast<double>(s.num_device_alloc));
@@ -469,53 +421,18 @@ constexpr allocator_entry entry_of() {
   return {register_pairs<A>, register_churn<A>, register_threads<A>};
 }
 
-/// Loads the c10 peer shim: $CUCACHE_C10_PEER, else libcucache_c10_peer.so beside this executable
-/// or in ../lib (where the build puts shared libraries). Returns "" on success, else why not.
+/// Loads the c10 peer shim with the PYTORCH_CUDA_ALLOC_CONF string of $CUCACHE_C10_CONF ("" =
+/// c10's defaults) and records where it came from in the JSON context. Returns "" on success,
+/// else why not.
 std::string load_c10_peer() {
-  constexpr const char* k_file = "libcucache_c10_peer.so";
-  std::string path;
-  if (const char* env = std::getenv("CUCACHE_C10_PEER"); env != nullptr && *env != '\0') {
-    path = env;
-  } else {
-    std::error_code ec;
-    const auto dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
-    if (ec) return "cannot locate the executable: " + ec.message();
-    path = (dir / k_file).string();
-    if (!std::filesystem::exists(path, ec)) {
-      if (auto lib = dir.parent_path() / "lib" / k_file; std::filesystem::exists(lib, ec)) {
-        path = lib.string();
-      }
-    }
-  }
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* why = dlerror();
-    return "dlopen " + path + ": " + (why != nullptr ? why : "unknown error");
-  }
-  // POSIX guarantees that dlsym's object pointer converts to a function pointer.
-  auto bind = [&](auto& fn, const char* name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-  };
-  bind(g_c10.alloc, "cucache_peer_c10_alloc");
-  bind(g_c10.free, "cucache_peer_c10_free");
-  bind(g_c10.init, "cucache_peer_c10_init");
-  if (g_c10.alloc == nullptr || g_c10.free == nullptr || g_c10.init == nullptr) {
-    return path + " lacks cucache_peer_c10_{alloc,free,init}";
-  }
-  cucache_peer_c10_abi_fn abi = nullptr;
-  bind(abi, "cucache_peer_c10_abi");
-  if (abi != nullptr && abi() == CUCACHE_C10_PEER_ABI) {
-    bind(g_c10.reset, "cucache_peer_c10_reset");
-    bind(g_c10.get_stats, "cucache_peer_c10_stats");
-    bind(g_c10.last_error, "cucache_peer_c10_last_error");
-  }
   const char* conf = std::getenv("CUCACHE_C10_CONF");
-  if (conf == nullptr) conf = "";
-  if (const int rc = g_c10.init(conf); rc != 0) {
-    return "cucache_peer_c10_init(\"" + std::string(conf) + "\") returned " + std::to_string(rc);
+  try {
+    g_c10 = &tools::load_c10_peer(conf != nullptr ? conf : "");
+  } catch (const std::exception& e) {
+    return e.what();
   }
-  benchmark::AddCustomContext("c10_peer", path);
-  benchmark::AddCustomContext("c10_conf", conf);
+  benchmark::AddCustomContext("c10_peer", g_c10->path().string());
+  benchmark::AddCustomContext("c10_conf", g_c10->conf());
   return {};
 }
 
@@ -524,7 +441,7 @@ int run(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
 
   std::vector<allocator_entry> allocators{entry_of<cucache_alloc<false>>()};
-  if (cuda_available()) {
+  if (count_devices(backend_kind::cuda).count > 0) {
     try {
       make_gpu_streams();
       cudaDeviceProp prop{};

@@ -1,8 +1,10 @@
 // Tests of the cucache-replay engine on the simulated device: exact figures of a hand-made trace
 // worked out from the size rules, the bundled resnet50 trace's counts and peaks, determinism,
 // capacity limits, and the command line's JSON Lines output.
+#include <fmt/format.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -270,6 +272,22 @@ TEST(replay_cli, capacity_decides_whether_the_trace_fits) {
   EXPECT_EQ(l[0]["oom_count"], 0);
 }
 
+TEST(replay_engine, a_failed_allocation_may_hold_the_reserved_peak) {
+  // Expandable segments on an 8 MiB device: the 8 MiB request (4 pages) gets handles for some of
+  // its pages before the device refuses the rest, raising reserved memory to 6 MiB inside a call
+  // that then fails. The sample after successful allocations saw 4 MiB; the replay reports both.
+  trace_builder t;
+  t.alloc(0x1000, 4 * k_mib).alloc(0x2000, 8 * k_mib);
+  options o = sim_options_for_tests();
+  o.cfg = parse_config("expandable_segments:True");
+  o.capacity_bytes = 8 * k_mib;
+  const trace_result r = replay_trace(prepare(parse_trace(t.text()), "oom_peak"), o);
+  EXPECT_EQ(r.fits, false);
+  EXPECT_EQ(r.figures.oom_count, 1u);
+  EXPECT_EQ(r.figures.peak_reserved_bytes, 6 * k_mib);
+  EXPECT_EQ(r.fragmentation_at_peak.reserved_bytes, 4 * k_mib);
+}
+
 TEST(replay_cli, table_by_default) {
   const cli_run r =
       run({"--backend", "sim", "--config", "max_split_size_mb:128", k_resnet.string()});
@@ -306,6 +324,176 @@ TEST(replay_cli, rejects_what_it_cannot_do) {
   // --peers none is always accepted.
   EXPECT_EQ(run({"--backend", "sim", "--peers", "none", k_resnet.string()}).status, 0);
 }
+
+// --- --fit -----------------------------------------------------------------------------------
+
+TEST(replay_fit, hand_made_trace_has_its_exact_minimum_capacity) {
+  // Replayed under a limit, the trace needs what it holds just before the 30 MiB request: two
+  // small segments (2 + 2 MiB), the 20 MiB segment and the 18 MiB one, 42 MiB. The 30 MiB request
+  // itself then fits after the out-of-memory ladder releases the (by then wholly free) cache. At
+  // 40 MiB the 16 MiB + 1 request finds no room and nothing to release.
+  const prepared_trace trace = prepare(parse_trace(hand_made_trace()), "hand_made");
+  const fit_result r = fit_trace(trace, sim_options_for_tests(), fit_options{});
+  EXPECT_EQ(r.trace, "hand_made");
+  EXPECT_EQ(r.backend, "sim");
+  EXPECT_EQ(r.resolution_bytes, 2 * k_mib);
+  EXPECT_EQ(r.peak_requested_bytes, trace.summary.peak_requested_bytes);
+  EXPECT_EQ(r.cucache.min_capacity_bytes, 42 * k_mib);
+  EXPECT_EQ(r.cucache.fails_at_bytes, 40 * k_mib);
+  EXPECT_TRUE(r.cucache.fails_at_replayed);
+  EXPECT_EQ(r.cucache.unconstrained_peak_reserved_bytes, 72 * k_mib);
+  EXPECT_EQ(r.cucache.upper_bound_bytes, 72 * k_mib);
+  EXPECT_EQ(r.cucache.upper_bound_raises, 0u);
+  // 72 MiB passes; then 52, 42 pass and 36, 38, 40 fail (limits k * 2 MiB, k from 16 to 36).
+  EXPECT_EQ(r.cucache.replays, 6u);
+  EXPECT_TRUE(r.peers.empty());
+
+  // A finer grid finds the same minimum, with a failing limit 1 MiB below it.
+  fit_options fine;
+  fine.resolution_bytes = k_mib;
+  const fit_result f = fit_trace(trace, sim_options_for_tests(), fine);
+  EXPECT_EQ(f.cucache.min_capacity_bytes, 42 * k_mib);
+  EXPECT_EQ(f.cucache.fails_at_bytes, 41 * k_mib);
+
+  // The limits found, replayed in full with --capacity-gib's mechanism.
+  options at = sim_options_for_tests();
+  at.capacity_bytes = 42 * k_mib;
+  EXPECT_EQ(replay_trace(trace, at).fits, true);
+  at.capacity_bytes = 42 * k_mib - 1;
+  EXPECT_EQ(replay_trace(trace, at).fits, false);
+}
+
+TEST(replay_fit, a_trace_that_fits_in_its_requested_bytes_needs_no_more) {
+  // One 20 MiB request: its own 20 MiB segment, exactly the peak requested; the lower bound (a
+  // limit below the peak requested) fails without a replay.
+  trace_builder t;
+  t.alloc(0x1000, 20 * k_mib).free(0x1000, 20 * k_mib);
+  const fit_result r =
+      fit_trace(prepare(parse_trace(t.text()), "exact"), sim_options_for_tests(), fit_options{});
+  EXPECT_EQ(r.cucache.min_capacity_bytes, 20 * k_mib);
+  EXPECT_EQ(r.cucache.fails_at_bytes, 18 * k_mib);
+  EXPECT_FALSE(r.cucache.fails_at_replayed);
+  EXPECT_EQ(r.cucache.replays, 1u);
+}
+
+TEST(replay_fit, rejects_what_it_cannot_do) {
+  const prepared_trace trace = prepare(parse_trace(hand_made_trace()), "hand_made");
+  fit_options zero;
+  zero.resolution_bytes = 0;
+  EXPECT_THROW((void)fit_trace(trace, sim_options_for_tests(), zero), invalid_argument);
+  options capped = sim_options_for_tests();
+  capped.capacity_bytes = std::size_t{1} << 30;
+  EXPECT_THROW((void)fit_trace(trace, capped, fit_options{}), invalid_argument);
+  options limited = sim_options_for_tests();
+  limited.cfg = parse_config("memory_limit:1GiB");
+  EXPECT_THROW((void)fit_trace(trace, limited, fit_options{}), invalid_argument);
+  const prepared_trace empty = prepare(parse_trace(std::string(k_trace_header) + "\n"), "empty");
+  EXPECT_THROW((void)fit_trace(empty, sim_options_for_tests(), fit_options{}), invalid_argument);
+
+  const auto fails_naming = [](std::vector<std::string> args, const std::string& flag) {
+    args.insert(args.begin(), {"--backend", "sim"});
+    args.push_back(k_resnet.string());
+    const cli_run r = run(args);
+    EXPECT_NE(r.status, 0) << flag;
+    EXPECT_NE((r.err + r.out).find(flag), std::string::npos) << r.err << r.out;
+  };
+  fails_naming({"--fit", "--fit-resolution-mib", "0"}, "--fit-resolution-mib");
+  fails_naming({"--fit", "--fit-resolution-mib", "-2"}, "--fit-resolution-mib");
+  fails_naming({"--fit-resolution-mib", "2"}, "--fit-resolution-mib requires --fit");
+  fails_naming({"--fit", "--capacity-gib", "4"}, "--capacity-gib excludes --fit");
+  fails_naming({"--fit", "--repeat", "3"}, "--repeat excludes --fit");
+  fails_naming({"--fit", "--config", "memory_limit:4GiB"}, "--fit: sets the limit itself");
+}
+
+TEST(replay_fit, table_names_the_resolution) {
+  const cli_run r =
+      run({"--backend", "sim", "--fit", "--fit-resolution-mib", "64", k_resnet.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("resolution 64 MiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("min capacity"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("resnet50_train"), std::string::npos) << r.out;
+}
+
+/// Runs the cucache-replay binary; its stdout.
+std::string run_binary(const std::string& args, int& status) {
+  const std::string command = std::string(CUCACHE_REPLAY_BIN) + " " + args + " 2>/dev/null";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) {
+    status = -1;
+    return {};
+  }
+  std::string out;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+  status = ::pclose(pipe);
+  return out;
+}
+
+/// --capacity-gib for exactly `bytes`: the shortest decimal that reads back as the same double
+/// (bytes / 2^30 is exact for any multiple of 512 B below 2^62).
+std::string gib_arg(std::uint64_t bytes) {
+  return fmt::format("{}", static_cast<double>(bytes) / static_cast<double>(1ULL << 30));
+}
+
+class replay_fit_binary : public ::testing::TestWithParam<std::string> {};
+
+// cucache-replay --fit on the bundled trace, checked against the binary itself: the minimum found
+// passes a full replay under --capacity-gib, one resolution below it does not.
+TEST_P(replay_fit_binary, resnet50_minimum_capacity_holds) {
+  const std::string config = GetParam().empty() ? "" : " --config " + GetParam();
+  int status = 0;
+  const std::string out =
+      run_binary("--backend sim --fit --json" + config + " " + k_resnet.string(), status);
+  ASSERT_EQ(status, 0) << out;
+  const auto lines = json_lines(out);
+  ASSERT_EQ(lines.size(), 1u) << out;
+  const nlohmann::json& j = lines[0];
+  EXPECT_EQ(j["mode"], "fit");
+  EXPECT_EQ(j["trace"], "resnet50_train");
+  EXPECT_EQ(j["config"], GetParam());
+  const auto requested = j["peak_requested_bytes"].get<std::uint64_t>();
+  const auto resolution = j["fit_resolution_bytes"].get<std::uint64_t>();
+  const auto min = j["min_capacity_bytes"].get<std::uint64_t>();
+  const auto fails_at = j["fails_at_bytes"].get<std::uint64_t>();
+  const auto unconstrained = j["unconstrained_peak_reserved_bytes"].get<std::uint64_t>();
+  EXPECT_EQ(requested, 3192592912u);
+  EXPECT_EQ(resolution, 2 * k_mib);
+  EXPECT_GE(min, requested);
+  EXPECT_EQ(min % resolution, 0u);
+  EXPECT_EQ(fails_at, min - resolution);
+  EXPECT_LE(min, j["upper_bound_bytes"].get<std::uint64_t>());
+  EXPECT_EQ(j["upper_bound_raises"], 0);
+  EXPECT_GE(unconstrained, min);
+  EXPECT_DOUBLE_EQ(j["min_capacity_over_requested"].get<double>(),
+                   static_cast<double>(min) / static_cast<double>(requested));
+  EXPECT_TRUE(j["peers"].empty());
+
+  const auto replay_under = [&](std::uint64_t bytes) {
+    int rc = 0;
+    const auto r = json_lines(run_binary(
+        "--backend sim --json --capacity-gib " + gib_arg(bytes) + config + " " + k_resnet.string(),
+        rc));
+    EXPECT_EQ(rc, 0);
+    EXPECT_EQ(r.size(), 1u);
+    EXPECT_EQ(r.at(0)["capacity_bytes"], bytes);
+    return r.at(0);
+  };
+  const nlohmann::json at = replay_under(min);
+  EXPECT_EQ(at["fits"], true);
+  EXPECT_EQ(at["oom_count"], 0);
+  const nlohmann::json below = replay_under(fails_at);
+  EXPECT_EQ(below["fits"], false);
+  EXPECT_GT(below["oom_count"].get<std::uint64_t>(), 0u);
+  // The unconstrained run is the replay's own peak reserved.
+  EXPECT_EQ(replay_under(unconstrained)["peak_reserved_bytes"], unconstrained);
+}
+
+INSTANTIATE_TEST_SUITE_P(modes, replay_fit_binary,
+                         ::testing::Values(std::string(), std::string("expandable_segments:True")),
+                         [](const ::testing::TestParamInfo<std::string>& param) {
+                           return param.param.empty() ? std::string("default")
+                                                      : std::string("expandable");
+                         });
 
 }  // namespace
 }  // namespace cucache::replay

@@ -11,6 +11,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "cucache/backend_factory.hpp"
 #include "cucache/cuda_backend.hpp"
 #include "cucache/errors.hpp"
 #include "peers.hpp"
@@ -59,6 +60,45 @@ std::string format_reference(const std::vector<std::string>& paths,
   return s;
 }
 
+/// PyTorch's minimum capacities for the same traces, when a min_capacity.json sits beside them
+/// (as in ../shared/traces), for --fit.
+std::string format_min_capacity_reference(const std::vector<std::string>& paths,
+                                          const std::vector<fit_result>& results, bool expandable) {
+  std::string s;
+  const std::string cucache_key =
+      fmt::format("cucache_{}_min_capacity_ratio", expandable ? "expandable" : "default");
+  for (std::size_t i = 0; i < paths.size() && i < results.size(); ++i) {
+    const auto ref_path = std::filesystem::path(paths[i]).parent_path() / "min_capacity.json";
+    std::ifstream in(ref_path);
+    if (!in) continue;
+    const nlohmann::json ref = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    const fit_result& r = results[i];
+    if (!ref.is_object() || !ref.contains(r.trace) || !ref[r.trace].is_object()) continue;
+    const nlohmann::json& t = ref[r.trace];
+    // cucache's own H200 figure for this mode, under a key dated by when it was measured.
+    double cucache_h200 = 0.0;
+    for (const auto& [key, value] : t.items()) {
+      if (key.starts_with(cucache_key) && value.is_number()) cucache_h200 = value.get<double>();
+    }
+    if (s.empty()) {
+      s += fmt::format("\nPyTorch 2.11 on an H200 ({}): minimum capacity / peak requested\n",
+                       ref_path.string());
+      s += fmt::format("{:<20} {:>9} {:>12} {:>12} {:>16} {:>14}\n", "trace", "cucache",
+                       "torch dflt", "torch exp.", "cudaMallocAsync",
+                       expandable ? "cucache exp." : "cucache dflt");
+      s += fmt::format("{:<20} {:>9} {:>12} {:>12} {:>16} {:>14}\n", "", "(here)", "(H200)",
+                       "(H200)", "(H200)", "(H200)");
+    }
+    const auto req = static_cast<double>(r.peak_requested_bytes);
+    s += fmt::format("{:<20} {:>9.4f} {:>12.4f} {:>12.4f} {:>16.4f} {:>14.4f}\n", r.trace,
+                     req == 0.0 ? 0.0 : static_cast<double>(r.cucache.min_capacity_bytes) / req,
+                     t.value("torch_default_min_capacity_ratio", 0.0),
+                     t.value("torch_expandable_min_capacity_ratio", 0.0),
+                     t.value("cudaMallocAsync_min_capacity_ratio", 0.0), cucache_h200);
+  }
+  return s;
+}
+
 }  // namespace
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
@@ -83,15 +123,29 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                      "device capacity (sim) or memory limit (cuda) in GiB; reports whether the "
                      "trace fits")
           ->check(CLI::PositiveNumber);
-  app.add_option("--repeat", repeat,
-                 "timed replays per trace, each with a fresh allocator; the "
-                 "median is reported")
-      ->check(CLI::Range(1U, 1000000U));
+  auto* repeat_opt = app.add_option("--repeat", repeat,
+                                    "timed replays per trace, each with a fresh allocator; the "
+                                    "median is reported")
+                         ->check(CLI::Range(1U, 1000000U));
   app.add_flag("--json", json, "one JSON object per trace per line, nothing else on stdout");
   auto* peers_opt = app.add_option(
       "--peers", peers_text,
       "comma-separated peers: cudaMalloc,cudaMallocAsync,c10 or none (default: every available "
       "one on cuda, none on sim)");
+  bool fit = false;
+  double fit_resolution_mib = 0.0;
+  auto* fit_opt = app.add_flag(
+      "--fit", fit,
+      "find each trace's minimum capacity, the smallest limit under which it replays with no "
+      "out-of-memory, by bisection between its peak requested bytes and its unconstrained peak "
+      "reserved (for cucache, and on cuda for cudaMallocAsync and c10)");
+  auto* fit_resolution_opt = app.add_option(
+      "--fit-resolution-mib", fit_resolution_mib,
+      "with --fit: the bisection's resolution in MiB; every limit tried is a multiple of it "
+      "(default 2, the allocation granule, at which the simulated device's answer is exact)");
+  fit_resolution_opt->needs(fit_opt);
+  fit_opt->excludes(capacity_opt);
+  fit_opt->excludes(repeat_opt);
   app.add_option("trace", traces, "trace files")->required()->check(CLI::ExistingFile);
   try {
     app.parse(argc, argv);
@@ -101,21 +155,32 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
 
   try {
     options opts;
+    const bool have_gpu = count_devices(backend_kind::cuda).count > 0;
     if (backend_name.empty()) {
-      if (cuda_available()) {
-        opts.backend = backend_kind::cuda;
-      } else {
-        opts.backend = backend_kind::sim;
+      opts.backend = have_gpu ? backend_kind::cuda : backend_kind::sim;
+      if (!have_gpu) {
         err << "cucache-replay: no GPU: " << cuda_unavailable_reason()
             << "; using the simulated device\n";
       }
-    } else if (backend_name == "cuda") {
-      if (!cuda_available()) {
+    } else {
+      opts.backend = parse_backend_kind(backend_name, "--backend");
+      if (opts.backend == backend_kind::cuda && !have_gpu) {
         throw error(fmt::format("--backend cuda: {}", cuda_unavailable_reason()));
       }
-      opts.backend = backend_kind::cuda;
     }
     opts.cfg = parse_config(config_text);
+    fit_options fit_opts;
+    if (fit_resolution_opt->count() > 0) {
+      const double bytes =
+          std::round(fit_resolution_mib * static_cast<double>(std::size_t{1} << 20));
+      if (!(fit_resolution_mib > 0.0) || !(bytes >= 1.0) || bytes > 1e18) {
+        throw invalid_argument(fmt::format(
+            "--fit-resolution-mib {}: must be a positive number of MiB (at least one byte)",
+            fit_resolution_mib));
+      }
+      fit_opts.resolution_bytes = static_cast<std::size_t>(bytes);
+    }
+    if (fit) check_fit(opts, fit_opts);  // before any peer is made
     if (capacity_opt->count() > 0) {
       const double bytes = std::round(capacity_gib * static_cast<double>(std::size_t{1} << 30));
       if (!(bytes >= 1.0) || bytes > 1e18) {
@@ -138,7 +203,30 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     const auto peers = make_peers(opts.peers, requested, opts, err);
     std::vector<peer*> peer_ptrs;
-    for (const auto& p : peers) peer_ptrs.push_back(p.get());
+    for (const auto& p : peers) {
+      // --fit by default fits every peer a limit can hold; one asked for by name that cannot
+      // be held is an error (fit_trace).
+      if (fit && !requested && !p->limitable()) continue;
+      peer_ptrs.push_back(p.get());
+    }
+
+    if (fit) {
+      std::vector<fit_result> fits;
+      for (const std::string& path : traces) {
+        const prepared_trace trace = load_trace(path);
+        fit_result r = fit_trace(trace, opts, fit_opts, peer_ptrs);
+        if (json) {
+          out << to_json(r).dump() << '\n' << std::flush;
+        } else {
+          fits.push_back(std::move(r));
+        }
+      }
+      if (!json) {
+        out << format_table(fits);
+        out << format_min_capacity_reference(traces, fits, opts.cfg.expandable_segments);
+      }
+      return 0;
+    }
 
     std::vector<trace_result> results;
     for (const std::string& path : traces) {

@@ -1,30 +1,25 @@
 // The peer allocators of cucache-replay (see peers.hpp). Each run starts cold and frees what the
 // trace leaves live, outside the timed loop, so every run sees the same device.
 #include "peers.hpp"
-#include "backend/device_guard.hpp"
 
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <filesystem>
-#include <limits>
 #include <optional>
 #include <ostream>
-#include <system_error>
 
-#include "backend/device_guard.hpp"
-#include "c10_peer.h"
+#include "common/c10_loader.hpp"
+#include "common/cuda_check.hpp"
+#include "common/device_peers.hpp"
 #include "cucache/errors.hpp"
 #include "replay_loop.hpp"
 
 namespace cucache::replay {
 namespace {
 
-using detail::check_runtime;
-using detail::throw_runtime_error;
+using tools::check_cuda;
 
 double ns_per_op(const pass_result& r, const prepared_trace& trace) {
   return trace.timed_events == 0
@@ -43,27 +38,27 @@ void free_leftovers(const prepared_trace& trace, std::span<const stream_handle> 
   }
 }
 
+std::size_t device_total_bytes() {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  check_cuda(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  return total_bytes;
+}
+
 std::size_t device_used_bytes() {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
-  check_runtime(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  check_cuda(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
   return total_bytes - free_bytes;
 }
 
 // --- cudaMalloc / cudaFree --------------------------------------------------------------------
 
 struct cuda_malloc_ops {
-  void* allocate(std::size_t bytes, stream_handle /*stream*/) {
-    void* p = nullptr;
-    if (const cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
-      if (e != cudaErrorMemoryAllocation) throw_runtime_error("cudaMalloc", e);
-      detail::clear_expected_error(e);  // so a later, unrelated check does not report it again
-      return nullptr;
-    }
-    return p;
-  }
+  tools::cuda_malloc_device device;
+  void* allocate(std::size_t bytes, stream_handle /*stream*/) { return device.allocate(bytes); }
   void deallocate(void* p, stream_handle /*stream*/, bool /*other_stream*/) {
-    check_runtime(cudaFree(p), "cudaFree");
+    device.deallocate(p);
   }
 };
 
@@ -80,7 +75,7 @@ class cuda_malloc_peer final : public peer {
                std::span<void*> slots) override {
     cuda_malloc_ops ops;
     std::fill(slots.begin(), slots.end(), nullptr);
-    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const pass_result r = run_pass(trace, streams, slots, ops);
     free_leftovers(trace, streams, slots,
                    [&](void* p, stream_handle s) { ops.deallocate(p, s, false); });
@@ -98,6 +93,13 @@ class cuda_malloc_peer final : public peer {
     return {ns_per_op(r, trace), r.failed_allocations, *peak_};
   }
 
+  // cudaMalloc has no limit of its own; only the device's memory bounds it.
+  [[nodiscard]] bool limitable() const override { return false; }
+  bool fits(const prepared_trace& /*trace*/, std::span<const stream_handle> /*streams*/,
+            std::span<void*> /*slots*/, std::size_t /*limit_bytes*/) override {
+    throw invalid_argument("cudaMalloc cannot be held to a memory limit");
+  }
+
  private:
   std::optional<std::size_t> peak_;
 };
@@ -105,21 +107,10 @@ class cuda_malloc_peer final : public peer {
 // --- cudaMallocAsync on a dedicated pool -------------------------------------------------------
 
 struct async_ops {
-  cudaMemPool_t pool = nullptr;
-  void* allocate(std::size_t bytes, stream_handle stream) {
-    void* p = nullptr;
-    if (const cudaError_t e =
-            cudaMallocFromPoolAsync(&p, bytes, pool, static_cast<cudaStream_t>(stream));
-        e != cudaSuccess) {
-      if (e != cudaErrorMemoryAllocation) throw_runtime_error("cudaMallocFromPoolAsync", e);
-      detail::clear_expected_error(e);
-      return nullptr;
-    }
-    return p;
-  }
+  tools::cuda_async_pool* pool;
+  void* allocate(std::size_t bytes, stream_handle stream) { return pool->allocate(bytes, stream); }
   void deallocate(void* p, stream_handle stream, bool /*other_stream*/) {
-    // The free's own stream: reuse then follows that stream's order, as cudaFreeAsync promises.
-    check_runtime(cudaFreeAsync(p, static_cast<cudaStream_t>(stream)), "cudaFreeAsync");
+    pool->deallocate(p, stream);
   }
 };
 
@@ -133,36 +124,27 @@ class async_peer final : public peer {
 
   peer_run run(const prepared_trace& trace, std::span<const stream_handle> streams,
                std::span<void*> slots) override {
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.handleTypes = cudaMemHandleTypeNone;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = 0;
-    props.maxSize = max_pool_bytes_;  // 0: the driver's default (no cap of ours)
-    async_ops ops;
-    check_runtime(cudaMemPoolCreate(&ops.pool, &props), "cudaMemPoolCreate");
-    struct pool_guard {
-      cudaMemPool_t pool;
-      ~pool_guard() {
-        (void)cudaDeviceSynchronize();
-        (void)cudaMemPoolDestroy(pool);
-      }
-    } guard{ops.pool};
-    // The default threshold (0) trims the pool at every synchronization; a caching allocator
-    // keeps its memory, so compare like with like.
-    std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
-    check_runtime(cudaMemPoolSetAttribute(ops.pool, cudaMemPoolAttrReleaseThreshold, &threshold),
-                  "cudaMemPoolSetAttribute(ReleaseThreshold)");
+    tools::cuda_async_pool pool(0, max_pool_bytes_);  // 0: the driver's default (no cap of ours)
+    async_ops ops{&pool};
     std::fill(slots.begin(), slots.end(), nullptr);
-    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const pass_result r = run_pass(trace, streams, slots, ops);
     free_leftovers(trace, streams, slots,
                    [&](void* p, stream_handle s) { ops.deallocate(p, s, false); });
-    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    std::uint64_t high = 0;
-    check_runtime(cudaMemPoolGetAttribute(ops.pool, cudaMemPoolAttrReservedMemHigh, &high),
-                  "cudaMemPoolGetAttribute(ReservedMemHigh)");
-    return {ns_per_op(r, trace), r.failed_allocations, static_cast<std::size_t>(high)};
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    return {ns_per_op(r, trace), r.failed_allocations, pool.reserved_high()};
+  }
+
+  bool fits(const prepared_trace& trace, std::span<const stream_handle> streams,
+            std::span<void*> slots, std::size_t limit_bytes) override {
+    tools::cuda_async_pool pool(0, limit_bytes);
+    async_ops ops{&pool};
+    std::fill(slots.begin(), slots.end(), nullptr);
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    const pass_result r = run_pass<on_failure::stop>(trace, streams, slots, ops);
+    free_leftovers(trace, streams, slots,
+                   [&](void* p, stream_handle s) { ops.deallocate(p, s, false); });
+    return r.failed_allocations == 0;
   }
 
  private:
@@ -171,90 +153,29 @@ class async_peer final : public peer {
 
 // --- PyTorch's caching allocator through libcucache_c10_peer.so -------------------------------
 
-struct c10_api {
-  cucache_peer_c10_init_fn init = nullptr;
-  cucache_peer_c10_alloc_fn alloc = nullptr;
-  cucache_peer_c10_free_fn free = nullptr;
-  cucache_peer_c10_set_memory_fraction_fn set_memory_fraction = nullptr;
-  cucache_peer_c10_stats_fn stats = nullptr;
-  cucache_peer_c10_reset_fn reset = nullptr;
-  cucache_peer_c10_last_error_fn last_error = nullptr;
-};
-
 struct c10_ops {
-  const c10_api* api;
-  void* allocate(std::size_t bytes, stream_handle stream) { return api->alloc(bytes, stream); }
-  void deallocate(void* p, stream_handle /*stream*/, bool /*other_stream*/) { api->free(p); }
+  const tools::c10_peer_library* lib;
+  void* allocate(std::size_t bytes, stream_handle stream) { return lib->allocate(bytes, stream); }
+  void deallocate(void* p, stream_handle /*stream*/, bool /*other_stream*/) { lib->deallocate(p); }
 };
 
-std::filesystem::path c10_library_path() {
-  if (const char* env = std::getenv("CUCACHE_C10_PEER"); env != nullptr && env[0] != '\0') {
-    return env;
-  }
-  std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return "libcucache_c10_peer.so";
-  return exe.parent_path() / "libcucache_c10_peer.so";
-}
-
-template <class Fn>
-Fn symbol(void* lib, const char* name) {
-  void* p = dlsym(lib, name);
-  if (p == nullptr) throw error(fmt::format("c10 peer: the shim lacks {}", name));
-  return reinterpret_cast<Fn>(p);
+/// The memory fraction that makes c10 cap its reservations at `limit_bytes` of a device of
+/// `total_bytes`: c10 caps at static_cast<size_t>(fraction * total), so half a byte more keeps
+/// the product's rounding from landing one byte below the limit.
+double fraction_of(std::size_t limit_bytes, std::size_t total_bytes) {
+  return std::min(1.0, (static_cast<double>(limit_bytes) + 0.5) / static_cast<double>(total_bytes));
 }
 
 class c10_peer final : public peer {
  public:
-  explicit c10_peer(const options& opts) {
-    // c10's global state lives as long as the process: one peer per process, never unloaded.
-    static bool created = false;
-    if (created) throw error("c10 peer: only one per process");
-    const auto path = c10_library_path();
-    if (!std::filesystem::exists(path)) {
-      throw error(fmt::format(
-          "c10 peer: {} not found (build it with tools/build_c10_peer.sh on a machine with "
-          "torch, or set CUCACHE_C10_PEER)",
-          path.string()));
-    }
-    // c10 reads its settings from the environment when it loads, so set them first: the peer
-    // runs with the settings cucache runs with, whatever the caller's environment says.
-    const std::string conf = c10_settings(opts.cfg);
-    if (conf.empty()) {
-      ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
-    } else {
-      ::setenv("PYTORCH_CUDA_ALLOC_CONF", conf.c_str(), 1);
-    }
-    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr)
-      throw error(fmt::format("c10 peer: dlopen {}: {}", path.string(), dlerror()));
-    created = true;
-    const auto abi = symbol<cucache_peer_c10_abi_fn>(lib, "cucache_peer_c10_abi");
-    if (abi() != CUCACHE_C10_PEER_ABI) {
-      throw error(fmt::format("c10 peer: {} has interface version {}, expected {}; rebuild it",
-                              path.string(), abi(), CUCACHE_C10_PEER_ABI));
-    }
-    api_.init = symbol<cucache_peer_c10_init_fn>(lib, "cucache_peer_c10_init");
-    api_.alloc = symbol<cucache_peer_c10_alloc_fn>(lib, "cucache_peer_c10_alloc");
-    api_.free = symbol<cucache_peer_c10_free_fn>(lib, "cucache_peer_c10_free");
-    api_.set_memory_fraction = symbol<cucache_peer_c10_set_memory_fraction_fn>(
-        lib, "cucache_peer_c10_set_memory_fraction");
-    api_.stats = symbol<cucache_peer_c10_stats_fn>(lib, "cucache_peer_c10_stats");
-    api_.reset = symbol<cucache_peer_c10_reset_fn>(lib, "cucache_peer_c10_reset");
-    api_.last_error = symbol<cucache_peer_c10_last_error_fn>(lib, "cucache_peer_c10_last_error");
-    if (api_.init(conf.c_str()) != 0) fail("init");
-
+  explicit c10_peer(const options& opts) : lib_(&tools::load_c10_peer(c10_settings(opts.cfg))) {
     // c10 takes its cap as a fraction of the device: the lower of --config's memory_fraction
     // and --capacity-gib.
-    double fraction = opts.cfg.memory_fraction > 0.0 ? opts.cfg.memory_fraction : 1.0;
+    fraction_ = opts.cfg.memory_fraction > 0.0 ? opts.cfg.memory_fraction : 1.0;
     if (opts.capacity_bytes) {
-      std::size_t free_bytes = 0;
-      std::size_t total_bytes = 0;
-      check_runtime(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
-      fraction = std::min(
-          fraction, static_cast<double>(*opts.capacity_bytes) / static_cast<double>(total_bytes));
+      fraction_ = std::min(fraction_, fraction_of(*opts.capacity_bytes, device_total_bytes()));
     }
-    if (fraction < 1.0 && api_.set_memory_fraction(fraction) != 0) fail("set_memory_fraction");
+    if (fraction_ < 1.0) lib_->set_memory_fraction(fraction_);
   }
 
   [[nodiscard]] std::string name() const override { return "c10"; }
@@ -264,38 +185,49 @@ class c10_peer final : public peer {
 
   peer_run run(const prepared_trace& trace, std::span<const stream_handle> streams,
                std::span<void*> slots) override {
-    if (api_.reset() != 0) fail("reset");
-    std::fill(slots.begin(), slots.end(), nullptr);
-    check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    c10_ops ops{&api_};
-    const pass_result r = run_pass(trace, streams, slots, ops);
-    free_leftovers(trace, streams, slots,
-                   [&](void* p, stream_handle s) { ops.deallocate(p, s, false); });
-    cucache_c10_stats s{};
-    if (api_.stats(&s) != 0) fail("stats");
-    if (r.failed_allocations > static_cast<std::uint64_t>(s.num_ooms)) {
-      fail("an allocation failed for a reason other than out-of-memory");
-    }
-    if (api_.reset() != 0) fail("reset");
+    const pass_result r = pass(trace, streams, slots,
+                               [&](c10_ops& ops) { return run_pass(trace, streams, slots, ops); });
     return {ns_per_op(r, trace), r.failed_allocations,
-            static_cast<std::size_t>(s.peak_reserved_bytes)};
+            static_cast<std::size_t>(last_stats_.peak_reserved_bytes)};
+  }
+
+  bool fits(const prepared_trace& trace, std::span<const stream_handle> streams,
+            std::span<void*> slots, std::size_t limit_bytes) override {
+    lib_->set_memory_fraction(std::min(fraction_, fraction_of(limit_bytes, device_total_bytes())));
+    const pass_result r = pass(trace, streams, slots, [&](c10_ops& ops) {
+      return run_pass<on_failure::stop>(trace, streams, slots, ops);
+    });
+    lib_->set_memory_fraction(fraction_);
+    return r.failed_allocations == 0;
   }
 
  private:
-  [[noreturn]] void fail(const char* what) const {
-    throw error(fmt::format("c10 peer: {} failed: {}", what, api_.last_error()));
+  /// One cold pass (`run_one`), its leftovers freed and its statistics kept in last_stats_;
+  /// throws when an allocation failed for another reason than out-of-memory.
+  template <class Pass>
+  pass_result pass(const prepared_trace& trace, std::span<const stream_handle> streams,
+                   std::span<void*> slots, Pass&& run_one) {
+    lib_->reset();
+    std::fill(slots.begin(), slots.end(), nullptr);
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    c10_ops ops{lib_};
+    const pass_result r = run_one(ops);
+    free_leftovers(trace, streams, slots,
+                   [&](void* p, stream_handle s) { ops.deallocate(p, s, false); });
+    last_stats_ = lib_->stats();
+    if (r.failed_allocations > static_cast<std::uint64_t>(last_stats_.num_ooms)) {
+      throw error(
+          fmt::format("c10 peer: an allocation failed for a reason other than out-of-memory: {}",
+                      lib_->last_error()));
+    }
+    lib_->reset();
+    return r;
   }
 
-  c10_api api_;
+  const tools::c10_peer_library* lib_;
+  double fraction_ = 1.0;
+  cucache_c10_stats last_stats_{};
 };
-
-std::unique_ptr<peer> make_peer(const std::string& name, const options& opts) {
-  if (name == "cudaMalloc") return std::make_unique<cuda_malloc_peer>();
-  if (name == "cudaMallocAsync")
-    return std::make_unique<async_peer>(opts.capacity_bytes.value_or(0));
-  if (name == "c10") return std::make_unique<c10_peer>(opts);
-  throw error(fmt::format("unknown peer '{}' (accepted: cudaMalloc, cudaMallocAsync, c10)", name));
-}
 
 }  // namespace
 
@@ -303,13 +235,19 @@ std::vector<std::unique_ptr<peer>> make_peers(std::span<const std::string> names
                                               const options& opts, std::ostream& err) {
   std::vector<std::unique_ptr<peer>> peers;
   for (const std::string& name : names) {
-    if (std::find(std::begin(k_peer_names), std::end(k_peer_names), name) ==
-        std::end(k_peer_names)) {
-      throw error(
-          fmt::format("unknown peer '{}' (accepted: cudaMalloc, cudaMallocAsync, c10)", name));
-    }
     try {
-      peers.push_back(make_peer(name, opts));
+      if (name == "cudaMalloc") {
+        peers.push_back(std::make_unique<cuda_malloc_peer>());
+      } else if (name == "cudaMallocAsync") {
+        peers.push_back(std::make_unique<async_peer>(opts.capacity_bytes.value_or(0)));
+      } else if (name == "c10") {
+        peers.push_back(std::make_unique<c10_peer>(opts));
+      } else {
+        throw invalid_argument(
+            fmt::format("unknown peer '{}' (accepted: {})", name, fmt::join(k_peer_names, ", ")));
+      }
+    } catch (const invalid_argument&) {
+      throw;  // a wrong name is the caller's mistake, never a peer to skip
     } catch (const std::exception& e) {
       if (requested) throw;
       err << "cucache-replay: skipping peer " << name << ": " << e.what() << '\n';
@@ -326,7 +264,7 @@ cuda_stream_table::cuda_stream_table(std::span<const std::uintptr_t> ids) {
       // Streams that allocate in a PyTorch program are its side streams, which do not
       // synchronize with the legacy default stream.
       if (id != 0)
-        check_runtime(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+        check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
       handles_.push_back(s);
     }
   } catch (...) {

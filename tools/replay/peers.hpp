@@ -1,7 +1,7 @@
 // The allocators cucache-replay compares against on a real GPU: cudaMalloc/cudaFree, the
 // stream-ordered allocator (cudaMallocAsync on a dedicated pool) and PyTorch's caching allocator
-// through the dlopen'd shim of bench/peers/c10_peer.h. Also the table of CUDA streams a replay
-// uses.
+// through the dlopen'd shim of bench/peers/c10_peer.h (the device calls and the loader are
+// tools/common's, shared with cucache-bench). Also the table of CUDA streams a replay uses.
 #pragma once
 
 #include <cstddef>
@@ -35,11 +35,19 @@ class peer {
   [[nodiscard]] virtual peer_run run(const prepared_trace& trace,
                                      std::span<const stream_handle> streams,
                                      std::span<void*> slots) = 0;
+  /// Whether the peer can be held to a memory limit (--capacity-gib, --fit).
+  [[nodiscard]] virtual bool limitable() const { return true; }
+  /// --fit: one untimed, cold run under a limit of `limit_bytes` that stops at the first
+  /// out-of-memory; true when there was none. Frees what it left live. Only when limitable().
+  [[nodiscard]] virtual bool fits(const prepared_trace& trace,
+                                  std::span<const stream_handle> streams, std::span<void*> slots,
+                                  std::size_t limit_bytes) = 0;
 };
 
 /// Creates the named peers on device 0. `requested` false means "every available one": a peer
 /// that cannot be created is then skipped with a note on `err` instead of failing. Throws
-/// cucache::error for an unknown name or a requested peer that is unavailable.
+/// cucache::invalid_argument for an unknown name, cucache::error for a requested peer that is
+/// unavailable.
 [[nodiscard]] std::vector<std::unique_ptr<peer>> make_peers(std::span<const std::string> names,
                                                             bool requested, const options& opts,
                                                             std::ostream& err);

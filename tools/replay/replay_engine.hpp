@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cucache/backend.hpp"
+#include "cucache/backend_factory.hpp"
 #include "cucache/config.hpp"
 #include "cucache/trace.hpp"
 
@@ -53,9 +54,6 @@ struct prepared_trace {
 [[nodiscard]] prepared_trace prepare(const std::vector<trace_event>& events, std::string name);
 /// read_trace + prepare; the name is the file name without ".gz" and ".csv".
 [[nodiscard]] prepared_trace load_trace(const std::filesystem::path& path);
-
-enum class backend_kind : std::uint8_t { sim, cuda };
-[[nodiscard]] const char* to_string(backend_kind kind) noexcept;
 
 /// Default simulated capacity: large enough that any trace fits.
 inline constexpr std::size_t k_unbounded_sim_capacity = std::size_t{1} << 40;
@@ -139,10 +137,77 @@ class peer;
 [[nodiscard]] trace_result replay_trace(const prepared_trace& trace, const options& opts,
                                         std::span<peer* const> peers = {});
 
+/// --fit: the bisection for a trace's minimum capacity, the smallest memory limit under which it
+/// replays with no out-of-memory (see fit_trace).
+struct fit_options {
+  /// The bisection's resolution: every limit tried is a multiple of it, so the minimum found is
+  /// at most this much above the true one (when failing and passing are monotonic in the limit).
+  /// The default, 2 MiB, is the granule of every segment and physical handle both cucache and
+  /// the simulated device allocate, so on `sim` the minimum found is the exact one.
+  std::size_t resolution_bytes = std::size_t{2} << 20;
+};
+
+/// One allocator's minimum capacity for a trace.
+struct capacity_fit {
+  /// The smallest limit seen to pass (a multiple of the resolution).
+  std::size_t min_capacity_bytes = 0;
+  /// min_capacity_bytes - resolution, a limit that fails: replayed and seen to fail, or below the
+  /// trace's peak requested bytes, where it cannot hold the bytes live at that moment.
+  std::size_t fails_at_bytes = 0;
+  bool fails_at_replayed = false;
+  /// The allocator's peak reserved bytes in a replay without a limit; rounded up to the
+  /// resolution, it is the bisection's upper bound.
+  std::size_t unconstrained_peak_reserved_bytes = 0;
+  /// The first limit seen to pass: the rounded upper bound, doubled for every time it failed
+  /// (upper_bound_raises; possible when a limit changes what the allocator does).
+  std::size_t upper_bound_bytes = 0;
+  unsigned upper_bound_raises = 0;
+  /// Replays under a limit (each stops at its first out-of-memory).
+  unsigned replays = 0;
+  /// Wall time of the whole fit, the unconstrained replay included.
+  double seconds = 0.0;
+};
+
+struct peer_fit {
+  std::string name;
+  capacity_fit fit;
+};
+
+struct fit_result {
+  std::string trace;
+  std::string backend;
+  std::string config;  // to_string of the --config given
+  std::size_t events = 0;
+  std::size_t allocations = 0;
+  std::size_t streams = 0;
+  std::size_t peak_requested_bytes = 0;  // from the trace summary: the bisection's lower bound
+  std::size_t resolution_bytes = 0;
+  capacity_fit cucache;
+  std::vector<peer_fit> peers;
+};
+
+/// Throws cucache::invalid_argument naming the flag when `opts` and `fit` cannot go together: a
+/// zero resolution, a capacity (--capacity-gib) or a memory_limit / memory_fraction in the config
+/// (the fit sets the limit itself).
+void check_fit(const options& opts, const fit_options& fit);
+
+/// Finds the minimum capacity of `trace` by bisection, for cucache and for each peer, with limits
+/// applied as --capacity-gib applies them (`opts.capacity_bytes` must be empty): the simulated
+/// device's capacity or, on cuda, cucache's memory limit, the c10 peer's memory fraction and the
+/// async pool's maxSize. Lower bound: the trace's peak requested bytes; upper bound: the peak
+/// reserved of an unconstrained replay, which is replayed under and must pass (it is doubled
+/// while it does not). Throws cucache::invalid_argument as check_fit does, and for a trace that
+/// requests no memory or a peer that cannot be limited; cucache::error when no limit passes.
+[[nodiscard]] fit_result fit_trace(const prepared_trace& trace, const options& opts,
+                                   const fit_options& fit, std::span<peer* const> peers = {});
+
 /// The JSON object of one result (one line of --json output).
 [[nodiscard]] nlohmann::json to_json(const trace_result& result);
 /// The human table of several results.
 [[nodiscard]] std::string format_table(std::span<const trace_result> results);
+/// The same for --fit.
+[[nodiscard]] nlohmann::json to_json(const fit_result& result);
+[[nodiscard]] std::string format_table(std::span<const fit_result> results);
 
 /// The whole command line tool; returns the exit status. Output goes to `out` (table or JSON
 /// Lines), notes and errors to `err`.

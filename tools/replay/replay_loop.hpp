@@ -18,6 +18,10 @@ struct pass_result {
   std::uint64_t failed_allocations = 0;
 };
 
+/// What a pass does after an allocation fails: go on without the block (the figures of a replay
+/// under a limit), or stop there (--fit needs to know only whether any allocation fails).
+enum class on_failure : std::uint8_t { go_on, stop };
+
 /// Never called in timed runs; exists so they pass a hook that compiles to nothing.
 struct no_hook {
   void operator()(std::size_t /*op_index*/) const noexcept {}
@@ -27,8 +31,9 @@ struct no_hook {
 ///   void* allocate(std::size_t bytes, stream_handle stream)   -- nullptr when out of memory
 ///   void deallocate(void* ptr, stream_handle stream, bool other_stream)
 /// `slots` (one per operation) receives the replay pointers; `after_allocate(i)` runs after each
-/// successful allocation. Pointers still live at the end stay in `slots` for the caller to free.
-template <class Allocator, class Hook = no_hook>
+/// successful allocation. Pointers still live at the end (or at the failure that stopped the pass)
+/// stay in `slots` for the caller to free.
+template <on_failure failure = on_failure::go_on, class Allocator, class Hook = no_hook>
 pass_result run_pass(const prepared_trace& trace, std::span<const stream_handle> streams,
                      std::span<void*> slots, Allocator& a, Hook&& after_allocate = {}) {
   pass_result r;
@@ -45,6 +50,10 @@ pass_result run_pass(const prepared_trace& trace, std::span<const stream_handle>
         slot[op.slot] = p;
         if (p == nullptr) {
           ++r.failed_allocations;
+          if constexpr (failure == on_failure::stop) {
+            r.elapsed = std::chrono::steady_clock::now() - start;
+            return r;
+          }
         } else {
           after_allocate(i);
         }
