@@ -47,6 +47,8 @@ inline constexpr std::size_t k_sim_call_kinds = static_cast<std::size_t>(sim_cal
 
 /// Options of a simulated device.
 struct sim_options {
+  /// Device ordinal in [0, 64). Each has an address window of its own (no two devices ever hand
+  /// out the same address, as with the one virtual address space of real GPUs).
   int device = 0;
   /// Physical memory of the device in bytes (80 GiB: an A100/H100-class card).
   std::size_t capacity_bytes = std::size_t{80} << 30;

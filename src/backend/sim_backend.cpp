@@ -1,7 +1,9 @@
 // The simulated device. Addresses come from a first-fit allocator over a fixed 64 TiB window, so
-// the same sequence of calls always yields the same addresses. Driver rules that the allocator
-// must respect (whole-mapping unmap, no release of mapped handles, no free of unknown pointers)
-// are enforced as errors, so a bug in the allocator shows up as a failed test.
+// the same sequence of calls always yields the same addresses. Each device ordinal has a window of
+// its own (device 0's starts at 0x7f0000000000): as on real GPUs, which share one virtual address
+// space, a pointer belongs to one device only, so a free can find its owner. Driver rules that the
+// allocator must respect (whole-mapping unmap, no release of mapped handles, no free of unknown
+// pointers) are enforced as errors, so a bug in the allocator shows up as a failed test.
 #include "cucache/sim_backend.hpp"
 
 #include <fmt/format.h>
@@ -16,6 +18,7 @@ namespace {
 
 constexpr std::uintptr_t k_address_base = 0x7f0000000000ULL;
 constexpr std::size_t k_address_window = std::size_t{1} << 46;
+constexpr int k_max_devices = 64;  // windows up to 0x7f0000000000 + 64 * 64 TiB, far below 2^64
 constexpr int k_sim_invalid_value = 1;  // cudaErrorInvalidValue's number
 
 std::size_t round_up(std::size_t n, std::size_t m) {
@@ -72,7 +75,13 @@ const char* to_string(sim_call call) noexcept {
 
 sim_backend::sim_backend(sim_options options) : options_(options) {
   if (options_.malloc_page_bytes == 0) options_.malloc_page_bytes = 1;
-  free_ranges_.emplace(k_address_base, k_address_window);
+  if (options_.device < 0 || options_.device >= k_max_devices) {
+    throw invalid_argument(
+        fmt::format("sim_backend: device {} is not in [0, {})", options_.device, k_max_devices));
+  }
+  free_ranges_.emplace(
+      k_address_base + static_cast<std::uintptr_t>(options_.device) * k_address_window,
+      k_address_window);
 }
 
 sim_backend::~sim_backend() = default;

@@ -1,6 +1,7 @@
 // Tests of the C API (cucache.h) on the simulated device (CUCACHE_BACKEND=sim): every function,
 // every error code it documents, exact statistics after a known sequence, the thread-local error
-// message, the C++ template overloads, and the header compiled as C (c_header_check.c).
+// message, the C++ template overloads, and the header compiled as C (c_header_check.c). What every
+// front end must do alike is in front_end_conformance_test.cpp.
 #include "cucache/cucache.h"
 
 #include <gtest/gtest.h>
@@ -11,9 +12,9 @@
 #include <thread>
 #include <vector>
 
+#include "api/registry.hpp"
 #include "cucache/cucache.hpp"
 #include "cucache/cuda_backend.hpp"
-#include "api/registry.hpp"
 
 extern "C" int cucache_c_header_check(void);
 
@@ -45,16 +46,6 @@ class CApi : public ::testing::Test {
 
 TEST_F(CApi, HeaderCompilesAndWorksAsC) {
   EXPECT_EQ(cucache_c_header_check(), 0);
-}
-
-TEST_F(CApi, MallocAndFree) {
-  void* p = nullptr;
-  ASSERT_EQ(cucacheMalloc(&p, 1000), cudaSuccess);
-  EXPECT_NE(p, nullptr);
-  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 512, 0u);
-  EXPECT_EQ(stats().allocationCount, 1u);
-  EXPECT_EQ(cucacheFree(p), cudaSuccess);
-  EXPECT_EQ(stats().allocationCount, 0u);
 }
 
 TEST_F(CApi, RuntimeShapedEdgeCases) {
@@ -274,26 +265,6 @@ TEST_F(CApi, MemGetInfoHonoursTheMemoryLimit) {
   EXPECT_EQ(t, 100 * k_mib);
   EXPECT_EQ(f, 70 * k_mib);
   EXPECT_EQ(cucacheFree(p), cudaSuccess);
-}
-
-TEST_F(CApi, FreeAsyncAndRecordStreamDeferReuse) {
-  void* p = nullptr;
-  ASSERT_EQ(cucacheMallocAsync(&p, 1000, fake_stream(1)), cudaSuccess);
-  ASSERT_EQ(cucacheFreeAsync(p, fake_stream(2)), cudaSuccess);
-  EXPECT_EQ(stats().activeBytes, 1024u);  // waits for stream 2
-  EXPECT_EQ(stats().allocatedBytes, 0u);
-
-  void* q = nullptr;
-  ASSERT_EQ(cucacheMalloc(&q, 1000), cudaSuccess);
-  ASSERT_EQ(cucacheRecordStream(q, fake_stream(3)), cudaSuccess);
-  ASSERT_EQ(cucacheFree(q), cudaSuccess);
-  EXPECT_EQ(stats().activeBytes, 2048u);
-
-  ASSERT_EQ(cucacheEmptyCache(), cudaSuccess);  // synchronizes both pending frees
-  const cucacheStats s = stats();
-  EXPECT_EQ(s.activeBytes, 0u);
-  EXPECT_EQ(s.reservedBytes, 0u);
-  EXPECT_EQ(s.deviceFreeCount, 2u);
 }
 
 TEST_F(CApi, MemorySummaryIsSnprintfLike) {

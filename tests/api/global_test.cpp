@@ -1,6 +1,8 @@
 // Tests of the global C++ API (cucache.hpp) on the simulated device (CUCACHE_BACKEND=sim): lazy
 // creation, routing of malloc/free, unique_device_ptr ownership, tracing through CUCACHE_CONF,
-// environment errors, and concurrent use.
+// environment errors, and concurrent use. What every front end must do alike (stream-ordered reuse,
+// the owner search, environment errors reported on every call, stats, tracing) is in
+// front_end_conformance_test.cpp.
 #include "cucache/cucache.hpp"
 
 #include <gtest/gtest.h>
@@ -15,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "cucache/cuda_backend.hpp"
 #include "api/registry.hpp"
+#include "cucache/cuda_backend.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/trace.hpp"
 
@@ -125,32 +127,6 @@ TEST_F(Global, ConcurrentFirstUseCreatesExactlyOneAllocator) {
   go = true;
   for (auto& t : threads) t.join();
   for (auto* a : seen) EXPECT_EQ(a, seen[0]);
-}
-
-TEST_F(Global, FreeAsyncOnAnotherStreamDefersReuseUntilThatStreamCatchesUp) {
-  void* p = cucache::malloc(1000, fake_stream(1));
-  cucache::free_async(p, fake_stream(2));
-  device_stats s = get().stats();
-  EXPECT_EQ(s.allocation_count[0].current, 0);
-  EXPECT_EQ(s.active_bytes[0].current, 1024);  // waiting for stream 2
-  EXPECT_EQ(s.events_pending, 1u);
-  sim().complete_stream(fake_stream(2));
-  void* q = cucache::malloc(1000, fake_stream(1));  // polls the event, then reuses
-  EXPECT_EQ(q, p);
-  cucache::free(q);
-  EXPECT_EQ(get().stats().active_bytes[0].current, 0);
-}
-
-TEST_F(Global, RecordStreamDefersReuseAfterFree) {
-  void* p = cucache::malloc(1000);
-  cucache::record_stream(p, fake_stream(3));
-  cucache::free(p);
-  EXPECT_EQ(get().stats().events_pending, 1u);
-  cucache::empty_cache();  // waits for the pending free, then releases the whole segment
-  const device_stats s = get().stats();
-  EXPECT_EQ(s.events_pending, 0u);
-  EXPECT_EQ(s.reserved_bytes[0].current, 0);
-  EXPECT_EQ(s.device_free_count, 1u);
 }
 
 TEST_F(Global, EmptyCacheTouchesOnlyCreatedAllocators) {

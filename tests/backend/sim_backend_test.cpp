@@ -29,6 +29,29 @@ TEST(SimBackend, DeterministicAlignedAddressesAndCapacity) {
   EXPECT_EQ(s.calls(sim_call::segment_malloc), 4u);
 }
 
+TEST(SimBackend, EachDeviceHandsOutAddressesOfItsOwn) {
+  // Real GPUs share one virtual address space, so a pointer names its device: the registry's
+  // owner search relies on it. Device d's window starts d * 64 TiB above device 0's.
+  sim_options o;
+  o.device = 1;
+  sim_backend one(o);
+  o.device = 63;
+  sim_backend last(o);
+  sim_backend zero;
+  void* z = zero.segment_malloc(2 * MiB);
+  void* a = one.segment_malloc(2 * MiB);
+  void* v = one.va_reserve(4 * MiB);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(z), 0x7f0000000000ULL);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(a), 0x7f0000000000ULL + (std::uintptr_t{1} << 46));
+  EXPECT_GT(reinterpret_cast<std::uintptr_t>(v), reinterpret_cast<std::uintptr_t>(a));
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(last.segment_malloc(2 * MiB)),
+            0x7f0000000000ULL + 63 * (std::uintptr_t{1} << 46));
+  o.device = 64;
+  EXPECT_THROW(sim_backend{o}, invalid_argument);
+  o.device = -1;
+  EXPECT_THROW(sim_backend{o}, invalid_argument);
+}
+
 TEST(SimBackend, VirtualMemoryRules) {
   sim_backend s;
   EXPECT_EQ(s.vm_granularity(), 2 * MiB);

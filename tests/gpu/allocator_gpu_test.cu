@@ -1,13 +1,15 @@
-// GPU-tier tests of device_allocator on a real device: its blocks are usable by kernels, random
-// churn on several streams and threads never hands out overlapping or still-in-use memory,
-// cross-stream frees wait for the other stream, out-of-memory is reported and recovered from, and
-// the statistics agree with the driver. Each test skips with a one-line reason without a GPU.
+// GPU-tier tests of device_allocator on a real device that need kernels: its blocks are usable by
+// kernels, random churn on several streams and threads never hands out overlapping or still-in-use
+// memory, and cross-stream frees wait for the other stream's kernel. Each test skips with a
+// one-line reason without a GPU. The caching rules that need no kernel (out-of-memory reports and
+// recovery, impossible sizes, reserved memory against the driver's free memory, record_stream and
+// frees on another stream, in both modes) are in the typed suite,
+// tests/allocator/allocator_suite.cpp, whose allocator_suite_cuda_test runs them here.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <array>
-#include <cctype>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -47,12 +49,8 @@ using cucache::device_stats;
       return std::string(#expr) + " failed: " + cudaGetErrorString(cuda_try_code); \
   } while (false)
 
-constexpr std::size_t kib = std::size_t{1} << 10;
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t gib = std::size_t{1} << 30;
-// cudaMalloc maps device memory in pages of this size on current GPUs (Hopper included), so the
-// driver's view of a segment may differ from the allocator's by up to one page.
-constexpr std::size_t driver_granularity = 2 * mib;
 
 constexpr unsigned threads_per_block = 256;
 constexpr std::size_t max_grid = 1024;
@@ -169,10 +167,6 @@ std::uint64_t test_seed() {
     return std::strtoull(text, nullptr, 0);
   }
   return 0x6375636163686531ull;
-}
-
-std::size_t abs_diff(std::size_t a, std::size_t b) {
-  return a > b ? a - b : b - a;
 }
 
 // A non-blocking stream: it does not synchronize with the legacy default stream, so the
@@ -627,174 +621,7 @@ TEST(AllocatorGpu, FreeOnAnotherStreamDefersReuseUntilThatStreamFinishes) {
   expect_reuse_waits_for_other_stream(cross_stream_use::free_on_stream);
 }
 
-// --- 4. out of memory ----------------------------------------------------------------------------
-
-TEST(AllocatorGpu, OutOfMemoryIsReportedAndRecoveredFrom) {
-  CUCACHE_REQUIRE_GPU();
-  device_allocator alloc(device0(), test_config());
-  constexpr std::size_t max_blocks = 200;  // an H200 has about 140 GiB
-  std::vector<void*> blocks;
-  std::string report;
-  for (std::size_t i = 0; i < max_blocks && report.empty(); ++i) {
-    try {
-      blocks.push_back(alloc.allocate(gib));
-    } catch (const cucache::out_of_memory& e) {
-      report = e.what();
-    }
-  }
-  ASSERT_FALSE(report.empty()) << max_blocks << " GiB allocated without running out of memory";
-  ASSERT_GE(blocks.size(), 2u) << report;
-  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the refused cudaMalloc left its error behind";
-
-  EXPECT_NE(report.find("out of memory"), std::string::npos) << report;
-  EXPECT_NE(report.find(std::to_string(gib)), std::string::npos) << report;
-  EXPECT_NE(report.find("largest"), std::string::npos) << report;
-  std::string lower = report;
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  EXPECT_NE(lower.find("fragmentation"), std::string::npos) << report;
-
-  const device_stats at_oom = alloc.stats();
-  EXPECT_EQ(at_oom.oom_count, 1u);
-  EXPECT_GE(at_oom.alloc_retry_count, 1u);
-  EXPECT_EQ(at_oom.allocation_count[0].current, as_i64(blocks.size()));
-  ASSERT_NO_FATAL_FAILURE(expect_invariants(alloc, "at out of memory"));
-
-  // Free every other block: the freed segments stay cached and serve the same requests again
-  // without a device call.
-  std::vector<void*> kept;
-  std::size_t freed = 0;
-  for (std::size_t i = 0; i < blocks.size(); ++i) {
-    if (i % 2 == 0) {
-      alloc.deallocate(blocks[i]);
-      ++freed;
-    } else {
-      kept.push_back(blocks[i]);
-    }
-  }
-  for (std::size_t i = 0; i < freed; ++i) {
-    try {
-      kept.push_back(alloc.allocate(gib));
-    } catch (const std::exception& e) {
-      FAIL() << "allocation " << i << " after freeing half failed: " << e.what();
-    }
-  }
-  EXPECT_EQ(alloc.stats().device_alloc_count, at_oom.device_alloc_count);
-  EXPECT_EQ(alloc.stats().oom_count, 1u);
-  ASSERT_NO_FATAL_FAILURE(expect_invariants(alloc, "after re-allocation"));
-
-  for (void* p : kept) alloc.deallocate(p);
-  const device_stats cached = alloc.stats();
-  EXPECT_EQ(cached.allocated_bytes[0].current, 0);
-  const auto reserved_but_free = static_cast<std::size_t>(cached.reserved_bytes[0].current -
-                                                          cached.allocated_bytes[0].current);
-  std::size_t free_before = 0;
-  std::size_t free_after = 0;
-  std::size_t total = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
-  alloc.empty_cache();
-  CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-  EXPECT_GE(free_after + driver_granularity, free_before + reserved_but_free)
-      << "empty_cache returned " << (free_after - std::min(free_after, free_before))
-      << " bytes to the driver; the allocator said " << reserved_but_free << " were cached";
-  const device_stats emptied = alloc.stats();
-  EXPECT_EQ(emptied.reserved_bytes[0].current, 0);
-  EXPECT_EQ(emptied.segment_count[0].current, 0);
-  ASSERT_NO_FATAL_FAILURE(expect_invariants(alloc, "after empty_cache"));
-
-  void* p = alloc.allocate(mib);
-  EXPECT_NE(p, nullptr);
-  alloc.deallocate(p);
-}
-
-TEST(AllocatorGpu, ImpossibleSizeThrowsAtOnceAndTheAllocatorKeepsWorking) {
-  CUCACHE_REQUIRE_GPU();
-  device_allocator alloc(device0(), test_config());
-  void* live = alloc.allocate(3 * mib);
-  ASSERT_NE(live, nullptr);
-  const device_stats before = alloc.stats();
-  constexpr std::size_t impossible = std::size_t{1} << 50;
-  std::string report;
-  try {
-    void* p = alloc.allocate(impossible);
-    ADD_FAILURE() << "allocate(1 << 50) returned " << p;
-    alloc.deallocate(p);
-  } catch (const cucache::out_of_memory& e) {
-    report = e.what();
-  }
-  EXPECT_NE(report.find("out of memory"), std::string::npos) << report;
-  EXPECT_NE(report.find(std::to_string(impossible)), std::string::npos) << report;
-  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-
-  const device_stats after = alloc.stats();
-  EXPECT_EQ(after.oom_count, before.oom_count + 1);
-  // "At once": a request larger than the device is refused before the out-of-memory ladder, so
-  // nothing was synchronized, released or retried.
-  EXPECT_EQ(after.alloc_retry_count, before.alloc_retry_count);
-  EXPECT_EQ(after.device_alloc_count, before.device_alloc_count);
-  EXPECT_EQ(after.device_free_count, before.device_free_count);
-  EXPECT_EQ(after.reserved_bytes[0].current, before.reserved_bytes[0].current);
-  ASSERT_NO_FATAL_FAILURE(expect_invariants(alloc, "after the refusal"));
-
-  void* more = alloc.allocate(64 * mib);
-  ASSERT_NE(more, nullptr);
-  alloc.deallocate(more);
-  alloc.deallocate(live);
-  EXPECT_EQ(alloc.stats().allocated_bytes[0].current, 0);
-  ASSERT_NO_FATAL_FAILURE(expect_invariants(alloc, "end"));
-}
-
-// --- 5. statistics against the driver ------------------------------------------------------------
-
-TEST(AllocatorGpu, ReservedBytesMatchTheDriversFreeMemoryDelta) {
-  CUCACHE_REQUIRE_GPU();
-  // Constructed before the first measurement: it initializes the context. No kernel is launched
-  // and no stream or event created between the measurements, as those may take device memory.
-  device_allocator alloc(device0(), test_config());
-  // So is the driver's allocation path, whose first use may set up bookkeeping of its own.
-  void* raw = nullptr;
-  CUDA_CHECK(cudaMalloc(&raw, driver_granularity));
-  CUDA_CHECK(cudaFree(raw));
-  std::size_t free_before = 0;
-  std::size_t total = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
-
-  std::vector<void*> ptrs;
-  for (int i = 0; i < 100; ++i) ptrs.push_back(alloc.allocate(3 * mib));
-  for (int i = 0; i < 50; ++i) ptrs.push_back(alloc.allocate(100 * kib));
-  for (int i = 0; i < 3; ++i) ptrs.push_back(alloc.allocate(700 * mib));
-  std::size_t free_after = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-  const device_stats s = alloc.stats();
-  const auto reserved = static_cast<std::size_t>(s.reserved_bytes[0].current);
-  const auto segments = static_cast<std::size_t>(s.segment_count[0].current);
-  ASSERT_GT(segments, 0u);
-  ASSERT_LE(free_after, free_before) << "another process freed device memory meanwhile";
-
-  // Each segment is one cudaMalloc. The driver maps it in pages of its own granularity (2 MiB
-  // here) and may take page-table memory as the mappings grow, so its delta can differ from the
-  // allocator's count by up to a page per segment. cucache's segments are multiples of 2 MiB
-  // (2 MiB small, 20 MiB shared, 700 MiB own), so the two normally agree exactly; the tolerance
-  // still catches any missing or double-counted segment larger than the tolerance, which here is
-  // every shared and every own segment.
-  const std::size_t tolerance = driver_granularity * segments;
-  const std::size_t delta = free_before - free_after;
-  EXPECT_LE(abs_diff(delta, reserved), tolerance) << "driver delta " << delta << ", stats reserved "
-                                                  << reserved << ", " << segments << " segments";
-  EXPECT_LE(s.allocated_bytes[0].current, s.reserved_bytes[0].current);
-  ASSERT_NO_FATAL_FAILURE(expect_invariants(alloc, "all live"));
-
-  for (void* p : ptrs) alloc.deallocate(p);
-  alloc.empty_cache();
-  std::size_t free_end = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_end, &total));
-  EXPECT_LE(abs_diff(free_end, free_before), tolerance)
-      << "free before " << free_before << ", after empty_cache " << free_end;
-  EXPECT_EQ(alloc.stats().reserved_bytes[0].current, 0);
-  ASSERT_NO_FATAL_FAILURE(expect_invariants(alloc, "after empty_cache"));
-}
-
-// --- 6. threads --------------------------------------------------------------------------------
+// --- 4. threads --------------------------------------------------------------------------------
 
 constexpr std::size_t worker_cycles = 2000;
 constexpr std::size_t worker_window = 4;  // blocks each worker keeps live, so frees interleave

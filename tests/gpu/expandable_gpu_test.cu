@@ -1,7 +1,8 @@
 // Expandable segments on a real device: pages moved between addresses (stitching) keep what a
 // kernel writes through their new address, neighbours are untouched, a block freed after use on
-// another stream is not remapped while that stream runs, out of memory is recovered from, and
-// empty_cache gives physical memory back to the driver. Skips with a one-line reason without a GPU.
+// another stream is not remapped while that stream runs. Skips with a one-line reason without a
+// GPU. Out of memory, empty_cache and the other rules that need no kernel are in the typed suite
+// (tests/allocator/allocator_suite.cpp, allocator_suite_cuda_test).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -19,7 +20,6 @@
 namespace {
 
 constexpr std::size_t mib = std::size_t{1} << 20;
-constexpr std::size_t gib = std::size_t{1} << 30;
 
 __global__ void fill_bytes(unsigned char* p, std::size_t n, unsigned char v) {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
@@ -155,36 +155,6 @@ TEST_F(ExpandableGpu, BlockUsedOnAnotherStreamIsNotRemappedWhileThatStreamRuns) 
   alloc.deallocate(b);
   alloc.check_invariants();
   CUDA_CHECK(cudaStreamDestroy(s2));
-}
-
-TEST_F(ExpandableGpu, OutOfMemoryThenEmptyCacheGivesMemoryBack) {
-  auto alloc = make_allocator();
-  std::vector<void*> blocks;
-  std::string report;
-  for (int i = 0; i < 200 && report.empty(); ++i) {
-    try {
-      blocks.push_back(alloc.allocate(gib));
-    } catch (const cucache::out_of_memory& e) {
-      report = e.what();
-    }
-  }
-  ASSERT_FALSE(report.empty());
-  EXPECT_NE(report.find("out of memory"), std::string::npos) << report;
-  alloc.check_invariants();
-  for (std::size_t i = 0; i < blocks.size(); i += 2) alloc.deallocate(blocks[i]);
-  void* again = alloc.allocate(gib);  // served from idle pages
-  EXPECT_NE(again, nullptr);
-  alloc.deallocate(again);
-  for (std::size_t i = 1; i < blocks.size(); i += 2) alloc.deallocate(blocks[i]);
-  const auto cached = alloc.stats();
-  std::size_t free_before = 0, free_after = 0, total = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
-  alloc.empty_cache();
-  CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
-  EXPECT_GE(free_after + 2 * mib,
-            free_before + static_cast<std::size_t>(cached.reserved_bytes[0].current));
-  EXPECT_EQ(alloc.stats().reserved_bytes[0].current, 0);
-  alloc.check_invariants();
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
-// libcucache_torch.so through its C interface, on the simulated device (CUCACHE_BACKEND=sim, 16 devices):
-// the calls torch makes, the statistics the Python module reads, the buffer contract, and bad
-// frees that must be reported and survived. Each test uses its own device ordinal, so the tests
-// stay exact whether they run in one process or one each.
+// libcucache_torch.so through its C interface, on the simulated device (CUCACHE_BACKEND=sim, 16
+// devices): the calls torch makes, the statistics the Python module reads, the buffer contract, and
+// bad frees that must be reported and survived. Each test uses its own device ordinal, so the tests
+// stay exact whether they run in one process or one each. What every front end must do alike
+// (allocate/free/reuse, bad frees, stream-ordered reuse, the owner search, environment errors,
+// stats, empty_cache, tracing) is in tests/api/front_end_conformance_test.cpp.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -40,16 +42,6 @@ TEST(TorchPlugin, RunsOnTheSimulatedDevice) {
   ASSERT_TRUE(k_sim_env);
   EXPECT_STREQ(cucache_torch_backend_name(), "sim");
   EXPECT_EQ(cucache_torch_stats_size(), sizeof(cucache_torch_stats));
-}
-
-TEST(TorchPlugin, AllocFreeReuse) {
-  const int dev = 1;
-  void* p = cucache_torch_alloc(1000, dev, stream(0));
-  ASSERT_NE(p, nullptr) << cucache_torch_last_error();
-  cucache_torch_free(p, 1000, dev, stream(0));
-  void* q = cucache_torch_alloc(1000, dev, stream(0));
-  EXPECT_EQ(q, p);  // freed on its own stream: reusable at once
-  cucache_torch_free(q, 1000, dev, stream(0));
 }
 
 TEST(TorchPlugin, StatsExactAfterAKnownSequence) {
@@ -168,22 +160,6 @@ TEST(TorchPlugin, SizeZeroAndNull) {
   cucache_torch_free(nullptr, 0, 5, stream(0));
   EXPECT_EQ(cucache_torch_bad_free_count(), before);
   EXPECT_EQ(stats(5).allocation[0].current, 0);
-}
-
-TEST(TorchPlugin, FreeOnAnotherStreamDefersReuse) {
-  const int dev = 6;
-  void* p = cucache_torch_alloc(4096, dev, stream(1));
-  ASSERT_NE(p, nullptr);
-  cucache_torch_free(p, 4096, dev, stream(2));  // ordered on stream 2, still running there
-  EXPECT_EQ(stats(dev).events_pending, 1u);
-  void* q = cucache_torch_alloc(4096, dev, stream(1));
-  EXPECT_NE(q, p);                                 // not reused while stream 2 may still use it
-  ASSERT_EQ(cucache_torch_sim_complete_all(), 0);  // stream 2 caught up
-  void* r = cucache_torch_alloc(4096, dev, stream(1));
-  EXPECT_EQ(r, p);
-  EXPECT_EQ(stats(dev).events_pending, 0u);
-  cucache_torch_free(q, 4096, dev, stream(1));
-  cucache_torch_free(r, 4096, dev, stream(1));
 }
 
 TEST(TorchPlugin, RecordStreamDefersReuse) {
