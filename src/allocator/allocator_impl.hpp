@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "allocator/stream_pool.hpp"
-#include "cucache/config.hpp"
 #include "core/block_map.hpp"
 #include "core/size_policy.hpp"
+#include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
 
 namespace cucache {
@@ -73,7 +73,11 @@ struct device_allocator::impl {
   void keep_handle_locked(phys_handle h, std::size_t bytes);
   void idle_link(detail::stream_pool& p, detail::vm_mapping* m);
   void idle_unlink(detail::stream_pool& p, detail::vm_mapping* m);
-  /// Unmaps every idle mapping of p (after synchronizing its stream); handles go to the free
+  /// Waits until no queued work can still use an idle page, before any unmap: a device-wide
+  /// synchronization, which names no stream. Every unmap path calls it; the pool's own stream is
+  /// never synchronized, because the program may have destroyed it (docs/design.md).
+  void wait_until_idle_pages_unused();
+  /// Unmaps every idle mapping of p (after wait_until_idle_pages_unused); handles go to the free
   /// list, or are released when `release` is set.
   void unmap_idle(detail::stream_pool& p, bool release);
   void release_free_handles(std::size_t target_reserved);

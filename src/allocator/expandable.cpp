@@ -202,7 +202,7 @@ std::optional<phys_handle> device_allocator::impl::create_handle(stream_pool& p,
       still = over(cap);
     }
     if (still && p.idle_head != nullptr) {
-      backend->stream_synchronize(p.stream);
+      wait_until_idle_pages_unused();
       while (p.idle_head != nullptr) {
         {
           std::lock_guard lock(grow_mu_);
@@ -268,9 +268,9 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
         }
         if (best != nullptr) {
           if (!synced) {
-            // Unmapping is not stream-ordered: work queued on this stream before the free may
-            // still read the page at its old address.
-            backend->stream_synchronize(p.stream);
+            // Unmapping is not stream-ordered: work queued before the free may still read the
+            // page at its old address.
+            wait_until_idle_pages_unused();
             synced = true;
           }
           got = best->pages * page_bytes;
@@ -301,7 +301,7 @@ bool device_allocator::impl::ensure_mapped(stream_pool& p, block* b) {
             if (big == nullptr || m->pages < big->pages) big = m;
           }
           if (!synced) {
-            backend->stream_synchronize(p.stream);
+            wait_until_idle_pages_unused();
             synced = true;
           }
           const std::size_t hb = big->pages * page_bytes;
@@ -335,7 +335,7 @@ void device_allocator::impl::split_idle_overhang(stream_pool& p, vm_range& r, st
     if (m == nullptr || !m->idle) continue;
     if (m->first_page >= first && m->first_page + m->pages - 1 <= last) continue;
     if (!synced) {
-      backend->stream_synchronize(p.stream);
+      wait_until_idle_pages_unused();
       synced = true;
     }
     const std::size_t mbytes = m->pages * page_bytes;
@@ -420,9 +420,19 @@ void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
   release_to_free(p, b);
 }
 
+void device_allocator::impl::wait_until_idle_pages_unused() {
+  // An idle page belonged to freed blocks. Work queued on the pool's stream before a free may
+  // still read or write it (other streams' uses were waited for, by events, before the block
+  // became free), and unmapping is not stream-ordered. The pool's stream cannot be named: the
+  // program may have destroyed it since (the driver crashes on the dangling handle, or, once the
+  // handle is reused, waits on somebody else's stream). A device-wide synchronization names no
+  // stream and waits for the work of every stream, destroyed ones included.
+  backend->device_synchronize();
+}
+
 void device_allocator::impl::unmap_idle(stream_pool& p, bool release) {
   if (p.idle_head == nullptr) return;
-  backend->stream_synchronize(p.stream);
+  wait_until_idle_pages_unused();
   while (p.idle_head != nullptr) {
     const std::size_t bytes = p.idle_head->pages * page_bytes;
     const phys_handle h = unmap_mapping(p, p.idle_head);

@@ -115,7 +115,7 @@ TEST(Expandable, StitchesIdlePagesInsteadOfCreatingMemory) {
   EXPECT_EQ(s.vm_create_count, 8u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(24 * MiB));
   EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(24 * MiB));  // = live peak
-  EXPECT_EQ(a.sim->calls(sim_call::stream_synchronize), 1u);                 // before the unmap
+  EXPECT_EQ(a.sim->calls(sim_call::device_synchronize), 1u);                 // before the unmap
   a.alloc.check_invariants();
   expect_no_leak(a);
 }
@@ -185,7 +185,7 @@ TEST(Expandable, FailedVmCallsLeaveNoHalfMappedBlockAndNoLeakedHandle) {
   // phys_release is covered by FailedReleaseInEmptyCacheKeepsTheHandleTracked: this allocation
   // releases nothing.
   for (sim_call kind :
-       {sim_call::map, sim_call::set_access, sim_call::unmap, sim_call::stream_synchronize}) {
+       {sim_call::map, sim_call::set_access, sim_call::unmap, sim_call::device_synchronize}) {
     SCOPED_TRACE(to_string(kind));
     sim_allocator a(expandable());
     void* x = a.alloc.allocate(8 * MiB);

@@ -111,7 +111,7 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
             sim_call::segment_malloc, sim_call::segment_free, sim_call::event_record,
             sim_call::event_query,    sim_call::event_create, sim_call::event_synchronize,
             sim_call::phys_create,    sim_call::phys_release, sim_call::map,
-            sim_call::unmap,          sim_call::set_access,   sim_call::stream_synchronize};
+            sim_call::unmap,          sim_call::set_access,   sim_call::device_synchronize};
         a.sim->fail_nth(kinds[rng() % std::size(kinds)], 1 + rng() % 4);
         ++injected;
       } else {
