@@ -439,8 +439,9 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
 
 void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return nullptr;
-  if (bytes > detail::k_max_request_bytes) throw_oom(bytes, 0, stream);
-  const std::size_t rounded = policy.round_size(bytes);
+  const std::optional<std::size_t> rounded_or = policy.round_size(bytes);
+  if (!rounded_or) throw_oom(bytes, 0, stream);  // its rounded size passes any device
+  const std::size_t rounded = *rounded_or;
   const pool_kind kind = detail::size_policy::pool_for(rounded);
   stream_pool& p = pool_for(stream);
   std::unique_lock lk(p.mu);

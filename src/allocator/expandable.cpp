@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "allocator/allocator_impl.hpp"
 #include "cucache/errors.hpp"
@@ -345,6 +346,9 @@ void device_allocator::impl::split_idle_overhang(stream_pool& p, vm_range& r, st
 
 namespace {
 std::size_t unmapped_pages(const vm_range& r, std::uintptr_t addr, std::size_t bytes) {
+  // A span outside the page table is never a placement (a request that cannot fit was refused
+  // before; this keeps a bad size from reading past the table).
+  if (!r.holds(addr, bytes)) return std::numeric_limits<std::size_t>::max();
   std::size_t n = 0;
   for (std::size_t pg = r.page_of(addr), last = r.page_of(addr + bytes - 1); pg <= last; ++pg) {
     n += r.page_map[pg] == nullptr;
@@ -361,7 +365,7 @@ std::pair<block*, bool> device_allocator::impl::place(detail::free_index& index,
   // moves nothing; and a buffer that grows step by step (a KV cache) is placed at the back of the
   // hole it leaves, on its own mapped pages, instead of leapfrogging and moving them every step.
   block* best = index.best_fit(rounded);
-  if (best == nullptr) return {nullptr, false};
+  if (best == nullptr || !best->seg->vm->holds(best->addr, rounded)) return {nullptr, false};
   std::size_t best_cost = unmapped_pages(*best->seg->vm, best->addr, rounded);
   if (best_cost == 0) return {best, false};
   block* choice = best;
