@@ -52,16 +52,36 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
   }
   device_total = backend->mem_get_info().total_bytes;
   if (cfg.memory_fraction > 0.0) {
-    limit = static_cast<std::size_t>(cfg.memory_fraction * static_cast<double>(device_total));
+    limit = bytes_of_fraction("memory_fraction", cfg.memory_fraction, device_total,
+                              "the device's capacity", "would mean no limit");
   }
   if (cfg.memory_limit_bytes > 0) {
     limit = limit == 0 ? cfg.memory_limit_bytes : std::min(limit, cfg.memory_limit_bytes);
   }
   if (cfg.garbage_collection_threshold > 0.0) {
     const std::size_t base = limit != 0 ? limit : device_total;
-    gc_bytes =
-        static_cast<std::size_t>(cfg.garbage_collection_threshold * static_cast<double>(base));
+    gc_bytes = bytes_of_fraction("garbage_collection_threshold", cfg.garbage_collection_threshold,
+                                 base, limit != 0 ? "the memory limit" : "the device's capacity",
+                                 "would turn garbage collection off");
   }
+}
+
+std::size_t device_allocator::impl::bytes_of_fraction(const char* key, double fraction,
+                                                      std::size_t base, const char* of_what,
+                                                      const char* zero_means) const {
+  // REQUIRES: 0 < fraction <= 1 (the parser's range). Rounded down; at most base (a product
+  // that rounds up to 2^64 in double would not convert).
+  const double product = fraction * static_cast<double>(base);
+  const std::size_t bytes =
+      product >= static_cast<double>(base) ? base : static_cast<std::size_t>(product);
+  if (bytes == 0) {
+    // 0 bytes is the "off" value: taking it would silently drop the setting.
+    throw invalid_argument(fmt::format(
+        "cucache config: key '{}': invalid value '{}': {} x {} ({} bytes, device {} ({})) is 0 "
+        "bytes, which {}; use a larger value",
+        key, fraction, fraction, of_what, base, backend->device(), backend->name(), zero_means));
+  }
+  return bytes;
 }
 
 device_allocator::impl::~impl() {

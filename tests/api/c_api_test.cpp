@@ -191,6 +191,26 @@ TEST_F(CApi, HugeSizesAreMemoryAllocationErrorsWithNothingChangedInEveryModeAndC
   std::remove(trace.c_str());
 }
 
+TEST_F(CApi, SettingsThatCannotBeHonouredAreInitializationErrorsNamingTheKey) {
+  // memory_fraction:1e-12 of 80 GiB is a limit of 0 bytes (0 means no limit); the same threshold
+  // turns garbage collection off. Both are refused when the allocator is built.
+  for (const char* conf : {"memory_fraction:1e-12", "garbage_collection_threshold:1e-12",
+                           "expandable_segments:True,memory_fraction:1e-12"}) {
+    SCOPED_TRACE(conf);
+    ::setenv("CUCACHE_CONF", conf, 1);
+    cucache::detail::reset_for_testing();
+    void* p = reinterpret_cast<void*>(0x1);
+    EXPECT_EQ(cucacheMalloc(&p, 512), cudaErrorInitializationError);
+    EXPECT_EQ(p, nullptr);
+    const std::string key = std::string(conf).find("memory_fraction") != std::string::npos
+                                ? "'memory_fraction'"
+                                : "'garbage_collection_threshold'";
+    EXPECT_NE(message().find("CUCACHE_CONF"), std::string::npos) << message();
+    EXPECT_NE(message().find(key), std::string::npos) << message();
+    EXPECT_NE(message().find("1e-12"), std::string::npos) << message();
+  }
+}
+
 TEST_F(CApi, EnvironmentErrorsAreInitializationErrors) {
   ::setenv("CUCACHE_BACKEND", "bogus", 1);
   cucache::detail::reset_for_testing();
