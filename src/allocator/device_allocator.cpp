@@ -88,12 +88,12 @@ device_allocator::impl::~impl() {
   // Return everything to the device. Errors here (a runtime already shut down) are swallowed:
   // destructors never throw.
   for (auto& p : pools) {
-    for (auto& pf : p->pending) {
+    p->pending.for_each([&](const detail::pending_free& pf) {
       try {
         backend->event_destroy(pf.event);
       } catch (...) {
       }
-    }
+    });
     for (segment* s = p->segments; s != nullptr;) {
       segment* next = s->next;
       if (s->vm != nullptr) {
@@ -186,40 +186,44 @@ void device_allocator::impl::return_event(event_handle e) noexcept {
 }
 
 void device_allocator::impl::poll_pending(stream_pool& p) {
-  auto keep = p.pending.begin();
-  for (auto it = p.pending.begin(); it != p.pending.end(); ++it) {
-    bool done = false;
-    try {
-      done = backend->event_query(it->event);
-    } catch (...) {
-      done = false;  // the ladder will synchronize it; never lose the block
+  // Per recording stream, oldest first, up to the first event that has not completed: the later
+  // ones on that stream cannot have completed either. A query that fails counts as incomplete
+  // (the ladder and empty_cache synchronize it): a block is never lost, nor released early.
+  for (auto& q : p.pending.queues()) {
+    while (!q.empty()) {
+      const detail::pending_free pf = q.front();
+      bool done = false;
+      try {
+        done = backend->event_query(pf.event);
+      } catch (...) {
+        done = false;
+      }
+      if (!done) break;
+      p.pending.pop_front(q);
+      return_event(pf.event);
+      if (--pf.b->uses->pending_events == 0) release_to_free(p, pf.b);
     }
-    if (!done) {
-      *keep++ = *it;
-      continue;
-    }
-    return_event(it->event);
-    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
   }
-  p.pending.erase(keep, p.pending.end());
+  p.pending.drop_drained_queues();
 }
 
 void device_allocator::impl::sync_pending(stream_pool& p) {
   // Waits for every pending event; a block is released only once all its events have completed.
-  auto keep = p.pending.begin();
   std::exception_ptr first_error;
-  for (auto it = p.pending.begin(); it != p.pending.end(); ++it) {
-    try {
-      backend->event_synchronize(it->event);
-    } catch (...) {
-      if (!first_error) first_error = std::current_exception();
-      *keep++ = *it;
-      continue;
-    }
-    return_event(it->event);
-    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
+  for (auto& q : p.pending.queues()) {
+    p.pending.retain(q, [&](const detail::pending_free& pf) {
+      try {
+        backend->event_synchronize(pf.event);
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+        return true;
+      }
+      return_event(pf.event);
+      if (--pf.b->uses->pending_events == 0) release_to_free(p, pf.b);
+      return false;
+    });
   }
-  p.pending.erase(keep, p.pending.end());
+  p.pending.drop_drained_queues();
   if (first_error) std::rethrow_exception(first_error);
 }
 
@@ -527,7 +531,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
     try {
       e = take_event();
       backend->event_record(e, s);
-      p.pending.push_back({b, e});
+      p.pending.push(s, b, e);
       ++b->uses->pending_events;
     } catch (...) {
       // Without an event the only safe reuse is after the stream drains.
