@@ -534,15 +534,13 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
       p.pending.push(s, b, e);
       ++b->uses->pending_events;
     } catch (...) {
-      // Without an event the only safe reuse is after the stream drains.
+      // Without an event the only safe reuse is after the work queued so far drains. The stream
+      // itself may be why the record failed (destroyed since record_stream named it): wait
+      // device-wide, which names no stream.
       if (e != nullptr) return_event(e);
       try {
-        backend->stream_synchronize(s);
+        backend->device_synchronize();
       } catch (...) {
-        try {
-          backend->device_synchronize();
-        } catch (...) {
-        }
       }
     }
   }

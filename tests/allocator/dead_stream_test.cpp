@@ -76,6 +76,32 @@ TEST_P(DeadStream, RecordStreamOnAStreamDestroyedAfterTheFree) {
   a.alloc.check_invariants();
 }
 
+TEST_P(DeadStream, RecordStreamOnAStreamDestroyedBeforeTheFree) {
+  // The caller broke the record_stream contract (the stream must outlive the free): the event
+  // cannot be recorded, and the fallback waits device-wide instead of naming the dead stream
+  // again. Only the record itself reaches the dead stream.
+  sim_allocator a(cfg());
+  const stream_handle owner = a.sim->create_stream();
+  const stream_handle user = a.sim->create_stream();
+  void* p = a.alloc.allocate(8 * MiB, owner);
+  a.alloc.record_stream(p, user);
+  a.sim->destroy_stream(user);
+  const auto syncs = a.sim->calls(sim_call::device_synchronize);
+  EXPECT_NO_THROW(a.alloc.deallocate(p));
+  EXPECT_EQ(a.sim->destroyed_stream_calls(), 1u);  // the event_record
+  EXPECT_EQ(a.sim->calls(sim_call::device_synchronize), syncs + 1);
+  EXPECT_EQ(a.stats().events_pending, 0u);
+  EXPECT_EQ(a.stats().active_bytes[0].current, 0);
+  a.alloc.check_invariants();
+  void* q = a.alloc.allocate(8 * MiB, owner);
+  EXPECT_EQ(q, p);  // reusable at once: the device drained
+  a.alloc.deallocate(q);
+  a.sim->destroy_stream(owner);
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
+  a.alloc.check_invariants();
+}
+
 TEST_P(DeadStream, OutOfMemoryLadderUnderALimitSkipsNoPoolAndTouchesNoDeadStream) {
   // 24 MiB limit: the dead stream's idle 16 MiB must be taken back (the ladder, or the limit's
   // release of idle memory) for another stream's 16 MiB to fit.
