@@ -385,6 +385,52 @@ void bm_threads(benchmark::State& state) {
   }
 }
 
+// --- pending: pairs while thousands of frees wait on a busy stream (cucache_sim only) -----------
+
+/// One 512 B alloc+free pair per iteration on stream 0 while `pending` earlier frees (4 KiB blocks
+/// used on stream 1 by record_stream) wait for events on stream 1, which never completes: a long
+/// kernel, a stalled copy. Every allocation polls the pool's pending frees. On the simulated
+/// device only: its events complete only when told to, so the count stays exact.
+void bm_pending(benchmark::State& state, int pending) {
+  try {
+    auto sim = std::make_shared<sim_backend>();
+    device_allocator alloc(sim);
+    const stream_handle own = sim_stream(0);
+    const stream_handle busy = sim_stream(1);
+    for (int i = 0; i < pending; ++i) {
+      void* p = alloc.allocate(4 * k_kib, own);
+      alloc.record_stream(p, busy);
+      alloc.deallocate(p);
+    }
+    alloc.deallocate(alloc.allocate(512, own));
+    const std::uint64_t queries = sim->calls(sim_call::event_query);
+    const std::int64_t start = now_ns();
+    for (auto _ : state) {
+      void* ptr = alloc.allocate(512, own);
+      benchmark::DoNotOptimize(ptr);
+      alloc.deallocate(ptr);
+    }
+    const std::int64_t stop = now_ns();
+    const auto iterations = static_cast<double>(state.iterations());
+    const device_stats s = alloc.stats();
+    state.counters["pending_frees"] = static_cast<double>(s.events_pending);
+    state.counters["ns_per_pair"] = per(stop - start, iterations);
+    state.counters["event_queries_per_pair"] =
+        iterations > 0
+            ? static_cast<double>(sim->calls(sim_call::event_query) - queries) / iterations
+            : 0.0;
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+void register_pending() {
+  for (int pending : {0, 100, 10'000}) {
+    const std::string name = "pending_frees/cucache_sim/" + std::to_string(pending);
+    benchmark::RegisterBenchmark(name.c_str(), bm_pending, pending);
+  }
+}
+
 // --- registration -------------------------------------------------------------------------------
 
 template <class A>
@@ -465,6 +511,7 @@ int run(int argc, char** argv) {
   for (const auto& a : allocators) a.pairs();
   for (const auto& a : allocators) a.churn();
   for (const auto& a : allocators) a.threads();
+  register_pending();
 
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

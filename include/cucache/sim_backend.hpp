@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cucache/backend.hpp"
@@ -44,6 +45,9 @@ enum class sim_call : std::uint8_t {
 };
 inline constexpr std::size_t k_sim_call_kinds = static_cast<std::size_t>(sim_call::count_);
 [[nodiscard]] const char* to_string(sim_call call) noexcept;
+
+/// cudaErrorInvalidResourceHandle's number: what the sim answers for a destroyed stream.
+inline constexpr int k_sim_invalid_resource_handle = 400;
 
 /// Options of a simulated device.
 struct sim_options {
@@ -93,6 +97,25 @@ class sim_backend final : public device_backend {
   void stream_synchronize(stream_handle stream) override;
   void device_synchronize() override;
   [[nodiscard]] memory_info mem_get_info() override;
+
+  // --- Streams ----------------------------------------------------------------------------------
+  // The driver rejects a destroyed stream (cudaErrorInvalidResourceHandle) -- or, on a real
+  // device, may crash on the dangling handle -- so the sim keeps a registry: streams it created
+  // (create_stream) are alive until destroy_stream; every handle it never created (nullptr, the
+  // legacy default stream, and the fake values tests pass, e.g. reinterpret_cast<stream_handle>(1))
+  // counts as alive. event_record, stream_wait_event and stream_synchronize on a destroyed stream
+  // throw cuda_error with code 400 (k_sim_invalid_resource_handle). Work recorded on a stream
+  // before it was destroyed still completes (complete_stream, complete_all, device_synchronize),
+  // as on the driver. Created handles are never handed out twice.
+  /// A new stream (cudaStreamCreate): a non-null handle no test's fake stream collides with.
+  [[nodiscard]] stream_handle create_stream();
+  /// Destroys a stream from create_stream (cudaStreamDestroy). Throws cuda_error (400) for a
+  /// handle the sim did not create or has destroyed already.
+  void destroy_stream(stream_handle stream);
+  /// True when `stream` came from create_stream and has been destroyed since.
+  [[nodiscard]] bool stream_destroyed(stream_handle stream) const;
+  /// Calls rejected so far because they named a destroyed stream.
+  [[nodiscard]] std::uint64_t destroyed_stream_calls() const;
 
   // --- Test controls ----------------------------------------------------------------------------
   /// Completes every event recorded so far on `stream` (the stream "catches up").
@@ -144,6 +167,8 @@ class sim_backend final : public device_backend {
   };
 
   bool should_fail(sim_call kind);  // REQUIRES: mu_ held; counts the call
+  /// Throws cuda_error (400) naming `kind` when `stream` was destroyed. REQUIRES: mu_ held.
+  void require_live_stream(sim_call kind, stream_handle stream);
   [[noreturn]] void fail(sim_call kind, const std::string& why, int code = 999) const;
   std::uintptr_t take_address(std::size_t bytes, std::size_t align);  // REQUIRES: mu_ held
   void give_address(std::uintptr_t addr, std::size_t bytes);          // REQUIRES: mu_ held
@@ -164,6 +189,10 @@ class sim_backend final : public device_backend {
   phys_handle next_handle_ = 1;
   std::unordered_map<std::uintptr_t, event_rec> events_;
   std::uintptr_t next_event_ = 0x1000;
+  std::unordered_set<stream_handle> live_streams_;       // created and not destroyed
+  std::unordered_set<stream_handle> destroyed_streams_;  // created, then destroyed
+  std::uintptr_t next_stream_;
+  std::uint64_t destroyed_stream_calls_ = 0;
 };
 
 }  // namespace cucache

@@ -51,11 +51,19 @@ inline constexpr std::string_view k_trace_header = "Thread,Time,Action,Pointer,S
 
 /// Reads a trace file, plain CSV or gzip (told apart by the gzip magic bytes, not the name).
 ///
+/// Columns: Thread and Size are decimal; Time is HH:MM:SS.f (1-9 fraction digits); Action is
+/// "allocate", "free" or "allocate failure". Pointer is spelled as glibc's %p prints it: hex with
+/// a 0x (or 0X) prefix, or "(nil)", "0x0" or empty for null -- bare digits are refused. Stream is
+/// always hex, with or without the 0x prefix, since RMM's traces and trace_recorder write bare hex
+/// with the default stream as 0: "10" is stream 0x10, never ten.
+///
 /// Validation: the first line must be the header; every other non-blank line must have six
 /// fields that parse; a free must name a pointer that is live (allocated and not yet freed) and an
-/// allocate must not name one that is. Null pointers are exempt from the liveness rules, since an
-/// allocation of zero bytes may legitimately return null. A free's size is not checked against
-/// its allocation's. Any violation throws cucache::invalid_argument as "<name>:<line>: <reason>".
+/// allocate must not name one that is; an allocate failure must have a null pointer; the
+/// requested bytes of the live allocations must not overflow size_t (no process can hold more).
+/// Null pointers are exempt from the liveness rules, since an allocation of zero bytes may
+/// legitimately return null. A free's size is not checked against its allocation's. Any
+/// violation throws cucache::invalid_argument as "<name>:<line>: <reason>".
 /// A file that cannot be opened or decompressed throws cucache::invalid_argument naming it.
 [[nodiscard]] std::vector<trace_event> read_trace(const std::filesystem::path& path);
 
@@ -84,6 +92,8 @@ struct trace_summary {
 
 /// Computes the summary. A free is matched to the latest live allocation of its pointer and
 /// subtracts that allocation's size; frees that match nothing are counted but change no bytes.
+/// Throws cucache::invalid_argument (naming the event's line) when the live requested bytes would
+/// overflow size_t, which only events that did not come through read_trace can reach.
 [[nodiscard]] trace_summary summarize(const std::vector<trace_event>& events);
 
 /// Writes a trace file as an allocator runs. Thread-safe, with no process-wide lock on the

@@ -26,6 +26,11 @@ struct device_allocator::impl {
   impl(std::shared_ptr<device_backend> b, config c, std::shared_ptr<allocation_observer> o);
   ~impl();
 
+  /// `fraction` of `base` bytes, rounded down, for config key `key`; throws invalid_argument
+  /// naming the key and value when that is 0 bytes, which would mean `zero_means`.
+  [[nodiscard]] std::size_t bytes_of_fraction(const char* key, double fraction, std::size_t base,
+                                              const char* of_what, const char* zero_means) const;
+
   // --- allocation paths (device_allocator.cpp) ---
   void* allocate(std::size_t bytes, stream_handle stream);
   /// False (nothing changed) when ptr is not the start of a live block.

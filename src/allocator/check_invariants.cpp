@@ -70,6 +70,36 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
   mapped_total += mapped_pages * r.page_bytes;
   (void)p;
 }
+
+/// The pending queues: one per stream, entries of this pool's pending blocks, counted right, and
+/// each block waiting on no more events than it has entries.
+void check_pending_queues(const detail::stream_pool& p) {
+  std::size_t entries = 0;
+  const auto& queues = p.pending.queues();
+  for (std::size_t i = 0; i < queues.size(); ++i) {
+    const auto& q = queues[i];
+    for (std::size_t j = i + 1; j < queues.size(); ++j) {
+      if (queues[j].stream == q.stream) {
+        violated(fmt::format("pool {}: two pending queues for stream {}", p.index,
+                             static_cast<const void*>(q.stream)));
+      }
+    }
+    if (q.head > q.items.size()) violated(fmt::format("pool {}: pending queue head", p.index));
+    entries += q.items.size() - q.head;
+  }
+  if (entries != p.pending.size()) {
+    violated(fmt::format("pool {}: pending queues hold {} entries, count says {}", p.index, entries,
+                         p.pending.size()));
+  }
+  p.pending.for_each([&](const detail::pending_free& pf) {
+    if (pf.b->state != block_state::pending || pf.b->seg->owner != &p) {
+      violated(
+          fmt::format("pool {}: pending entry for block {:#x}, which is not a pending block "
+                      "of this pool",
+                      p.index, pf.b->addr));
+    }
+  });
+}
 }  // namespace
 
 void device_allocator::check_invariants() const {
@@ -182,6 +212,7 @@ void device_allocator::check_invariants() const {
       violated(fmt::format("pool {}: {} pending events recorded, blocks wait on {}", p.index,
                            p.pending.size(), pending_blocks_events));
     }
+    check_pending_queues(p);
     for (int k = 0; k < 2; ++k) {
       // Bins hold blocks of their size class in strict (size, address) order: best fit relies on
       // it, and splits and merges re-link blocks in place.

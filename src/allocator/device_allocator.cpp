@@ -52,15 +52,17 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
   }
   device_total = backend->mem_get_info().total_bytes;
   if (cfg.memory_fraction > 0.0) {
-    limit = static_cast<std::size_t>(cfg.memory_fraction * static_cast<double>(device_total));
+    limit = bytes_of_fraction("memory_fraction", cfg.memory_fraction, device_total,
+                              "the device's capacity", "would mean no limit");
   }
   if (cfg.memory_limit_bytes > 0) {
     limit = limit == 0 ? cfg.memory_limit_bytes : std::min(limit, cfg.memory_limit_bytes);
   }
   if (cfg.garbage_collection_threshold > 0.0) {
     const std::size_t base = limit != 0 ? limit : device_total;
-    gc_bytes =
-        static_cast<std::size_t>(cfg.garbage_collection_threshold * static_cast<double>(base));
+    gc_bytes = bytes_of_fraction("garbage_collection_threshold", cfg.garbage_collection_threshold,
+                                 base, limit != 0 ? "the memory limit" : "the device's capacity",
+                                 "would turn garbage collection off");
   }
   if (expandable) {
     pager = std::make_unique<detail::pager>(
@@ -71,16 +73,34 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
   }
 }
 
+std::size_t device_allocator::impl::bytes_of_fraction(const char* key, double fraction,
+                                                      std::size_t base, const char* of_what,
+                                                      const char* zero_means) const {
+  // REQUIRES: 0 < fraction <= 1 (the parser's range). Rounded down; at most base (a product
+  // that rounds up to 2^64 in double would not convert).
+  const double product = fraction * static_cast<double>(base);
+  const std::size_t bytes =
+      product >= static_cast<double>(base) ? base : static_cast<std::size_t>(product);
+  if (bytes == 0) {
+    // 0 bytes is the "off" value: taking it would silently drop the setting.
+    throw invalid_argument(fmt::format(
+        "cucache config: key '{}': invalid value '{}': {} x {} ({} bytes, device {} ({})) is 0 "
+        "bytes, which {}; use a larger value",
+        key, fraction, fraction, of_what, base, backend->device(), backend->name(), zero_means));
+  }
+  return bytes;
+}
+
 device_allocator::impl::~impl() {
   // Return everything to the device. Errors here (a runtime already shut down) are swallowed:
   // destructors never throw.
   for (auto& p : pools) {
-    for (auto& pf : p->pending) {
+    p->pending.for_each([&](const detail::pending_free& pf) {
       try {
         backend->event_destroy(pf.event);
       } catch (...) {
       }
-    }
+    });
     for (segment* s = p->segments; s != nullptr;) {
       segment* next = s->next;
       if (s->vm != nullptr) {
@@ -169,40 +189,44 @@ void device_allocator::impl::return_event(event_handle e) noexcept {
 }
 
 void device_allocator::impl::poll_pending(stream_pool& p) {
-  auto keep = p.pending.begin();
-  for (auto it = p.pending.begin(); it != p.pending.end(); ++it) {
-    bool done = false;
-    try {
-      done = backend->event_query(it->event);
-    } catch (...) {
-      done = false;  // the ladder will synchronize it; never lose the block
+  // Per recording stream, oldest first, up to the first event that has not completed: the later
+  // ones on that stream cannot have completed either. A query that fails counts as incomplete
+  // (the ladder and empty_cache synchronize it): a block is never lost, nor released early.
+  for (auto& q : p.pending.queues()) {
+    while (!q.empty()) {
+      const detail::pending_free pf = q.front();
+      bool done = false;
+      try {
+        done = backend->event_query(pf.event);
+      } catch (...) {
+        done = false;
+      }
+      if (!done) break;
+      p.pending.pop_front(q);
+      return_event(pf.event);
+      if (--pf.b->uses->pending_events == 0) release_to_free(p, pf.b);
     }
-    if (!done) {
-      *keep++ = *it;
-      continue;
-    }
-    return_event(it->event);
-    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
   }
-  p.pending.erase(keep, p.pending.end());
+  p.pending.drop_drained_queues();
 }
 
 void device_allocator::impl::sync_pending(stream_pool& p) {
   // Waits for every pending event; a block is released only once all its events have completed.
-  auto keep = p.pending.begin();
   std::exception_ptr first_error;
-  for (auto it = p.pending.begin(); it != p.pending.end(); ++it) {
-    try {
-      backend->event_synchronize(it->event);
-    } catch (...) {
-      if (!first_error) first_error = std::current_exception();
-      *keep++ = *it;
-      continue;
-    }
-    return_event(it->event);
-    if (--it->b->uses->pending_events == 0) release_to_free(p, it->b);
+  for (auto& q : p.pending.queues()) {
+    p.pending.retain(q, [&](const detail::pending_free& pf) {
+      try {
+        backend->event_synchronize(pf.event);
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+        return true;
+      }
+      return_event(pf.event);
+      if (--pf.b->uses->pending_events == 0) release_to_free(p, pf.b);
+      return false;
+    });
   }
-  p.pending.erase(keep, p.pending.end());
+  p.pending.drop_drained_queues();
   if (first_error) std::rethrow_exception(first_error);
 }
 
@@ -442,8 +466,9 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
 
 void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return nullptr;
-  if (bytes > detail::k_max_request_bytes) throw_oom(bytes, 0, stream);
-  const std::size_t rounded = policy.round_size(bytes);
+  const std::optional<std::size_t> rounded_or = policy.round_size(bytes);
+  if (!rounded_or) throw_oom(bytes, 0, stream);  // its rounded size passes any device
+  const std::size_t rounded = *rounded_or;
   const pool_kind kind = detail::size_policy::pool_for(rounded);
   stream_pool& p = pool_for(stream);
   std::unique_lock lk(p.mu);
@@ -509,18 +534,16 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
     try {
       e = take_event();
       backend->event_record(e, s);
-      p.pending.push_back({b, e});
+      p.pending.push(s, b, e);
       ++b->uses->pending_events;
     } catch (...) {
-      // Without an event the only safe reuse is after the stream drains.
+      // Without an event the only safe reuse is after the work queued so far drains. The stream
+      // itself may be why the record failed (destroyed since record_stream named it): wait
+      // device-wide, which names no stream.
       if (e != nullptr) return_event(e);
       try {
-        backend->stream_synchronize(s);
+        backend->device_synchronize();
       } catch (...) {
-        try {
-          backend->device_synchronize();
-        } catch (...) {
-        }
       }
     }
   }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "allocator/allocator_impl.hpp"
 #include "cucache/errors.hpp"

@@ -20,6 +20,10 @@ constexpr std::uintptr_t k_address_base = 0x7f0000000000ULL;
 constexpr std::size_t k_address_window = std::size_t{1} << 46;
 constexpr int k_max_devices = 64;  // windows up to 0x7f0000000000 + 64 * 64 TiB, far below 2^64
 constexpr int k_sim_invalid_value = 1;  // cudaErrorInvalidValue's number
+// Streams from create_stream live far from the sim's device addresses and from the small fake
+// handles tests use (1, 2, 0x5000 + 0x100 * i, n << 8), 64 bytes apart like real CUstream_st.
+constexpr std::uintptr_t k_stream_base = 0x5e0000000000ULL;
+constexpr std::uintptr_t k_stream_stride = 0x40;
 
 std::size_t round_up(std::size_t n, std::size_t m) {
   return (n + m - 1) / m * m;
@@ -73,7 +77,7 @@ const char* to_string(sim_call call) noexcept {
   return "unknown";
 }
 
-sim_backend::sim_backend(sim_options options) : options_(options) {
+sim_backend::sim_backend(sim_options options) : options_(options), next_stream_(k_stream_base) {
   if (options_.malloc_page_bytes == 0) options_.malloc_page_bytes = 1;
   if (options_.device < 0 || options_.device >= k_max_devices) {
     throw invalid_argument(
@@ -95,6 +99,13 @@ bool sim_backend::should_fail(sim_call kind) {
     return true;
   }
   return false;
+}
+
+void sim_backend::require_live_stream(sim_call kind, stream_handle stream) {
+  if (stream == nullptr || !destroyed_streams_.contains(stream)) return;
+  ++destroyed_stream_calls_;
+  fail(kind, fmt::format("stream {} has been destroyed", static_cast<const void*>(stream)),
+       k_sim_invalid_resource_handle);
 }
 
 void sim_backend::fail(sim_call kind, const std::string& why, int code) const {
@@ -328,6 +339,7 @@ void sim_backend::event_record(event_handle event, stream_handle stream) {
   if (should_fail(sim_call::event_record)) fail(sim_call::event_record, "injected failure");
   auto it = events_.find(reinterpret_cast<std::uintptr_t>(event));
   if (it == events_.end()) fail(sim_call::event_record, "unknown event", k_sim_invalid_value);
+  require_live_stream(sim_call::event_record, stream);
   it->second = event_rec{true, options_.events_complete_immediately, stream};
 }
 
@@ -349,10 +361,11 @@ void sim_backend::event_synchronize(event_handle event) {
   it->second.complete = true;
 }
 
-void sim_backend::stream_wait_event(stream_handle /*stream*/, event_handle event) {
+void sim_backend::stream_wait_event(stream_handle stream, event_handle event) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::stream_wait_event))
     fail(sim_call::stream_wait_event, "injected failure");
+  require_live_stream(sim_call::stream_wait_event, stream);
   if (events_.find(reinterpret_cast<std::uintptr_t>(event)) == events_.end()) {
     fail(sim_call::stream_wait_event, "unknown event", k_sim_invalid_value);
   }
@@ -364,6 +377,7 @@ void sim_backend::stream_synchronize(stream_handle stream) {
     if (should_fail(sim_call::stream_synchronize)) {
       fail(sim_call::stream_synchronize, "injected failure");
     }
+    require_live_stream(sim_call::stream_synchronize, stream);
   }
   complete_stream(stream);
 }
@@ -383,6 +397,36 @@ memory_info sim_backend::mem_get_info() {
   if (should_fail(sim_call::mem_get_info)) fail(sim_call::mem_get_info, "injected failure");
   const std::size_t used = std::min(used_, options_.capacity_bytes);
   return memory_info{options_.capacity_bytes - used, options_.capacity_bytes};
+}
+
+stream_handle sim_backend::create_stream() {
+  std::lock_guard lock(mu_);
+  auto* s = reinterpret_cast<stream_handle>(next_stream_);
+  next_stream_ += k_stream_stride;
+  live_streams_.insert(s);
+  return s;
+}
+
+void sim_backend::destroy_stream(stream_handle stream) {
+  std::lock_guard lock(mu_);
+  if (live_streams_.erase(stream) == 0) {
+    throw cuda_error(
+        "sim destroy_stream", k_sim_invalid_resource_handle,
+        fmt::format("stream {} {}", static_cast<const void*>(stream),
+                    destroyed_streams_.contains(stream) ? "has been destroyed already"
+                                                        : "was not created by this device"));
+  }
+  destroyed_streams_.insert(stream);
+}
+
+bool sim_backend::stream_destroyed(stream_handle stream) const {
+  std::lock_guard lock(mu_);
+  return destroyed_streams_.contains(stream);
+}
+
+std::uint64_t sim_backend::destroyed_stream_calls() const {
+  std::lock_guard lock(mu_);
+  return destroyed_stream_calls_;
 }
 
 void sim_backend::complete_stream(stream_handle stream) {

@@ -2,12 +2,23 @@
 #include "core/size_policy.hpp"
 
 #include <bit>
+#include <limits>
+#include <optional>
 
 namespace cucache::detail {
 namespace {
 
 constexpr std::size_t round_up(std::size_t n, std::size_t m) {
   return (n + m - 1) / m * m;
+}
+
+/// n rounded up to a multiple of m, or nullopt when that is not representable. REQUIRES: m > 0.
+constexpr std::optional<std::size_t> checked_round_up(std::size_t n, std::size_t m) {
+  const std::size_t rem = n % m;
+  if (rem == 0) return n;
+  const std::size_t add = m - rem;
+  if (n > std::numeric_limits<std::size_t>::max() - add) return std::nullopt;
+  return n + add;
 }
 
 }  // namespace
@@ -21,8 +32,10 @@ size_policy::size_policy(const config& cfg)
       divisions_(cfg.roundup_power2_divisions),
       split_any_remainder_(cfg.expandable_segments) {}
 
-std::size_t size_policy::round_size(std::size_t bytes) const noexcept {
+std::optional<std::size_t> size_policy::round_size(std::size_t bytes) const noexcept {
+  if (bytes > k_max_request_bytes) return std::nullopt;
   if (bytes <= k_min_block_bytes) return k_min_block_bytes;
+  std::size_t rounded = bytes;
   if (!divisions_.empty()) {
     // Interval i covers [2^(20+i), 2^(21+i)); interval 0 also covers everything below 2 MiB.
     const int log2 = static_cast<int>(std::bit_width(bytes)) - 1;
@@ -33,10 +46,16 @@ std::size_t size_policy::round_size(std::size_t bytes) const noexcept {
       if (std::has_single_bit(bytes)) return bytes;
       const std::size_t floor = std::bit_floor(bytes);
       const std::size_t step = std::max<std::size_t>(floor / div, 1);
-      return round_up(round_up(bytes, step), k_min_block_bytes);
+      // Near the top of the range the next step lies past SIZE_MAX (0xf000000000000000 with 4
+      // divisions would wrap to 0): such a request cannot fit anywhere.
+      const std::optional<std::size_t> stepped = checked_round_up(bytes, step);
+      if (!stepped) return std::nullopt;
+      rounded = *stepped;
     }
   }
-  return round_up(bytes, k_min_block_bytes);
+  const std::optional<std::size_t> out = checked_round_up(rounded, k_min_block_bytes);
+  if (!out || *out > k_max_request_bytes) return std::nullopt;
+  return out;
 }
 
 std::size_t size_policy::segment_size(std::size_t rounded) const noexcept {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "cucache/config.hpp"
@@ -26,7 +27,8 @@ inline constexpr std::size_t k_large_segment_bytes = 20 * k_mib;
 inline constexpr std::size_t k_large_segment_round_bytes = 2 * k_mib;
 /// A large-pool block is split only when strictly more than this would remain.
 inline constexpr std::size_t k_large_split_remainder_bytes = 1 * k_mib;
-/// The largest request the rounding can represent without overflow.
+/// The largest request, and the largest rounded size, the size rules accept: segment sizes
+/// (rounded up to 2 MiB, or 20 MiB) of anything up to it do not overflow.
 inline constexpr std::size_t k_max_request_bytes =
     std::numeric_limits<std::size_t>::max() - 2 * k_large_segment_bytes;
 
@@ -39,8 +41,10 @@ class size_policy {
   explicit size_policy(const config& cfg);
 
   /// Rounds a request up: to 512 B, or to the next power-of-two division where
-  /// roundup_power2_divisions asks for it. REQUIRES: 0 < bytes <= k_max_request_bytes.
-  [[nodiscard]] std::size_t round_size(std::size_t bytes) const noexcept;
+  /// roundup_power2_divisions asks for it. nullopt when the request or its rounded size passes
+  /// k_max_request_bytes: no device can hold it (the caller reports out of memory). The
+  /// arithmetic is checked, so nothing wraps around. REQUIRES: bytes > 0.
+  [[nodiscard]] std::optional<std::size_t> round_size(std::size_t bytes) const noexcept;
   [[nodiscard]] static pool_kind pool_for(std::size_t rounded) noexcept {
     return rounded <= k_small_request_max_bytes ? pool_kind::small : pool_kind::large;
   }

@@ -38,6 +38,11 @@ struct vm_range {
   std::vector<std::uint32_t> page_use;  // per page: allocated or pending blocks touching it
   std::size_t mapped_pages = 0;
 
+  /// True when [addr, addr + bytes) is a non-empty span inside the range, computed without
+  /// overflow: page_of(addr) and page_of(addr + bytes - 1) are then valid page table indices.
+  [[nodiscard]] bool holds(std::uintptr_t addr, std::size_t bytes) const noexcept {
+    return bytes != 0 && addr >= base && addr - base < size && bytes <= size - (addr - base);
+  }
   [[nodiscard]] std::size_t page_of(std::uintptr_t addr) const noexcept {
     return (addr - base) / page_bytes;
   }

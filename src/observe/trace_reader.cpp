@@ -1,6 +1,13 @@
 // Reads and validates RMM-format CSV traces. The whole (decompressed) file is read into memory and
 // parsed in place with std::from_chars: the largest real trace has close to a million rows, and
 // stream-based parsing per field would dominate the time of a replay.
+//
+// Column spellings (documented in trace.hpp and docs/replay.md): Pointer is what glibc's %p
+// prints -- 0x-prefixed hex, or a null spelling ("(nil)", "0x0", empty) -- so bare digits are
+// refused. Stream is always hex, with or without the 0x prefix: RMM's traces and cucache's
+// recorder write bare hex with the default stream as 0, so "10" is stream 0x10, never ten. Sizes
+// are decimal. Live requested bytes are summed with overflow checks, and an allocate failure names
+// no pointer.
 #include <zlib.h>
 
 #include <algorithm>
@@ -60,6 +67,13 @@ bool parse_stream(std::string_view text, std::uintptr_t& out) {
     text.remove_prefix(2);
   }
   return parse_uint(text, out, 16);
+}
+
+/// a + b, or false when it does not fit in size_t.
+bool add_bytes(std::size_t a, std::size_t b, std::size_t& out) {
+  if (b > std::numeric_limits<std::size_t>::max() - a) return false;
+  out = a + b;
+  return true;
 }
 
 bool two_digits(std::string_view text, std::size_t at, unsigned limit, std::uint64_t& out) {
@@ -194,8 +208,13 @@ std::vector<trace_event> parse_trace(std::string_view text, std::string_view nam
 
   std::vector<trace_event> events;
   events.reserve(static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')));
-  // Pointer -> line of the allocate that made it live.
-  std::unordered_map<std::uintptr_t, std::size_t> live;
+  // Pointer -> line and size of the allocate that made it live.
+  struct live_allocation {
+    std::size_t line;
+    std::size_t size;
+  };
+  std::unordered_map<std::uintptr_t, live_allocation> live;
+  std::size_t live_bytes = 0;  // requested bytes of the live allocations, checked for overflow
 
   std::size_t line_no = 0;
   bool have_header = false;
@@ -255,20 +274,35 @@ std::vector<trace_event> parse_trace(std::string_view text, std::string_view nam
       fail(name, line_no, fmt::format("bad number in Stream: {}", quoted(field[5])));
     }
 
+    if (ev.act == trace_event::action::allocate_failure && ev.pointer != 0) {
+      fail(name, line_no,
+           fmt::format("allocate failure with pointer {:#x}: a failed allocation returns none "
+                       "(expected (nil), 0x0 or empty)",
+                       ev.pointer));
+    }
     if (ev.pointer != 0) {
       if (ev.act == trace_event::action::allocate) {
-        auto [it, inserted] = live.try_emplace(ev.pointer, line_no);
+        auto [it, inserted] = live.try_emplace(ev.pointer, live_allocation{line_no, ev.size});
         if (!inserted) {
           fail(name, line_no,
                fmt::format("allocate of {:#x}, which is already live (allocated at line {})",
-                           ev.pointer, it->second));
+                           ev.pointer, it->second.line));
+        }
+        if (!add_bytes(live_bytes, ev.size, live_bytes)) {
+          fail(name, line_no,
+               fmt::format("allocate of {} bytes: live requested bytes overflow (more than {} "
+                           "live, which no process can hold)",
+                           ev.size, std::numeric_limits<std::size_t>::max()));
         }
       } else if (ev.act == trace_event::action::free) {
-        if (live.erase(ev.pointer) == 0) {
+        auto it = live.find(ev.pointer);
+        if (it == live.end()) {
           fail(name, line_no,
                fmt::format("free of {:#x}, which is not live (never allocated or already freed)",
                            ev.pointer));
         }
+        live_bytes -= it->second.size;
+        live.erase(it);
       }
     }
     events.push_back(ev);
@@ -307,7 +341,12 @@ trace_summary summarize(const std::vector<trace_event>& events) {
           current -= it->second;
           it->second = ev.size;
         }
-        current += ev.size;
+        if (!add_bytes(current, ev.size, current)) {
+          // Events that did not come through the reader (it refuses such a trace).
+          throw invalid_argument(fmt::format(
+              "trace summary: allocate of {} bytes (line {}): live requested bytes overflow",
+              ev.size, ev.line));
+        }
         s.peak_requested_bytes = std::max(s.peak_requested_bytes, current);
         break;
       case trace_event::action::free:

@@ -7,9 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "api/registry.hpp"
@@ -100,6 +102,104 @@ TEST_F(CApi, OutOfMemoryIsMemoryAllocationWithTheReport) {
   EXPECT_NE(report.find("memory limit"), std::string::npos) << report;
   EXPECT_EQ(cucacheMallocAsync(&p, k_sim_capacity * 2, fake_stream(2)), cudaErrorMemoryAllocation);
   EXPECT_EQ(stats().oomCount, 2u);
+}
+
+TEST_F(CApi, HugeSizesAreMemoryAllocationErrorsWithNothingChangedInEveryModeAndConfig) {
+  // The sizes and the top of the size_t range: with roundup_power2_divisions the rounding
+  // once wrapped to 0, so cucacheMalloc succeeded and the next cucacheMalloc(512) returned the
+  // same address.
+  constexpr std::size_t max = SIZE_MAX;
+  const std::size_t sizes[] = {max,
+                               max - 1,
+                               max - 512,
+                               std::size_t{1} << 63,
+                               (std::size_t{1} << 63) + 1,
+                               0xf000000000000000ULL,
+                               0xe000000000000001ULL,
+                               0xc000000000000001ULL,
+                               0xfffffffffd7fffffULL,
+                               0xfffffffffd7fffffULL - 511,
+                               0xfffffffffd800000ULL,
+                               k_sim_capacity + 1};
+  const std::string trace = ::testing::TempDir() + "cucache_c_api_huge_trace.csv";
+  const std::string keys[] = {"",
+                              "roundup_power2_divisions:4",
+                              "roundup_power2_divisions:[1:2,>:2147483648]",
+                              "max_split_size_mb:20,max_non_split_rounding_mb:40",
+                              "garbage_collection_threshold:0.5,memory_fraction:0.5",
+                              "memory_limit:1GiB,roundup_power2_divisions:4",
+                              "trace:" + trace + ",roundup_power2_divisions:4"};
+  for (const char* mode :
+       {"", "expandable_segments:True"}) {
+    for (const std::string& key : keys) {
+      std::string conf = mode;
+      if (!key.empty()) conf += (conf.empty() ? "" : ",") + key;
+      SCOPED_TRACE(conf);
+      ::setenv("CUCACHE_CONF", conf.c_str(), 1);
+      cucache::detail::reset_for_testing();
+      std::vector<std::pair<std::uintptr_t, std::size_t>> live;
+      const auto add_live = [&](void* p, std::size_t bytes) {
+        const auto a = reinterpret_cast<std::uintptr_t>(p);
+        for (const auto& [start, size] : live) {
+          EXPECT_TRUE(a + bytes <= start || start + size <= a)
+              << p << " overlaps a live allocation at " << reinterpret_cast<void*>(start);
+        }
+        live.emplace_back(a, bytes);
+      };
+      for (std::size_t bytes : {std::size_t{512}, 3 * k_mib}) {
+        void* p = nullptr;
+        ASSERT_EQ(cucacheMalloc(&p, bytes), cudaSuccess) << message();
+        add_live(p, bytes);
+      }
+      for (std::size_t bytes : sizes) {
+        SCOPED_TRACE(::testing::Message() << "size 0x" << std::hex << bytes);
+        const cucacheStats before = stats();
+        void* p = reinterpret_cast<void*>(0x1);
+        EXPECT_EQ(cucacheMalloc(&p, bytes), cudaErrorMemoryAllocation);
+        EXPECT_EQ(p, nullptr);
+        EXPECT_NE(message().find("out of memory"), std::string::npos) << message();
+        p = reinterpret_cast<void*>(0x1);
+        EXPECT_EQ(cucacheMallocAsync(&p, bytes, fake_stream(3)), cudaErrorMemoryAllocation);
+        EXPECT_EQ(p, nullptr);
+        const cucacheStats after = stats();
+        EXPECT_EQ(after.oomCount, before.oomCount + 2);
+        EXPECT_EQ(after.allocatedBytes, before.allocatedBytes);
+        EXPECT_EQ(after.requestedBytes, before.requestedBytes);
+        EXPECT_EQ(after.requestedBytesPeak, before.requestedBytesPeak);
+        EXPECT_EQ(after.activeBytes, before.activeBytes);
+        EXPECT_EQ(after.allocationCount, before.allocationCount);
+        EXPECT_EQ(after.reservedBytes, before.reservedBytes);
+        EXPECT_EQ(after.segmentCount, before.segmentCount);
+        EXPECT_EQ(after.deviceAllocCount, before.deviceAllocCount);
+        EXPECT_EQ(after.allocRetryCount, before.allocRetryCount);
+        void* q = nullptr;
+        ASSERT_EQ(cucacheMalloc(&q, 512), cudaSuccess) << message();
+        add_live(q, 512);
+      }
+      cucache::get().check_invariants();
+    }
+  }
+  std::remove(trace.c_str());
+}
+
+TEST_F(CApi, SettingsThatCannotBeHonouredAreInitializationErrorsNamingTheKey) {
+  // memory_fraction:1e-12 of 80 GiB is a limit of 0 bytes (0 means no limit); the same threshold
+  // turns garbage collection off. Both are refused when the allocator is built.
+  for (const char* conf : {"memory_fraction:1e-12", "garbage_collection_threshold:1e-12",
+                           "expandable_segments:True,memory_fraction:1e-12"}) {
+    SCOPED_TRACE(conf);
+    ::setenv("CUCACHE_CONF", conf, 1);
+    cucache::detail::reset_for_testing();
+    void* p = reinterpret_cast<void*>(0x1);
+    EXPECT_EQ(cucacheMalloc(&p, 512), cudaErrorInitializationError);
+    EXPECT_EQ(p, nullptr);
+    const std::string key = std::string(conf).find("memory_fraction") != std::string::npos
+                                ? "'memory_fraction'"
+                                : "'garbage_collection_threshold'";
+    EXPECT_NE(message().find("CUCACHE_CONF"), std::string::npos) << message();
+    EXPECT_NE(message().find(key), std::string::npos) << message();
+    EXPECT_NE(message().find("1e-12"), std::string::npos) << message();
+  }
 }
 
 TEST_F(CApi, EnvironmentErrorsAreInitializationErrors) {

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "cucache/errors.hpp"
 
 namespace cucache {
@@ -90,6 +92,54 @@ TEST(SimBackend, EventsCompleteWhenTheTestSaysSo) {
   EXPECT_TRUE(s.event_query(e));
   s.event_destroy(e);
   EXPECT_THROW((void)s.event_query(e), cuda_error);
+}
+
+TEST(SimBackend, DestroyedStreamsAreRejectedAsTheDriverDoes) {
+  sim_backend s;
+  const stream_handle a = s.create_stream();
+  const stream_handle b = s.create_stream();
+  EXPECT_NE(a, nullptr);
+  EXPECT_NE(a, b);
+  event_handle e = s.event_create();
+  s.event_record(e, a);
+  s.stream_wait_event(b, e);
+  s.stream_synchronize(a);
+  EXPECT_TRUE(s.event_query(e));
+  s.event_record(e, a);  // work recorded before the destroy still completes
+  s.destroy_stream(a);
+  EXPECT_TRUE(s.stream_destroyed(a));
+  EXPECT_FALSE(s.stream_destroyed(b));
+  EXPECT_FALSE(s.event_query(e));
+  const auto expect_400 = [](auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << "no error on a destroyed stream";
+    } catch (const cuda_error& err) {
+      EXPECT_EQ(err.code(), k_sim_invalid_resource_handle);
+      const std::string what = err.what();
+      EXPECT_TRUE(what.find("destroyed") != std::string::npos ||
+                  what.find("not created") != std::string::npos)
+          << what;
+    }
+  };
+  expect_400([&] { s.stream_synchronize(a); });
+  expect_400([&] { s.event_record(e, a); });
+  expect_400([&] { s.stream_wait_event(a, e); });
+  expect_400([&] { s.destroy_stream(a); });                                   // twice
+  expect_400([&] { s.destroy_stream(reinterpret_cast<stream_handle>(1)); });  // never created
+  EXPECT_EQ(s.destroyed_stream_calls(), 3u);
+  s.device_synchronize();  // names no stream: completes the dead stream's work
+  EXPECT_TRUE(s.event_query(e));
+  // Handles the sim never created -- the default stream, tests' fake values -- are alive.
+  for (stream_handle fake :
+       {static_cast<stream_handle>(nullptr), reinterpret_cast<stream_handle>(1),
+        reinterpret_cast<stream_handle>(0x5000)}) {
+    s.event_record(e, fake);
+    s.stream_synchronize(fake);
+    s.stream_wait_event(fake, e);
+  }
+  EXPECT_NE(s.create_stream(), a);  // a destroyed handle is never handed out again
+  s.event_destroy(e);
 }
 
 TEST(SimBackend, FailureInjection) {

@@ -3,6 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <optional>
+#include <vector>
+
 namespace cucache::detail {
 namespace {
 
@@ -61,6 +65,59 @@ TEST(SizePolicy, PowerOfTwoDivisionsPerInterval) {
   EXPECT_EQ(p.round_size(300 * k_mib), 384 * k_mib);  // halves of [256, 512)
   EXPECT_EQ(p.round_size(256 * k_mib), 256 * k_mib);  // powers of two stay
   EXPECT_EQ(p.round_size(1500), 1536u);               // <= 512 * divisions: plain
+}
+
+TEST(SizePolicy, RoundingIsCheckedAtTheTopOfTheRange) {
+  // Every rounding configuration: a size rounds to a multiple of 512 that is >= it and within
+  // k_max_request_bytes (so segment sizes cannot overflow either), or is refused (nullopt).
+  constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+  std::vector<std::size_t> sizes = {max,
+                                    max - 511,
+                                    max - 512,
+                                    std::size_t{1} << 63,
+                                    (std::size_t{1} << 63) + 1,
+                                    (std::size_t{1} << 63) - 1,
+                                    (std::size_t{1} << 62) + 1,
+                                    0xf000000000000000ULL,
+                                    0xe000000000000001ULL,
+                                    0xc000000000000001ULL,
+                                    0xfffffffffd7fffffULL,
+                                    k_max_request_bytes,
+                                    k_max_request_bytes - 511,
+                                    k_max_request_bytes + 1,
+                                    k_max_request_bytes - 20 * k_mib};
+  for (std::size_t k = 1; k < (std::size_t{1} << 40); k <<= 3) sizes.push_back(max - k);
+  for (const char* text :
+       {"", "roundup_power2_divisions:2", "roundup_power2_divisions:4",
+        "roundup_power2_divisions:2147483648", "roundup_power2_divisions:[1:4,64:2,>:1]",
+        "roundup_power2_divisions:[1:0,>:2147483648]", "expandable_segments:True",
+        "max_split_size_mb:20,roundup_power2_divisions:8"}) {
+    SCOPED_TRACE(text);
+    const size_policy p(parse_config(text));
+    for (std::size_t bytes : sizes) {
+      const std::optional<std::size_t> rounded = p.round_size(bytes);
+      if (!rounded) continue;
+      EXPECT_GE(*rounded, bytes) << std::hex << bytes;
+      EXPECT_EQ(*rounded % k_min_block_bytes, 0u) << std::hex << bytes;
+      EXPECT_LE(*rounded, k_max_request_bytes) << std::hex << bytes;
+      EXPECT_GE(p.segment_size(*rounded), *rounded) << std::hex << bytes;
+    }
+    EXPECT_EQ(p.round_size(max), std::nullopt);
+    EXPECT_EQ(p.round_size(k_max_request_bytes + 1), std::nullopt);
+    EXPECT_EQ(p.round_size(1), std::optional<std::size_t>(512));
+  }
+  // The sizes: with 4 divisions the next step of three of them lies past SIZE_MAX (it
+  // wrapped to 0); the fourth rounds to a representable size that no device holds.
+  const size_policy div4(parse_config("roundup_power2_divisions:4"));
+  for (std::size_t bytes : {std::size_t{0xf000000000000000ULL}, std::size_t{0xe000000000000001ULL},
+                            std::size_t{0xfffffffffd7fffffULL}}) {
+    EXPECT_EQ(div4.round_size(bytes), std::nullopt) << std::hex << bytes;
+  }
+  EXPECT_EQ(div4.round_size(0xc000000000000001ULL), 0xe000000000000000ULL);
+  EXPECT_EQ(div4.round_size(0xb000000000000000ULL), 0xc000000000000000ULL);
+  EXPECT_EQ(div4.round_size(std::size_t{1} << 63), std::size_t{1} << 63);
+  EXPECT_EQ(size_policy().round_size(k_max_request_bytes - 511), 0xfffffffffd7ffe00ULL);
+  EXPECT_EQ(size_policy().round_size(k_max_request_bytes), std::nullopt);  // rounds past it
 }
 
 }  // namespace

@@ -304,6 +304,69 @@ TEST(TraceSummary, ExactFiguresOnAHandWrittenTrace) {
   EXPECT_EQ(s.threads, 2U);
 }
 
+TEST(TraceReader, StreamIsAlwaysHexWithAnOptionalPrefixPointerNeedsTheSpelledPrefix) {
+  // The decision (trace.hpp, docs/replay.md): Stream is hex, with or without 0x (RMM's traces
+  // and cucache's recorder write bare hex, the default stream as 0), so "10" is stream 0x10, not
+  // ten. Pointer is what %p prints: 0x-prefixed hex, or a null spelling; bare digits are refused.
+  const auto events =
+      parse_trace(std::string_view(with_header("1,00:00:00.000000,allocate,0x10,1,10\n"
+                                               "1,00:00:00.000000,allocate,0x20,1,0x10\n"
+                                               "1,00:00:00.000000,allocate,0x30,1,aB\n")));
+  ASSERT_EQ(events.size(), 3U);
+  EXPECT_EQ(events[0].stream, 0x10U);
+  EXPECT_EQ(events[1].stream, 0x10U);
+  EXPECT_EQ(events[2].stream, 0xabU);
+  EXPECT_NE(rejection(with_header("1,00:00:00.000000,allocate,10,1,0\n")).find("bad pointer '10'"),
+            std::string::npos);
+  for (const char* stream : {"-1", "+1", "0x-1", " 1", "1 ", "0xx1", "1g", "10000000000000000"}) {
+    SCOPED_TRACE(stream);
+    EXPECT_NE(
+        rejection(with_header(std::string("1,00:00:00.000000,allocate,0x10,1,") + stream + "\n"))
+            .find("bad number in Stream"),
+        std::string::npos);
+  }
+}
+
+TEST(TraceReader, RejectsAnAllocateFailureWithAPointer) {
+  const std::string msg =
+      rejection(with_header("1,00:00:00.000000,allocate failure,0x7f0000000000,1024,0\n"));
+  EXPECT_NE(msg.find("t.csv:2:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("allocate failure"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("0x7f0000000000"), std::string::npos) << msg;
+  // Every null spelling is still accepted (AcceptsEveryNullPointerSpelling).
+}
+
+TEST(TraceReader, RejectsLiveBytesThatOverflow) {
+  // Two live 2^63-byte allocations sum to 2^64: no process held that; the summary's peak once
+  // wrapped to 2^63.
+  const std::string rows =
+      "1,00:00:00.000000,allocate,0x10,9223372036854775808,0\n"
+      "1,00:00:00.000001,allocate,0x20,9223372036854775808,0\n";
+  const std::string msg = rejection(with_header(rows));
+  EXPECT_NE(msg.find("t.csv:3:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("overflow"), std::string::npos) << msg;
+  // Freed in between, the same sizes are fine: only live bytes count.
+  const auto events = parse_trace(
+      std::string_view(with_header("1,00:00:00.000000,allocate,0x10,9223372036854775808,0\n"
+                                   "1,00:00:00.000001,free,0x10,9223372036854775808,0\n"
+                                   "1,00:00:00.000002,allocate,0x20,18446744073709551615,0\n")));
+  EXPECT_EQ(summarize(events).peak_requested_bytes, 18446744073709551615U);
+}
+
+TEST(TraceSummary, RefusesEventsWhoseLiveBytesOverflow) {
+  // Events built by hand skip the reader's check; summarize refuses them rather than wrap.
+  std::vector<trace_event> events(2);
+  events[0] = {1, 0, act::allocate, 0x10, std::size_t{1} << 63, 0, 7};
+  events[1] = {1, 0, act::allocate, 0x20, std::size_t{1} << 63, 0, 8};
+  try {
+    (void)summarize(events);
+    ADD_FAILURE() << "no error";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("line 8"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("overflow"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TraceSummary, EmptyTrace) {
   const trace_summary s = summarize({});
   EXPECT_EQ(s.events, 0U);
