@@ -20,13 +20,21 @@ run() {  # name, env..., binary, args...
   echo "$name: exit $rc in $((SECONDS - start)) s; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')" | tee -a "$out/summary.txt"
   [[ $rc -ne 0 ]] && status=1
 }
-for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test; do
+for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test allocator_suite_cuda_test; do
   [[ -x $bin/$t ]] || continue
   run "$t" "${prefix[@]}" "$bin/$t"
 done
 if [[ -x $bin/allocator_gpu_test ]]; then
   run allocator_gpu_test_expandable CUCACHE_GPU_TEST_CONF=expandable_segments:True "${prefix[@]}" \
     "$bin/allocator_gpu_test"
+fi
+if [[ -x $bin/process_exit_gpu_check ]]; then
+  for conf in "" expandable_segments:True; do
+    for scenario in stream record_stream threads loop; do
+      run "process_exit_${conf:+expandable_}${scenario}" CUCACHE_BACKEND=cuda CUCACHE_CONF="$conf" \
+        "${prefix[@]}" "$bin/process_exit_gpu_check" "$scenario"
+    done
+  done
 fi
 for e in port_before port_after; do
   [[ -x $bin/$e ]] && run "example_$e" "${prefix[@]}" "$bin/$e"
