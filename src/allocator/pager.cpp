@@ -12,6 +12,12 @@ namespace {
 /// can only be moved or given back whole; 256 MiB keeps a 1 GiB request at four calls.
 constexpr std::size_t k_max_handle_bytes = std::size_t{256} << 20;
 
+/// While memory is plentiful, reserved memory may exceed the high-water mark of held memory (pages
+/// a live or pending block touches) by this fraction of it: idle pages then stay mapped where they
+/// went idle, and new ones are created, instead of being moved at every placement that lacks them.
+/// Idle memory is always reclaimable, so the slack never costs the fit under a limit.
+constexpr std::size_t k_idle_slack_divisor = 128;  // 0.8%
+
 std::size_t round_up(std::size_t n, std::size_t m) {
   return (n + m - 1) / m * m;
 }
@@ -82,6 +88,7 @@ void pager::idle_link(stream_pool& p, vm_mapping* m) {
   }
   p.idle_head = m;
   p.idle_bytes += m->pages * page_bytes_;
+  idle_total_.fetch_add(m->pages * page_bytes_, std::memory_order_relaxed);
 }
 
 void pager::idle_unlink(stream_pool& p, vm_mapping* m) {
@@ -92,6 +99,7 @@ void pager::idle_unlink(stream_pool& p, vm_mapping* m) {
   m->idle_prev = m->idle_next = nullptr;
   m->idle = false;
   p.idle_bytes -= m->pages * page_bytes_;
+  idle_total_.fetch_sub(m->pages * page_bytes_, std::memory_order_relaxed);
 }
 
 void pager::touch(stream_pool& p, const block* b, int delta) {
@@ -244,18 +252,33 @@ std::optional<pager::piece> pager::take_unmapped(std::size_t want) {
 }
 
 namespace {
-/// The largest idle mapping of q that fits `want` bytes, or nullptr.
-vm_mapping* largest_idle_within(const stream_pool& q, std::size_t want, std::size_t page_bytes) {
+/// Idle mappings looked at, least recently idle first, when one is taken to be moved: a bounded
+/// walk keeps the allocation path O(1) however long the idle list grows.
+constexpr int k_idle_scan = 16;
+}  // namespace
+
+vm_mapping* pager::idle_within(const stream_pool& q, std::size_t want) const {
+  // Least recently idle first: a steady loop is least likely to come back for those pages, and
+  // they are the ones that went idle before the last device synchronization (no new one needed).
+  // Among those looked at, the largest that fits and needs no synchronization, else the largest.
+  const std::uint64_t done = syncs_done_.load(std::memory_order_seq_cst);
   vm_mapping* best = nullptr;
-  for (vm_mapping* m = q.idle_head; m != nullptr; m = m->idle_next) {
-    if (m->pages * page_bytes <= want && (best == nullptr || m->pages > best->pages)) best = m;
+  bool best_synced = false;
+  int seen = 0;
+  for (vm_mapping* m = q.idle_tail; m != nullptr && seen < k_idle_scan; m = m->idle_prev, ++seen) {
+    if (m->pages * page_bytes_ > want) continue;
+    const bool synced = done > m->idle_epoch;
+    if (best == nullptr || (synced && !best_synced) ||
+        (synced == best_synced && m->pages > best->pages)) {
+      best = m;
+      best_synced = synced;
+    }
   }
   return best;
 }
-}  // namespace
 
 std::optional<pager::piece> pager::take_idle(stream_pool& p, std::size_t want) {
-  vm_mapping* m = largest_idle_within(p, want, page_bytes_);
+  vm_mapping* m = idle_within(p, want);
   if (m == nullptr) return std::nullopt;
   wait_until_unmappable(*m);
   const std::size_t bytes = m->pages * page_bytes_;
@@ -269,7 +292,7 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
-    vm_mapping* m = largest_idle_within(*q, want, page_bytes_);
+    vm_mapping* m = idle_within(*q, want);
     if (m == nullptr) continue;
     wait_until_unmappable(*m);
     const std::size_t bytes = m->pages * page_bytes_;
@@ -295,14 +318,23 @@ std::optional<pager::piece> pager::create(std::size_t bytes) {
 // --- policy -------------------------------------------------------------------------------------
 
 bool pager::may_grow(stream_pool& p, std::size_t extra) {
-  // Moving a page costs an unmap, a map and a set-access, and perhaps a device synchronization.
-  // Creating costs about as much and is harmless while reserved memory stays at or below its
-  // high-water mark (the peak does not move), or at or below the pool's active bytes -- which,
-  // while a block is backed, already count it (no memory would sit idle). Idle pages then stay
-  // where steady loops will want them again.
+  // Moving a page costs an unmap, a map and a set-access, and perhaps a device synchronization;
+  // creating costs about as much, but leaves idle pages mapped where a steady loop will want them
+  // again. So while the device, the memory limit and the garbage-collection threshold have room,
+  // new memory is created as long as reserved memory stays within the slack above the high-water
+  // mark of held memory (reserved less idle and unmapped bytes, counting the pages being backed:
+  // the same whether they are created or moved), or at or below the pool's active bytes. Beyond
+  // that, idle pages are moved: only then does moving lower what the device must hold.
+  if (!fits(extra)) return false;
   const auto active = static_cast<std::size_t>(p.stats.active_bytes(0).current);
+  const std::size_t idle = idle_total_.load(std::memory_order_relaxed);
   std::lock_guard lock(budget_.mu);
-  return budget_.reserved + extra <= std::max(budget_.peak, active);
+  const std::size_t after = budget_.reserved + extra;
+  const std::size_t unheld = idle + free_handle_bytes;
+  const std::size_t held = after > unheld ? after - unheld : 0;
+  held_peak_ = std::max(held_peak_, held);
+  const std::size_t allowed = held_peak_ + held_peak_ / k_idle_slack_divisor;
+  return after <= std::max({budget_.peak, allowed, active});
 }
 
 bool pager::over_caps(std::size_t bytes) {
@@ -402,9 +434,17 @@ bool pager::back(stream_pool& p, const block* b) {
     while (pg + run <= last && r.page_map[pg + run] == nullptr) ++run;
     const std::size_t run_start = pg;
     while (run > 0) {
-      // The first and last page of a run get handles of their own: they may be shared with a
-      // neighbouring block, and a handle that a neighbour keeps in use cannot be moved.
-      const std::size_t want_pages = pg == run_start || run == 1 ? 1 : run - 1;
+      // The first page of every run gets a handle of its own, and so does the block's last page
+      // when the block ends inside it: those pages may be shared with a neighbouring block, and a
+      // handle that a neighbour keeps in use cannot be moved or given back. Every other page of
+      // the run goes in as few handles as the sources allow. (Giving the run's first page its own
+      // handle only when the block starts inside it made fewer handles but fitted bert_serve in
+      // 0.3% more memory; the last page of a block that ends on a page boundary is shared with
+      // nobody, and folding it into the middle handle costs no fit on the shared traces.)
+      const bool head_shared = pg == run_start;
+      const bool tail_shared =
+          pg + run - 1 == last && (b->addr + b->size) % page_bytes_ != 0 && run > 1;
+      const std::size_t want_pages = head_shared ? 1 : tail_shared ? run - 1 : run;
       const std::size_t want = want_pages * page_bytes_;
       const std::size_t fresh = std::min(want, k_max_handle_bytes);
       std::optional<piece> pc = take_unmapped(want);

@@ -133,6 +133,8 @@ class pager {
   void wait_until_unmappable(const vm_mapping& m);
   void synchronize_device();
 
+  /// An idle mapping of q of at most `want` bytes to move, or nullptr (a bounded walk).
+  vm_mapping* idle_within(const stream_pool& q, std::size_t want) const;
   void idle_link(stream_pool& p, vm_mapping* m);
   void idle_unlink(stream_pool& p, vm_mapping* m);
   phys_handle unmap(stream_pool& p, vm_mapping* m);
@@ -157,6 +159,8 @@ class pager {
   const std::vector<std::unique_ptr<stream_pool>>& pools_;
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
+  std::atomic<std::size_t> idle_total_{0};  // bytes of idle mappings, every pool
+  std::size_t held_peak_ = 0;               // high-water mark of held bytes; under budget.mu
 };
 
 }  // namespace cucache::detail

@@ -154,6 +154,10 @@ memory_figures figures_of(const device_stats& s) {
   f.vm_map_calls = s.vm_map_count;
   f.vm_unmap_calls = s.vm_unmap_count;
   f.stitched_pages = s.stitched_pages;
+  f.shared_pages = s.shared_pages;
+  f.vm_sync_calls = s.vm_sync_count;
+  f.vm_splits = s.vm_split_count;
+  f.vm_reclaims = s.vm_reclaim_count;
   return f;
 }
 
@@ -530,6 +534,10 @@ nlohmann::json to_json(const trace_result& r) {
                    {"total", r.figures.vm_create_calls + r.figures.vm_release_calls +
                                  2 * r.figures.vm_map_calls + r.figures.vm_unmap_calls}};
   j["stitched_pages"] = r.figures.stitched_pages;
+  j["shared_pages"] = r.figures.shared_pages;
+  j["device_synchronizations"] = r.figures.vm_sync_calls;
+  j["vm_splits"] = r.figures.vm_splits;
+  j["vm_reclaims"] = r.figures.vm_reclaims;
   j["host_ns_per_op"] = r.host_ns_per_op;
   j["host_ns_per_op_runs"] = r.host_ns_per_op_runs;
   j["repeat"] = r.host_ns_per_op_runs.size();

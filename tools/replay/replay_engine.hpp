@@ -92,6 +92,10 @@ struct memory_figures {
   std::uint64_t vm_map_calls = 0;
   std::uint64_t vm_unmap_calls = 0;
   std::uint64_t stitched_pages = 0;
+  std::uint64_t shared_pages = 0;
+  std::uint64_t vm_sync_calls = 0;  // device synchronizations before unmaps
+  std::uint64_t vm_splits = 0;      // idle mappings released because a block used them in part
+  std::uint64_t vm_reclaims = 0;    // times memory was short and idle memory was given back
 
   friend bool operator==(const memory_figures&, const memory_figures&) = default;
 };
