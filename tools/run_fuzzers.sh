@@ -86,9 +86,11 @@ for i in "${!harnesses[@]}"; do
 done
 for h in "${harnesses[@]}"; do
   log="$build/fuzz-logs/$h.log"
-  runs=$(grep -ho 'stat::number_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -1 || true)
-  [[ -z $runs ]] && runs=$(grep -o 'and [0-9]* random inputs ran clean' "$log" |
-                             awk '{s += $2} END {print s + 0}')
+  if [[ $mode == libfuzzer ]]; then
+    runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
+  else
+    runs=$(awk '/random inputs ran clean/ {s += $4 + $8} END {print s + 0}' "$log")
+  fi
   echo "cucache fuzz: $h: ${runs:-0} inputs executed"
   # Executions per input class, summed over the harness's processes.
   awk '/^cucache-fuzz-count/ { n = $NF; $1 = ""; $NF = ""; gsub(/^ +| +$/, "");
