@@ -9,7 +9,8 @@
 # the corpus replayed, then mutated and random inputs until the time is up.
 # Exit status 0 only if no harness crashed, failed a check, leaked or drew a sanitizer report; a
 # failing input is kept as <build>/fuzz-artifacts/<name>-crash-* (add it to the corpus and turn it
-# into a unit test). Environment: CUCACHE_FUZZ_BUILD_DIR (default build-fuzz).
+# into a unit test). Environment: CUCACHE_FUZZ_BUILD_DIR (default build-fuzz),
+# CUCACHE_FUZZ_ENGINE=standalone (use the fallback even where libFuzzer exists).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
@@ -20,7 +21,9 @@ jobs=$(nproc)
 probe_dir=$(mktemp -d)
 trap 'rm -rf "$probe_dir"' EXIT
 mode=standalone
-if command -v clang++ >/dev/null; then
+if [[ ${CUCACHE_FUZZ_ENGINE:-} == standalone ]]; then
+  :  # asked for (to test the fallback where libFuzzer exists)
+elif command -v clang++ >/dev/null; then
   printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' \
     >"$probe_dir/probe.cpp"
   if clang++ -fsanitize=fuzzer,address,undefined "$probe_dir/probe.cpp" -o "$probe_dir/probe" \
