@@ -4,6 +4,9 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <exception>
 #include <new>
@@ -23,11 +26,49 @@ namespace {
 constinit std::atomic<registry*> g_registry{nullptr};
 constinit std::mutex g_init_mu;
 bool g_atexit_registered = false;  // under g_init_mu
+bool g_atfork_registered = false;  // under g_init_mu
+
+// Fork. A child forked after the registry was built shares nothing with the parent's device: CUDA
+// contexts do not survive fork (the runtime answers cudaErrorInitializationError in the child),
+// the sim's memory is a copy, and the allocators' pointers, events and streams name the parent's
+// objects. The child handler therefore takes the registry out of the child's reach, at no cost to
+// the hot path (instance() still reads one pointer): g_registry becomes nullptr, and the slow path
+// then reports the fork instead of building a second registry over the parent's state. The
+// parent's registry is leaked in the child, never destroyed: destroying it would free the
+// parent's memory through handles that are not the child's.
+constinit std::atomic<bool> g_forked_child{false};
+constinit std::atomic<long> g_parent_pid{0};
+
+// A fork copies the mutexes as they are: one held by another thread of the parent at that moment
+// would stay locked forever in the child. The handlers hold the registry's own (process-wide)
+// mutexes across the fork, so the child gets them unlocked and consistent.
+std::mutex g_error_mu;
+std::string g_last_error;  // under g_error_mu
+
+void before_fork() noexcept {
+  g_init_mu.lock();
+  g_error_mu.lock();
+}
+void after_fork_in_parent() noexcept {
+  g_error_mu.unlock();
+  g_init_mu.unlock();
+}
+void after_fork_in_child() noexcept {
+  if (g_registry.load(std::memory_order_relaxed) != nullptr) {
+    g_parent_pid.store(static_cast<long>(getppid()), std::memory_order_relaxed);
+    g_forked_child.store(true, std::memory_order_relaxed);
+    g_registry.store(nullptr, std::memory_order_release);
+  }
+  g_error_mu.unlock();
+  g_init_mu.unlock();
+}
 
 // At normal exit (std::exit or return from main): write the trace, and give cached memory back
 // while the runtime is still up -- its own exit handler was registered before this one (the
-// census called it first), so it runs after. Tools such as compute-sanitizer's leak check then
-// see only what the program itself never freed.
+// census called it first), so it runs after (docs/design.md, "Fork and process exit"). Tools such
+// as compute-sanitizer's leak check then see only what the program itself never freed. In a
+// forked child g_registry is nullptr: the child writes none of the parent's trace rows and frees
+// none of its memory.
 void flush_trace_and_empty_cache_at_exit() noexcept {
   registry* r = g_registry.load(std::memory_order_acquire);
   if (r == nullptr) return;
@@ -59,8 +100,6 @@ int sim_devices_from_env() {
 }
 
 thread_local std::string t_last_error;
-std::mutex g_error_mu;
-std::string g_last_error;  // under g_error_mu
 
 }  // namespace
 
@@ -108,10 +147,17 @@ registry& registry::instance() {
     return *r;
   std::lock_guard lock(g_init_mu);
   if (registry* r = g_registry.load(std::memory_order_acquire)) return *r;
+  require_not_forked();
   auto* r = new registry();  // throws, storing nothing, on a bad environment
   if (!g_atexit_registered) {
     // Only normal exit gets here; std::atexit fails only when its table is full.
     g_atexit_registered = std::atexit([] { flush_trace_and_empty_cache_at_exit(); }) == 0;
+  }
+  if (!g_atfork_registered) {
+    // Registered with the first registry: a child forked before cucache was used has no parent
+    // state to inherit and may use cucache as any process does.
+    g_atfork_registered =
+        pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child) == 0;
   }
   g_registry.store(r, std::memory_order_release);
   return *r;
@@ -119,6 +165,22 @@ registry& registry::instance() {
 
 registry* registry::if_built() noexcept {
   return g_registry.load(std::memory_order_acquire);
+}
+
+bool registry::forked_child() noexcept {
+  return g_forked_child.load(std::memory_order_relaxed);
+}
+
+void registry::require_not_forked() {
+  if (!forked_child()) [[likely]]
+    return;
+  throw cuda_error(
+      "cucache", static_cast<int>(cudaErrorInitializationError),
+      fmt::format("this process (pid {}) was forked from process {} after that process used "
+                  "cucache; a forked child cannot use its parent's device state (CUDA contexts, "
+                  "allocations, streams and events do not survive fork). Use cucache in the "
+                  "parent only, or start the child with exec (e.g. multiprocessing's 'spawn')",
+                  static_cast<long>(getpid()), g_parent_pid.load(std::memory_order_relaxed)));
 }
 
 void registry::reset_for_testing() {
@@ -158,10 +220,9 @@ int registry::try_current_device() const noexcept {
 device_allocator& registry::create(int device) {
   if (kind_ == backend_kind::cuda && census_.count == 0) throw_unusable(census_);
   if (device < 0 || device >= census_.count) {
-    throw cuda_error(
-        "cucache::get", static_cast<int>(cudaErrorInvalidDevice),
-        fmt::format("invalid device ordinal {} ({} {} device{})", device, census_.count,
-                    to_string(kind_), census_.count == 1 ? "" : "s"));
+    throw cuda_error("cucache::get", static_cast<int>(cudaErrorInvalidDevice),
+                     fmt::format("invalid device ordinal {} ({} {} device{})", device,
+                                 census_.count, to_string(kind_), census_.count == 1 ? "" : "s"));
   }
   std::lock_guard lock(create_mu_);
   auto& slot = slots_[static_cast<std::size_t>(device)];
@@ -253,9 +314,12 @@ void registry::flush_trace() {
 }
 
 void throw_not_ours(const void* ptr, release_kind kind, int hint) {
+  // In a forked child the pointer may well be the parent's: say why nothing can release it.
+  registry::require_not_forked();
   const char* what = kind == release_kind::record ? "record_stream" : "free";
   if (registry* r = registry::if_built()) {
-    if (device_allocator* a = r->find(hint)) throw invalid_argument(a->explain_bad_pointer(ptr, what));
+    if (device_allocator* a = r->find(hint))
+      throw invalid_argument(a->explain_bad_pointer(ptr, what));
   }
   throw invalid_argument(fmt::format(
       "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "

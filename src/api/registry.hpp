@@ -35,8 +35,16 @@ class registry {
   /// (storing nothing: the next call reads the environment again) when CUCACHE_BACKEND,
   /// CUCACHE_SIM_DEVICES or CUCACHE_CONF is unusable or the trace file cannot be created.
   [[nodiscard]] static registry& instance();
-  /// The registry if it was built, else nullptr. Never builds, never throws.
+  /// The registry if it was built, else nullptr. Never builds, never throws. In a child forked
+  /// after the registry was built, nullptr: the parent's allocators are out of the child's reach.
   [[nodiscard]] static registry* if_built() noexcept;
+  /// True in a process forked (fork(), without exec) after the registry was built: the parent's
+  /// device state -- its CUDA contexts, allocations, events and streams -- is not the child's, so
+  /// every call that would use it fails (docs/design.md, "Fork and process exit").
+  [[nodiscard]] static bool forked_child() noexcept;
+  /// Throws cuda_error (cudaErrorInitializationError, the runtime's answer in such a child)
+  /// naming the fork, when forked_child().
+  static void require_not_forked();
 
   [[nodiscard]] backend_kind kind() const noexcept { return kind_; }
   [[nodiscard]] int device_count() const noexcept { return census_.count; }

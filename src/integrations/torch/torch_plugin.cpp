@@ -73,8 +73,8 @@ int guarded(const char* what, Fn&& fn) noexcept {
     fn();
     return 0;
   } catch (...) {
-    static_cast<void>(error_code_of_current_exception(
-        (std::string("cucache_torch: ") + what).c_str()));
+    static_cast<void>(
+        error_code_of_current_exception((std::string("cucache_torch: ") + what).c_str()));
   }
   return -1;
 }
@@ -107,6 +107,8 @@ void* cucache_torch_alloc(size_t size, int device, cucache_torch_stream stream) 
 void cucache_torch_free(void* ptr, size_t /*size*/, int device, cucache_torch_stream stream) {
   if (ptr == nullptr) return;
   try {
+    // In a child forked after cucache was used, the pointer is the parent's: say so.
+    registry::require_not_forked();
     // Stream-ordered: a free on another stream than the allocation's defers reuse until the work
     // queued on `stream` now has completed (docs/torch.md). torch passes the allocation's device;
     // a caller that does not still gets its memory back.
@@ -268,7 +270,8 @@ const char* cucache_torch_backend_name(void) {
 int cucache_torch_sim_complete_all(void) {
   return guarded("sim_complete_all", [] {
     registry& r = registry::instance();
-    if (r.kind() != backend_kind::sim) throw invalid_argument("the backend is not the simulated one");
+    if (r.kind() != backend_kind::sim)
+      throw invalid_argument("the backend is not the simulated one");
     for (int d = 0; d < r.device_count(); ++d) {
       if (auto* sim = dynamic_cast<sim_backend*>(r.backend_of(d))) sim->complete_all();
     }
