@@ -475,6 +475,9 @@ bool pager::back(stream_pool& p, const block* b) {
       }
       const std::size_t pages = piece_pages(r, b, pg);
       const std::size_t want = pages * page_bytes_;
+      // Pass 0 moves only until what is still missing may be created: as few moves as lower what
+      // the device must hold, and the rest in new handles, as large as the run allows.
+      if (pass == 0 && may_grow(p, missing)) break;
       std::optional<piece> pc = take_unmapped(want);
       if (pass == 0) {
         if (!pc) pc = take_idle(p, want);
@@ -483,6 +486,7 @@ bool pager::back(stream_pool& p, const block* b) {
           pg += pages;  // created in pass 1
           continue;
         }
+        missing -= pc->bytes;
       } else if (!pc) {
         const std::size_t fresh = std::min(want, k_max_handle_bytes);
         pc = create(fresh);
