@@ -461,12 +461,15 @@ bool pager::back(stream_pool& p, const block* b) {
   // created, after room was made for all of it: reserved memory never rises inside the call above
   // where it ends (nothing is created that a release in the same call then makes up for).
   const bool plentiful = may_grow(p, missing);
+  bool moved = false;
   for (int pass = plentiful ? 1 : 0; pass < 2; ++pass) {
     if (pass == 1) {
       missing = missing_bytes(r, b);
       if (missing == 0) return true;
-      if (!plentiful) make_room(p, missing);  // idle memory too large to move here
-      if (!fits(missing)) (void)reclaim(p, missing);
+      if (!plentiful) {
+        make_room(p, missing);  // idle memory too large to move here
+        if (!fits(missing)) (void)reclaim(p, missing);
+      }
     }
     for (std::size_t pg = first; pg <= last;) {
       if (r.page_map[pg] != nullptr) {
@@ -477,7 +480,7 @@ bool pager::back(stream_pool& p, const block* b) {
       const std::size_t want = pages * page_bytes_;
       // Pass 0 moves only until what is still missing may be created: as few moves as lower what
       // the device must hold, and the rest in new handles, as large as the run allows.
-      if (pass == 0 && may_grow(p, missing)) break;
+      if (pass == 0 && moved && may_grow(p, missing)) break;
       std::optional<piece> pc = take_unmapped(want);
       if (pass == 0) {
         if (!pc) pc = take_idle(p, want);
@@ -487,6 +490,7 @@ bool pager::back(stream_pool& p, const block* b) {
           continue;
         }
         missing -= pc->bytes;
+        moved = true;
       } else if (!pc) {
         const std::size_t fresh = std::min(want, k_max_handle_bytes);
         pc = create(fresh);
