@@ -135,6 +135,11 @@ class pager {
 
   /// An idle mapping of q of at most `want` bytes to move, or nullptr (a bounded walk).
   vm_mapping* idle_within(const stream_pool& q, std::size_t want) const;
+  /// Pages of the next handle for carved block b at its unmapped page pg: 1 for a page b shares
+  /// with a neighbour, else the rest of the unmapped run (less a shared last page).
+  std::size_t piece_pages(const vm_range& r, const block* b, std::size_t pg) const;
+  /// Bytes of b's pages that no mapping backs.
+  std::size_t missing_bytes(const vm_range& r, const block* b) const;
   void idle_link(stream_pool& p, vm_mapping* m);
   void idle_unlink(stream_pool& p, vm_mapping* m);
   phys_handle unmap(stream_pool& p, vm_mapping* m);
