@@ -40,7 +40,8 @@ cmake --install "$build" --prefix "$static" >/dev/null
 for f in include/cucache/cucache.h include/cucache/cucache.hpp include/cucache/memory_resource.hpp \
          include/cucache/thrust.hpp lib/cmake/cucache/cucacheConfig.cmake \
          lib/cmake/cucache/cucacheConfigVersion.cmake lib/cmake/cucache/cucacheTargets.cmake \
-         lib/pkgconfig/cucache.pc lib/libcucache_api.a lib/libcucache_backend.a bin/cucache-replay; do
+         lib/pkgconfig/cucache.pc lib/libcucache_api.a lib/libcucache_backend.a bin/cucache-replay \
+         lib/libcucache_preload.so; do
   [[ -e "$static/$f" ]] || fail "$f is not installed"
 done
 # Exactly the public headers: nothing from src/, and every header of include/cucache.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -22,7 +23,8 @@ class allocation_observer {
  public:
   virtual ~allocation_observer() = default;
   /// `ptr` was handed out for `requested` bytes (the caller's size, not the rounded one).
-  virtual void on_allocate(const void* ptr, std::size_t requested, stream_handle stream) noexcept = 0;
+  virtual void on_allocate(const void* ptr, std::size_t requested,
+                           stream_handle stream) noexcept = 0;
   /// `ptr`, an allocation of `requested` bytes, is being freed in the order of `stream` (the
   /// allocation's own stream for a plain free).
   virtual void on_free(const void* ptr, std::size_t requested, stream_handle stream) noexcept = 0;
@@ -68,6 +70,18 @@ class device_allocator {
   /// the invalid_argument that deallocate would throw says it: "cucache: <what>(<ptr>) on device
   /// N: <why>". Takes every pool lock: for error paths.
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
+  /// Where an address falls in this allocator's memory: `in_segment` when inside a segment it
+  /// reserved; then `block`/`block_size` are the block holding it and `live` whether that block
+  /// is allocated. What a front end that forwards foreign pointers (the LD_PRELOAD shim) needs to
+  /// tell "not ours" from "ours, but not a live allocation's start". Takes every pool lock: for
+  /// error paths.
+  struct address_info {
+    bool in_segment = false;
+    bool live = false;
+    std::uintptr_t block = 0;
+    std::size_t block_size = 0;
+  };
+  [[nodiscard]] address_info locate(const void* ptr) const;
   /// Waits for pending frees, then returns every whole free segment to the device.
   void empty_cache();
 

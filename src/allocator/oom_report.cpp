@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include "allocator/allocator_impl.hpp"
-#include "cucache/errors.hpp"
 #include "core/format_bytes.hpp"
+#include "cucache/errors.hpp"
 
 namespace cucache {
 
@@ -77,6 +77,27 @@ std::string device_allocator::impl::explain_bad_pointer(const void* ptr, const c
 
 void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what) {
   throw invalid_argument(explain_bad_pointer(ptr, what));
+}
+
+device_allocator::address_info device_allocator::locate(const void* ptr) const {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  address_info info;
+  auto all = impl_->lock_all();
+  for (const auto& p : impl_->pools) {
+    for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
+      if (addr < s->base || addr >= s->base + s->size) continue;
+      info.in_segment = true;
+      for (const detail::block* b = s->first; b != nullptr; b = b->next) {
+        if (addr < b->addr || addr >= b->addr + b->size) continue;
+        info.block = b->addr;
+        info.block_size = b->size;
+        info.live = b->state == detail::block_state::allocated;
+        return info;
+      }
+      return info;
+    }
+  }
+  return info;
 }
 
 std::string device_allocator::explain_bad_pointer(const void* ptr, const char* what) const {

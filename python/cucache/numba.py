@@ -1,0 +1,127 @@
+"""cucache as Numba's CUDA memory manager (an External Memory Management plug-in).
+
+    import cucache.numba
+    cucache.numba.install()        # before Numba creates its CUDA context
+
+or, with no code change:
+
+    NUMBA_CUDA_MEMORY_MANAGER=cucache.numba python program.py
+
+Device allocations (cuda.device_array, to_device, ...) are cucache memory on the context's device,
+on the legacy default stream (Numba's memalloc carries no stream), freed when Numba finalizes the
+array; host and pinned memory stay Numba's (HostOnlyCUDAMemoryManager). IPC handles of cucache
+memory are refused (a handle would name a whole cucache segment). numba is imported only when the
+manager class is first needed. See docs/python.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Any, Optional
+
+from . import _lib
+from ._lib import memory_stats, memory_summary, snapshot  # noqa: F401  (the shared API)
+
+__all__ = ["install", "CucacheMemoryManager", "memory_stats", "memory_summary", "snapshot"]
+
+_class: Any = None
+
+
+def _numba_config() -> Any:
+    try:
+        from numba.cuda.core import config  # numba-cuda's own config, where it has one
+    except ImportError:
+        from numba.core import config
+    return config
+
+
+def _device_pointer(ptr: int) -> Any:
+    # Numba's driver takes the pointer type of the binding in use: cuda-python's CUdeviceptr with
+    # the NVIDIA binding (numba-cuda's default), a ctypes integer with Numba's own.
+    if getattr(_numba_config(), "CUDA_USE_NVIDIA_BINDING", False):
+        try:
+            from cuda.bindings.driver import CUdeviceptr
+        except ImportError:
+            from cuda.cuda import CUdeviceptr
+        return CUdeviceptr(ptr)
+    return ctypes.c_uint64(ptr)
+
+
+def _make_class() -> Any:
+    from numba import cuda
+
+    try:
+        from numba.cuda import HostOnlyCUDAMemoryManager, MemoryInfo, MemoryPointer
+    except ImportError:
+        from numba.cuda.cudadrv.driver import HostOnlyCUDAMemoryManager, MemoryInfo, MemoryPointer
+
+    class CucacheMemoryManager(HostOnlyCUDAMemoryManager):
+        """Numba EMM plug-in over cucache (a BaseCUDAMemoryManager through
+        HostOnlyCUDAMemoryManager, which keeps host allocations Numba's)."""
+
+        def initialize(self) -> None:
+            super().initialize()
+            _lib.library()
+            _lib.set_current_device_function(lambda: int(cuda.get_current_device().id))
+
+        def _device(self) -> int:
+            dev = getattr(self.context, "device", None)
+            return int(getattr(dev, "id", 0)) if dev is not None else 0
+
+        def memalloc(self, size: int) -> Any:
+            device = self._device()
+            ptr = _lib.alloc(size, device, 0)
+
+            def finalizer(ptr: int = ptr, size: int = size, device: int = device) -> None:
+                _lib.free(ptr, size, device, 0)
+
+            return MemoryPointer(self.context, _device_pointer(ptr), size, finalizer=finalizer)
+
+        def get_memory_info(self) -> Any:
+            s = memory_stats(self._device())
+            total = s["memory_limit"] or s["device_total_bytes"]
+            free = max(total - s["active_bytes.all.current"], 0)
+            return MemoryInfo(free=free, total=total)
+
+        def get_ipc_handle(self, memory: Any) -> Any:
+            raise RuntimeError(
+                "cucache.numba: IPC handles of cucache memory are not supported: a handle would "
+                "name the whole cucache segment, not this allocation (docs/python.md)"
+            )
+
+        def reset(self) -> None:
+            _lib.empty_cache()
+
+        def defer_cleanup(self) -> Any:
+            return contextlib.nullcontext()
+
+        @property
+        def interface_version(self) -> int:
+            return 1
+
+    return CucacheMemoryManager
+
+
+def __getattr__(name: str) -> Any:
+    # NUMBA_CUDA_MEMORY_MANAGER=cucache.numba makes Numba read _numba_memory_manager; the class
+    # needs numba's base class, so it is made on that first access, not at import.
+    global _class
+    if name in ("_numba_memory_manager", "CucacheMemoryManager"):
+        if _class is None:
+            _class = _make_class()
+        return _class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def install(conf: Optional[str] = None, lib_path: Optional[str] = None) -> None:
+    """Makes cucache Numba's CUDA memory manager. Call before Numba creates its context (the
+    first cuda.* call that touches the GPU). conf: a CUCACHE_CONF string."""
+    import os
+
+    from numba import cuda
+
+    if conf is not None:
+        os.environ["CUCACHE_CONF"] = conf
+    _lib.library(lib_path)
+    cuda.set_memory_manager(__getattr__("_numba_memory_manager"))

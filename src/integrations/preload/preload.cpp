@@ -1,0 +1,328 @@
+// The routing of libcucache_preload.so (preload.hpp).
+#include "preload.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "api/registry.hpp"
+#include "cucache/cucache.hpp"
+#include "cucache/device_allocator.hpp"
+#include "cucache/errors.hpp"
+#include "cucache/stats.hpp"
+
+namespace cucache::preload {
+
+using detail::registry;
+using detail::release_kind;
+
+namespace {
+
+void say(std::string_view message) noexcept {
+  std::fprintf(stderr, "cucache preload: %.*s\n", static_cast<int>(message.size()), message.data());
+}
+
+// Inside a catch block: the driver's code for the exception in flight, its text on stderr.
+cu_result fail(const char* function) noexcept {
+  const int code = detail::error_code_of_current_exception(function);
+  say(detail::thread_last_error());
+  return driver_code(code);
+}
+
+void* as_ptr(cu_deviceptr p) noexcept {
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+}
+cu_deviceptr as_dptr(const void* p) noexcept {
+  return static_cast<cu_deviceptr>(reinterpret_cast<std::uintptr_t>(p));
+}
+
+// The allocator whose memory holds `ptr` and what it says of it; {nullptr, {}} when none does.
+struct located {
+  device_allocator* owner = nullptr;
+  device_allocator::address_info info;
+};
+located locate(const void* ptr) noexcept {
+  registry* r = registry::if_built();
+  if (r == nullptr) return {};
+  for (int d = 0; d < r->device_count(); ++d) {
+    device_allocator* a = r->find(d);
+    if (a == nullptr) continue;
+    try {
+      const auto info = a->locate(ptr);
+      if (info.in_segment) return {a, info};
+    } catch (...) {
+      // locate only takes locks; nothing to report
+    }
+  }
+  return {};
+}
+
+// Whether `ptr` starts a live cucache allocation (a pointer-map lookup, no pool lock).
+bool is_live_start(const registry& r, const void* ptr) noexcept {
+  for (int d = 0; d < r.device_count(); ++d) {
+    const device_allocator* a = r.find(d);
+    try {
+      if (a != nullptr && a->allocation_size(ptr) != 0) return true;
+    } catch (...) {
+    }
+  }
+  return false;
+}
+
+device_allocator& current_allocator() {
+  registry& r = registry::instance();
+  arm_exit_report();
+  return r.allocator(r.current_device());
+}
+
+cu_result allocate(cu_deviceptr* dptr, std::size_t bytes, cu_stream stream,
+                   const char* function) noexcept {
+  if (dptr == nullptr) return k_invalid_value;
+  *dptr = 0;
+  // The driver refuses a zero-byte allocation; cucache's 0 -> nullptr would read as success.
+  if (bytes == 0) return k_invalid_value;
+  try {
+    void* p = current_allocator().allocate(bytes, stream);
+    *dptr = as_dptr(p);
+    stats().allocations.fetch_add(1, std::memory_order_relaxed);
+    return k_success;
+  } catch (...) {
+    return fail(function);
+  }
+}
+
+// Refuses a call on cucache memory that would give the caller a segment's view instead of its
+// allocation's (IPC handles, address ranges). k_success when `ptr` is not cucache's.
+cu_result refuse_if_ours(cu_deviceptr dptr, const char* function, const char* why) noexcept {
+  const located l = locate(as_ptr(dptr));
+  if (l.owner == nullptr) return k_success;
+  stats().refused.fetch_add(1, std::memory_order_relaxed);
+  try {
+    say(fmt::format(
+        "{}({:#x}) refused (CUDA_ERROR_NOT_SUPPORTED): the address is cucache memory (block at "
+        "{:#x}, {} bytes, {}), a part of a larger segment, so {}. Run this program without "
+        "LD_PRELOAD=libcucache_preload.so, or allocate this buffer outside it (docs/preload.md).",
+        function, dptr, l.info.block, l.info.block_size, l.info.live ? "live" : "free", why));
+    detail::set_last_error(fmt::format("{}: refused on cucache memory", function));
+  } catch (...) {
+  }
+  return k_not_supported;
+}
+
+}  // namespace
+
+counters& stats() noexcept {
+  static counters c;
+  return c;
+}
+
+free_mode free_mode_from_env() {
+  const char* env = std::getenv("CUCACHE_PRELOAD_FREE");
+  if (env == nullptr || *env == '\0' || std::string_view(env) == "sync") return free_mode::sync;
+  if (std::string_view(env) == "stream") return free_mode::stream;
+  throw environment_error(fmt::format(
+      "environment variable CUCACHE_PRELOAD_FREE: '{}' is neither sync nor stream", env));
+}
+
+std::size_t pitch_for(std::size_t width) noexcept {
+  constexpr std::size_t align = 512;
+  return (width + align - 1) / align * align;
+}
+
+cu_result driver_code(int runtime_code) noexcept {
+  // The runtime's codes that cucache produces and the driver's of the same meaning share values.
+  switch (runtime_code) {
+    case 0:
+    case k_invalid_value:
+    case k_out_of_memory:
+    case k_not_initialized:
+    case k_no_device:
+    case k_invalid_device:
+      return runtime_code;
+    default:
+      return k_unknown;
+  }
+}
+
+cu_result mem_alloc(const real_driver& /*real*/, cu_deviceptr* dptr, std::size_t bytes,
+                    cu_stream stream) noexcept {
+  return allocate(dptr, bytes, stream, "cuMemAlloc");
+}
+
+cu_result mem_alloc_pitch(const real_driver& /*real*/, cu_deviceptr* dptr, std::size_t* pitch,
+                          std::size_t width, std::size_t height, unsigned int element) noexcept {
+  if (dptr == nullptr || pitch == nullptr) return k_invalid_value;
+  // The driver's rule: elements of 4, 8 or 16 bytes; no empty or overflowing extent.
+  if (element != 4 && element != 8 && element != 16) return k_invalid_value;
+  if (width == 0 || height == 0) return k_invalid_value;
+  const std::size_t p = pitch_for(width);
+  if (p < width || height > static_cast<std::size_t>(-1) / p) return k_invalid_value;
+  const cu_result rc = allocate(dptr, p * height, nullptr, "cuMemAllocPitch");
+  if (rc == k_success) *pitch = p;
+  return rc;
+}
+
+cu_result mem_free(const real_driver& real, cu_deviceptr dptr, free_mode mode) noexcept {
+  if (dptr == 0) return k_success;
+  void* ptr = as_ptr(dptr);
+  registry* r = registry::if_built();
+  if (r != nullptr) {
+    if (mode == free_mode::sync && real.ctx_synchronize != nullptr && is_live_start(*r, ptr)) {
+      // cudaFree waits for the device; so does this, before the block can be reused.
+      if (const cu_result rc = real.ctx_synchronize(); rc != k_success) return rc;
+    }
+    try {
+      if (r->release(ptr, nullptr, release_kind::plain, r->try_current_device())) {
+        stats().frees.fetch_add(1, std::memory_order_relaxed);
+        return k_success;
+      }
+    } catch (...) {
+      return fail("cuMemFree");
+    }
+    const located l = locate(ptr);
+    if (l.owner != nullptr) {
+      // Inside cucache memory but not a live allocation's start (double or interior free):
+      // forwarding it could free a whole cucache segment under other allocations.
+      stats().bad_frees.fetch_add(1, std::memory_order_relaxed);
+      const std::string why = l.owner->explain_bad_pointer(ptr, "cuMemFree");
+      say(why);
+      detail::set_last_error(why);
+      return k_invalid_value;
+    }
+  }
+  stats().forwarded_frees.fetch_add(1, std::memory_order_relaxed);
+  return real.mem_free != nullptr ? real.mem_free(dptr) : k_not_found;
+}
+
+cu_result mem_free_async(const real_driver& real, cu_deviceptr dptr, cu_stream stream,
+                         bool ptsz) noexcept {
+  if (dptr == 0) return k_success;
+  void* ptr = as_ptr(dptr);
+  const cu_stream s = ptsz && stream == nullptr ? k_stream_per_thread : stream;
+  if (registry* r = registry::if_built()) {
+    try {
+      if (r->release(ptr, s, release_kind::ordered, r->try_current_device())) {
+        stats().frees.fetch_add(1, std::memory_order_relaxed);
+        return k_success;
+      }
+    } catch (...) {
+      return fail("cuMemFreeAsync");
+    }
+    const located l = locate(ptr);
+    if (l.owner != nullptr) {
+      stats().bad_frees.fetch_add(1, std::memory_order_relaxed);
+      const std::string why = l.owner->explain_bad_pointer(ptr, "cuMemFreeAsync");
+      say(why);
+      detail::set_last_error(why);
+      return k_invalid_value;
+    }
+  }
+  stats().forwarded_frees.fetch_add(1, std::memory_order_relaxed);
+  auto fn = ptsz ? real.mem_free_async_ptsz : real.mem_free_async;
+  return fn != nullptr ? fn(dptr, stream) : k_not_found;
+}
+
+cu_result mem_get_info(const real_driver& /*real*/, std::size_t* free,
+                       std::size_t* total) noexcept {
+  if (free == nullptr || total == nullptr) return k_invalid_value;
+  try {
+    // cucacheMemGetInfo's view: the device's free memory plus what cucache caches, bounded by a
+    // memory limit when one is set.
+    device_allocator& a = current_allocator();
+    const memory_info device = a.backend().mem_get_info();
+    const device_stats s = a.stats();
+    std::size_t t = device.total_bytes;
+    std::size_t f = device.free_bytes + s.free_bytes;
+    if (s.memory_limit != 0) {
+      t = std::min(t, s.memory_limit);
+      const auto active =
+          static_cast<std::size_t>(std::max<std::int64_t>(s.active_bytes[0].current, 0));
+      f = std::min(f, t > active ? t - active : 0);
+    }
+    *free = std::min(f, t);
+    *total = t;
+    return k_success;
+  } catch (...) {
+    return fail("cuMemGetInfo");
+  }
+}
+
+cu_result ipc_get_mem_handle(const real_driver& real, void* handle, cu_deviceptr dptr) noexcept {
+  if (const cu_result rc = refuse_if_ours(dptr, "cuIpcGetMemHandle",
+                                          "another process opening the handle would map the whole "
+                                          "segment at its base, not this allocation");
+      rc != k_success) {
+    return rc;
+  }
+  return real.ipc_get_mem_handle != nullptr ? real.ipc_get_mem_handle(handle, dptr) : k_not_found;
+}
+
+cu_result mem_get_address_range(const real_driver& real, cu_deviceptr* base, std::size_t* size,
+                                cu_deviceptr dptr) noexcept {
+  if (const cu_result rc = refuse_if_ours(dptr, "cuMemGetAddressRange",
+                                          "the driver would answer with the segment's range, not "
+                                          "this allocation's");
+      rc != k_success) {
+    return rc;
+  }
+  return real.mem_get_address_range != nullptr ? real.mem_get_address_range(base, size, dptr)
+                                               : k_not_found;
+}
+
+std::string report_text() {
+  const counters& c = stats();
+  std::string out = fmt::format(
+      "cucache preload report: {} allocations and {} frees by cucache, {} foreign frees forwarded "
+      "to the driver, {} bad frees refused, {} IPC/address-range calls refused\n",
+      c.allocations.load(), c.frees.load(), c.forwarded_frees.load(), c.bad_frees.load(),
+      c.refused.load());
+  registry* r = registry::if_built();
+  if (r == nullptr) return out + "cucache: no device was used\n";
+  out += fmt::format("backend {}, CUCACHE_CONF='{}'\n", to_string(r->kind()),
+                     std::getenv("CUCACHE_CONF") != nullptr ? std::getenv("CUCACHE_CONF") : "");
+  for (int d = 0; d < r->device_count(); ++d) {
+    if (device_allocator* a = r->find(d)) {
+      out += fmt::format("--- device {} ---\n", d);
+      out += a->memory_summary();
+    }
+  }
+  return out;
+}
+
+namespace {
+void write_report_at_exit() noexcept {
+  try {
+    const char* where = std::getenv("CUCACHE_REPORT");
+    if (where != nullptr && *where != '\0') {
+      const std::string text = report_text();
+      if (std::string_view(where) == "stderr") {
+        std::fputs(text.c_str(), stderr);
+      } else if (std::FILE* f = std::fopen(where, "w")) {
+        std::fputs(text.c_str(), f);
+        std::fclose(f);
+      } else {
+        say(fmt::format("CUCACHE_REPORT: cannot write '{}'", where));
+      }
+    }
+    if (registry* r = registry::if_built()) r->flush_trace();
+  } catch (...) {
+    // Nothing can report it at exit.
+  }
+}
+}  // namespace
+
+void arm_exit_report() noexcept {
+  static std::once_flag once;
+  try {
+    std::call_once(once, [] { static_cast<void>(std::atexit(write_report_at_exit)); });
+  } catch (...) {
+  }
+}
+
+}  // namespace cucache::preload

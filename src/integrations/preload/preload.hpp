@@ -1,0 +1,99 @@
+// The routing of libcucache_preload.so (docs/preload.md), apart from the symbols it exports: which
+// driver call cucache answers, which it forwards to the real driver, and which it refuses. Every
+// function here takes the real driver as a table of entry points, so the tests drive it over the
+// simulated device with a fake driver, without libcuda.
+//
+// The driver's types are spelled here rather than taken from cuda.h: the exported functions carry
+// the driver's own names (cuMemAlloc_v2, ...), which cuda.h declares, and its macros rename.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace cucache::preload {
+
+using cu_result = int;                    // CUresult
+using cu_deviceptr = unsigned long long;  // CUdeviceptr (v2)
+using cu_stream = struct CUstream_st*;    // CUstream
+
+inline constexpr cu_result k_success = 0;           // CUDA_SUCCESS
+inline constexpr cu_result k_invalid_value = 1;     // CUDA_ERROR_INVALID_VALUE
+inline constexpr cu_result k_out_of_memory = 2;     // CUDA_ERROR_OUT_OF_MEMORY
+inline constexpr cu_result k_not_initialized = 3;   // CUDA_ERROR_NOT_INITIALIZED
+inline constexpr cu_result k_no_device = 100;       // CUDA_ERROR_NO_DEVICE
+inline constexpr cu_result k_invalid_device = 101;  // CUDA_ERROR_INVALID_DEVICE
+inline constexpr cu_result k_not_found = 500;       // CUDA_ERROR_NOT_FOUND
+inline constexpr cu_result k_not_supported = 801;   // CUDA_ERROR_NOT_SUPPORTED
+inline constexpr cu_result k_unknown = 999;         // CUDA_ERROR_UNKNOWN
+/// CU_STREAM_PER_THREAD: what stream 0 means to a _ptsz entry point.
+inline const cu_stream k_stream_per_thread = reinterpret_cast<cu_stream>(std::uintptr_t{2});
+
+/// The real driver's entry points the routing forwards to. A null entry answers k_not_found.
+struct real_driver {
+  cu_result (*mem_alloc)(cu_deviceptr*, std::size_t) = nullptr;
+  cu_result (*mem_free)(cu_deviceptr) = nullptr;
+  cu_result (*mem_alloc_async)(cu_deviceptr*, std::size_t, cu_stream) = nullptr;
+  cu_result (*mem_free_async)(cu_deviceptr, cu_stream) = nullptr;
+  cu_result (*mem_alloc_async_ptsz)(cu_deviceptr*, std::size_t, cu_stream) = nullptr;
+  cu_result (*mem_free_async_ptsz)(cu_deviceptr, cu_stream) = nullptr;
+  cu_result (*mem_alloc_pitch)(cu_deviceptr*, std::size_t*, std::size_t, std::size_t,
+                               unsigned int) = nullptr;
+  cu_result (*mem_get_info)(std::size_t*, std::size_t*) = nullptr;
+  cu_result (*ipc_get_mem_handle)(void*, cu_deviceptr) = nullptr;
+  cu_result (*mem_get_address_range)(cu_deviceptr*, std::size_t*, cu_deviceptr) = nullptr;
+  cu_result (*ctx_synchronize)() = nullptr;
+};
+
+/// What a plain free (cuMemFree, so cudaFree) does before the block is reused.
+enum class free_mode : std::uint8_t {
+  sync,    ///< CUCACHE_PRELOAD_FREE=sync (default): synchronize the context, as cudaFree does, so
+           ///< memory freed while other streams still use it is reused only after they finished
+  stream,  ///< CUCACHE_PRELOAD_FREE=stream: reusable at once on its allocation stream (cucache's
+           ///< and PyTorch's rule; fast, but a program that frees memory in use on another stream
+           ///< without synchronizing first would see it reused under that stream's feet)
+};
+
+/// Counters of what the routing did, for the exit report and the tests.
+struct counters {
+  std::atomic<std::uint64_t> allocations{0};      ///< answered by cucache
+  std::atomic<std::uint64_t> frees{0};            ///< of cucache memory
+  std::atomic<std::uint64_t> forwarded_frees{0};  ///< foreign pointers given to the driver
+  std::atomic<std::uint64_t> bad_frees{0};        ///< refused: inside cucache memory, not live
+  std::atomic<std::uint64_t> refused{0};          ///< IPC / address range on cucache memory
+};
+[[nodiscard]] counters& stats() noexcept;
+
+/// CUCACHE_PRELOAD_FREE, read once. Throws environment_error on a value that is not sync/stream.
+[[nodiscard]] free_mode free_mode_from_env();
+
+// The interposed calls. Each catches everything and answers the driver's error codes; cucache's
+// message also goes to stderr with a "cucache preload:" prefix.
+cu_result mem_alloc(const real_driver& real, cu_deviceptr* dptr, std::size_t bytes,
+                    cu_stream stream) noexcept;
+cu_result mem_alloc_pitch(const real_driver& real, cu_deviceptr* dptr, std::size_t* pitch,
+                          std::size_t width, std::size_t height, unsigned int element) noexcept;
+/// cuMemFree. `mode` as free_mode_from_env() unless a test says otherwise.
+cu_result mem_free(const real_driver& real, cu_deviceptr dptr, free_mode mode) noexcept;
+/// cuMemFreeAsync (`ptsz`: the _ptsz variant, whose stream 0 is the per-thread stream).
+cu_result mem_free_async(const real_driver& real, cu_deviceptr dptr, cu_stream stream,
+                         bool ptsz) noexcept;
+cu_result mem_get_info(const real_driver& real, std::size_t* free, std::size_t* total) noexcept;
+cu_result ipc_get_mem_handle(const real_driver& real, void* handle, cu_deviceptr dptr) noexcept;
+cu_result mem_get_address_range(const real_driver& real, cu_deviceptr* base, std::size_t* size,
+                                cu_deviceptr dptr) noexcept;
+
+/// cuMemAllocPitch's pitch for a row of `width` bytes (the driver's 512-byte alignment).
+[[nodiscard]] std::size_t pitch_for(std::size_t width) noexcept;
+/// The driver error code for a CUDA runtime error code cucache produced.
+[[nodiscard]] cu_result driver_code(int runtime_code) noexcept;
+
+/// The exit report (CUCACHE_REPORT=PATH|stderr): counters and every used device's memory_summary.
+[[nodiscard]] std::string report_text();
+/// Registers, once, the exit handler that writes report_text() where CUCACHE_REPORT says and
+/// flushes the trace. Called after the registry is built, so it runs before the registry's own
+/// exit handler empties the cache.
+void arm_exit_report() noexcept;
+
+}  // namespace cucache::preload

@@ -1,0 +1,335 @@
+// libcucache_preload.so's exported symbols (docs/preload.md): the driver entry points it
+// interposes, cuGetProcAddress (v1 and v2), through which the CUDA runtime -- static or shared --
+// finds every driver function since CUDA 11.3, and dlsym, through which the runtime finds
+// cuGetProcAddress in libcuda.so.1. Everything else of the library is hidden (exports.map).
+//
+// No recursion into the shim: cucache's own CUDA runtime (linked statically into this library)
+// also looks the driver up through dlsym, and dlsym answers a caller inside this library with the
+// real symbol; besides, a thread already inside cucache (t_depth) is always forwarded to the real
+// driver, whatever path it took.
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+
+#include "preload.hpp"
+
+namespace cucache::preload {
+namespace {
+
+using dlsym_fn = void* (*)(void*, const char*);
+using gpa_v1_fn = cu_result (*)(const char*, void**, int, std::uint64_t);
+using gpa_v2_fn = cu_result (*)(const char*, void**, int, std::uint64_t, int*);
+
+constexpr std::uint64_t k_per_thread_flag = 2;  // CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+
+thread_local int t_depth = 0;  // > 0: this thread is inside cucache
+struct inside {
+  inside() noexcept { ++t_depth; }
+  ~inside() { --t_depth; }
+  inside(const inside&) = delete;
+  inside& operator=(const inside&) = delete;
+};
+
+// glibc's dlsym, found by version so that this library's own dlsym is not found instead.
+dlsym_fn real_dlsym() noexcept {
+  static const dlsym_fn fn = [] {
+    void* f = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (f == nullptr) f = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    if (f == nullptr) f = dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.17");  // aarch64
+    if (f == nullptr) {
+      std::fputs("cucache preload: cannot find glibc's dlsym; giving up\n", stderr);
+      std::abort();
+    }
+    return reinterpret_cast<dlsym_fn>(f);
+  }();
+  return fn;
+}
+
+bool caller_is_self(const void* caller) noexcept {
+  static const void* self_base = [] {
+    Dl_info info{};
+    return dladdr(reinterpret_cast<const void*>(&caller_is_self), &info) != 0 ? info.dli_fbase
+                                                                              : nullptr;
+  }();
+  Dl_info info{};
+  return self_base != nullptr && caller != nullptr && dladdr(caller, &info) != 0 &&
+         info.dli_fbase == self_base;
+}
+
+void* libcuda() noexcept {
+  static void* handle = [] {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (h == nullptr) h = dlopen("libcuda.so.1", RTLD_NOW);
+    return h;
+  }();
+  return handle;
+}
+
+template <typename Fn>
+void resolve(Fn& fn, const char* name) noexcept {
+  void* h = libcuda();
+  fn = h != nullptr ? reinterpret_cast<Fn>(real_dlsym()(h, name)) : nullptr;
+}
+
+struct real_entry_points {
+  real_driver drv;
+  gpa_v1_fn get_proc_address = nullptr;
+  gpa_v2_fn get_proc_address_v2 = nullptr;
+};
+
+// libcuda's exported symbols of the ABI versions the hooks implement.
+const real_entry_points& real() noexcept {
+  static const real_entry_points r = [] {
+    real_entry_points e;
+    resolve(e.drv.mem_alloc, "cuMemAlloc_v2");
+    resolve(e.drv.mem_free, "cuMemFree_v2");
+    resolve(e.drv.mem_alloc_async, "cuMemAllocAsync");
+    resolve(e.drv.mem_free_async, "cuMemFreeAsync");
+    resolve(e.drv.mem_alloc_async_ptsz, "cuMemAllocAsync_ptsz");
+    resolve(e.drv.mem_free_async_ptsz, "cuMemFreeAsync_ptsz");
+    resolve(e.drv.mem_alloc_pitch, "cuMemAllocPitch_v2");
+    resolve(e.drv.mem_get_info, "cuMemGetInfo_v2");
+    resolve(e.drv.ipc_get_mem_handle, "cuIpcGetMemHandle");
+    resolve(e.drv.mem_get_address_range, "cuMemGetAddressRange_v2");
+    resolve(e.drv.ctx_synchronize, "cuCtxSynchronize");
+    resolve(e.get_proc_address, "cuGetProcAddress");
+    resolve(e.get_proc_address_v2, "cuGetProcAddress_v2");
+    return e;
+  }();
+  return r;
+}
+
+free_mode mode() noexcept {
+  static const free_mode m = [] {
+    try {
+      return free_mode_from_env();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "cucache preload: %s; using sync\n", e.what());
+      return free_mode::sync;
+    }
+  }();
+  return m;
+}
+
+}  // namespace
+}  // namespace cucache::preload
+
+using namespace cucache::preload;
+
+extern "C" {
+
+#define CUCACHE_PRELOAD_API __attribute__((visibility("default")))
+
+CUCACHE_PRELOAD_API cu_result cuMemAlloc_v2(cu_deviceptr* dptr, std::size_t bytes) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) return r.mem_alloc != nullptr ? r.mem_alloc(dptr, bytes) : k_not_found;
+  inside guard;
+  return mem_alloc(r, dptr, bytes, nullptr);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemAllocAsync(cu_deviceptr* dptr, std::size_t bytes,
+                                              cu_stream stream) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_alloc_async != nullptr ? r.mem_alloc_async(dptr, bytes, stream) : k_not_found;
+  }
+  inside guard;
+  return mem_alloc(r, dptr, bytes, stream);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemAllocAsync_ptsz(cu_deviceptr* dptr, std::size_t bytes,
+                                                   cu_stream stream) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_alloc_async_ptsz != nullptr ? r.mem_alloc_async_ptsz(dptr, bytes, stream)
+                                             : k_not_found;
+  }
+  inside guard;
+  return mem_alloc(r, dptr, bytes, stream == nullptr ? k_stream_per_thread : stream);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemAllocPitch_v2(cu_deviceptr* dptr, std::size_t* pitch,
+                                                 std::size_t width, std::size_t height,
+                                                 unsigned int element) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_alloc_pitch != nullptr ? r.mem_alloc_pitch(dptr, pitch, width, height, element)
+                                        : k_not_found;
+  }
+  inside guard;
+  return mem_alloc_pitch(r, dptr, pitch, width, height, element);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemFree_v2(cu_deviceptr dptr) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) return r.mem_free != nullptr ? r.mem_free(dptr) : k_not_found;
+  inside guard;
+  return mem_free(r, dptr, mode());
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemFreeAsync(cu_deviceptr dptr, cu_stream stream) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_free_async != nullptr ? r.mem_free_async(dptr, stream) : k_not_found;
+  }
+  inside guard;
+  return mem_free_async(r, dptr, stream, false);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemFreeAsync_ptsz(cu_deviceptr dptr, cu_stream stream) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_free_async_ptsz != nullptr ? r.mem_free_async_ptsz(dptr, stream) : k_not_found;
+  }
+  inside guard;
+  return mem_free_async(r, dptr, stream, true);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) return r.mem_get_info != nullptr ? r.mem_get_info(free, total) : k_not_found;
+  inside guard;
+  return mem_get_info(r, free, total);
+}
+
+CUCACHE_PRELOAD_API cu_result cuIpcGetMemHandle(void* handle, cu_deviceptr dptr) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.ipc_get_mem_handle != nullptr ? r.ipc_get_mem_handle(handle, dptr) : k_not_found;
+  }
+  inside guard;
+  return ipc_get_mem_handle(r, handle, dptr);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemGetAddressRange_v2(cu_deviceptr* base, std::size_t* size,
+                                                      cu_deviceptr dptr) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_get_address_range != nullptr ? r.mem_get_address_range(base, size, dptr)
+                                              : k_not_found;
+  }
+  inside guard;
+  return mem_get_address_range(r, base, size, dptr);
+}
+
+CUCACHE_PRELOAD_API cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version,
+                                                  std::uint64_t flags, int* status);
+CUCACHE_PRELOAD_API cu_result cuGetProcAddress(const char* symbol, void** pfn, int version,
+                                               std::uint64_t flags);
+
+}  // extern "C"
+
+namespace cucache::preload {
+namespace {
+
+// This library's replacement for the entry point the driver returned for `symbol` at `version`
+// (the driver's default search: ABI `version`, per-thread stream variants when `flags` asks), or
+// nullptr to keep the driver's. Only the ABI versions the hooks implement are replaced: an older
+// caller asking for cuMemAlloc at 3.1 keeps the driver's 32-bit cuMemAlloc.
+void* replacement(const char* symbol, int version, std::uint64_t flags) noexcept {
+  const bool ptsz = (flags & k_per_thread_flag) != 0;
+  struct entry {
+    const char* name;
+    int since;
+    void* fn;
+    void* fn_ptsz;
+  };
+  static const entry table[] = {
+      {"cuMemAlloc", 3020, reinterpret_cast<void*>(&cuMemAlloc_v2), nullptr},
+      {"cuMemFree", 3020, reinterpret_cast<void*>(&cuMemFree_v2), nullptr},
+      {"cuMemAllocPitch", 3020, reinterpret_cast<void*>(&cuMemAllocPitch_v2), nullptr},
+      {"cuMemGetInfo", 3020, reinterpret_cast<void*>(&cuMemGetInfo_v2), nullptr},
+      {"cuMemGetAddressRange", 3020, reinterpret_cast<void*>(&cuMemGetAddressRange_v2), nullptr},
+      {"cuIpcGetMemHandle", 4010, reinterpret_cast<void*>(&cuIpcGetMemHandle), nullptr},
+      {"cuMemAllocAsync", 11020, reinterpret_cast<void*>(&cuMemAllocAsync),
+       reinterpret_cast<void*>(&cuMemAllocAsync_ptsz)},
+      {"cuMemFreeAsync", 11020, reinterpret_cast<void*>(&cuMemFreeAsync),
+       reinterpret_cast<void*>(&cuMemFreeAsync_ptsz)},
+  };
+  if (std::strcmp(symbol, "cuGetProcAddress") == 0) {
+    return version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
+                            : reinterpret_cast<void*>(&cuGetProcAddress);
+  }
+  for (const entry& e : table) {
+    if (std::strcmp(symbol, e.name) != 0) continue;
+    if (version < e.since) return nullptr;
+    return ptsz && e.fn_ptsz != nullptr ? e.fn_ptsz : e.fn;
+  }
+  return nullptr;
+}
+
+// This library's function for an exported driver symbol name (dlsym's view), else nullptr.
+void* exported(const char* name) noexcept {
+  struct entry {
+    const char* name;
+    void* fn;
+  };
+  static const entry table[] = {
+      {"cuGetProcAddress", reinterpret_cast<void*>(&cuGetProcAddress)},
+      {"cuGetProcAddress_v2", reinterpret_cast<void*>(&cuGetProcAddress_v2)},
+      {"cuMemAlloc_v2", reinterpret_cast<void*>(&cuMemAlloc_v2)},
+      {"cuMemFree_v2", reinterpret_cast<void*>(&cuMemFree_v2)},
+      {"cuMemAllocAsync", reinterpret_cast<void*>(&cuMemAllocAsync)},
+      {"cuMemAllocAsync_ptsz", reinterpret_cast<void*>(&cuMemAllocAsync_ptsz)},
+      {"cuMemFreeAsync", reinterpret_cast<void*>(&cuMemFreeAsync)},
+      {"cuMemFreeAsync_ptsz", reinterpret_cast<void*>(&cuMemFreeAsync_ptsz)},
+      {"cuMemAllocPitch_v2", reinterpret_cast<void*>(&cuMemAllocPitch_v2)},
+      {"cuMemGetInfo_v2", reinterpret_cast<void*>(&cuMemGetInfo_v2)},
+      {"cuIpcGetMemHandle", reinterpret_cast<void*>(&cuIpcGetMemHandle)},
+      {"cuMemGetAddressRange_v2", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},
+  };
+  if (name == nullptr || name[0] != 'c' || name[1] != 'u') return nullptr;
+  for (const entry& e : table) {
+    if (std::strcmp(name, e.name) == 0) return e.fn;
+  }
+  return nullptr;
+}
+
+}  // namespace
+}  // namespace cucache::preload
+
+extern "C" {
+
+cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version, std::uint64_t flags,
+                              int* status) {
+  const real_entry_points& r = real();
+  cu_result rc = k_not_found;
+  if (r.get_proc_address_v2 != nullptr) {
+    rc = r.get_proc_address_v2(symbol, pfn, version, flags, status);
+  } else if (r.get_proc_address != nullptr) {
+    rc = r.get_proc_address(symbol, pfn, version, flags);
+  }
+  if (rc == k_success && t_depth == 0 && symbol != nullptr && pfn != nullptr && *pfn != nullptr) {
+    if (void* mine = replacement(symbol, version, flags)) *pfn = mine;
+  }
+  return rc;
+}
+
+cu_result cuGetProcAddress(const char* symbol, void** pfn, int version, std::uint64_t flags) {
+  const real_entry_points& r = real();
+  cu_result rc = k_not_found;
+  if (r.get_proc_address != nullptr) {
+    rc = r.get_proc_address(symbol, pfn, version, flags);
+  } else if (r.get_proc_address_v2 != nullptr) {
+    rc = r.get_proc_address_v2(symbol, pfn, version, flags, nullptr);
+  }
+  if (rc == k_success && t_depth == 0 && symbol != nullptr && pfn != nullptr && *pfn != nullptr) {
+    if (void* mine = replacement(symbol, version, flags)) *pfn = mine;
+  }
+  return rc;
+}
+
+// dlsym as glibc's, except that a caller outside this library asking any library for one of the
+// driver symbols above gets this library's function (when the library has the symbol at all).
+CUCACHE_PRELOAD_API void* dlsym(void* __restrict handle, const char* __restrict name) noexcept {
+  void* found = real_dlsym()(handle, name);
+  if (found == nullptr || t_depth > 0 || caller_is_self(__builtin_return_address(0))) return found;
+  if (void* mine = exported(name)) return mine;
+  return found;
+}
+
+}  // extern "C"

@@ -1,0 +1,175 @@
+// A plain CUDA program that knows nothing of cucache, for tools/preload_check.sh: built twice
+// (nvcc's default static runtime, and -cudart shared) and run with and without
+// LD_PRELOAD=libcucache_preload.so. cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync on a
+// stream, cudaMallocPitch, cudaMemGetInfo, kernels, and a check of every result.
+//   preload_program [--expect-ipc-refused] [--reset]
+// Exit 0: correct results; 1: a wrong result or an unexpected error; 77: no usable GPU.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CHECK(call)                                                           \
+  do {                                                                        \
+    const cudaError_t e_ = (call);                                            \
+    if (e_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "preload_program: %s failed: %s (%s:%d)\n", #call, \
+                   cudaGetErrorString(e_), __FILE__, __LINE__);               \
+      return 1;                                                               \
+    }                                                                         \
+  } while (0)
+
+__global__ void fill(float* x, float v, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = v + static_cast<float>(i % 7);
+}
+
+__global__ void saxpy(float a, const float* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + y[i];
+}
+
+__global__ void fill_rows(float* m, size_t pitch, int width, int height) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y;
+  if (c < width && r < height) {
+    reinterpret_cast<float*>(reinterpret_cast<char*>(m) + r * pitch)[c] =
+        static_cast<float>(r * 1000 + c);
+  }
+}
+
+int main(int argc, char** argv) {
+  bool expect_ipc_refused = false;
+  bool reset = false;  // end with cudaDeviceReset, as many samples do
+  for (int i = 1; i < argc; ++i) {
+    expect_ipc_refused = expect_ipc_refused || std::strcmp(argv[i], "--expect-ipc-refused") == 0;
+    reset = reset || std::strcmp(argv[i], "--reset") == 0;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("preload_program: skipped: no usable GPU\n");
+    return 77;
+  }
+  int runtime = 0;
+  int driver = 0;
+  CHECK(cudaRuntimeGetVersion(&runtime));
+  CHECK(cudaDriverGetVersion(&driver));
+  std::printf("preload_program: runtime %d, driver %d\n", runtime, driver);
+
+  // 1. cudaMalloc / kernels / cudaFree, many sizes, reused.
+  const int n = 1 << 20;
+  std::vector<float> host(n);
+  for (int round = 0; round < 20; ++round) {
+    float* x = nullptr;
+    float* y = nullptr;
+    CHECK(cudaMalloc(&x, n * sizeof(float)));
+    CHECK(cudaMalloc(&y, n * sizeof(float)));
+    fill<<<(n + 255) / 256, 256>>>(x, 1.0f, n);
+    fill<<<(n + 255) / 256, 256>>>(y, 2.0f, n);
+    saxpy<<<(n + 255) / 256, 256>>>(3.0f, x, y, n);
+    CHECK(cudaGetLastError());
+    CHECK(cudaMemcpy(host.data(), y, n * sizeof(float), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < n; ++i) {
+      const float want =
+          3.0f * (1.0f + static_cast<float>(i % 7)) + 2.0f + static_cast<float>(i % 7);
+      if (host[i] != want) {
+        std::fprintf(stderr, "preload_program: round %d: y[%d] = %f, want %f\n", round, i, host[i],
+                     want);
+        return 1;
+      }
+    }
+    CHECK(cudaFree(x));
+    CHECK(cudaFree(y));
+    // Small allocations of many sizes.
+    std::vector<void*> small;
+    for (int k = 1; k <= 64; ++k) {
+      void* p = nullptr;
+      CHECK(cudaMalloc(&p, static_cast<size_t>(k) * 1000 + round));
+      small.push_back(p);
+    }
+    for (void* p : small) CHECK(cudaFree(p));
+  }
+
+  // 2. Stream-ordered allocation on a stream of its own.
+  cudaStream_t s = nullptr;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (int round = 0; round < 20; ++round) {
+    float* a = nullptr;
+    CHECK(cudaMallocAsync(reinterpret_cast<void**>(&a), n * sizeof(float), s));
+    fill<<<(n + 255) / 256, 256, 0, s>>>(a, static_cast<float>(round), n);
+    CHECK(cudaMemcpyAsync(host.data(), a, n * sizeof(float), cudaMemcpyDeviceToHost, s));
+    CHECK(cudaFreeAsync(a, s));
+    CHECK(cudaStreamSynchronize(s));
+    for (int i = 0; i < n; i += 997) {
+      if (host[i] != static_cast<float>(round) + static_cast<float>(i % 7)) {
+        std::fprintf(stderr, "preload_program: async round %d: a[%d] = %f\n", round, i, host[i]);
+        return 1;
+      }
+    }
+  }
+
+  // 3. Pitched memory.
+  const int width = 1000;
+  const int height = 64;
+  float* m = nullptr;
+  size_t pitch = 0;
+  CHECK(cudaMallocPitch(reinterpret_cast<void**>(&m), &pitch, width * sizeof(float), height));
+  if (pitch < width * sizeof(float)) {
+    std::fprintf(stderr, "preload_program: pitch %zu < row %zu\n", pitch, width * sizeof(float));
+    return 1;
+  }
+  fill_rows<<<dim3((width + 255) / 256, height), 256>>>(m, pitch, width, height);
+  std::vector<float> rows(static_cast<size_t>(width) * height);
+  CHECK(cudaMemcpy2D(rows.data(), width * sizeof(float), m, pitch, width * sizeof(float), height,
+                     cudaMemcpyDeviceToHost));
+  for (int r = 0; r < height; ++r) {
+    for (int c = 0; c < width; ++c) {
+      if (rows[static_cast<size_t>(r) * width + c] != static_cast<float>(r * 1000 + c)) {
+        std::fprintf(stderr, "preload_program: m[%d][%d] wrong\n", r, c);
+        return 1;
+      }
+    }
+  }
+
+  // 4. Memory info is sane.
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes > total_bytes || total_bytes == 0) {
+    std::fprintf(stderr, "preload_program: cudaMemGetInfo %zu free of %zu\n", free_bytes,
+                 total_bytes);
+    return 1;
+  }
+  std::printf("preload_program: cudaMemGetInfo: %zu MiB free of %zu MiB\n", free_bytes >> 20,
+              total_bytes >> 20);
+
+  // 5. IPC on an allocation: the driver's handle, or under the shim a loud refusal.
+  cudaIpcMemHandle_t handle;
+  const cudaError_t ipc = cudaIpcGetMemHandle(&handle, m);
+  std::printf("preload_program: cudaIpcGetMemHandle: %s\n", cudaGetErrorString(ipc));
+  if (expect_ipc_refused && ipc == cudaSuccess) {
+    std::fprintf(stderr, "preload_program: cudaIpcGetMemHandle on cucache memory succeeded\n");
+    return 1;
+  }
+  static_cast<void>(cudaGetLastError());  // a refused IPC call is not sticky
+  CHECK(cudaFree(m));
+
+  // 6. A bad free gets the runtime's error, nothing else breaks.
+  float* z = nullptr;
+  CHECK(cudaMalloc(&z, 4096));
+  const cudaError_t bad = cudaFree(z + 16);
+  std::printf("preload_program: cudaFree(interior pointer): %s\n", cudaGetErrorString(bad));
+  if (bad == cudaSuccess) {
+    std::fprintf(stderr, "preload_program: an interior free succeeded\n");
+    return 1;
+  }
+  static_cast<void>(cudaGetLastError());
+  CHECK(cudaFree(z));
+  CHECK(cudaStreamDestroy(s));
+  CHECK(cudaDeviceSynchronize());
+  if (reset) CHECK(cudaDeviceReset());
+  std::printf("preload_program: OK\n");
+  return 0;
+}

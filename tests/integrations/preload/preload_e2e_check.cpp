@@ -1,0 +1,117 @@
+// What a CUDA runtime does to find the driver -- dlopen("libcuda.so.1"), dlsym(cuGetProcAddress),
+// then cuGetProcAddress for everything -- against the fake libcuda (fake_libcuda.cpp), to check
+// libcucache_preload.so's dlsym and cuGetProcAddress interposition without a GPU.
+//   preload_e2e_check preloaded   (LD_PRELOAD=libcucache_preload.so CUCACHE_BACKEND=sim)
+//   preload_e2e_check plain       (no preload: every call reaches the fake driver)
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+using cu_result = int;
+using cu_deviceptr = unsigned long long;
+using cu_stream = struct CUstream_st*;
+using gpa_v1 = cu_result (*)(const char*, void**, int, std::uint64_t);
+using gpa_v2 = cu_result (*)(const char*, void**, int, std::uint64_t, int*);
+using alloc_fn = cu_result (*)(cu_deviceptr*, std::size_t);
+using alloc_async_fn = cu_result (*)(cu_deviceptr*, std::size_t, cu_stream);
+using free_fn = cu_result (*)(cu_deviceptr);
+using free_async_fn = cu_result (*)(cu_deviceptr, cu_stream);
+using info_fn = cu_result (*)(std::size_t*, std::size_t*);
+using ipc_fn = cu_result (*)(void*, cu_deviceptr);
+using count_fn = int (*)(int);
+using raw_alloc_fn = cu_deviceptr (*)(std::size_t);
+
+namespace {
+int failures = 0;
+void expect(bool ok, const char* what) {
+  if (!ok) {
+    std::fprintf(stderr, "preload_e2e_check: FAILED: %s\n", what);
+    ++failures;
+  }
+}
+// fake_count's counters (fake_libcuda.cpp).
+enum counter {
+  c_alloc,
+  c_free,
+  c_alloc_async,
+  c_free_async,
+  c_alloc_ptsz,
+  c_free_ptsz,
+  c_pitch,
+  c_info,
+  c_ipc,
+  c_range,
+  c_sync,
+  c_v1_alloc
+};
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool preloaded = argc > 1 && std::strcmp(argv[1], "preloaded") == 0;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW);
+  if (h == nullptr) {
+    std::fprintf(stderr, "preload_e2e_check: %s\n", dlerror());
+    return 1;
+  }
+  auto count = reinterpret_cast<count_fn>(dlsym(h, "fake_count"));
+  auto raw_alloc = reinterpret_cast<raw_alloc_fn>(dlsym(h, "fake_raw_alloc"));
+  auto gpa = reinterpret_cast<gpa_v1>(dlsym(h, "cuGetProcAddress"));
+  expect(count != nullptr && raw_alloc != nullptr && gpa != nullptr, "dlsym finds the driver");
+  if (failures != 0) return 1;
+  // The runtime of CUDA 12+ asks cuGetProcAddress for cuGetProcAddress (the v2 one).
+  gpa_v2 gpa2 = nullptr;
+  expect(gpa("cuGetProcAddress", reinterpret_cast<void**>(&gpa2), 12000, 0) == 0 && gpa2 != nullptr,
+         "cuGetProcAddress(cuGetProcAddress)");
+  if (failures != 0) return 1;
+  auto get = [&](const char* name, int version, std::uint64_t flags) {
+    void* fn = nullptr;
+    int status = -1;
+    expect(gpa2(name, &fn, version, flags, &status) == 0 && fn != nullptr && status == 0, name);
+    return fn;
+  };
+  auto mem_alloc = reinterpret_cast<alloc_fn>(get("cuMemAlloc", 12000, 0));
+  auto mem_free = reinterpret_cast<free_fn>(get("cuMemFree", 12000, 0));
+  auto alloc_ptsz = reinterpret_cast<alloc_async_fn>(get("cuMemAllocAsync", 12000, 2));
+  auto free_ptsz = reinterpret_cast<free_async_fn>(get("cuMemFreeAsync", 12000, 2));
+  auto alloc_async = reinterpret_cast<alloc_async_fn>(get("cuMemAllocAsync", 12000, 0));
+  auto free_async = reinterpret_cast<free_async_fn>(get("cuMemFreeAsync", 12000, 0));
+  auto mem_info = reinterpret_cast<info_fn>(get("cuMemGetInfo", 12000, 0));
+  auto ipc_get = reinterpret_cast<ipc_fn>(get("cuIpcGetMemHandle", 12000, 0));
+  auto old_alloc = get("cuMemAlloc", 3000, 0);
+  if (failures != 0) return 1;
+
+  const int n = preloaded ? 0 : 1;  // what the fake driver sees of each call
+  cu_deviceptr p = 0;
+  expect(mem_alloc(&p, 1 << 20) == 0 && p != 0, "cuMemAlloc");
+  expect(count(c_alloc) == n, "cuMemAlloc reaches cucache, not the driver");
+  expect(mem_free(p) == 0, "cuMemFree");
+  expect(count(c_free) == n, "cuMemFree of cucache memory stays in cucache");
+  expect(alloc_ptsz(&p, 4096, nullptr) == 0 && free_ptsz(p, nullptr) == 0, "_ptsz pair");
+  expect(count(c_alloc_ptsz) == n && count(c_free_ptsz) == n, "_ptsz variants are cucache's");
+  expect(alloc_async(&p, 4096, nullptr) == 0, "cuMemAllocAsync");
+  unsigned char handle[64];
+  expect(ipc_get(handle, p) == (preloaded ? 801 : 0), "cuIpcGetMemHandle on cucache memory");
+  expect(free_async(p, nullptr) == 0, "cuMemFreeAsync");
+  expect(count(c_alloc_async) == n && count(c_free_async) == n, "async pair is cucache's");
+  std::size_t f = 0;
+  std::size_t t = 0;
+  expect(mem_info(&f, &t) == 0 && (preloaded ? t > 2 : t == 2), "cuMemGetInfo answers");
+  expect(count(c_info) == n, "cuMemGetInfo is cucache's view");
+  // A pointer the driver allocated, freed through the interposed cuMemFree: the driver's.
+  const cu_deviceptr foreign = raw_alloc(256);
+  expect(mem_free(foreign) == 0 && count(c_free) == n + 1, "a foreign free reaches the driver");
+  expect(ipc_get(handle, raw_alloc(256)) == 0, "IPC on foreign memory is the driver's");
+  // An old ABI is not replaced: the fake's own 32-bit cuMemAlloc.
+  expect(old_alloc == dlsym(h, "cuMemAlloc"), "cuMemAlloc at ABI 3000 is the driver's");
+  // Direct dlsym of an interposed symbol gives the shim's when preloaded.
+  void* direct = dlsym(h, "cuMemAlloc_v2");
+  expect(direct == reinterpret_cast<void*>(mem_alloc),
+         "dlsym(cuMemAlloc_v2) is cuGetProcAddress's");
+  // Unrelated symbols pass through.
+  expect(dlsym(RTLD_DEFAULT, "printf") != nullptr, "dlsym(printf)");
+  std::printf("preload_e2e_check %s: %s\n", preloaded ? "preloaded" : "plain",
+              failures == 0 ? "OK" : "FAILED");
+  return failures == 0 ? 0 : 1;
+}

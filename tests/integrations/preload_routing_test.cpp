@@ -1,0 +1,274 @@
+// Tests of libcucache_preload.so's routing (src/integrations/preload/preload.hpp) on the simulated
+// device, with a fake real driver that counts what it is given: cucache answers allocations,
+// foreign pointers reach the driver unchanged, a pointer inside cucache memory that is not a live
+// allocation never does, IPC and address-range queries on cucache memory are refused, and
+// cuMemGetInfo answers with cucache's view. The exported symbols (dlsym, cuGetProcAddress) are
+// exercised end to end by preload_e2e (tests/integrations/preload_e2e.sh) over a fake libcuda.
+#include "preload.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "api/registry.hpp"
+#include "cucache/cucache.h"
+#include "cucache/cucache.hpp"
+#include "cucache/errors.hpp"
+
+namespace {
+
+using namespace cucache::preload;
+
+constexpr std::size_t k_mib = std::size_t{1} << 20;
+
+struct fake_calls {
+  int mem_free = 0;
+  int mem_free_async = 0;
+  int mem_free_async_ptsz = 0;
+  int ipc = 0;
+  int range = 0;
+  int sync = 0;
+  cu_deviceptr last_ptr = 0;
+  cu_stream last_stream = reinterpret_cast<cu_stream>(std::uintptr_t{0xdead});
+};
+fake_calls g_calls;
+
+real_driver fake_driver() {
+  real_driver d;
+  d.mem_alloc = [](cu_deviceptr*, std::size_t) -> cu_result { return k_unknown; };
+  d.mem_free = [](cu_deviceptr p) -> cu_result {
+    ++g_calls.mem_free;
+    g_calls.last_ptr = p;
+    return k_success;
+  };
+  d.mem_free_async = [](cu_deviceptr p, cu_stream s) -> cu_result {
+    ++g_calls.mem_free_async;
+    g_calls.last_ptr = p;
+    g_calls.last_stream = s;
+    return k_success;
+  };
+  d.mem_free_async_ptsz = [](cu_deviceptr p, cu_stream s) -> cu_result {
+    ++g_calls.mem_free_async_ptsz;
+    g_calls.last_ptr = p;
+    g_calls.last_stream = s;
+    return k_success;
+  };
+  d.mem_get_info = [](std::size_t*, std::size_t*) -> cu_result { return k_unknown; };
+  d.ipc_get_mem_handle = [](void*, cu_deviceptr p) -> cu_result {
+    ++g_calls.ipc;
+    g_calls.last_ptr = p;
+    return k_success;
+  };
+  d.mem_get_address_range = [](cu_deviceptr* base, std::size_t* size, cu_deviceptr p) -> cu_result {
+    ++g_calls.range;
+    *base = p;
+    *size = 1;
+    return k_success;
+  };
+  d.ctx_synchronize = []() -> cu_result {
+    ++g_calls.sync;
+    return k_success;
+  };
+  return d;
+}
+
+cu_stream stream_n(std::uintptr_t n) {
+  return reinterpret_cast<cu_stream>(n << 8);
+}
+
+class PreloadRouting : public ::testing::Test {
+ protected:
+  void SetUp() override { restore(); }
+  void TearDown() override { restore(); }
+  static void restore() {
+    ::setenv("CUCACHE_BACKEND", "sim", 1);
+    ::unsetenv("CUCACHE_CONF");
+    ::unsetenv("CUCACHE_PRELOAD_FREE");
+    cucache::detail::reset_for_testing();
+    g_calls = {};
+  }
+  const real_driver real = fake_driver();
+};
+
+TEST_F(PreloadRouting, AllocationsAreCucachesAndFreesNeverReachTheDriver) {
+  const auto before = stats().allocations.load();
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, 3 * k_mib, nullptr), k_success);
+  ASSERT_NE(p, 0U);
+  EXPECT_EQ(stats().allocations.load(), before + 1);
+  EXPECT_GT(cucache::get().allocation_size(reinterpret_cast<void*>(p)), 0U);
+  EXPECT_EQ(mem_free(real, p, free_mode::sync), k_success);
+  EXPECT_EQ(g_calls.mem_free, 0);
+  EXPECT_EQ(g_calls.sync, 1) << "a plain free of cucache memory synchronizes, as cudaFree does";
+
+  ASSERT_EQ(mem_alloc(real, &p, 3 * k_mib, nullptr), k_success);
+  EXPECT_EQ(mem_free(real, p, free_mode::stream), k_success);
+  EXPECT_EQ(g_calls.sync, 1) << "stream mode does not synchronize";
+  EXPECT_EQ(g_calls.mem_free, 0);
+}
+
+TEST_F(PreloadRouting, StreamOrderedAllocationAndFree) {
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, 1000, stream_n(1)), k_success);
+  EXPECT_EQ(mem_free_async(real, p, stream_n(2), false), k_success);
+  EXPECT_EQ(g_calls.mem_free_async, 0);
+  // A _ptsz free of cucache memory on stream 0 is the per-thread stream's, still cucache's.
+  ASSERT_EQ(mem_alloc(real, &p, 1000, k_stream_per_thread), k_success);
+  EXPECT_EQ(mem_free_async(real, p, nullptr, true), k_success);
+  EXPECT_EQ(g_calls.mem_free_async_ptsz, 0);
+}
+
+TEST_F(PreloadRouting, ForeignPointersGoToTheDriverUnchanged) {
+  cu_deviceptr mine = 0;
+  ASSERT_EQ(mem_alloc(real, &mine, k_mib, nullptr), k_success);  // the registry exists
+  const cu_deviceptr foreign = 0x7000'0000'0000ULL;
+  EXPECT_EQ(mem_free(real, foreign, free_mode::sync), k_success);
+  EXPECT_EQ(g_calls.mem_free, 1);
+  EXPECT_EQ(g_calls.last_ptr, foreign);
+  EXPECT_EQ(g_calls.sync, 0) << "a foreign free is the driver's to synchronize";
+  EXPECT_EQ(mem_free_async(real, foreign, nullptr, true), k_success);
+  EXPECT_EQ(g_calls.mem_free_async_ptsz, 1);
+  EXPECT_EQ(g_calls.last_stream, nullptr) << "the driver's _ptsz variant gets the caller's stream";
+  EXPECT_EQ(mem_free_async(real, foreign, stream_n(3), false), k_success);
+  EXPECT_EQ(g_calls.mem_free_async, 1);
+  EXPECT_EQ(g_calls.last_stream, stream_n(3));
+  EXPECT_EQ(mem_free(real, mine, free_mode::sync), k_success);
+}
+
+TEST_F(PreloadRouting, ForeignFreeBeforeAnyAllocationGoesToTheDriver) {
+  EXPECT_EQ(mem_free(real, 0x1234000, free_mode::sync), k_success);
+  EXPECT_EQ(g_calls.mem_free, 1);
+  EXPECT_EQ(mem_free(real, 0, free_mode::sync), k_success) << "NULL is a no-op";
+  EXPECT_EQ(g_calls.mem_free, 1);
+}
+
+TEST_F(PreloadRouting, DoubleAndInteriorFreesOfCucacheMemoryAreRefusedNotForwarded) {
+  cu_deviceptr p = 0;
+  cu_deviceptr keep = 0;
+  ASSERT_EQ(mem_alloc(real, &p, 4096, nullptr), k_success);
+  ASSERT_EQ(mem_alloc(real, &keep, 4096, nullptr), k_success);
+  EXPECT_EQ(mem_free(real, keep + 256, free_mode::sync), k_invalid_value);
+  EXPECT_NE(std::string(cucacheGetLastErrorMessage()).find("into the live allocation"),
+            std::string::npos)
+      << cucacheGetLastErrorMessage();
+  ASSERT_EQ(mem_free(real, p, free_mode::stream), k_success);
+  const auto bad = stats().bad_frees.load();
+  EXPECT_EQ(mem_free(real, p, free_mode::sync), k_invalid_value);
+  EXPECT_EQ(mem_free_async(real, p, nullptr, false), k_invalid_value);
+  EXPECT_EQ(stats().bad_frees.load(), bad + 2);
+  EXPECT_EQ(g_calls.mem_free, 0) << "forwarding would free a cucache segment under live blocks";
+  EXPECT_EQ(g_calls.mem_free_async, 0);
+  EXPECT_EQ(mem_free(real, keep, free_mode::sync), k_success);
+}
+
+TEST_F(PreloadRouting, ZeroBytesAndNullArgumentsAreInvalid) {
+  cu_deviceptr p = 1;
+  EXPECT_EQ(mem_alloc(real, &p, 0, nullptr), k_invalid_value);
+  EXPECT_EQ(p, 0U);
+  EXPECT_EQ(mem_alloc(real, nullptr, 16, nullptr), k_invalid_value);
+  std::size_t f = 0;
+  EXPECT_EQ(mem_get_info(real, &f, nullptr), k_invalid_value);
+}
+
+TEST_F(PreloadRouting, PitchedAllocationFollowsTheDriversRules) {
+  cu_deviceptr p = 0;
+  std::size_t pitch = 0;
+  ASSERT_EQ(mem_alloc_pitch(real, &p, &pitch, 100, 10, 4), k_success);
+  EXPECT_EQ(pitch, 512U);
+  EXPECT_GE(cucache::get().allocation_size(reinterpret_cast<void*>(p)), 512U * 10);
+  EXPECT_EQ(mem_free(real, p, free_mode::sync), k_success);
+  EXPECT_EQ(mem_alloc_pitch(real, &p, &pitch, 100, 10, 3), k_invalid_value);
+  EXPECT_EQ(mem_alloc_pitch(real, &p, &pitch, 0, 10, 4), k_invalid_value);
+  EXPECT_EQ(mem_alloc_pitch(real, &p, &pitch, static_cast<std::size_t>(-1), 2, 4), k_invalid_value);
+  EXPECT_EQ(pitch_for(512), 512U);
+  EXPECT_EQ(pitch_for(513), 1024U);
+}
+
+TEST_F(PreloadRouting, MemGetInfoIsCucachesView) {
+  ::setenv("CUCACHE_CONF", "memory_limit:64MiB", 1);
+  cucache::detail::reset_for_testing();
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, 16 * k_mib, nullptr), k_success);
+  std::size_t f = 0;
+  std::size_t t = 0;
+  ASSERT_EQ(mem_get_info(real, &f, &t), k_success);
+  std::size_t cf = 0;
+  std::size_t ct = 0;
+  ASSERT_EQ(cucacheMemGetInfo(&cf, &ct), cudaSuccess);
+  EXPECT_EQ(t, 64 * k_mib);
+  EXPECT_EQ(f, cf);
+  EXPECT_EQ(t, ct);
+  EXPECT_EQ(f, 48 * k_mib);
+  EXPECT_EQ(mem_free(real, p, free_mode::sync), k_success);
+}
+
+TEST_F(PreloadRouting, OutOfMemoryIsTheDriversCode) {
+  ::setenv("CUCACHE_CONF", "memory_limit:64MiB", 1);
+  cucache::detail::reset_for_testing();
+  cu_deviceptr p = 1;
+  EXPECT_EQ(mem_alloc(real, &p, 128 * k_mib, nullptr), k_out_of_memory);
+  EXPECT_EQ(p, 0U);
+}
+
+TEST_F(PreloadRouting, BadConfigurationIsNotInitialized) {
+  ::setenv("CUCACHE_CONF", "no_such_key:1", 1);
+  cucache::detail::reset_for_testing();
+  cu_deviceptr p = 0;
+  EXPECT_EQ(mem_alloc(real, &p, 16, nullptr), k_not_initialized);
+}
+
+TEST_F(PreloadRouting, IpcAndAddressRangeOnCucacheMemoryAreRefused) {
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, 8192, nullptr), k_success);
+  unsigned char handle[64] = {};
+  cu_deviceptr base = 0;
+  std::size_t size = 0;
+  const auto refused = stats().refused.load();
+  EXPECT_EQ(ipc_get_mem_handle(real, handle, p), k_not_supported);
+  EXPECT_EQ(ipc_get_mem_handle(real, handle, p + 100), k_not_supported);
+  EXPECT_EQ(mem_get_address_range(real, &base, &size, p), k_not_supported);
+  EXPECT_EQ(g_calls.ipc, 0);
+  EXPECT_EQ(g_calls.range, 0);
+  EXPECT_EQ(stats().refused.load(), refused + 3);
+  // Freed, the block stays in cucache's segment: still refused.
+  ASSERT_EQ(mem_free(real, p, free_mode::stream), k_success);
+  EXPECT_EQ(ipc_get_mem_handle(real, handle, p), k_not_supported);
+  // Foreign memory is the driver's.
+  EXPECT_EQ(ipc_get_mem_handle(real, handle, 0x7000'0000'0000ULL), k_success);
+  EXPECT_EQ(mem_get_address_range(real, &base, &size, 0x7000'0000'0000ULL), k_success);
+  EXPECT_EQ(g_calls.ipc, 1);
+  EXPECT_EQ(g_calls.range, 1);
+}
+
+TEST_F(PreloadRouting, FreeModeFromEnvironment) {
+  EXPECT_EQ(free_mode_from_env(), free_mode::sync);
+  ::setenv("CUCACHE_PRELOAD_FREE", "stream", 1);
+  EXPECT_EQ(free_mode_from_env(), free_mode::stream);
+  ::setenv("CUCACHE_PRELOAD_FREE", "sync", 1);
+  EXPECT_EQ(free_mode_from_env(), free_mode::sync);
+  ::setenv("CUCACHE_PRELOAD_FREE", "fast", 1);
+  EXPECT_THROW(static_cast<void>(free_mode_from_env()), cucache::environment_error);
+}
+
+TEST_F(PreloadRouting, DriverCodes) {
+  EXPECT_EQ(driver_code(cudaSuccess), k_success);
+  EXPECT_EQ(driver_code(cudaErrorMemoryAllocation), k_out_of_memory);
+  EXPECT_EQ(driver_code(cudaErrorInvalidValue), k_invalid_value);
+  EXPECT_EQ(driver_code(cudaErrorInitializationError), k_not_initialized);
+  EXPECT_EQ(driver_code(cudaErrorInvalidDevice), k_invalid_device);
+  EXPECT_EQ(driver_code(cudaErrorLaunchFailure), k_unknown);
+}
+
+TEST_F(PreloadRouting, ReportShowsCountsAndTheSummary) {
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, 5 * k_mib, nullptr), k_success);
+  const std::string text = report_text();
+  EXPECT_NE(text.find("cucache preload report:"), std::string::npos) << text;
+  EXPECT_NE(text.find("--- device 0 ---"), std::string::npos) << text;
+  EXPECT_NE(text.find("backend sim"), std::string::npos) << text;
+  EXPECT_EQ(mem_free(real, p, free_mode::sync), k_success);
+}
+
+}  // namespace
