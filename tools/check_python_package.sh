@@ -13,7 +13,7 @@ if ! "$py" -c "import scikit_build_core" 2>/dev/null; then
   "$py" -m pip install -q scikit-build-core
 fi
 echo "== wheel"
-CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$py" -m pip wheel -q --root-user-action=ignore --no-build-isolation --no-deps \
+CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$py" -m pip wheel -q --no-build-isolation --no-deps \
   -C build-dir="$work/build" -w "$work/dist" "$src"
 wheel=$(ls "$work"/dist/cucache-*.whl)
 echo "$(basename "$wheel")"
