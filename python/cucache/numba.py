@@ -36,10 +36,24 @@ def _numba_config() -> Any:
     return config
 
 
+def _uses_nvidia_binding() -> bool:
+    # The driver module says which binding it uses where it has the flag; numba-cuda releases
+    # without Numba's ctypes binding have no flag and always use NVIDIA's (seen on the H200: their
+    # driver calls int() on the pointer). Without the driver module, the config's flag decides.
+    try:
+        from numba.cuda.cudadrv import driver
+    except ImportError:
+        return bool(getattr(_numba_config(), "CUDA_USE_NVIDIA_BINDING", False))
+    flag = getattr(driver, "USE_NV_BINDING", None)
+    if flag is None:
+        flag = getattr(_numba_config(), "CUDA_USE_NVIDIA_BINDING", True)
+    return bool(flag)
+
+
 def _device_pointer(ptr: int) -> Any:
     # Numba's driver takes the pointer type of the binding in use: cuda-python's CUdeviceptr with
     # the NVIDIA binding (numba-cuda's default), a ctypes integer with Numba's own.
-    if getattr(_numba_config(), "CUDA_USE_NVIDIA_BINDING", False):
+    if _uses_nvidia_binding():
         try:
             from cuda.bindings.driver import CUdeviceptr
         except ImportError:
