@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include "allocator/allocator_impl.hpp"
-#include "cucache/errors.hpp"
 #include "core/format_bytes.hpp"
+#include "cucache/errors.hpp"
 
 namespace cucache {
 
@@ -38,6 +38,12 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
       100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation());
   if (limit != 0) {
     msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(limit)));
+  }
+  if (sync_blocked()) {
+    msg +=
+        " A CUDA graph capture is underway: cached memory cannot be given back to the device "
+        "meanwhile (cudaFree and unmapping synchronize the device, which is illegal during a "
+        "capture).";
   }
   if (s.external_fragmentation() > 0.5 && held - allocated > static_cast<double>(bytes)) {
     msg += " Much reserved memory is free but fragmented: expandable_segments:True avoids this.";

@@ -331,6 +331,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     if (fits(bytes)) return true;
   }
   // Then idle mappings, least recently idle first: this pool's, then the other pools'.
+  if (!may_synchronize_()) return false;
   while (p.idle_tail != nullptr) {
     release_idle(p, p.idle_tail);
     if (fits(bytes)) return true;
@@ -378,6 +379,7 @@ void pager::split_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr, std
   // handle is released whole or not at all. Release it instead; back() maps exactly the block's
   // pages. The remainder is not re-created: if the program comes back for it, back() creates it
   // then, and if memory is short meanwhile it is already free.
+  if (!may_synchronize_()) return;  // the block pins the mapping whole until the capture ends
   const std::size_t first = r.page_of(addr);
   const std::size_t last = r.page_of(addr + bytes - 1);
   for (std::size_t pg : {first, last}) {
@@ -408,7 +410,7 @@ bool pager::back(stream_pool& p, const block* b) {
       const std::size_t want = want_pages * page_bytes_;
       const std::size_t fresh = std::min(want, k_max_handle_bytes);
       std::optional<piece> pc = take_unmapped(want);
-      if (!pc && !may_grow(p, fresh)) {
+      if (!pc && !may_grow(p, fresh) && may_synchronize_()) {
         // New memory would raise the high-water mark: move idle pages here instead, this pool's
         // first, then another stream's; else give back idle memory too large to move here.
         pc = take_idle(p, want);
