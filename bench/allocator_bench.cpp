@@ -431,6 +431,34 @@ void register_pending() {
   }
 }
 
+// --- stream queries: what an allocation on a stream asks the device (cucache_cuda only) ---------
+
+/// One backend query per iteration on GPU stream 0: cudaStreamGetId (pools are keyed by the
+/// stream id, never reused) or cudaStreamGetCaptureInfo (captured allocations go to a graph
+/// pool). cucache makes both on every allocation on a stream other than the legacy default one;
+/// their sum is the hot-path price of issue 11 items 3 and 4 on a real device.
+void bm_stream_query(benchmark::State& state, bool capture) {
+  try {
+    auto backend = make_backend(backend_kind::cuda, 0);
+    const stream_handle s = gpu_stream(0);
+    std::uint64_t sink = 0;
+    const std::int64_t start = now_ns();
+    for (auto _ : state) {
+      sink += capture ? backend->capture_status(s).id : backend->stream_id(s);
+    }
+    const std::int64_t stop = now_ns();
+    benchmark::DoNotOptimize(sink);
+    state.counters["ns_per_query"] = per(stop - start, static_cast<double>(state.iterations()));
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+void register_stream_queries() {
+  benchmark::RegisterBenchmark("stream_query/cucache_cuda/stream_id", bm_stream_query, false);
+  benchmark::RegisterBenchmark("stream_query/cucache_cuda/capture_status", bm_stream_query, true);
+}
+
 // --- registration -------------------------------------------------------------------------------
 
 template <class A>
@@ -494,6 +522,7 @@ int run(int argc, char** argv) {
       check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
       benchmark::AddCustomContext("cuda_device", prop.name);
       allocators.push_back(entry_of<cucache_alloc<true>>());
+      register_stream_queries();
       allocators.push_back(entry_of<cuda_malloc_alloc>());
       allocators.push_back(entry_of<cuda_malloc_async_alloc>());
       if (const std::string why = load_c10_peer(); why.empty()) {

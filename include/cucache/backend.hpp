@@ -16,6 +16,33 @@ using event_handle = void*;
 /// A physical memory handle (CUmemGenericAllocationHandle).
 using phys_handle = std::uint64_t;
 
+/// The runtime's cudaStreamPerThread: one handle value that names a different stream in each
+/// thread.
+[[nodiscard]] inline stream_handle per_thread_stream() noexcept {
+  return reinterpret_cast<stream_handle>(std::uintptr_t{0x2});
+}
+
+/// Whether a stream is being captured into a CUDA graph (cudaStreamCaptureStatus).
+enum class capture_state : std::uint8_t {
+  none,         ///< not capturing: work runs
+  active,       ///< capturing: work is recorded into a graph, nothing runs
+  invalidated,  ///< was capturing, and the capture broke (an illegal call); it must be ended
+};
+
+/// A stream's capture (cudaStreamGetCaptureInfo): its state and, unless none, the id of the capture
+/// sequence, unique in the process.
+struct capture_info {
+  capture_state state = capture_state::none;
+  std::uint64_t id = 0;
+};
+
+/// A thread's interaction with captures (cudaStreamCaptureMode): in global mode a thread may not
+/// make "potentially unsafe" calls (cudaMalloc, cudaEventQuery, ...) while any thread captures in
+/// global mode or it captures itself; in thread-local mode only its own captures count; in relaxed
+/// mode nothing is prohibited except the calls that conflict with a capture by nature
+/// (synchronizing a capturing stream or the device, querying an event recorded in a capture).
+enum class capture_mode : std::uint8_t { global, thread_local_mode, relaxed };
+
 /// Free and total bytes of a device, as cudaMemGetInfo reports them.
 struct memory_info {
   std::size_t free_bytes = 0;
@@ -71,6 +98,16 @@ class device_backend {
   virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;
   virtual void stream_synchronize(stream_handle stream) = 0;
   virtual void device_synchronize() = 0;
+
+  /// The stream's id for the life of the process (cudaStreamGetId): the runtime hands a destroyed
+  /// stream's handle value to the next stream it creates, but never its id. For
+  /// per_thread_stream(), the calling thread's per-thread stream. REQUIRES: stream is alive.
+  [[nodiscard]] virtual std::uint64_t stream_id(stream_handle stream) = 0;
+  /// Whether `stream` is being captured (cudaStreamGetCaptureInfo). REQUIRES: stream is alive.
+  [[nodiscard]] virtual capture_info capture_status(stream_handle stream) = 0;
+  /// Sets the calling thread's capture mode and returns the one it had
+  /// (cudaThreadExchangeStreamCaptureMode).
+  virtual capture_mode exchange_capture_mode(capture_mode mode) = 0;
 
   /// Free and total memory of the device (cudaMemGetInfo).
   [[nodiscard]] virtual memory_info mem_get_info() = 0;

@@ -101,6 +101,23 @@ cudaError_t cucacheMemGetInfo(size_t* free, size_t* total) CUCACHE_NOEXCEPT;
  * nothing was ever allocated. Errors: CUDA runtime errors. */
 cudaError_t cucacheEmptyCache(void) CUCACHE_NOEXCEPT;
 
+/** CUDA graphs. An allocation on a stream that is being captured (cudaStreamBeginCapture) comes
+ * from a private pool of that capture, which nobody else gets while a graph replays on it; a free
+ * inside the capture returns memory to that pool, and a block of another pool freed (or used) on
+ * the capturing stream is held for the graph. While cucache knows of a capture it never
+ * synchronizes the device (cucacheEmptyCache then returns cudaErrorStreamCaptureUnsupported).
+ * `captureId` is cudaStreamGetCaptureInfo's id; both calls act on the current device.
+ *
+ * After cudaStreamEndCapture: tells cucache the capture has ended, so that it may synchronize
+ * the device again (it also finds out by itself at the next allocation on that stream).
+ * Errors: cudaErrorInvalidValue (no such capture known). */
+cudaError_t cucacheGraphCaptureEnded(unsigned long long captureId) CUCACHE_NOEXCEPT;
+/** Once no graph of the capture will run again (after cudaGraphExecDestroy): its pool's memory
+ * and the blocks held for it go back to the cache (free blocks) and the device (free segments),
+ * after one device synchronization. Errors: cudaErrorInvalidValue (no such pool, or released
+ * already). */
+cudaError_t cucacheGraphPoolRelease(unsigned long long captureId) CUCACHE_NOEXCEPT;
+
 /** Fills *stats for `device` (creating its allocator if needed).
  * Errors: cudaErrorInvalidValue (stats NULL), cudaErrorInvalidDevice,
  * cudaErrorInitializationError, CUDA runtime errors. */

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -61,6 +62,12 @@ class cuda_backend final : public device_backend {
   void stream_wait_event(stream_handle stream, event_handle event) override;
   void stream_synchronize(stream_handle stream) override;
   void device_synchronize() override;
+  /// cudaStreamGetId; nullptr (the legacy stream) included.
+  [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override;
+  /// cudaStreamGetCaptureInfo.
+  [[nodiscard]] capture_info capture_status(stream_handle stream) override;
+  /// cudaThreadExchangeStreamCaptureMode.
+  capture_mode exchange_capture_mode(capture_mode mode) override;
 
   [[nodiscard]] memory_info mem_get_info() override;
 

@@ -3,8 +3,10 @@
 // out-of-memory ladder take a device-wide path.
 #pragma once
 
+#include <compare>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,6 +33,35 @@ class allocation_observer {
   /// An allocation of `requested` bytes on `stream` failed (it threw).
   virtual void on_failure(std::size_t requested, stream_handle stream) noexcept = 0;
 };
+
+/// Names a private pool of CUDA graph memory (PyTorch's MempoolId_t). A program (or PyTorch,
+/// through the plug-in) chooses any pair other than {0, 0} for begin_allocate_to_pool; a capture
+/// that nothing routes gets the pool of_capture(its capture id), created by its first allocation.
+struct graph_pool_id {
+  std::uint64_t first = 0;
+  std::uint64_t second = 0;
+  /// first of the pools captures get automatically; PyTorch's ids never use it.
+  static constexpr std::uint64_t k_capture = ~std::uint64_t{0};
+  /// The pool of capture `capture_id` (cudaStreamGetCaptureInfo's id).
+  [[nodiscard]] static constexpr graph_pool_id of_capture(std::uint64_t capture_id) noexcept {
+    return {k_capture, capture_id};
+  }
+  friend constexpr auto operator<=>(const graph_pool_id&, const graph_pool_id&) = default;
+};
+
+/// What a graph pool holds now (device_allocator::graph_pool_state).
+struct graph_pool_info {
+  bool exists = false;
+  std::uint64_t uses = 0;           ///< owners not yet released (graphs, MemPools, the capture)
+  bool routed = false;              ///< begin_allocate_to_pool without end_allocate_to_pool
+  bool released = false;            ///< uses reached 0: its memory goes back to the device
+  std::size_t reserved_bytes = 0;   ///< segments of the pool
+  std::size_t allocated_bytes = 0;  ///< blocks of the pool handed out and not freed
+  std::size_t retained_blocks = 0;  ///< blocks of other pools held for the graph (see below)
+};
+
+/// Decides whether an allocation on a stream goes to a graph pool (PyTorch's capture filter).
+using stream_filter = std::function<bool(stream_handle)>;
 
 class device_allocator {
  public:
@@ -82,8 +113,38 @@ class device_allocator {
     std::size_t block_size = 0;
   };
   [[nodiscard]] address_info locate(const void* ptr) const;
-  /// Waits for pending frees, then returns every whole free segment to the device.
+  /// Waits for pending frees, then returns every whole free segment to the device. While a graph
+  /// capture is underway (one cucache knows of, below) the device must not be synchronized, and
+  /// cudaFree does: it then throws cuda_error 900 (cudaErrorStreamCaptureUnsupported), having
+  /// only polled pending frees.
   void empty_cache();
+
+  // --- CUDA graphs (docs/design.md, "Graph capture") ------------------------------------------
+  // An allocation on a stream that is being captured (capture_status) is served from a private
+  // pool of that capture -- of_capture(capture id), or the pool a begin_allocate_to_pool route
+  // gives it -- whose blocks only allocations routed to the same pool ever get: the graph keeps
+  // using their addresses at every replay. Frees inside the capture return blocks to that pool;
+  // a block of another pool that is freed, or was used, on a capturing stream is retained for the
+  // graph (reused by nobody) until its pool is released. Pools are released by
+  // release_graph_pool once no graph replays them; their memory then goes back to the device
+  // after a device synchronization. While cucache knows of a capture (its first allocation, or
+  // a route) it makes no call that is illegal during capture: device calls run in relaxed capture
+  // mode, and nothing synchronizes the device (no cudaFree, no unmapping, no garbage collection).
+  /// Routes allocations on streams for which `filter` answers true to graph pool `pool`, creating
+  /// the pool or adding an owner to it (PyTorch's beginAllocateToPool). Throws invalid_argument
+  /// for {0, 0}, a null filter or a pool routed already.
+  void begin_allocate_to_pool(graph_pool_id pool, stream_filter filter);
+  /// Ends the route of `pool` (PyTorch's endAllocateToPool) or, for of_capture(id), tells cucache
+  /// that capture has ended. Throws invalid_argument when neither applies.
+  void end_allocate_to_pool(graph_pool_id pool);
+  /// Drops one owner of `pool` (PyTorch's releasePool): with the last, the pool is released --
+  /// its route and capture must have ended, and no graph that uses it may run again. Its free
+  /// memory and the blocks retained for it go back after a device synchronization (now, or once
+  /// no capture is underway); its live blocks when they are freed. Throws invalid_argument for an
+  /// unknown pool, one without owners, or one still routed.
+  void release_graph_pool(graph_pool_id pool);
+  /// The state of `pool` (exists == false when unknown).
+  [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
 
   /// Statistics, taken consistently under all locks.
   [[nodiscard]] device_stats stats() const;

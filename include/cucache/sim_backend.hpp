@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -12,8 +13,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "cucache/backend.hpp"
@@ -41,6 +42,9 @@ enum class sim_call : std::uint8_t {
   stream_synchronize,
   device_synchronize,
   mem_get_info,
+  stream_id,
+  capture_status,
+  exchange_capture_mode,
   count_  // number of kinds; not a call
 };
 inline constexpr std::size_t k_sim_call_kinds = static_cast<std::size_t>(sim_call::count_);
@@ -48,6 +52,15 @@ inline constexpr std::size_t k_sim_call_kinds = static_cast<std::size_t>(sim_cal
 
 /// cudaErrorInvalidResourceHandle's number: what the sim answers for a destroyed stream.
 inline constexpr int k_sim_invalid_resource_handle = 400;
+/// cudaErrorStreamCaptureUnsupported's number: what the sim answers for a call that is illegal
+/// while a stream captures.
+inline constexpr int k_sim_capture_unsupported = 900;
+/// cudaErrorStreamCaptureInvalidated's number: end_capture of a capture an illegal call broke.
+inline constexpr int k_sim_capture_invalidated = 901;
+/// cudaErrorStreamCaptureWrongThread's number: a non-relaxed capture ended on another thread.
+inline constexpr int k_sim_capture_wrong_thread = 908;
+/// The id stream_id gives the legacy default stream (nullptr).
+inline constexpr std::uint64_t k_sim_legacy_stream_id = std::uint64_t{1} << 61;
 
 /// Options of a simulated device.
 struct sim_options {
@@ -65,6 +78,9 @@ struct sim_options {
   bool host_memory = false;
   /// Events complete as soon as they are recorded (a device that is never busy).
   bool events_complete_immediately = false;
+  /// create_stream hands out the handle value of the most recently destroyed stream again, as the
+  /// CUDA runtime does (seen on the H200), with a new stream id.
+  bool reuse_stream_handles = true;
 };
 
 /// The simulated device. Thread-safe: every call takes one internal mutex.
@@ -97,6 +113,9 @@ class sim_backend final : public device_backend {
   void stream_synchronize(stream_handle stream) override;
   void device_synchronize() override;
   [[nodiscard]] memory_info mem_get_info() override;
+  [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override;
+  [[nodiscard]] capture_info capture_status(stream_handle stream) override;
+  capture_mode exchange_capture_mode(capture_mode mode) override;
 
   // --- Streams ----------------------------------------------------------------------------------
   // The driver rejects a destroyed stream (cudaErrorInvalidResourceHandle) -- or, on a real
@@ -106,7 +125,10 @@ class sim_backend final : public device_backend {
   // counts as alive. event_record, stream_wait_event and stream_synchronize on a destroyed stream
   // throw cuda_error with code 400 (k_sim_invalid_resource_handle). Work recorded on a stream
   // before it was destroyed still completes (complete_stream, complete_all, device_synchronize),
-  // as on the driver. Created handles are never handed out twice.
+  // as on the driver. Like the runtime, create_stream hands a destroyed stream's handle value to
+  // the next stream it creates (sim_options::reuse_stream_handles), which is then alive again; the
+  // stream id (stream_id) is never reused: every created stream has its own, counted from 1.
+  // Handles the sim did not create have the id (1 << 62) | value, nullptr k_sim_legacy_stream_id.
   /// A new stream (cudaStreamCreate): a non-null handle no test's fake stream collides with.
   [[nodiscard]] stream_handle create_stream();
   /// Destroys a stream from create_stream (cudaStreamDestroy). Throws cuda_error (400) for a
@@ -117,9 +139,38 @@ class sim_backend final : public device_backend {
   /// Calls rejected so far because they named a destroyed stream.
   [[nodiscard]] std::uint64_t destroyed_stream_calls() const;
 
+  // --- Graph capture -------------------------------------------------------------------------
+  // The driver's rules, enforced: while a stream captures, a "potentially unsafe" call
+  // (segment_malloc, segment_free, va_reserve, va_free, phys_create, phys_release, map, unmap,
+  // set_access, event_query, event_synchronize, stream_synchronize, mem_get_info) from a thread
+  // whose capture mode (exchange_capture_mode, per thread as in CUDA) is not relaxed is refused
+  // when any capture began in global mode or the thread itself captures (not relaxed); calls that
+  // conflict with a capture by nature are refused in every mode: device_synchronize and
+  // segment_free (cudaFree synchronizes the device) while any stream captures,
+  // stream_synchronize of a capturing stream, event_query / event_synchronize of an event last
+  // recorded on a capturing stream (recording one there is legal: the capture records it). A
+  // refused call throws cuda_error 900 (k_sim_capture_unsupported), is counted
+  // (capture_violations) and invalidates the captures that made it illegal: their end_capture
+  // throws 901. event_record, stream_wait_event, event_create and event_destroy are always legal.
+  /// Begins capturing `stream` (cudaStreamBeginCapture) in `mode` on the calling thread; returns
+  /// the capture id (1, 2, ...). Throws cuda_error for nullptr, a destroyed stream or one already
+  /// capturing.
+  std::uint64_t begin_capture(stream_handle stream, capture_mode mode = capture_mode::global);
+  /// Ends the capture of `stream` (cudaStreamEndCapture); returns its id. Throws cuda_error 901
+  /// (ending it) when an illegal call invalidated it, 908 (not ending it) when a capture that was
+  /// not begun in relaxed mode is ended on another thread, 1 when the stream does not capture.
+  std::uint64_t end_capture(stream_handle stream);
+  /// Calls refused so far because a stream captured.
+  [[nodiscard]] std::uint64_t capture_violations() const;
+  /// Number of streams capturing now.
+  [[nodiscard]] std::size_t active_captures() const;
+
   // --- Test controls ----------------------------------------------------------------------------
-  /// Completes every event recorded so far on `stream` (the stream "catches up").
+  /// Completes every event recorded so far on `stream` (the stream "catches up"). After a handle
+  /// was reused, that is the stream it names now; a destroyed stream's handle names it still.
   void complete_stream(stream_handle stream);
+  /// Completes every event recorded so far on the stream with id `id` (a destroyed one too).
+  void complete_stream_id(std::uint64_t id);
   /// Completes every event recorded so far.
   void complete_all();
   /// Number of recorded events that have not completed.
@@ -131,7 +182,8 @@ class sim_backend final : public device_backend {
   void fail_always(sim_call kind, bool enabled = true);
   /// Changes the capacity (e.g. to simulate another process taking memory).
   void set_capacity(std::size_t bytes);
-  /// Number of calls of `kind` made so far (failed ones included).
+  /// Number of calls of `kind` made so far (failed ones included). stream_id, capture_status and
+  /// exchange_capture_mode are counted without a lock: exact unless they race on several threads.
   [[nodiscard]] std::uint64_t calls(sim_call kind) const;
   /// Physical bytes in use (segments plus physical handles).
   [[nodiscard]] std::size_t used_bytes() const;
@@ -163,10 +215,27 @@ class sim_backend final : public device_backend {
   struct event_rec {
     bool recorded = false;
     bool complete = true;
-    stream_handle stream = nullptr;
+    bool captured = false;     // last recorded on a capturing stream
+    std::uint64_t stream = 0;  // id of the stream it was recorded on
+  };
+  struct capture_rec {
+    std::uint64_t id;
+    capture_mode mode;
+    std::thread::id thread;
+    bool invalidated = false;
   };
 
   bool should_fail(sim_call kind);  // REQUIRES: mu_ held; counts the call
+  /// The id of `stream`; for a destroyed one, the id it had. REQUIRES: mu_ held.
+  std::uint64_t id_of_locked(stream_handle stream) const;
+  /// Throws cuda_error (900) when a potentially unsafe call is illegal now. REQUIRES: mu_ held.
+  void require_capture_safe(sim_call kind);
+  /// Throws cuda_error (900) when any stream captures (a device-wide synchronization).
+  /// REQUIRES: mu_ held.
+  void require_no_capture(sim_call kind);
+  [[noreturn]] void capture_violation(sim_call kind, const std::string& why);
+  /// True when the stream-query call `kind` may skip the mutex (nothing injected for it).
+  [[nodiscard]] bool query_fast(sim_call kind) noexcept;
   /// Throws cuda_error (400) naming `kind` when `stream` was destroyed. REQUIRES: mu_ held.
   void require_live_stream(sim_call kind, stream_handle stream);
   [[noreturn]] void fail(sim_call kind, const std::string& why, int code = 999) const;
@@ -176,7 +245,7 @@ class sim_backend final : public device_backend {
 
   sim_options options_;
   mutable std::mutex mu_;
-  std::array<std::uint64_t, k_sim_call_kinds> calls_{};
+  std::array<std::atomic<std::uint64_t>, k_sim_call_kinds> calls_{};
   std::array<std::uint64_t, k_sim_call_kinds> fail_at_{};  // absolute call number to fail; 0 = none
   std::array<bool, k_sim_call_kinds> fail_always_{};
   std::size_t used_ = 0;
@@ -189,10 +258,17 @@ class sim_backend final : public device_backend {
   phys_handle next_handle_ = 1;
   std::unordered_map<std::uintptr_t, event_rec> events_;
   std::uintptr_t next_event_ = 0x1000;
-  std::unordered_set<stream_handle> live_streams_;       // created and not destroyed
-  std::unordered_set<stream_handle> destroyed_streams_;  // created, then destroyed
-  std::uintptr_t next_stream_;
+  std::unordered_map<stream_handle, std::uint64_t> live_streams_;       // created, alive: id
+  std::unordered_map<stream_handle, std::uint64_t> destroyed_streams_;  // destroyed, not reused
+  std::vector<stream_handle> reusable_handles_;  // destroyed handles, most recent last
+  std::atomic<std::uintptr_t> next_stream_;      // handles below it (from the base) are created
+  std::uint64_t next_stream_id_ = 1;
   std::uint64_t destroyed_stream_calls_ = 0;
+  std::unordered_map<stream_handle, capture_rec> captures_;
+  std::atomic<std::size_t> capturing_{0};  // captures_.size(), read without the mutex
+  std::uint64_t next_capture_id_ = 1;
+  std::uint64_t capture_violations_ = 0;
+  std::atomic<bool> query_faults_{false};  // a failure was injected into a stream query
 };
 
 }  // namespace cucache

@@ -1,6 +1,7 @@
 // Internals of device_allocator, shared by its translation units (allocation paths, invariant
 // checker, observers). Lock order: pools_mu_ (shared) -> stream_pool::mu in index order ->
-// grow_mu_ -> events_mu_. block_map shard locks are leaves.
+// grow_mu_ -> events_mu_. block_map shard locks and graph_mu_ are leaves (graph_mu_ is never held
+// while another lock is taken; stream filters run under it and must not call the allocator).
 #pragma once
 
 #include <atomic>
@@ -13,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "allocator/capture_safe_backend.hpp"
 #include "allocator/pager.hpp"
 #include "allocator/stream_pool.hpp"
 #include "core/block_map.hpp"
@@ -21,6 +23,45 @@
 #include "cucache/device_allocator.hpp"
 
 namespace cucache {
+
+namespace detail {
+
+/// The pool key of the legacy default stream (nullptr), which is never destroyed nor captured:
+/// no stream_id call for it. Real and simulated stream ids never take this value.
+inline constexpr std::uint64_t k_legacy_stream_key = ~std::uint64_t{0};
+
+/// A block of some pool held pending for a graph pool until its release (and a device
+/// synchronization) proves that no replay can touch it.
+struct retained_block {
+  stream_pool* pool;
+  block* b;
+};
+
+/// A private pool of graph memory: one stream_pool ("part") per stream that allocated into it, so
+/// that a block freed on a stream is reused on that stream only, as everywhere else.
+struct graph_pool {
+  graph_pool_id id;
+  std::uint64_t uses = 0;  // owners not yet released
+  bool routed = false;     // a begin_allocate_to_pool route is active
+  bool released = false;   // uses reached 0 (or never had any: sync_waiters)
+  bool settled = false;    // released, and a device synchronization completed since
+  std::unordered_map<std::uint64_t, stream_pool*> parts;  // by stream key
+  std::vector<retained_block> retained;
+};
+
+/// A stream cucache saw capturing (an allocation on it, or a free that used it).
+struct known_capture {
+  std::uint64_t capture_id;
+  std::uint64_t stream_key;
+  graph_pool* pool;
+};
+
+struct graph_route {
+  graph_pool* pool;
+  stream_filter filter;
+};
+
+}  // namespace detail
 
 struct device_allocator::impl {
   impl(std::shared_ptr<device_backend> b, config c, std::shared_ptr<allocation_observer> o);
@@ -37,8 +78,54 @@ struct device_allocator::impl {
   bool deallocate(void* ptr, stream_handle stream, bool ordered);
   bool record_stream(void* ptr, stream_handle stream);
   void empty_cache();
+  void begin_allocate_to_pool(graph_pool_id pool, stream_filter filter);
+  void end_allocate_to_pool(graph_pool_id pool);
+  void release_graph_pool(graph_pool_id pool);
+  [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
 
   detail::stream_pool& pool_for(stream_handle stream);
+  /// The key of `stream`'s pool: its stream id.
+  [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
+    return stream == nullptr ? detail::k_legacy_stream_key : raw->stream_id(stream);
+  }
+  /// True when `stream`, named by the caller, is the stream p serves (handles equal, and for the
+  /// per-thread handle the ids too). A destroyed stream's pool is never confused with a live one
+  /// on the allocation path (keys differ); here equal handles of different streams can only mean
+  /// that p's stream was destroyed, and p's blocks are then reachable only through paths that
+  /// synchronize the device, so treating them as p's own stream is safe.
+  [[nodiscard]] bool names_pool_stream(const detail::stream_pool& p, stream_handle stream) const {
+    return stream == p.stream && (stream != per_thread_stream() || stream_key(stream) == p.key);
+  }
+  detail::stream_pool& new_pool(stream_handle stream, std::uint64_t key, detail::graph_pool* g);
+
+  // --- graph capture (device_allocator.cpp) ---
+  /// The graph pool part an allocation on `stream` goes to (routes first, then its capture), or
+  /// nullptr for the stream's own pool. Throws cuda_error 901 for an invalidated capture.
+  detail::stream_pool* graph_part_for(stream_handle stream, capture_info cap);
+  /// The graph pool for work on capturing stream `stream` (a route's, else the capture's own,
+  /// created with one owner), noting the capture. REQUIRES: graph_mu_ held.
+  detail::graph_pool* capture_pool_locked(stream_handle stream, std::uint64_t key,
+                                          capture_info cap);
+  /// The pool of the capture cucache knows on stream key `key`, or nullptr. REQUIRES graph_mu_.
+  detail::graph_pool* known_capture_locked(std::uint64_t key) const;
+  /// Holds b (pending, of pool p) for g. REQUIRES: p.mu held.
+  void retain(detail::graph_pool& g, detail::stream_pool& p, detail::block* b);
+  /// Marks a freed block pending (stats); its events or retentions are added by the caller.
+  void mark_pending(detail::stream_pool& p, detail::block* b);
+  /// Recomputes the blocker counts. REQUIRES: graph_mu_ held.
+  void update_blockers_locked();
+  /// True while a capture cucache knows of may be underway (a route, or a capture not seen ended):
+  /// nothing may synchronize the device.
+  [[nodiscard]] bool sync_blocked() const noexcept {
+    return routes_n.load(std::memory_order_acquire) != 0 ||
+           captures_n.load(std::memory_order_acquire) != 0;
+  }
+  /// Released graph pools: after one device synchronization, their retained blocks go back to
+  /// their pools and their wholly free segments to the device. REQUIRES: all pools locked, no
+  /// capture blocking.
+  void settle_graph_pools();
+  [[nodiscard]] detail::graph_pool* find_graph_pool(graph_pool_id id) const;  // REQUIRES graph_mu_
+  [[noreturn]] void throw_capture_blocks(const char* what) const;
   detail::block* find_free(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded);
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                       std::unique_lock<detail::pool_mutex>& lk);
@@ -79,7 +166,8 @@ struct device_allocator::impl {
   // --- observers (observe/*.cpp) ---
   device_stats stats_locked() const;  // REQUIRES: all pools locked
 
-  std::shared_ptr<device_backend> backend;
+  std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
+  std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called
   config cfg;
   std::shared_ptr<allocation_observer> observer;  // null: nobody listens
   detail::size_policy policy;
@@ -91,7 +179,16 @@ struct device_allocator::impl {
   detail::block_map blocks;
   mutable std::shared_mutex pools_mu_;
   std::vector<std::unique_ptr<detail::stream_pool>> pools;
-  std::unordered_map<stream_handle, detail::stream_pool*> pool_by_stream;
+  std::unordered_map<std::uint64_t, detail::stream_pool*> pool_by_stream;  // by stream key
+
+  // Graph capture, under graph_mu_ (a leaf).
+  mutable std::mutex graph_mu_;
+  std::map<graph_pool_id, std::unique_ptr<detail::graph_pool>> graph_pools;
+  std::vector<detail::graph_route> routes;
+  std::vector<detail::known_capture> captures;
+  detail::graph_pool sync_waiters;           // blocks waiting for the next device synchronization
+  std::atomic<std::uint32_t> routes_n{0};    // routes.size()
+  std::atomic<std::uint32_t> captures_n{0};  // captures.size()
 
   // Device-wide reservation, changed only by device calls under grow_mu_.
   mutable std::mutex grow_mu_;

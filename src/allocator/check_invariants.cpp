@@ -2,6 +2,7 @@
 // structures and the statistics against a recount. Used by the tests after every operation.
 #include <fmt/format.h>
 
+#include <map>
 #include <stdexcept>
 
 #include "allocator/allocator_impl.hpp"
@@ -208,9 +209,11 @@ void device_allocator::check_invariants() const {
                       "idle mappings, pool says {} bytes",
                       p.index, idle_listed, idle_listed_bytes, idle_seen, p.idle_bytes));
     }
-    if (pending_blocks_events != p.pending.size()) {
-      violated(fmt::format("pool {}: {} pending events recorded, blocks wait on {}", p.index,
-                           p.pending.size(), pending_blocks_events));
+    if (pending_blocks_events != p.pending.size() + p.retained) {
+      violated(
+          fmt::format("pool {}: {} pending events recorded and {} retentions, blocks wait "
+                      "on {}",
+                      p.index, p.pending.size(), p.retained, pending_blocks_events));
     }
     check_pending_queues(p);
     for (int k = 0; k < 2; ++k) {
@@ -251,6 +254,44 @@ void device_allocator::check_invariants() const {
       check("requested_bytes", st.requested_bytes[slot].current, requested[k]);
     }
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
+  }
+  // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
+  // retention count is right; parts belong to their graph pool.
+  {
+    std::lock_guard lock(m.graph_mu_);
+    std::map<const detail::stream_pool*, std::size_t> retained;
+    auto check_retained = [&](const detail::graph_pool& g) {
+      for (const detail::retained_block& r : g.retained) {
+        if (r.b->state != block_state::pending || r.b->seg->owner != r.pool) {
+          violated(
+              fmt::format("graph pool ({:#x}, {:#x}) retains block {:#x}, which is not a "
+                          "pending block of pool {}",
+                          g.id.first, g.id.second, r.b->addr, r.pool->index));
+        }
+        ++retained[r.pool];
+      }
+    };
+    check_retained(m.sync_waiters);
+    for (const auto& [gid, g] : m.graph_pools) {
+      check_retained(*g);
+      for (const auto& [key, part] : g->parts) {
+        if (part->graph != g.get() || part->key != key) {
+          violated(fmt::format("graph pool ({:#x}, {:#x}): part {} is not its own", gid.first,
+                               gid.second, part->index));
+        }
+      }
+    }
+    for (const auto& pp : m.pools) {
+      const auto it = retained.find(pp.get());
+      const std::size_t n = it == retained.end() ? 0 : it->second;
+      if (n != pp->retained) {
+        violated(fmt::format("pool {}: {} retentions listed, count says {}", pp->index, n,
+                             pp->retained));
+      }
+    }
+    if (m.routes_n.load() != m.routes.size() || m.captures_n.load() != m.captures.size()) {
+      violated("graph capture: blocker counts disagree with the routes and captures");
+    }
   }
   std::size_t handle_bytes = 0;
   if (m.pager) {

@@ -25,7 +25,7 @@ std::atomic<std::uint64_t> g_allocator_ids{1};
 
 struct pool_cache_entry {
   std::uint64_t owner = 0;
-  stream_handle stream = nullptr;
+  std::uint64_t key = 0;  // the stream's id: a reused handle value never hits a dead stream's pool
   stream_pool* pool = nullptr;
 };
 thread_local pool_cache_entry t_pool_cache;
@@ -34,12 +34,14 @@ thread_local pool_cache_entry t_pool_cache;
 
 device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
                              std::shared_ptr<allocation_observer> o)
-    : backend(std::move(b)),
+    : raw(std::move(b)),
+      backend(raw ? std::make_shared<detail::capture_safe_backend>(raw) : nullptr),
       cfg(std::move(c)),
       observer(std::move(o)),
       policy(cfg),
       id(g_allocator_ids.fetch_add(1)) {
-  if (!backend) throw invalid_argument("device_allocator: backend is null");
+  if (!raw) throw invalid_argument("device_allocator: backend is null");
+  sync_waiters.released = true;
   expandable = cfg.expandable_segments;
   if (expandable) {
     page_bytes = backend->vm_granularity();
@@ -65,11 +67,14 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
                                  "would turn garbage collection off");
   }
   if (expandable) {
+    // (The pager gets the capture-safe backend too, and may not move idle pages while a capture
+    // is underway: unmapping waits for a device synchronization.)
     pager = std::make_unique<detail::pager>(
         *backend,
         detail::device_budget{grow_mu_, reserved, reserved_peak, limit, gc_bytes,
                               device_alloc_count, device_free_count},
         page_bytes, device_total, pools_mu_, pools);
+    pager->set_synchronization_gate([this] { return !sync_blocked(); });
   }
 }
 
@@ -132,27 +137,38 @@ device_allocator::impl::~impl() {
 }
 
 stream_pool& device_allocator::impl::pool_for(stream_handle stream) {
+  // By stream id, not handle: once the program destroys a stream, the runtime hands its handle
+  // value to the next stream it creates, while work queued on the dead one may still run. A pool
+  // keyed by the value would give the new stream blocks whose last use is that work.
+  const std::uint64_t key = stream_key(stream);
   pool_cache_entry& c = t_pool_cache;
-  if (c.owner == id && c.stream == stream) return *c.pool;
+  if (c.owner == id && c.key == key) return *c.pool;
   stream_pool* p = nullptr;
   {
     std::shared_lock lock(pools_mu_);
-    auto it = pool_by_stream.find(stream);
+    auto it = pool_by_stream.find(key);
     if (it != pool_by_stream.end()) p = it->second;
   }
   if (p == nullptr) {
     std::unique_lock lock(pools_mu_);
-    auto it = pool_by_stream.find(stream);
+    auto it = pool_by_stream.find(key);
     if (it != pool_by_stream.end()) {
       p = it->second;
     } else {
-      pools.push_back(std::make_unique<stream_pool>(stream, pools.size()));
+      pools.push_back(std::make_unique<stream_pool>(stream, key, pools.size()));
       p = pools.back().get();
-      pool_by_stream.emplace(stream, p);
+      pool_by_stream.emplace(key, p);
     }
   }
-  c = pool_cache_entry{id, stream, p};
+  c = pool_cache_entry{id, key, p};
   return *p;
+}
+
+stream_pool& device_allocator::impl::new_pool(stream_handle stream, std::uint64_t key,
+                                              detail::graph_pool* g) {
+  // REQUIRES: pools_mu_ held exclusively.
+  pools.push_back(std::make_unique<stream_pool>(stream, key, pools.size(), g));
+  return *pools.back();
 }
 
 device_allocator::impl::all_locked device_allocator::impl::lock_all() const {
@@ -394,9 +410,12 @@ void device_allocator::impl::release_oversize(stream_pool& p) {
 }
 
 void device_allocator::impl::release_free_segments(std::size_t target_reserved, bool oldest_first) {
-  // REQUIRES: all pools locked. Releases whole free segments until reserved <= target.
+  // REQUIRES: all pools locked, no capture blocking (cudaFree synchronizes the device). Releases
+  // whole free segments until reserved <= target. Graph pools keep theirs until released: a graph
+  // replays on their addresses.
   std::vector<std::pair<stream_pool*, segment*>> victims;
   for (auto& p : pools) {
+    if (p->graph != nullptr && !p->graph->released) continue;
     for (segment* s = p->segments; s != nullptr; s = s->next) {
       if (s->whole_free()) victims.emplace_back(p.get(), s);
     }
@@ -421,6 +440,184 @@ void device_allocator::impl::collect_garbage(std::size_t incoming) {
   release_free_segments(target, /*oldest_first=*/true);
 }
 
+// --- graph capture ----------------------------------------------------------------------------
+
+detail::graph_pool* device_allocator::impl::find_graph_pool(graph_pool_id gid) const {
+  auto it = graph_pools.find(gid);
+  return it == graph_pools.end() ? nullptr : it->second.get();
+}
+
+void device_allocator::impl::update_blockers_locked() {
+  routes_n.store(static_cast<std::uint32_t>(routes.size()), std::memory_order_release);
+  captures_n.store(static_cast<std::uint32_t>(captures.size()), std::memory_order_release);
+}
+
+detail::graph_pool* device_allocator::impl::known_capture_locked(std::uint64_t key) const {
+  for (const detail::known_capture& c : captures) {
+    if (c.stream_key == key) return c.pool;
+  }
+  return nullptr;
+}
+
+detail::graph_pool* device_allocator::impl::capture_pool_locked(stream_handle stream,
+                                                                std::uint64_t key,
+                                                                capture_info cap) {
+  detail::graph_pool* g = nullptr;
+  for (detail::graph_route& r : routes) {
+    if (r.filter(stream)) {
+      g = r.pool;
+      break;
+    }
+  }
+  if (g == nullptr) {
+    const graph_pool_id gid = graph_pool_id::of_capture(cap.id);
+    g = find_graph_pool(gid);
+    if (g == nullptr) {
+      auto owned = std::make_unique<detail::graph_pool>();
+      owned->id = gid;
+      owned->uses = 1;  // the capture's graph; release_graph_pool(of_capture(id)) drops it
+      g = owned.get();
+      graph_pools.emplace(gid, std::move(owned));
+    }
+  }
+  // One entry per stream: an entry of an earlier capture on this stream has ended.
+  bool noted = false;
+  for (detail::known_capture& c : captures) {
+    if (c.stream_key == key) {
+      c.capture_id = cap.id;
+      c.pool = g;
+      noted = true;
+    }
+  }
+  if (!noted) captures.push_back({cap.id, key, g});
+  update_blockers_locked();
+  return g;
+}
+
+stream_pool* device_allocator::impl::graph_part_for(stream_handle stream, capture_info cap) {
+  if (cap.state == capture_state::invalidated) {
+    throw cuda_error(
+        "cucache::allocate", 901,  // cudaErrorStreamCaptureInvalidated
+        fmt::format("stream {} is in a CUDA graph capture that an illegal call invalidated; the "
+                    "graph can never run, and cucache allocates nothing for it (end the capture)",
+                    fmt::ptr(stream)));
+  }
+  const std::uint64_t key = stream_key(stream);
+  detail::graph_pool* g = nullptr;
+  {
+    std::lock_guard lock(graph_mu_);
+    if (cap.state == capture_state::active) {
+      g = capture_pool_locked(stream, key, cap);
+    } else {
+      for (detail::graph_route& r : routes) {
+        if (r.filter(stream)) {
+          g = r.pool;
+          break;
+        }
+      }
+      // Not capturing now: a capture cucache noted on this stream has ended.
+      if (std::erase_if(captures, [&](const auto& c) { return c.stream_key == key; }) != 0) {
+        update_blockers_locked();
+      }
+    }
+    if (g == nullptr) return nullptr;
+    if (g->released) {
+      throw invalid_argument(fmt::format(
+          "cucache: graph pool ({:#x}, {:#x}) on device {} was released while a capture still "
+          "allocates from it",
+          g->id.first, g->id.second, backend->device()));
+    }
+    if (auto it = g->parts.find(key); it != g->parts.end()) return it->second;
+  }
+  std::unique_lock list(pools_mu_);
+  std::lock_guard lock(graph_mu_);
+  if (auto it = g->parts.find(key); it != g->parts.end()) return it->second;
+  stream_pool& part = new_pool(stream, key, g);
+  g->parts.emplace(key, &part);
+  return &part;
+}
+
+void device_allocator::impl::mark_pending(stream_pool& p, block* b) {
+  const pool_kind kind = b->seg->kind;
+  b->state = block_state::pending;
+  b->uses->pending_events = 0;
+  p.stats.pending_count.inc(kind, 1);
+  p.stats.pending_bytes.inc(kind, static_cast<std::int64_t>(b->size));
+}
+
+void device_allocator::impl::retain(detail::graph_pool& g, stream_pool& p, block* b) {
+  {
+    std::lock_guard lock(graph_mu_);
+    g.retained.push_back({&p, b});
+  }
+  ++b->uses->pending_events;
+  ++p.retained;
+}
+
+void device_allocator::impl::settle_graph_pools() {
+  // REQUIRES: all pools locked (no free can add a retention meanwhile), !sync_blocked().
+  std::vector<detail::graph_pool*> released;
+  bool wait = false;
+  {
+    std::lock_guard lock(graph_mu_);
+    for (auto& [gid, g] : graph_pools) {
+      if (!g->released) continue;
+      released.push_back(g.get());
+      wait = wait || !g->settled || !g->retained.empty();
+    }
+    wait = wait || !sync_waiters.retained.empty();
+  }
+  if (released.empty() && !wait) return;
+  // The last replay of a released graph may still run, on any stream: only a device-wide
+  // synchronization proves that its memory is idle. A failure changes nothing.
+  if (wait) backend->device_synchronize();
+  std::vector<detail::retained_block> back;
+  {
+    std::lock_guard lock(graph_mu_);
+    back.swap(sync_waiters.retained);
+    for (detail::graph_pool* g : released) {
+      back.insert(back.end(), g->retained.begin(), g->retained.end());
+      g->retained.clear();
+      g->settled = true;
+    }
+  }
+  for (auto [p, b] : back) {
+    --p->retained;
+    if (--b->uses->pending_events == 0) release_to_free(*p, b);
+  }
+  for (detail::graph_pool* g : released) {
+    for (auto [key, part] : g->parts) {
+      std::vector<segment*> victims;
+      for (segment* s = part->segments; s != nullptr; s = s->next) {
+        if (s->whole_free()) victims.push_back(s);
+      }
+      for (segment* s : victims) release_segment(*part, s);
+    }
+  }
+}
+
+void device_allocator::impl::throw_capture_blocks(const char* what) const {
+  std::string who;
+  {
+    std::lock_guard lock(graph_mu_);
+    for (const detail::known_capture& c : captures) {
+      who += fmt::format("{}capture {} (stream id {:#x})", who.empty() ? "" : ", ", c.capture_id,
+                         c.stream_key);
+    }
+    for (const detail::graph_route& r : routes) {
+      who += fmt::format("{}the route to graph pool ({:#x}, {:#x})", who.empty() ? "" : ", ",
+                         r.pool->id.first, r.pool->id.second);
+    }
+  }
+  throw cuda_error(
+      fmt::format("cucache::{}", what), 900,  // cudaErrorStreamCaptureUnsupported
+      fmt::format("device {}: a CUDA graph capture may be underway ({}); returning memory to the "
+                  "device synchronizes it, which is illegal during a capture. End the capture "
+                  "and tell cucache (end_allocate_to_pool, release_graph_pool), or allocate on "
+                  "the stream again once its capture has ended",
+                  backend->device(), who));
+}
+
 // --- allocate ---------------------------------------------------------------------------------
 
 block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t rounded,
@@ -428,11 +625,14 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   const std::size_t seg_bytes = policy.segment_size(rounded);
   if (seg_bytes > device_total || (limit != 0 && seg_bytes > limit)) return nullptr;  // never fits
 
-  if (kind == pool_kind::large &&
+  // While a capture is underway nothing may be given back (cudaFree synchronizes the device): a
+  // miss can only take new memory.
+  const bool blocked = sync_blocked();
+  if (kind == pool_kind::large && !blocked &&
       policy.max_split_size() != std::numeric_limits<std::size_t>::max()) {
     release_oversize(p);
   }
-  if (gc_bytes != 0) {
+  if (gc_bytes != 0 && !blocked) {
     bool over = false;
     {
       std::lock_guard lock(grow_mu_);
@@ -442,7 +642,7 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
       lk.unlock();
       {
         auto all = lock_all();
-        collect_garbage(seg_bytes);
+        if (!sync_blocked()) collect_garbage(seg_bytes);
       }
       lk.lock();
       if (block* b = find_free(p, kind, rounded)) return b;
@@ -451,13 +651,16 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   if (block* b = new_segment(p, kind, seg_bytes)) return b;
 
   // Out-of-memory ladder: wait for every pending free, release every whole free segment of every
-  // pool, and retry once.
+  // pool (and what released graph pools hold), and retry once.
   retry_count.fetch_add(1, std::memory_order_relaxed);
   lk.unlock();
   {
     auto all = lock_all();
     for (auto& q : pools) sync_pending(*q);
-    release_free_segments(0, /*oldest_first=*/false);
+    if (!sync_blocked()) {
+      settle_graph_pools();
+      release_free_segments(0, /*oldest_first=*/false);
+    }
   }
   lk.lock();
   if (block* b = find_free(p, kind, rounded)) return b;
@@ -470,10 +673,23 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   if (!rounded_or) throw_oom(bytes, 0, stream);  // its rounded size passes any device
   const std::size_t rounded = *rounded_or;
   const pool_kind kind = detail::size_policy::pool_for(rounded);
-  stream_pool& p = pool_for(stream);
+  // A stream that is being captured allocates from its capture's pool: the graph keeps using the
+  // address at every replay, so nobody else may get it. (The legacy stream cannot be captured.)
+  stream_pool* graph_part = nullptr;
+  if (stream != nullptr) {
+    const capture_info cap = raw->capture_status(stream);
+    if (cap.state != capture_state::none || sync_blocked()) [[unlikely]] {
+      graph_part = graph_part_for(stream, cap);
+    }
+  } else if (routes_n.load(std::memory_order_acquire) != 0) [[unlikely]] {
+    graph_part = graph_part_for(stream, {});
+  }
+  stream_pool& p = graph_part != nullptr ? *graph_part : pool_for(stream);
   std::unique_lock lk(p.mu);
   if (!p.pending.empty()) poll_pending(p);
-  if (expandable) {
+  if (expandable && p.graph == nullptr) {
+    // (Graph pools use segments in every mode: nothing of theirs may be unmapped or moved while
+    // a graph may replay on it.)
     void* ptr = allocate_expandable(p, kind, rounded, bytes, lk);
     if (ptr == nullptr) {
       lk.unlock();
@@ -501,6 +717,21 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (b == nullptr) return false;
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
+  // A block of a stream pool freed while cucache knows that stream captures: the captured work
+  // may use it at every replay, so it is held for that capture's graph pool, not reused.
+  detail::graph_pool* own_capture = nullptr;
+  if (captures_n.load(std::memory_order_acquire) != 0 && p.graph == nullptr) [[unlikely]] {
+    std::lock_guard lock(graph_mu_);
+    own_capture = known_capture_locked(p.key);
+    if (own_capture != nullptr && b->uses == nullptr) {
+      try {
+        b->uses = new detail::stream_uses;
+      } catch (...) {
+        blocks.insert(addr, b);  // nothing changed
+        throw;
+      }
+    }
+  }
   // Before the block can be reused: a trace then lists this free before the next allocation of
   // the same address.
   if (observer != nullptr) [[unlikely]]
@@ -510,7 +741,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
                   static_cast<std::int64_t>(b->requested));
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
-  if (ordered && stream != p.stream &&
+  if (ordered && !names_pool_stream(p, stream) &&
       (b->uses == nullptr || std::find(b->uses->streams.begin(), b->uses->streams.end(), stream) ==
                                  b->uses->streams.end())) {
     try {
@@ -520,30 +751,55 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
       backend->stream_synchronize(stream);
     }
   }
-  if (b->uses == nullptr || b->uses->streams.empty()) {
+  const bool cross = b->uses != nullptr && !b->uses->streams.empty();
+  if (!cross && own_capture == nullptr) {
     release_to_free(p, b);
     return true;
   }
-  // Used on other streams: reuse waits for an event on each of them.
-  b->state = block_state::pending;
-  b->uses->pending_events = 0;
-  p.stats.pending_count.inc(kind, 1);
-  p.stats.pending_bytes.inc(kind, static_cast<std::int64_t>(b->size));
-  for (stream_handle s : b->uses->streams) {
-    event_handle e = nullptr;
-    try {
-      e = take_event();
-      backend->event_record(e, s);
-      p.pending.push(s, b, e);
-      ++b->uses->pending_events;
-    } catch (...) {
-      // Without an event the only safe reuse is after the work queued so far drains. The stream
-      // itself may be why the record failed (destroyed since record_stream named it): wait
-      // device-wide, which names no stream.
-      if (e != nullptr) return_event(e);
+  mark_pending(p, b);
+  if (own_capture != nullptr) retain(*own_capture, p, b);
+  if (cross) {
+    // Used on other streams: reuse waits for an event on each of them -- or, for a stream being
+    // captured, for the release of its capture's graph pool: an event recorded there would be a
+    // node of the graph, which no query can ever see complete.
+    for (stream_handle s : b->uses->streams) {
+      capture_info cap{};
+      std::uint64_t key = 0;
       try {
-        backend->device_synchronize();
+        cap = raw->capture_status(s);
+        if (cap.state != capture_state::none) key = stream_key(s);
       } catch (...) {
+        cap = {};  // the stream is gone: the record below fails and the fallback waits
+      }
+      if (cap.state != capture_state::none) {
+        detail::graph_pool* g = nullptr;
+        {
+          std::lock_guard lock(graph_mu_);
+          g = capture_pool_locked(s, key, cap);
+        }
+        retain(*g, p, b);
+        continue;
+      }
+      event_handle e = nullptr;
+      try {
+        e = take_event();
+        backend->event_record(e, s);
+        p.pending.push(s, b, e);
+        ++b->uses->pending_events;
+      } catch (...) {
+        // Without an event the only safe reuse is after the work queued so far drains. The stream
+        // itself may be why the record failed (destroyed since record_stream named it): wait
+        // device-wide, which names no stream -- or, while a capture forbids that, hold the block
+        // until the next device synchronization cucache makes.
+        if (e != nullptr) return_event(e);
+        if (sync_blocked()) {
+          retain(sync_waiters, p, b);
+        } else {
+          try {
+            backend->device_synchronize();
+          } catch (...) {
+          }
+        }
       }
     }
   }
@@ -554,7 +810,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
 bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   bool found = blocks.with(addr, [&](block* b) {
-    if (stream == b->seg->owner->stream) return;
+    if (names_pool_stream(*b->seg->owner, stream)) return;
     // Under the map's shard lock only: the block cannot be freed meanwhile, and nothing else
     // touches its uses while it is allocated.
     if (b->uses == nullptr) b->uses = new detail::stream_uses;
@@ -567,12 +823,117 @@ bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
 void device_allocator::impl::empty_cache() {
   auto all = lock_all();
   for (auto& p : pools) sync_pending(*p);
+  if (sync_blocked()) throw_capture_blocks("empty_cache");
+  settle_graph_pools();
   if (expandable) {
     for (auto& p : pools) pager->unmap_idle(*p, /*release_handles=*/true);
     pager->release_unmapped(0);
-    return;
   }
   release_free_segments(0, /*oldest_first=*/false);
+}
+
+// --- graph pools: the public calls --------------------------------------------------------------
+
+void device_allocator::impl::begin_allocate_to_pool(graph_pool_id gid, stream_filter filter) {
+  if (gid == graph_pool_id{}) {
+    throw invalid_argument("cucache::begin_allocate_to_pool: pool id (0, 0) names no pool");
+  }
+  if (!filter) throw invalid_argument("cucache::begin_allocate_to_pool: the filter is empty");
+  // All pools locked too: release_free_segments reads `released` under the pool locks.
+  auto all = lock_all();
+  std::lock_guard lock(graph_mu_);
+  detail::graph_pool* g = find_graph_pool(gid);
+  if (g != nullptr && g->routed) {
+    throw invalid_argument(
+        fmt::format("cucache::begin_allocate_to_pool: graph pool ({:#x}, {:#x}) is routed already",
+                    gid.first, gid.second));
+  }
+  if (g != nullptr && g->released && !g->settled) {
+    throw invalid_argument(fmt::format(
+        "cucache::begin_allocate_to_pool: graph pool ({:#x}, {:#x}) was released and a replay "
+        "of its last graph may still run (no device synchronization since: a capture is "
+        "underway)",
+        gid.first, gid.second));
+  }
+  routes.reserve(routes.size() + 1);
+  if (g == nullptr) {
+    auto owned = std::make_unique<detail::graph_pool>();
+    owned->id = gid;
+    g = owned.get();
+    graph_pools.emplace(gid, std::move(owned));
+  }
+  ++g->uses;
+  g->released = false;
+  g->settled = false;
+  g->routed = true;
+  routes.push_back({g, std::move(filter)});
+  update_blockers_locked();
+}
+
+void device_allocator::impl::end_allocate_to_pool(graph_pool_id gid) {
+  auto all = lock_all();
+  {
+    std::lock_guard lock(graph_mu_);
+    detail::graph_pool* g = find_graph_pool(gid);
+    bool found = false;
+    if (g != nullptr) {
+      found = std::erase_if(routes, [&](const auto& r) { return r.pool == g; }) != 0;
+      g->routed = false;
+      found = std::erase_if(captures, [&](const auto& c) { return c.pool == g; }) != 0 || found;
+      update_blockers_locked();
+    }
+    if (!found) {
+      throw invalid_argument(fmt::format(
+          "cucache::end_allocate_to_pool: nothing allocates to graph pool ({:#x}, {:#x})",
+          gid.first, gid.second));
+    }
+  }
+  if (!sync_blocked()) settle_graph_pools();
+}
+
+void device_allocator::impl::release_graph_pool(graph_pool_id gid) {
+  auto all = lock_all();
+  {
+    std::lock_guard lock(graph_mu_);
+    detail::graph_pool* g = find_graph_pool(gid);
+    if (g == nullptr || g->uses == 0) {
+      throw invalid_argument(fmt::format(
+          "cucache::release_graph_pool: graph pool ({:#x}, {:#x}) {}", gid.first, gid.second,
+          g == nullptr ? "does not exist" : "has no owner left (released already)"));
+    }
+    if (g->routed) {
+      throw invalid_argument(
+          fmt::format("cucache::release_graph_pool: graph pool ({:#x}, {:#x}) is still routed "
+                      "(end_allocate_to_pool first)",
+                      gid.first, gid.second));
+    }
+    if (--g->uses == 0) {
+      g->released = true;
+      g->settled = false;
+      // A graph that is released has been captured: its capture has ended.
+      std::erase_if(captures, [&](const auto& c) { return c.pool == g; });
+      update_blockers_locked();
+    }
+  }
+  if (!sync_blocked()) settle_graph_pools();
+}
+
+graph_pool_info device_allocator::impl::graph_pool_state(graph_pool_id gid) const {
+  auto all = lock_all();
+  std::lock_guard lock(graph_mu_);
+  graph_pool_info info;
+  const detail::graph_pool* g = find_graph_pool(gid);
+  if (g == nullptr) return info;
+  info.exists = true;
+  info.uses = g->uses;
+  info.routed = g->routed;
+  info.released = g->released;
+  info.retained_blocks = g->retained.size();
+  for (auto [key, part] : g->parts) {
+    info.reserved_bytes += static_cast<std::size_t>(part->stats.reserved_bytes[0].current);
+    info.allocated_bytes += static_cast<std::size_t>(part->stats.allocated_bytes[0].current);
+  }
+  return info;
 }
 
 // --- public shell -----------------------------------------------------------------------------
@@ -613,6 +974,18 @@ bool device_allocator::try_record_stream(void* ptr, stream_handle stream) {
 void device_allocator::empty_cache() {
   impl_->empty_cache();
 }
+void device_allocator::begin_allocate_to_pool(graph_pool_id pool, stream_filter filter) {
+  impl_->begin_allocate_to_pool(pool, std::move(filter));
+}
+void device_allocator::end_allocate_to_pool(graph_pool_id pool) {
+  impl_->end_allocate_to_pool(pool);
+}
+void device_allocator::release_graph_pool(graph_pool_id pool) {
+  impl_->release_graph_pool(pool);
+}
+graph_pool_info device_allocator::graph_pool_state(graph_pool_id pool) const {
+  return impl_->graph_pool_state(pool);
+}
 const config& device_allocator::get_config() const noexcept {
   return impl_->cfg;
 }
@@ -620,7 +993,7 @@ int device_allocator::device() const noexcept {
   return impl_->backend->device();
 }
 device_backend& device_allocator::backend() const noexcept {
-  return *impl_->backend;
+  return *impl_->raw;
 }
 
 std::size_t device_allocator::allocation_size(const void* ptr) const {

@@ -72,7 +72,11 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     {
       auto all = lock_all();
       for (auto& q : pools) sync_pending(*q);
-      for (auto& q : pools) pager->unmap_idle(*q, /*release_handles=*/false);
+      // Unmapping waits for a device synchronization: not while a capture is underway.
+      if (!sync_blocked()) {
+        settle_graph_pools();
+        for (auto& q : pools) pager->unmap_idle(*q, /*release_handles=*/false);
+      }
     }
     lk.lock();
   }

@@ -39,6 +39,12 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
   if (limit != 0) {
     msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(limit)));
   }
+  if (sync_blocked()) {
+    msg +=
+        " A CUDA graph capture is underway: cached memory cannot be given back to the device "
+        "meanwhile (cudaFree and unmapping synchronize the device, which is illegal during a "
+        "capture).";
+  }
   if (s.external_fragmentation() > 0.5 && held - allocated > static_cast<double>(bytes)) {
     msg += " Much reserved memory is free but fragmented: expandable_segments:True avoids this.";
   }

@@ -363,6 +363,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     if (fits(bytes)) return true;
   }
   // Then idle mappings, least recently idle first: this pool's, then the other pools'.
+  if (!may_synchronize_()) return false;
   while (p.idle_tail != nullptr) {
     release_idle(p, p.idle_tail);
     if (fits(bytes)) return true;
@@ -410,6 +411,7 @@ void pager::split_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr, std
   // handle is released whole or not at all. Release it instead; back() maps exactly the block's
   // pages. The remainder is not re-created: if the program comes back for it, back() creates it
   // then, and if memory is short meanwhile it is already free.
+  if (!may_synchronize_()) return;  // the block pins the mapping whole until the capture ends
   const std::size_t first = r.page_of(addr);
   const std::size_t last = r.page_of(addr + bytes - 1);
   for (std::size_t pg : {first, last}) {
@@ -460,7 +462,9 @@ bool pager::back(stream_pool& p, const block* b) {
   // moved here first (this pool's, then another stream's), and only what is still missing is
   // created, after room was made for all of it: reserved memory never rises inside the call above
   // where it ends (nothing is created that a release in the same call then makes up for).
-  const bool plentiful = may_grow(p, missing);
+  // While a graph capture is underway nothing may synchronize the device, so nothing is moved or
+  // given back: what is missing is created (may_synchronize_, set by the allocator).
+  const bool plentiful = may_grow(p, missing) || !may_synchronize_();
   bool moved = false;
   for (int pass = plentiful ? 1 : 0; pass < 2; ++pass) {
     if (pass == 1) {

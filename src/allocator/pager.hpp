@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -67,6 +68,10 @@ class pager {
   pager& operator=(const pager&) = delete;
 
   [[nodiscard]] std::size_t page_bytes() const noexcept { return page_bytes_; }
+  /// `gate` answers whether the device may be synchronized now (false while a CUDA graph capture
+  /// is underway). While it says no, nothing is unmapped: idle pages are neither moved, split
+  /// nor reclaimed, and back() uses only unmapped handles and new memory.
+  void set_synchronization_gate(std::function<bool()> gate) { may_synchronize_ = std::move(gate); }
 
   /// Reserves a virtual range for one pool kind and its (empty) page table.
   [[nodiscard]] std::unique_ptr<vm_range> reserve_range(pool_kind kind);
@@ -162,6 +167,7 @@ class pager {
   const std::size_t device_total_;
   std::shared_mutex& pools_mu_;
   const std::vector<std::unique_ptr<stream_pool>>& pools_;
+  std::function<bool()> may_synchronize_ = [] { return true; };
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
   std::atomic<std::size_t> idle_total_{0};  // bytes of idle mappings, every pool

@@ -268,12 +268,23 @@ struct pool_stats {
   }
 };
 
+struct graph_pool;
+
 class stream_pool {
  public:
-  stream_pool(stream_handle s, std::size_t idx) : stream(s), index(idx) {}
+  stream_pool(stream_handle s, std::uint64_t k, std::size_t idx, graph_pool* g = nullptr)
+      : stream(s), key(k), index(idx), graph(g) {}
 
+  /// The handle the pool was created for. Another stream may have this value now (the runtime
+  /// hands a destroyed stream's handle to the next one it creates); `key` tells them apart.
   const stream_handle stream;
+  /// The stream's id (device_backend::stream_id), never reused: what pools are looked up by.
+  const std::uint64_t key;
   const std::size_t index;  // creation order; pools are always locked in this order
+  /// Non-null for a part of a graph pool: only allocations routed to that pool reach it.
+  graph_pool* const graph;
+  /// Blocks of this pool held pending by graph pools (each also counts in uses->pending_events).
+  std::size_t retained = 0;
   alignas(64) pool_mutex mu;
   free_index free[2];           // [pool_kind]
   segment* segments = nullptr;  // doubly linked, newest first

@@ -10,10 +10,10 @@
 #include <string>
 #include <string_view>
 
+#include "api/registry.hpp"
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/stats.hpp"
-#include "api/registry.hpp"
 
 namespace {
 
@@ -100,6 +100,18 @@ cudaError_t cucacheMemGetInfo(size_t* free, size_t* total) noexcept {
 
 cudaError_t cucacheEmptyCache(void) noexcept {
   return guarded("cucacheEmptyCache", [] { cucache::empty_cache(); });
+}
+
+cudaError_t cucacheGraphCaptureEnded(unsigned long long captureId) noexcept {
+  return guarded("cucacheGraphCaptureEnded", [&] {
+    cucache::get().end_allocate_to_pool(cucache::graph_pool_id::of_capture(captureId));
+  });
+}
+
+cudaError_t cucacheGraphPoolRelease(unsigned long long captureId) noexcept {
+  return guarded("cucacheGraphPoolRelease", [&] {
+    cucache::get().release_graph_pool(cucache::graph_pool_id::of_capture(captureId));
+  });
 }
 
 cudaError_t cucacheGetStats(int device, cucacheStats* stats) noexcept {

@@ -324,6 +324,39 @@ void cuda_backend::device_synchronize() {
   detail::check_runtime(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
+// Stream identity and capture state belong to the stream, not to the current device: no guard.
+std::uint64_t cuda_backend::stream_id(stream_handle stream) {
+  unsigned long long id = 0;
+  detail::check_runtime(cudaStreamGetId(detail::as_stream(stream), &id), "cudaStreamGetId");
+  return id;
+}
+
+capture_info cuda_backend::capture_status(stream_handle stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  detail::check_runtime(cudaStreamGetCaptureInfo(detail::as_stream(stream), &status, &id),
+                        "cudaStreamGetCaptureInfo");
+  switch (status) {
+    case cudaStreamCaptureStatusActive:
+      return {capture_state::active, id};
+    case cudaStreamCaptureStatusInvalidated:
+      return {capture_state::invalidated, id};
+    default:
+      return {};
+  }
+}
+
+capture_mode cuda_backend::exchange_capture_mode(capture_mode mode) {
+  cudaStreamCaptureMode m = cudaStreamCaptureModeGlobal;
+  if (mode == capture_mode::thread_local_mode) m = cudaStreamCaptureModeThreadLocal;
+  if (mode == capture_mode::relaxed) m = cudaStreamCaptureModeRelaxed;
+  detail::check_runtime(cudaThreadExchangeStreamCaptureMode(&m),
+                        "cudaThreadExchangeStreamCaptureMode");
+  if (m == cudaStreamCaptureModeThreadLocal) return capture_mode::thread_local_mode;
+  if (m == cudaStreamCaptureModeRelaxed) return capture_mode::relaxed;
+  return capture_mode::global;
+}
+
 memory_info cuda_backend::mem_get_info() {
   const detail::device_guard guard(device_);
   memory_info info;

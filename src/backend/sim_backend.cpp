@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "cucache/errors.hpp"
 
@@ -24,6 +25,23 @@ constexpr int k_sim_invalid_value = 1;  // cudaErrorInvalidValue's number
 // handles tests use (1, 2, 0x5000 + 0x100 * i, n << 8), 64 bytes apart like real CUstream_st.
 constexpr std::uintptr_t k_stream_base = 0x5e0000000000ULL;
 constexpr std::uintptr_t k_stream_stride = 0x40;
+// The id of a handle the sim did not create (nullptr and the fakes tests pass).
+constexpr std::uint64_t k_fake_stream_id_tag = std::uint64_t{1} << 62;
+
+// The calling thread's capture mode: per thread, shared by every simulated device, as in CUDA.
+thread_local capture_mode t_capture_mode = capture_mode::global;
+
+const char* to_string(capture_mode mode) noexcept {
+  switch (mode) {
+    case capture_mode::global:
+      return "global";
+    case capture_mode::thread_local_mode:
+      return "thread-local";
+    case capture_mode::relaxed:
+      return "relaxed";
+  }
+  return "unknown";
+}
 
 std::size_t round_up(std::size_t n, std::size_t m) {
   return (n + m - 1) / m * m;
@@ -71,6 +89,12 @@ const char* to_string(sim_call call) noexcept {
       return "device_synchronize";
     case sim_call::mem_get_info:
       return "mem_get_info";
+    case sim_call::stream_id:
+      return "stream_id";
+    case sim_call::capture_status:
+      return "capture_status";
+    case sim_call::exchange_capture_mode:
+      return "exchange_capture_mode";
     case sim_call::count_:
       break;
   }
@@ -92,13 +116,64 @@ sim_backend::~sim_backend() = default;
 
 bool sim_backend::should_fail(sim_call kind) {
   const auto k = static_cast<std::size_t>(kind);
-  const std::uint64_t n = ++calls_[k];
+  const std::uint64_t n = calls_[k].fetch_add(1, std::memory_order_relaxed) + 1;
   if (fail_always_[k]) return true;
   if (fail_at_[k] != 0 && fail_at_[k] == n) {
     fail_at_[k] = 0;
     return true;
   }
   return false;
+}
+
+std::uint64_t sim_backend::id_of_locked(stream_handle stream) const {
+  if (stream == nullptr) return k_sim_legacy_stream_id;
+  if (auto it = live_streams_.find(stream); it != live_streams_.end()) return it->second;
+  if (auto it = destroyed_streams_.find(stream); it != destroyed_streams_.end()) return it->second;
+  return k_fake_stream_id_tag | reinterpret_cast<std::uintptr_t>(stream);
+}
+
+void sim_backend::capture_violation(sim_call kind, const std::string& why) {
+  ++capture_violations_;
+  fail(kind, why, k_sim_capture_unsupported);
+}
+
+void sim_backend::require_capture_safe(sim_call kind) {
+  if (captures_.empty()) return;
+  const capture_mode mode = t_capture_mode;
+  if (mode == capture_mode::relaxed) return;
+  const std::thread::id self = std::this_thread::get_id();
+  std::uint64_t culprit = 0;
+  for (auto& [stream, c] : captures_) {
+    const bool own = c.thread == self && c.mode != capture_mode::relaxed;
+    const bool global = mode == capture_mode::global && c.mode == capture_mode::global;
+    if (own || global) {
+      c.invalidated = true;
+      culprit = c.id;
+    }
+  }
+  if (culprit != 0) {
+    capture_violation(kind, fmt::format("not permitted in {} capture mode while capture {} is "
+                                        "underway (the capture is invalidated)",
+                                        to_string(mode), culprit));
+  }
+}
+
+void sim_backend::require_no_capture(sim_call kind) {
+  if (captures_.empty()) return;
+  for (auto& [stream, c] : captures_) c.invalidated = true;
+  capture_violation(kind, fmt::format("synchronizes the device while {} stream(s) capture (the "
+                                      "captures are invalidated)",
+                                      captures_.size()));
+}
+
+bool sim_backend::query_fast(sim_call kind) noexcept {
+  if (query_faults_.load(std::memory_order_acquire)) return false;
+  // A plain load and store, not a locked increment: the sim should cost what a driver's
+  // thread-local lookup costs, not a contended atomic. Exact from one thread at a time; calls
+  // racing from several threads may be undercounted.
+  auto& n = calls_[static_cast<std::size_t>(kind)];
+  n.store(n.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  return true;
 }
 
 void sim_backend::require_live_stream(sim_call kind, stream_handle stream) {
@@ -150,6 +225,7 @@ void sim_backend::give_address(std::uintptr_t addr, std::size_t bytes) {
 void* sim_backend::segment_malloc(std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::segment_malloc)) return nullptr;
+  require_capture_safe(sim_call::segment_malloc);
   if (bytes == 0) return nullptr;
   if (bytes > options_.capacity_bytes) return nullptr;
   const std::size_t charged = page_round(bytes);
@@ -166,6 +242,7 @@ void* sim_backend::segment_malloc(std::size_t bytes) {
 void sim_backend::segment_free(void* ptr) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::segment_free)) fail(sim_call::segment_free, "injected failure");
+  require_no_capture(sim_call::segment_free);
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   auto it = segments_.find(addr);
   if (it == segments_.end()) {
@@ -175,7 +252,9 @@ void sim_backend::segment_free(void* ptr) {
   give_address(addr, it->second.bytes);
   segments_.erase(it);
   // Like cudaFree, freeing a segment synchronizes the device.
-  for (auto& [id, ev] : events_) ev.complete = true;
+  for (auto& [id, ev] : events_) {
+    if (!ev.captured) ev.complete = true;
+  }
 }
 
 std::size_t sim_backend::vm_granularity() {
@@ -187,6 +266,7 @@ std::size_t sim_backend::vm_granularity() {
 void* sim_backend::va_reserve(std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::va_reserve)) fail(sim_call::va_reserve, "injected failure", 2);
+  require_capture_safe(sim_call::va_reserve);
   if (options_.granularity_bytes == 0) fail(sim_call::va_reserve, "virtual memory not supported");
   if (bytes == 0 || bytes % options_.granularity_bytes != 0) {
     fail(sim_call::va_reserve,
@@ -202,6 +282,7 @@ void* sim_backend::va_reserve(std::size_t bytes) {
 void sim_backend::va_free(void* base, std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::va_free)) fail(sim_call::va_free, "injected failure");
+  require_capture_safe(sim_call::va_free);
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
   auto it = reservations_.find(addr);
   if (it == reservations_.end() || it->second != bytes) {
@@ -219,6 +300,7 @@ void sim_backend::va_free(void* base, std::size_t bytes) {
 std::optional<phys_handle> sim_backend::phys_create(std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::phys_create)) return std::nullopt;
+  require_capture_safe(sim_call::phys_create);
   if (options_.granularity_bytes == 0) fail(sim_call::phys_create, "virtual memory not supported");
   if (bytes == 0 || bytes % options_.granularity_bytes != 0) {
     fail(sim_call::phys_create,
@@ -239,6 +321,7 @@ std::optional<phys_handle> sim_backend::phys_create(std::size_t bytes) {
 void sim_backend::phys_release(phys_handle handle) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::phys_release)) fail(sim_call::phys_release, "injected failure");
+  require_capture_safe(sim_call::phys_release);
   auto it = handles_.find(handle);
   if (it == handles_.end()) {
     fail(sim_call::phys_release, fmt::format("handle {} is not live", handle), k_sim_invalid_value);
@@ -254,6 +337,7 @@ void sim_backend::phys_release(phys_handle handle) {
 void sim_backend::map(void* va, std::size_t bytes, phys_handle handle) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::map)) fail(sim_call::map, "injected failure", 2);
+  require_capture_safe(sim_call::map);
   const auto addr = reinterpret_cast<std::uintptr_t>(va);
   auto h = handles_.find(handle);
   if (h == handles_.end()) {
@@ -287,6 +371,7 @@ void sim_backend::map(void* va, std::size_t bytes, phys_handle handle) {
 void sim_backend::unmap(void* va, std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::unmap)) fail(sim_call::unmap, "injected failure");
+  require_capture_safe(sim_call::unmap);
   const auto addr = reinterpret_cast<std::uintptr_t>(va);
   auto m = mappings_.find(addr);
   if (m == mappings_.end() || m->second.bytes != bytes) {
@@ -300,6 +385,7 @@ void sim_backend::unmap(void* va, std::size_t bytes) {
 void sim_backend::set_access(void* va, std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::set_access)) fail(sim_call::set_access, "injected failure");
+  require_capture_safe(sim_call::set_access);
   const auto addr = reinterpret_cast<std::uintptr_t>(va);
   // Every byte of the range must be mapped; mappings that start inside it become accessible.
   std::uintptr_t cursor = addr;
@@ -340,7 +426,11 @@ void sim_backend::event_record(event_handle event, stream_handle stream) {
   auto it = events_.find(reinterpret_cast<std::uintptr_t>(event));
   if (it == events_.end()) fail(sim_call::event_record, "unknown event", k_sim_invalid_value);
   require_live_stream(sim_call::event_record, stream);
-  it->second = event_rec{true, options_.events_complete_immediately, stream};
+  // Recorded on a capturing stream, the event becomes a node of the graph: it never completes by
+  // itself, and querying it is illegal.
+  const bool captured = stream != nullptr && captures_.contains(stream);
+  it->second = event_rec{true, options_.events_complete_immediately && !captured, captured,
+                         id_of_locked(stream)};
 }
 
 bool sim_backend::event_query(event_handle event) {
@@ -348,6 +438,10 @@ bool sim_backend::event_query(event_handle event) {
   if (should_fail(sim_call::event_query)) fail(sim_call::event_query, "injected failure");
   auto it = events_.find(reinterpret_cast<std::uintptr_t>(event));
   if (it == events_.end()) fail(sim_call::event_query, "unknown event", k_sim_invalid_value);
+  if (it->second.captured) {
+    capture_violation(sim_call::event_query, "the event was recorded in a capture");
+  }
+  require_capture_safe(sim_call::event_query);
   return it->second.complete;
 }
 
@@ -358,6 +452,10 @@ void sim_backend::event_synchronize(event_handle event) {
   }
   auto it = events_.find(reinterpret_cast<std::uintptr_t>(event));
   if (it == events_.end()) fail(sim_call::event_synchronize, "unknown event", k_sim_invalid_value);
+  if (it->second.captured) {
+    capture_violation(sim_call::event_synchronize, "the event was recorded in a capture");
+  }
+  require_capture_safe(sim_call::event_synchronize);
   it->second.complete = true;
 }
 
@@ -378,6 +476,13 @@ void sim_backend::stream_synchronize(stream_handle stream) {
       fail(sim_call::stream_synchronize, "injected failure");
     }
     require_live_stream(sim_call::stream_synchronize, stream);
+    if (auto c = captures_.find(stream); c != captures_.end()) {
+      c->second.invalidated = true;
+      capture_violation(
+          sim_call::stream_synchronize,
+          fmt::format("the stream captures (capture {} is invalidated)", c->second.id));
+    }
+    require_capture_safe(sim_call::stream_synchronize);
   }
   complete_stream(stream);
 }
@@ -388,6 +493,7 @@ void sim_backend::device_synchronize() {
     if (should_fail(sim_call::device_synchronize)) {
       fail(sim_call::device_synchronize, "injected failure");
     }
+    require_no_capture(sim_call::device_synchronize);
   }
   complete_all();
 }
@@ -395,28 +501,134 @@ void sim_backend::device_synchronize() {
 memory_info sim_backend::mem_get_info() {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::mem_get_info)) fail(sim_call::mem_get_info, "injected failure");
+  require_capture_safe(sim_call::mem_get_info);
   const std::size_t used = std::min(used_, options_.capacity_bytes);
   return memory_info{options_.capacity_bytes - used, options_.capacity_bytes};
 }
 
 stream_handle sim_backend::create_stream() {
   std::lock_guard lock(mu_);
-  auto* s = reinterpret_cast<stream_handle>(next_stream_);
-  next_stream_ += k_stream_stride;
-  live_streams_.insert(s);
+  stream_handle s = nullptr;
+  if (options_.reuse_stream_handles && !reusable_handles_.empty()) {
+    s = reusable_handles_.back();
+    reusable_handles_.pop_back();
+    destroyed_streams_.erase(s);
+  } else {
+    const std::uintptr_t v = next_stream_.load(std::memory_order_relaxed);
+    s = reinterpret_cast<stream_handle>(v);
+    next_stream_.store(v + k_stream_stride, std::memory_order_release);
+  }
+  live_streams_.emplace(s, next_stream_id_++);
   return s;
 }
 
 void sim_backend::destroy_stream(stream_handle stream) {
   std::lock_guard lock(mu_);
-  if (live_streams_.erase(stream) == 0) {
+  auto it = live_streams_.find(stream);
+  if (it == live_streams_.end()) {
     throw cuda_error(
         "sim destroy_stream", k_sim_invalid_resource_handle,
         fmt::format("stream {} {}", static_cast<const void*>(stream),
                     destroyed_streams_.contains(stream) ? "has been destroyed already"
                                                         : "was not created by this device"));
   }
-  destroyed_streams_.insert(stream);
+  if (captures_.contains(stream)) {
+    throw cuda_error("sim destroy_stream", k_sim_capture_unsupported,
+                     fmt::format("stream {} captures", static_cast<const void*>(stream)));
+  }
+  destroyed_streams_.emplace(stream, it->second);
+  live_streams_.erase(it);
+  reusable_handles_.push_back(stream);
+}
+
+std::uint64_t sim_backend::stream_id(stream_handle stream) {
+  const auto v = reinterpret_cast<std::uintptr_t>(stream);
+  // Handles the sim never created need no lookup (the benchmarks' and most tests' streams).
+  if ((v < k_stream_base || v >= next_stream_.load(std::memory_order_acquire)) &&
+      query_fast(sim_call::stream_id)) {
+    return stream == nullptr ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
+  }
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::stream_id)) fail(sim_call::stream_id, "injected failure");
+  require_live_stream(sim_call::stream_id, stream);
+  return id_of_locked(stream);
+}
+
+capture_info sim_backend::capture_status(stream_handle stream) {
+  const auto v = reinterpret_cast<std::uintptr_t>(stream);
+  const bool created = v >= k_stream_base && v < next_stream_.load(std::memory_order_acquire);
+  if (!created && capturing_.load(std::memory_order_acquire) == 0 &&
+      query_fast(sim_call::capture_status)) {
+    return {};
+  }
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::capture_status)) fail(sim_call::capture_status, "injected failure");
+  require_live_stream(sim_call::capture_status, stream);
+  auto it = stream != nullptr ? captures_.find(stream) : captures_.end();
+  if (it == captures_.end()) return {};
+  return {it->second.invalidated ? capture_state::invalidated : capture_state::active,
+          it->second.id};
+}
+
+capture_mode sim_backend::exchange_capture_mode(capture_mode mode) {
+  if (!query_fast(sim_call::exchange_capture_mode)) {
+    std::lock_guard lock(mu_);
+    if (should_fail(sim_call::exchange_capture_mode)) {
+      fail(sim_call::exchange_capture_mode, "injected failure");
+    }
+  }
+  return std::exchange(t_capture_mode, mode);
+}
+
+std::uint64_t sim_backend::begin_capture(stream_handle stream, capture_mode mode) {
+  std::lock_guard lock(mu_);
+  if (stream == nullptr) {
+    throw cuda_error("sim begin_capture", k_sim_invalid_value,
+                     "the legacy default stream cannot be captured");
+  }
+  if (destroyed_streams_.contains(stream)) {
+    throw cuda_error("sim begin_capture", k_sim_invalid_resource_handle,
+                     fmt::format("stream {} has been destroyed", static_cast<void*>(stream)));
+  }
+  if (captures_.contains(stream)) {
+    throw cuda_error("sim begin_capture", k_sim_capture_unsupported,
+                     fmt::format("stream {} captures already", static_cast<void*>(stream)));
+  }
+  const std::uint64_t id = next_capture_id_++;
+  captures_.emplace(stream, capture_rec{id, mode, std::this_thread::get_id(), false});
+  capturing_.store(captures_.size(), std::memory_order_release);
+  return id;
+}
+
+std::uint64_t sim_backend::end_capture(stream_handle stream) {
+  std::lock_guard lock(mu_);
+  auto it = captures_.find(stream);
+  if (it == captures_.end()) {
+    throw cuda_error("sim end_capture", k_sim_invalid_value,
+                     fmt::format("stream {} does not capture", static_cast<void*>(stream)));
+  }
+  const capture_rec c = it->second;
+  if (c.mode != capture_mode::relaxed && c.thread != std::this_thread::get_id()) {
+    throw cuda_error("sim end_capture", k_sim_capture_wrong_thread,
+                     fmt::format("capture {} was begun on another thread", c.id));
+  }
+  captures_.erase(it);
+  capturing_.store(captures_.size(), std::memory_order_release);
+  if (c.invalidated) {
+    throw cuda_error("sim end_capture", k_sim_capture_invalidated,
+                     fmt::format("capture {} was invalidated by an illegal call", c.id));
+  }
+  return c.id;
+}
+
+std::uint64_t sim_backend::capture_violations() const {
+  std::lock_guard lock(mu_);
+  return capture_violations_;
+}
+
+std::size_t sim_backend::active_captures() const {
+  std::lock_guard lock(mu_);
+  return captures_.size();
 }
 
 bool sim_backend::stream_destroyed(stream_handle stream) const {
@@ -430,15 +642,26 @@ std::uint64_t sim_backend::destroyed_stream_calls() const {
 }
 
 void sim_backend::complete_stream(stream_handle stream) {
+  std::uint64_t id = 0;
+  {
+    std::lock_guard lock(mu_);
+    id = id_of_locked(stream);
+  }
+  complete_stream_id(id);
+}
+
+void sim_backend::complete_stream_id(std::uint64_t id) {
   std::lock_guard lock(mu_);
-  for (auto& [id, ev] : events_) {
-    if (ev.recorded && ev.stream == stream) ev.complete = true;
+  for (auto& [e, ev] : events_) {
+    if (ev.recorded && !ev.captured && ev.stream == id) ev.complete = true;
   }
 }
 
 void sim_backend::complete_all() {
   std::lock_guard lock(mu_);
-  for (auto& [id, ev] : events_) ev.complete = true;
+  for (auto& [id, ev] : events_) {
+    if (!ev.captured) ev.complete = true;
+  }
 }
 
 std::size_t sim_backend::pending_events() const {
@@ -449,12 +672,20 @@ std::size_t sim_backend::pending_events() const {
 
 void sim_backend::fail_nth(sim_call kind, std::uint64_t n) {
   std::lock_guard lock(mu_);
+  if (n != 0 && (kind == sim_call::stream_id || kind == sim_call::capture_status ||
+                 kind == sim_call::exchange_capture_mode)) {
+    query_faults_.store(true, std::memory_order_release);
+  }
   const auto k = static_cast<std::size_t>(kind);
-  fail_at_[k] = n == 0 ? 0 : calls_[k] + n;
+  fail_at_[k] = n == 0 ? 0 : calls_[k].load(std::memory_order_relaxed) + n;
 }
 
 void sim_backend::fail_always(sim_call kind, bool enabled) {
   std::lock_guard lock(mu_);
+  if (enabled && (kind == sim_call::stream_id || kind == sim_call::capture_status ||
+                  kind == sim_call::exchange_capture_mode)) {
+    query_faults_.store(true, std::memory_order_release);
+  }
   fail_always_[static_cast<std::size_t>(kind)] = enabled;
 }
 
@@ -464,8 +695,7 @@ void sim_backend::set_capacity(std::size_t bytes) {
 }
 
 std::uint64_t sim_backend::calls(sim_call kind) const {
-  std::lock_guard lock(mu_);
-  return calls_[static_cast<std::size_t>(kind)];
+  return calls_[static_cast<std::size_t>(kind)].load(std::memory_order_relaxed);
 }
 
 std::size_t sim_backend::used_bytes() const {

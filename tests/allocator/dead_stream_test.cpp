@@ -79,7 +79,8 @@ TEST_P(DeadStream, RecordStreamOnAStreamDestroyedAfterTheFree) {
 TEST_P(DeadStream, RecordStreamOnAStreamDestroyedBeforeTheFree) {
   // The caller broke the record_stream contract (the stream must outlive the free): the event
   // cannot be recorded, and the fallback waits device-wide instead of naming the dead stream
-  // again. Only the record itself reaches the dead stream.
+  // again. Only the capture query before the record, and the record itself, reach the dead
+  // stream.
   sim_allocator a(cfg());
   const stream_handle owner = a.sim->create_stream();
   const stream_handle user = a.sim->create_stream();
@@ -88,7 +89,7 @@ TEST_P(DeadStream, RecordStreamOnAStreamDestroyedBeforeTheFree) {
   a.sim->destroy_stream(user);
   const auto syncs = a.sim->calls(sim_call::device_synchronize);
   EXPECT_NO_THROW(a.alloc.deallocate(p));
-  EXPECT_EQ(a.sim->destroyed_stream_calls(), 1u);  // the event_record
+  EXPECT_EQ(a.sim->destroyed_stream_calls(), 2u);  // capture_status, event_record
   EXPECT_EQ(a.sim->calls(sim_call::device_synchronize), syncs + 1);
   EXPECT_EQ(a.stats().events_pending, 0u);
   EXPECT_EQ(a.stats().active_bytes[0].current, 0);

@@ -17,6 +17,7 @@
 #include "api/registry.hpp"
 #include "cucache/cucache.hpp"
 #include "cucache/cuda_backend.hpp"
+#include "cucache/sim_backend.hpp"
 
 extern "C" int cucache_c_header_check(void);
 
@@ -129,8 +130,7 @@ TEST_F(CApi, HugeSizesAreMemoryAllocationErrorsWithNothingChangedInEveryModeAndC
                               "garbage_collection_threshold:0.5,memory_fraction:0.5",
                               "memory_limit:1GiB,roundup_power2_divisions:4",
                               "trace:" + trace + ",roundup_power2_divisions:4"};
-  for (const char* mode :
-       {"", "expandable_segments:True"}) {
+  for (const char* mode : {"", "expandable_segments:True"}) {
     for (const std::string& key : keys) {
       std::string conf = mode;
       if (!key.empty()) conf += (conf.empty() ? "" : ",") + key;
@@ -413,6 +413,34 @@ TEST_F(CApi, LastErrorMessageIsPerThreadAndSticky) {
   std::thread([&] { other = cucacheGetLastErrorMessage(); }).join();
   EXPECT_EQ(other, "");  // another thread's failure is not this one's
   EXPECT_EQ(cucacheFree(p), cudaSuccess);
+}
+
+TEST_F(CApi, AGraphCaptureThroughTheCApi) {
+  // A program on the raw CUDA graph API: capture, allocate and free through cucache, end the
+  // capture, tell cucache, release the pool when the graph is gone.
+  auto* sim = dynamic_cast<cucache::sim_backend*>(&cucache::get(0).backend());
+  ASSERT_NE(sim, nullptr);
+  auto* s = static_cast<cudaStream_t>(sim->create_stream());
+  void* cached = nullptr;
+  ASSERT_EQ(cucacheMallocAsync(&cached, k_mib, s), cudaSuccess);
+  ASSERT_EQ(cucacheFreeAsync(cached, s), cudaSuccess);
+  const unsigned long long id = sim->begin_capture(s);
+  void* g = nullptr;
+  ASSERT_EQ(cucacheMallocAsync(&g, k_mib, s), cudaSuccess) << message();
+  EXPECT_NE(g, cached);
+  EXPECT_EQ(cucacheFreeAsync(g, s), cudaSuccess);
+  EXPECT_EQ(cucacheEmptyCache(), cudaErrorStreamCaptureUnsupported);
+  EXPECT_NE(message().find("graph capture"), std::string::npos) << message();
+  EXPECT_EQ(sim->end_capture(s), id);
+  EXPECT_EQ(cucacheGraphCaptureEnded(id), cudaSuccess) << message();
+  EXPECT_EQ(cucacheGraphCaptureEnded(id), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheEmptyCache(), cudaSuccess) << message();
+  EXPECT_EQ(stats().reservedBytes, 2 * k_mib);  // the graph's pool: kept until released
+  EXPECT_EQ(cucacheGraphPoolRelease(id), cudaSuccess) << message();
+  EXPECT_EQ(cucacheGraphPoolRelease(id), cudaErrorInvalidValue);
+  EXPECT_EQ(stats().reservedBytes, 0u);
+  EXPECT_EQ(sim->capture_violations(), 0u);
+  sim->destroy_stream(s);
 }
 
 TEST_F(CApi, TemplateOverloadsTakeTypedPointers) {

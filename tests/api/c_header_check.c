@@ -16,6 +16,8 @@ static cudaError_t (*const k_stats)(int, cucacheStats*) = cucacheGetStats;
 static cudaError_t (*const k_reset_peak)(int) = cucacheResetPeakStats;
 static size_t (*const k_summary)(int, char*, size_t) = cucacheMemorySummary;
 static const char* (*const k_message)(void) = cucacheGetLastErrorMessage;
+static cudaError_t (*const k_capture_ended)(unsigned long long) = cucacheGraphCaptureEnded;
+static cudaError_t (*const k_pool_release)(unsigned long long) = cucacheGraphPoolRelease;
 
 /* Returns 0 when every step behaves, else the number of the first step that did not. */
 int cucache_c_header_check(void) {
@@ -44,5 +46,7 @@ int cucache_c_header_check(void) {
   if (k_summary(0, text, sizeof text) <= sizeof text) return 14;
   if (strlen(text) != sizeof text - 1) return 15;
   if (k_stats(0, &stats) != cudaSuccess || stats.allocationCount != 0) return 16;
+  if (k_capture_ended(12345) != cudaErrorInvalidValue) return 17; /* no such capture */
+  if (k_pool_release(12345) != cudaErrorInvalidValue) return 18;
   return 0;
 }

@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <thread>
+
 #include <string>
 
 #include "cucache/errors.hpp"
@@ -138,7 +141,15 @@ TEST(SimBackend, DestroyedStreamsAreRejectedAsTheDriverDoes) {
     s.stream_synchronize(fake);
     s.stream_wait_event(fake, e);
   }
-  EXPECT_NE(s.create_stream(), a);  // a destroyed handle is never handed out again
+  // As the runtime does, the next stream gets the destroyed handle value back -- with a new id --
+  // and is alive; the dead stream's id stays dead.
+  const std::uint64_t dead_id = 1;  // a's
+  const stream_handle c = s.create_stream();
+  EXPECT_EQ(c, a);
+  EXPECT_FALSE(s.stream_destroyed(c));
+  EXPECT_EQ(s.stream_id(c), 3u);  // a was 1, b 2
+  EXPECT_NE(s.stream_id(c), dead_id);
+  EXPECT_NO_THROW(s.stream_synchronize(c));
   s.event_destroy(e);
 }
 
@@ -176,6 +187,129 @@ TEST(SimBackend, HostMemoryFollowsMappings) {
   EXPECT_EQ(s.host_view(va, 1), nullptr);
   s.map(static_cast<char*>(va) + 4 * MiB, 2 * MiB, *ph);
   EXPECT_EQ(s.host_view(static_cast<char*>(va) + 4 * MiB, 6)[5], std::byte{9});
+}
+
+// --- stream ids and graph capture ------------------------------------------------------------
+
+int code_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const cuda_error& e) {
+    return e.code();
+  }
+  return 0;
+}
+
+TEST(SimStreams, IdsAreNeverReusedThoughHandlesAre) {
+  sim_backend s;
+  const stream_handle a = s.create_stream();
+  EXPECT_EQ(s.stream_id(a), 1u);
+  s.destroy_stream(a);
+  EXPECT_EQ(code_of([&] { (void)s.stream_id(a); }), k_sim_invalid_resource_handle);
+  const stream_handle b = s.create_stream();
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(s.stream_id(b), 2u);
+  EXPECT_EQ(s.stream_id(nullptr), k_sim_legacy_stream_id);
+  EXPECT_EQ(s.stream_id(reinterpret_cast<stream_handle>(0x5000)),
+            (std::uint64_t{1} << 62) | 0x5000);
+  // Work of the dead stream and of the new one are told apart.
+  const event_handle old_work = s.event_create();
+  const event_handle new_work = s.event_create();
+  s.destroy_stream(b);
+  const stream_handle c = s.create_stream();  // id 3, handle a again
+  s.event_record(new_work, c);
+  s.complete_stream(c);
+  EXPECT_TRUE(s.event_query(new_work));
+  s.event_destroy(old_work);
+  s.event_destroy(new_work);
+  sim_options o;
+  o.reuse_stream_handles = false;
+  sim_backend t(o);
+  const stream_handle x = t.create_stream();
+  t.destroy_stream(x);
+  EXPECT_NE(t.create_stream(), x);
+}
+
+TEST(SimCapture, GlobalModeRefusesUnsafeCallsFromEveryThreadAndInvalidates) {
+  sim_backend s;
+  const stream_handle cap = s.create_stream();
+  const std::uint64_t id = s.begin_capture(cap);
+  EXPECT_EQ(id, 1u);
+  EXPECT_EQ(s.capture_status(cap).state, capture_state::active);
+  EXPECT_EQ(s.capture_status(cap).id, id);
+  EXPECT_EQ(s.capture_status(nullptr).state, capture_state::none);
+  int other_thread = 0;
+  std::thread([&] { other_thread = code_of([&] { (void)s.segment_malloc(2 * MiB); }); }).join();
+  EXPECT_EQ(other_thread, k_sim_capture_unsupported);
+  EXPECT_EQ(s.capture_status(cap).state, capture_state::invalidated);
+  EXPECT_EQ(s.capture_violations(), 1u);
+  EXPECT_EQ(code_of([&] { (void)s.end_capture(cap); }), k_sim_capture_invalidated);
+  EXPECT_EQ(s.capture_status(cap).state, capture_state::none);
+  EXPECT_NE(s.segment_malloc(2 * MiB), nullptr);  // no capture: legal again
+}
+
+TEST(SimCapture, RelaxedModePermitsUnsafeCallsButNotConflictingOnes) {
+  sim_backend s;
+  const stream_handle cap = s.create_stream();
+  const stream_handle other = s.create_stream();
+  const event_handle outside = s.event_create();
+  s.event_record(outside, other);
+  const event_handle inside = s.event_create();
+  (void)s.begin_capture(cap);
+  s.event_record(inside, cap);  // legal: a node of the graph
+  EXPECT_EQ(s.exchange_capture_mode(capture_mode::relaxed), capture_mode::global);
+  void* p = s.segment_malloc(2 * MiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_FALSE(s.event_query(outside));
+  EXPECT_NO_THROW(s.stream_synchronize(other));
+  EXPECT_EQ(s.capture_violations(), 0u);
+  // Conflicting in every mode: querying a captured event, synchronizing the capturing stream or
+  // the device, cudaFree.
+  EXPECT_EQ(code_of([&] { (void)s.event_query(inside); }), k_sim_capture_unsupported);
+  EXPECT_EQ(code_of([&] { s.segment_free(p); }), k_sim_capture_unsupported);
+  EXPECT_EQ(code_of([&] { s.device_synchronize(); }), k_sim_capture_unsupported);
+  EXPECT_EQ(code_of([&] { s.stream_synchronize(cap); }), k_sim_capture_unsupported);
+  EXPECT_EQ(s.capture_violations(), 4u);
+  EXPECT_EQ(s.exchange_capture_mode(capture_mode::global), capture_mode::relaxed);
+  EXPECT_EQ(code_of([&] { (void)s.end_capture(cap); }), k_sim_capture_invalidated);
+  s.segment_free(p);
+  // The captured record never completes: it is in the graph, not on the stream.
+  s.complete_all();
+  EXPECT_EQ(code_of([&] { (void)s.event_query(inside); }), k_sim_capture_unsupported);
+  s.event_record(inside, other);  // recorded again outside a capture: an ordinary event
+  s.complete_all();
+  EXPECT_TRUE(s.event_query(inside));
+  s.event_destroy(inside);
+  s.event_destroy(outside);
+}
+
+TEST(SimCapture, ThreadLocalAndRelaxedCapturesBindOnlyTheirOwnThread) {
+  sim_backend s;
+  const stream_handle cap = s.create_stream();
+  const std::uint64_t id = s.begin_capture(cap, capture_mode::thread_local_mode);
+  void* elsewhere = nullptr;
+  std::thread([&] { elsewhere = s.segment_malloc(2 * MiB); }).join();  // not bound
+  EXPECT_NE(elsewhere, nullptr);
+  EXPECT_EQ(s.capture_violations(), 0u);
+  // A capture that is not relaxed ends on the thread that began it.
+  int code = 0;
+  std::thread([&] { code = code_of([&] { (void)s.end_capture(cap); }); }).join();
+  EXPECT_EQ(code, k_sim_capture_wrong_thread);
+  EXPECT_EQ(s.active_captures(), 1u);
+  EXPECT_EQ(s.end_capture(cap), id);
+  // A relaxed capture forbids nothing, and ends on any thread.
+  const stream_handle relaxed = s.create_stream();
+  const std::uint64_t rid = s.begin_capture(relaxed, capture_mode::relaxed);
+  EXPECT_NE(s.segment_malloc(2 * MiB), nullptr);
+  std::uint64_t ended = 0;
+  std::thread([&] { ended = s.end_capture(relaxed); }).join();
+  EXPECT_EQ(ended, rid);
+  EXPECT_EQ(s.capture_violations(), 0u);
+  EXPECT_EQ(code_of([&] { (void)s.begin_capture(nullptr); }), 1);
+  (void)s.begin_capture(cap);
+  EXPECT_EQ(code_of([&] { s.destroy_stream(cap); }), k_sim_capture_unsupported);
+  EXPECT_EQ(code_of([&] { (void)s.begin_capture(cap); }), k_sim_capture_unsupported);
+  (void)s.end_capture(cap);
 }
 
 }  // namespace

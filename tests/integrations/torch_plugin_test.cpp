@@ -213,4 +213,45 @@ TEST(TorchPlugin, MemoryFractionOnlyBeforeFirstUse) {
   cucache_torch_free(p, 10 * MiB, dev, stream(0));
 }
 
+TEST(TorchPlugin, GraphPoolHooksRouteReleaseAndFreeTheFiltersContext) {
+  // What torch.cuda.graph does through the hooks library: begin (with torch's capture filter),
+  // allocations on the capture's stream, end, and release when the graph goes. Here the filter
+  // takes one stream by handle (torch's use_mem_pool); the capture rules are tested in
+  // tests/allocator/graph_capture_test.cpp.
+  const int dev = 13;
+  static int freed = 0;
+  static int asked = 0;
+  int token = 0;
+  const auto filter = [](void* ctx, cucache_torch_stream s) -> int {
+    ++asked;
+    return ctx != nullptr && s == stream(0x77) ? 1 : 0;
+  };
+  ASSERT_EQ(cucache_torch_begin_allocate_to_pool(dev, 5, 0, filter, &token, [](void*) { ++freed; }),
+            0)
+      << cucache_torch_last_error();
+  void* routed = cucache_torch_alloc(2 * MiB, dev, stream(0x77));
+  void* own = cucache_torch_alloc(2 * MiB, dev, stream(0x78));
+  ASSERT_TRUE(routed && own);
+  EXPECT_GE(asked, 2);
+  cucache_torch_free(routed, 2 * MiB, dev, stream(0x77));
+  cucache_torch_free(own, 2 * MiB, dev, stream(0x78));
+  // Routed twice: refused (the second context is freed all the same).
+  EXPECT_EQ(cucache_torch_begin_allocate_to_pool(dev, 5, 0, filter, &token, [](void*) { ++freed; }),
+            -1);
+  EXPECT_EQ(freed, 1);
+  EXPECT_EQ(cucache_torch_end_allocate_to_pool(dev, 5, 0), 0) << cucache_torch_last_error();
+  EXPECT_EQ(freed, 2);  // the route's filter is gone
+  EXPECT_EQ(cucache_torch_end_allocate_to_pool(dev, 5, 0), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("nothing allocates"), std::string::npos);
+  // The pool keeps its 20 MiB segment until it is released; then empty_cache gives all back.
+  EXPECT_EQ(stats(dev).reserved_bytes[0].current, static_cast<int64_t>(40 * MiB));
+  EXPECT_EQ(cucache_torch_release_pool(dev, 5, 0), 0) << cucache_torch_last_error();
+  EXPECT_EQ(stats(dev).reserved_bytes[0].current, static_cast<int64_t>(20 * MiB));
+  EXPECT_EQ(cucache_torch_release_pool(dev, 6, 0), 0);  // a pool cucache never saw: nothing
+  EXPECT_EQ(cucache_torch_begin_allocate_to_pool(dev, 0, 0, filter, nullptr, nullptr), -1);
+  EXPECT_EQ(cucache_torch_begin_allocate_to_pool(dev, 7, 0, nullptr, nullptr, nullptr), -1);
+  EXPECT_EQ(cucache_torch_empty_cache(), 0);
+  EXPECT_EQ(stats(dev).reserved_bytes[0].current, 0);
+}
+
 }  // namespace

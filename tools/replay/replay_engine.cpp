@@ -92,6 +92,15 @@ class counting_backend final : public device_backend {
   }
   void stream_synchronize(stream_handle stream) override { inner_->stream_synchronize(stream); }
   void device_synchronize() override { inner_->device_synchronize(); }
+  [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override {
+    return inner_->stream_id(stream);
+  }
+  [[nodiscard]] capture_info capture_status(stream_handle stream) override {
+    return inner_->capture_status(stream);
+  }
+  capture_mode exchange_capture_mode(capture_mode mode) override {
+    return inner_->exchange_capture_mode(mode);
+  }
   [[nodiscard]] memory_info mem_get_info() override { return inner_->mem_get_info(); }
 
  private:

@@ -84,6 +84,25 @@ CUCACHE_TORCH_API int cucache_torch_reset_accumulated_stats(int device);
  * memory_fraction. Only before the device's first allocation (the cap is part of the allocator's
  * config): 0, or -1 when the device is in use already or the fraction is not in (0, 1]. */
 CUCACHE_TORCH_API int cucache_torch_set_memory_fraction(int device, double fraction);
+/* CUDA graph pools (PyTorch's MempoolId_t is the pair {first, second}; docs/design.md, "Graph
+ * capture"). A capture's allocations come from a private pool that only allocations routed to it
+ * ever get, until it is released. The filter decides which streams' allocations are routed (it is
+ * called with cucache's locks held and must not call cucache); ctx is passed to it and, when the
+ * route ends, to ctx_free (either may be NULL). Each returns 0, or -1 with the reason in
+ * cucache_torch_last_error(). */
+typedef int (*cucache_torch_stream_filter)(void* ctx, cucache_torch_stream stream);
+/* beginAllocateToPool: routes `device`'s allocations accepted by filter to the pool, creating it
+ * or adding an owner. */
+CUCACHE_TORCH_API int cucache_torch_begin_allocate_to_pool(int device, uint64_t first,
+                                                           uint64_t second,
+                                                           cucache_torch_stream_filter filter,
+                                                           void* ctx, void (*ctx_free)(void*));
+/* endAllocateToPool: ends the route (the capture has ended). */
+CUCACHE_TORCH_API int cucache_torch_end_allocate_to_pool(int device, uint64_t first,
+                                                         uint64_t second);
+/* releasePool: drops an owner; with the last, the pool's memory goes back after a device
+ * synchronization (at once, or when no capture is underway). A pool cucache never saw: 0. */
+CUCACHE_TORCH_API int cucache_torch_release_pool(int device, uint64_t first, uint64_t second);
 /* Fills *out with the statistics of `device` (all zero for a device not used yet). 0, or -1. */
 CUCACHE_TORCH_API int cucache_torch_get_stats(int device, cucache_torch_stats* out);
 /* sizeof(cucache_torch_stats), for bindings to check their copy of the layout. */

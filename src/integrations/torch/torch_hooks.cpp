@@ -6,6 +6,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -101,8 +102,27 @@ int cucache_torch_hooks_install(void) {
       TORCH_CHECK(cucache_torch_set_memory_fraction(device, fraction) == 0,
                   cucache_torch_last_error());
     });
-    // CUDA graph pools (begin/end_allocate_to_pool, release_pool) are left unset: cucache has no
-    // private pools, and docs/torch.md says graphs are not supported.
+    // CUDA graph pools: torch.cuda.graph and torch.compile's "reduce-overhead" route a capture's
+    // allocations to a private pool (docs/design.md, "Graph capture").
+    a->set_begin_allocate_to_pool(
+        [](int device, c10::cuda::MempoolId_t pool, std::function<bool(cudaStream_t)> filter) {
+          auto* ctx = new std::function<bool(cudaStream_t)>(std::move(filter));
+          const int rc = cucache_torch_begin_allocate_to_pool(
+              device, pool.first, pool.second,
+              [](void* c, cucache_torch_stream s) {
+                return (*static_cast<std::function<bool(cudaStream_t)>*>(c))(s) ? 1 : 0;
+              },
+              ctx, [](void* c) { delete static_cast<std::function<bool(cudaStream_t)>*>(c); });
+          TORCH_CHECK(rc == 0, cucache_torch_last_error());
+        });
+    a->set_end_allocate_to_pool_fn([](int device, c10::cuda::MempoolId_t pool) {
+      TORCH_CHECK(cucache_torch_end_allocate_to_pool(device, pool.first, pool.second) == 0,
+                  cucache_torch_last_error());
+    });
+    a->set_release_pool([](int device, c10::cuda::MempoolId_t pool) {
+      TORCH_CHECK(cucache_torch_release_pool(device, pool.first, pool.second) == 0,
+                  cucache_torch_last_error());
+    });
     a->init(0);
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     return 0;

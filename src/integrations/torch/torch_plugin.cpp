@@ -174,6 +174,39 @@ int cucache_torch_set_memory_fraction(int device, double fraction) {
                  [&] { registry::instance().set_memory_fraction(device, fraction); });
 }
 
+int cucache_torch_begin_allocate_to_pool(int device, uint64_t first, uint64_t second,
+                                         cucache_torch_stream_filter filter, void* ctx,
+                                         void (*ctx_free)(void*)) {
+  // ctx belongs to the route from here on, whatever happens: freed when the filter is dropped.
+  std::shared_ptr<void> owned(ctx, [ctx_free](void* c) {
+    if (ctx_free != nullptr) ctx_free(c);
+  });
+  return guarded("begin_allocate_to_pool", [&] {
+    if (filter == nullptr) throw invalid_argument("filter is NULL");
+    registry& r = registry::instance();
+    r.allocator(device).begin_allocate_to_pool(
+        graph_pool_id{first, second}, [filter, owned](stream_handle stream) {
+          return filter(owned.get(), static_cast<cucache_torch_stream>(stream)) != 0;
+        });
+  });
+}
+
+int cucache_torch_end_allocate_to_pool(int device, uint64_t first, uint64_t second) {
+  return guarded("end_allocate_to_pool", [&] {
+    registry::instance().allocator(device).end_allocate_to_pool(graph_pool_id{first, second});
+  });
+}
+
+int cucache_torch_release_pool(int device, uint64_t first, uint64_t second) {
+  return guarded("release_pool", [&] {
+    // torch releases MemPools that never allocated (their creation is not forwarded to a
+    // pluggable allocator): nothing to do for a pool cucache never saw.
+    device_allocator& a = registry::instance().allocator(device);
+    const graph_pool_id pool{first, second};
+    if (a.graph_pool_state(pool).exists) a.release_graph_pool(pool);
+  });
+}
+
 int cucache_torch_get_stats(int device, cucache_torch_stats* out) {
   return guarded("get_stats", [&] {
     if (out == nullptr) throw invalid_argument("out is NULL");
