@@ -88,6 +88,21 @@ struct device_allocator::impl {
   [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
     return stream == nullptr ? detail::k_legacy_stream_key : raw->stream_id(stream);
   }
+  /// stream_key for a stream that may be capturing: cudaStreamGetId is refused during a
+  /// global-mode capture (and would invalidate it), so the id is asked in relaxed mode.
+  [[nodiscard]] std::uint64_t stream_key_while_capturing(stream_handle stream) const {
+    if (stream == nullptr) return detail::k_legacy_stream_key;
+    const capture_mode previous = raw->exchange_capture_mode(capture_mode::relaxed);
+    std::uint64_t key = 0;
+    try {
+      key = raw->stream_id(stream);
+    } catch (...) {
+      static_cast<void>(raw->exchange_capture_mode(previous));
+      throw;
+    }
+    static_cast<void>(raw->exchange_capture_mode(previous));
+    return key;
+  }
   /// True when `stream`, named by the caller, is the stream p serves (handles equal, and for the
   /// per-thread handle the ids too). A destroyed stream's pool is never confused with a live one
   /// on the allocation path (keys differ); here equal handles of different streams can only mean

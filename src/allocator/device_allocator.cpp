@@ -502,7 +502,7 @@ stream_pool* device_allocator::impl::graph_part_for(stream_handle stream, captur
                     "graph can never run, and cucache allocates nothing for it (end the capture)",
                     fmt::ptr(stream)));
   }
-  const std::uint64_t key = stream_key(stream);
+  const std::uint64_t key = stream_key_while_capturing(stream);
   detail::graph_pool* g = nullptr;
   {
     std::lock_guard lock(graph_mu_);
@@ -767,7 +767,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
       std::uint64_t key = 0;
       try {
         cap = raw->capture_status(s);
-        if (cap.state != capture_state::none) key = stream_key(s);
+        if (cap.state != capture_state::none) key = stream_key_while_capturing(s);
       } catch (...) {
         cap = {};  // the stream is gone: the record below fails and the fallback waits
       }
