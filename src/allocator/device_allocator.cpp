@@ -502,12 +502,15 @@ stream_pool* device_allocator::impl::graph_part_for(stream_handle stream, captur
                     "graph can never run, and cucache allocates nothing for it (end the capture)",
                     fmt::ptr(stream)));
   }
-  const std::uint64_t key = stream_key_while_capturing(stream);
+  // A capturing stream's part is keyed by its capture key (its id cannot be asked); a stream
+  // routed to a graph pool outside a capture by its id, as everywhere else.
+  const std::uint64_t ckey = capture_key(stream);
+  const std::uint64_t key = cap.state == capture_state::active ? ckey : stream_key(stream);
   detail::graph_pool* g = nullptr;
   {
     std::lock_guard lock(graph_mu_);
     if (cap.state == capture_state::active) {
-      g = capture_pool_locked(stream, key, cap);
+      g = capture_pool_locked(stream, ckey, cap);
     } else {
       for (detail::graph_route& r : routes) {
         if (r.filter(stream)) {
@@ -516,7 +519,7 @@ stream_pool* device_allocator::impl::graph_part_for(stream_handle stream, captur
         }
       }
       // Not capturing now: a capture cucache noted on this stream has ended.
-      if (std::erase_if(captures, [&](const auto& c) { return c.stream_key == key; }) != 0) {
+      if (std::erase_if(captures, [&](const auto& c) { return c.stream_key == ckey; }) != 0) {
         update_blockers_locked();
       }
     }
@@ -722,7 +725,9 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   detail::graph_pool* own_capture = nullptr;
   if (captures_n.load(std::memory_order_acquire) != 0 && p.graph == nullptr) [[unlikely]] {
     std::lock_guard lock(graph_mu_);
-    own_capture = known_capture_locked(p.key);
+    // By handle: captures are known by their streams' capture keys. A stale handle (p's stream
+    // destroyed, its value now a capturing stream's) only retains a block longer than needed.
+    own_capture = known_capture_locked(capture_key(p.stream));
     if (own_capture != nullptr && b->uses == nullptr) {
       try {
         b->uses = new detail::stream_uses;
@@ -767,7 +772,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
       std::uint64_t key = 0;
       try {
         cap = raw->capture_status(s);
-        if (cap.state != capture_state::none) key = stream_key_while_capturing(s);
+        if (cap.state != capture_state::none) key = capture_key(s);
       } catch (...) {
         cap = {};  // the stream is gone: the record below fails and the fallback waits
       }
