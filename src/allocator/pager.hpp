@@ -92,6 +92,15 @@ class pager {
   /// and leaves no half-mapped run and no untracked handle.
   [[nodiscard]] bool back(stream_pool& p, const block* b);
 
+  /// Bytes that backing new pages could take without a new device allocation now or after the
+  /// out-of-memory ladder: the unmapped handles kept for reuse and, when `with_idle` (the ladder
+  /// may unmap), the idle mappings of every pool (max_allocatable, headroom.cpp).
+  [[nodiscard]] std::size_t reclaimable_bytes(bool with_idle) const {
+    std::size_t n = with_idle ? idle_total_.load(std::memory_order_relaxed) : 0;
+    std::lock_guard lock(budget_.mu);
+    return n + free_handle_bytes;
+  }
+
   /// Unmaps every idle mapping of p: handles go to the reusable list, or are released.
   void unmap_idle(stream_pool& p, bool release);
   /// Releases unmapped handles, largest first, until reserved <= target.
@@ -101,6 +110,8 @@ class pager {
   std::multimap<std::size_t, phys_handle> free_handles;  // unmapped handles by size
   std::size_t free_handle_bytes = 0;
   pager_counters counters;
+  /// NVTX ranges around backing, page moves and reclaims (config nvtx:True); set before use.
+  bool nvtx = false;
 
  private:
   /// A piece of physical memory found for a run of pages.
