@@ -191,25 +191,41 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   }
   // Expandable: back the pages at the front of the large range's best fit, as a block there
   // would be placed, without carving one: the new mappings are idle from the start, cached
-  // memory that the first requests placed there use in place.
+  // memory that the first requests placed there use in place. One handle per page: a request
+  // that uses part of a larger idle mapping would release it whole (pager::split_overhang).
   segment* range = ensure_range(p, pool_kind::large);
-  const std::size_t want = (bytes + page_bytes - 1) / page_bytes * page_bytes;
-  block* hole = bytes > range->size ? nullptr : p.index_of(pool_kind::large).best_fit(want);
-  bool mapped = false;
-  if (hole != nullptr) {
-    block tmp;
-    tmp.addr = hole->addr;
-    tmp.size = want;
-    tmp.seg = range;
-    mapped = pager->back(p, &tmp);
+  const std::size_t want =
+      bytes > range->size ? 0 : (bytes + page_bytes - 1) / page_bytes * page_bytes;
+  block* hole = want == 0 ? nullptr : p.index_of(pool_kind::large).best_fit(want);
+  bool room = hole != nullptr;
+  if (room) {
+    // Nothing partial: refuse before mapping anything when the device or the limit lacks room.
+    const std::size_t device_free = backend->mem_get_info().free_bytes;
+    const std::size_t reclaimable = pager->reclaimable_bytes(!sync_blocked());
+    std::size_t reserved_now = 0;
+    {
+      std::lock_guard lock(grow_mu_);
+      reserved_now = reserved;
+    }
+    room = want <= device_free + reclaimable &&
+           (limit == 0 || reserved_now - reclaimable + want <= limit);
   }
-  if (!mapped) {
-    lk.unlock();
-    throw out_of_memory(fmt::format(
-        "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "
-        "room for {} bytes of pages (those mapped so far stay cached)",
-        bytes, backend->device(), backend->name(), want));
+  if (room) {
+    bool mapped = false;
+    try {
+      mapped = pager->map_idle_pages(p, *range->vm, hole->addr, want);
+    } catch (...) {
+      pager->unmap_idle(p, /*release=*/true);
+      throw;
+    }
+    if (mapped) return;
+    pager->unmap_idle(p, /*release=*/true);
   }
+  lk.unlock();
+  throw out_of_memory(fmt::format(
+      "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "
+      "room for {} bytes of pages",
+      bytes, backend->device(), backend->name(), want));
 }
 
 // --- public shell -----------------------------------------------------------------------------

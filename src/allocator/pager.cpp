@@ -511,6 +511,18 @@ bool pager::back(stream_pool& p, const block* b) {
   return true;
 }
 
+bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std::size_t bytes) {
+  const nvtx_range range(nvtx, "cucache: reserve pages");
+  for (std::size_t pg = r.page_of(addr); pg <= r.page_of(addr + bytes - 1); ++pg) {
+    if (r.page_map[pg] != nullptr) continue;
+    std::optional<piece> pc = take_unmapped(page_bytes_);  // only a one-page handle fits
+    if (!pc) pc = create(page_bytes_);
+    if (!pc) return false;
+    map(p, r, pg, *pc);
+  }
+  return true;
+}
+
 void pager::unmap_idle(stream_pool& p, bool release_handles) {
   while (p.idle_head != nullptr) {
     vm_mapping* m = p.idle_head;

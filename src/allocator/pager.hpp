@@ -101,6 +101,12 @@ class pager {
     return n + free_handle_bytes;
   }
 
+  /// reserve: maps every unmapped page of [addr, addr + bytes) of r with a handle of its own (an
+  /// unmapped one-page handle, else a new one), idle until a block touches it. False when the
+  /// device or the limit has no room (the pages mapped so far stay mapped, idle).
+  [[nodiscard]] bool map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr,
+                                    std::size_t bytes);
+
   /// Unmaps every idle mapping of p: handles go to the reusable list, or are released.
   void unmap_idle(stream_pool& p, bool release);
   /// Releases unmapped handles, largest first, until reserved <= target.
