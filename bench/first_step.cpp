@@ -57,12 +57,10 @@ int main(int argc, char** argv) {
     std::printf("%-44s %5s %13s %10s %12s\n", "setting", "step", "device allocs", "VM maps",
                 "host us");
     const std::string reserve = "reserve_mb:" + std::to_string(reserve_mb);
-    for (const std::string& conf :
-         {std::string(), reserve, std::string("expandable_segments:True"),
-          "expandable_segments:True," + reserve}) {
+    for (const std::string& conf : {std::string(), reserve, std::string("expandable_segments:True"),
+                                    "expandable_segments:True," + reserve}) {
       const auto t_create = clock_type::now();
-      cucache::device_allocator a(cucache::make_backend(kind, 0),
-                                  cucache::parse_config(conf));
+      cucache::device_allocator a(cucache::make_backend(kind, 0), cucache::parse_config(conf));
       const double create_us =
           std::chrono::duration<double, std::micro>(clock_type::now() - t_create).count();
       std::uint64_t allocs = a.stats().device_alloc_count;

@@ -51,7 +51,8 @@ int main() {
         state.push_back(cucache::make_unique_device<std::byte>(m.weight_bytes_per_layer));
       }
     }
-    const std::size_t state_bytes = 3 * static_cast<std::size_t>(m.layers) * m.weight_bytes_per_layer;
+    const std::size_t state_bytes =
+        3 * static_cast<std::size_t>(m.layers) * m.weight_bytes_per_layer;
 
     const std::size_t headroom = cucache::max_allocatable();
     const std::size_t per_sample =

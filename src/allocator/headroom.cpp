@@ -38,7 +38,7 @@ std::size_t device_allocator::impl::largest_request_within(std::size_t rounded) 
     return r && *r <= rounded;
   };
   if (!ok(1)) return 0;
-  std::size_t lo = 1;  // ok
+  std::size_t lo = 1;            // ok
   std::size_t hi = rounded + 1;  // round_size(n) >= n: not ok
   while (hi - lo > 1) {
     const std::size_t mid = lo + (hi - lo) / 2;
@@ -67,9 +67,9 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
     for (segment* s = own.segments; s != nullptr; s = s->next) {
       for (block* b = s->first; b != nullptr; b = b->next) {
         if (b->state != block_state::free) continue;
-        const std::size_t cap =
-            s->kind == pool_kind::small ? std::min(b->size, detail::k_small_request_max_bytes)
-                                        : b->size;
+        const std::size_t cap = s->kind == pool_kind::small
+                                    ? std::min(b->size, detail::k_small_request_max_bytes)
+                                    : b->size;
         const std::size_t n = largest_request_within(cap);
         if (n <= best) continue;
         const std::optional<std::size_t> r = policy.round_size(n);

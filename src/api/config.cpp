@@ -288,8 +288,8 @@ constexpr std::uint64_t k_max_reserve_mb = std::uint64_t{1} << 24;
 void parse_reserve(std::string_view key, std::string_view value, config& out) {
   const std::uint64_t mb = parse_uint(key, value);
   if (mb > k_max_reserve_mb) {
-    fail_value(key, value, fmt::format("more than {} MiB (16 TiB), which no device holds",
-                                       k_max_reserve_mb));
+    fail_value(key, value,
+               fmt::format("more than {} MiB (16 TiB), which no device holds", k_max_reserve_mb));
   }
   out.reserve_bytes = static_cast<std::size_t>(mb) << 20;
 }

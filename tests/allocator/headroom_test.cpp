@@ -81,7 +81,7 @@ TEST(MaxAllocatable, ACachedBlockInsideAPinnedSegmentIsTheLargest) {
 
 TEST(MaxAllocatable, RoomUnderTwentyMiBServesSmallOrOwnSegmentRequests) {
   sim_allocator a({}, capacity(24 * MiB));
-  void* p = a.alloc.allocate(20 * MiB);  // device: 4 MiB left
+  void* p = a.alloc.allocate(20 * MiB);                    // device: 4 MiB left
   EXPECT_EQ(a.alloc.max_allocatable(stream(2)), 1 * MiB);  // the small pool's 2 MiB segment
   expect_exact(a.alloc, stream(2), "small only");
   a.alloc.deallocate(p);

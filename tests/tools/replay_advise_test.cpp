@@ -95,7 +95,8 @@ TEST(replay_advise, capacity_ranks_what_fits_by_device_calls) {
                                                "expandable_segments:True,reserve_mb:2740"}));
   EXPECT_EQ(j["recommended_conf"], "reserve_mb:2740");
 
-  const cli_run none = run({"--advise", "--backend", "sim", "--capacity-gib", "2", k_resnet.string()});
+  const cli_run none =
+      run({"--advise", "--backend", "sim", "--capacity-gib", "2", k_resnet.string()});
   ASSERT_EQ(none.status, 0) << none.err;
   EXPECT_NE(none.out.find("recommended: none: no setting fits 2.000 GiB"), std::string::npos)
       << none.out;
@@ -120,8 +121,8 @@ TEST(replay_advise, bad_input_is_a_clear_error_naming_the_file_or_flag) {
   r = run({"--advise", "--backend", "sim", "/nonexistent/trace.csv.gz"});
   EXPECT_NE(r.status, 0);
   EXPECT_NE((r.err + r.out).find("/nonexistent/trace.csv.gz"), std::string::npos);
-  r = run({"--advise", "--backend", "sim", "--config", "expandable_segments:True",
-           k_resnet.string()});
+  r = run(
+      {"--advise", "--backend", "sim", "--config", "expandable_segments:True", k_resnet.string()});
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("--advise: --config"), std::string::npos) << r.err;
   r = run({"--advise", "--fit", "--backend", "sim", k_resnet.string()});

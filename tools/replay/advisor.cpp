@@ -69,8 +69,7 @@ std::vector<std::string> advice_candidates(const prepared_trace& trace) {
   };
   // reserve_mb: 90% of the peak requested bytes, in whole 2 MiB units (so that every limit the
   // bisection tries, none below the peak requested bytes, holds the reserve).
-  const std::size_t reserve_mb =
-      trace.summary.peak_requested_bytes / 10 * 9 / (2 * k_mib) * 2;
+  const std::size_t reserve_mb = trace.summary.peak_requested_bytes / 10 * 9 / (2 * k_mib) * 2;
   if (reserve_mb > 0) {
     c.push_back(fmt::format("reserve_mb:{}", reserve_mb));
     c.push_back(fmt::format("expandable_segments:True,reserve_mb:{}", reserve_mb));
@@ -145,10 +144,8 @@ nlohmann::json to_json(const advice& a) {
   nlohmann::json rows = nlohmann::json::array();
   for (std::size_t i = 0; i < a.rows.size(); ++i) {
     const advice_row& r = a.rows[i];
-    nlohmann::json j = {{"rank", i + 1},
-                        {"conf", r.conf},
-                        {"pytorch_option", r.pytorch_option},
-                        {"ok", r.ok}};
+    nlohmann::json j = {
+        {"rank", i + 1}, {"conf", r.conf}, {"pytorch_option", r.pytorch_option}, {"ok", r.ok}};
     if (r.ok) {
       j["min_capacity_bytes"] = r.min_capacity_bytes;
       j["peak_reserved_bytes"] = r.peak_reserved_bytes;

@@ -11,9 +11,9 @@
 #include <ostream>
 #include <sstream>
 
+#include "advisor.hpp"
 #include "cucache/backend_factory.hpp"
 #include "cucache/cuda_backend.hpp"
-#include "advisor.hpp"
 #include "cucache/errors.hpp"
 #include "peers.hpp"
 #include "replay_engine.hpp"
@@ -183,12 +183,14 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     if (advise) {
       if (!config_text.empty()) {
-        throw invalid_argument("--advise: --config is not taken (the advisor tries its own "
-                               "candidate settings)");
+        throw invalid_argument(
+            "--advise: --config is not taken (the advisor tries its own "
+            "candidate settings)");
       }
       if (peers_opt->count() > 0) {
-        throw invalid_argument("--advise: --peers is not taken (the advisor replays on the "
-                               "simulated device)");
+        throw invalid_argument(
+            "--advise: --peers is not taken (the advisor replays on the "
+            "simulated device)");
       }
       if (!backend_name.empty() && opts.backend != backend_kind::sim) {
         throw invalid_argument("--advise: replays on the simulated device only (--backend sim)");

@@ -157,7 +157,8 @@ int cucache_torch_max_allocatable(int device, size_t* out) {
 }
 
 int cucache_torch_reserve(int device, size_t bytes) {
-  return guarded("reserve", [&] { registry::instance().allocator(device).reserve(bytes, nullptr); });
+  return guarded("reserve",
+                 [&] { registry::instance().allocator(device).reserve(bytes, nullptr); });
 }
 
 int cucache_torch_reset_peak_stats(int device) {
