@@ -165,6 +165,19 @@ struct device_allocator::impl {
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                             std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk);
 
+  // --- headroom and reserve (headroom.cpp) ---
+  /// The largest request on `stream` that allocate would serve now (docs/api.md).
+  std::size_t max_allocatable(stream_handle stream);
+  /// Pre-creates `bytes` of cached free memory for `stream` (a segment, or mapped idle pages).
+  void reserve(std::size_t bytes, stream_handle stream);
+  /// The largest request n whose rounded size is at most `rounded` (0 when none).
+  [[nodiscard]] std::size_t largest_request_within(std::size_t rounded) const;
+  /// Would the out-of-memory ladder (release_free_segments) give segment s of pool p back?
+  [[nodiscard]] static bool ladder_may_release(const detail::stream_pool& p,
+                                               const detail::segment& s) noexcept {
+    return (p.graph == nullptr || p.graph->released) && s.whole_free();
+  }
+
   [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream);
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;

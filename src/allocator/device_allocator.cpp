@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "allocator/allocator_impl.hpp"
+#include "allocator/nvtx.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache {
@@ -75,6 +76,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
                               device_alloc_count, device_free_count},
         page_bytes, device_total, pools_mu_, pools);
     pager->set_synchronization_gate([this] { return !sync_blocked(); });
+    pager->nvtx = cfg.nvtx;
   }
 }
 
@@ -259,6 +261,7 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
   {
     std::lock_guard lock(grow_mu_);
     if (limit != 0 && reserved + bytes > limit) return nullptr;
+    const detail::nvtx_range range(cfg.nvtx, "cucache: cudaMalloc");
     ptr = backend->segment_malloc(bytes);
     if (ptr == nullptr) return nullptr;
     reserved += bytes;
@@ -317,6 +320,7 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   // every structure as it was.
   {
     std::lock_guard lock(grow_mu_);
+    const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
     backend->segment_free(reinterpret_cast<void*>(s->base));
     reserved -= s->size;
   }
@@ -415,9 +419,8 @@ void device_allocator::impl::release_free_segments(std::size_t target_reserved, 
   // replays on their addresses.
   std::vector<std::pair<stream_pool*, segment*>> victims;
   for (auto& p : pools) {
-    if (p->graph != nullptr && !p->graph->released) continue;
     for (segment* s = p->segments; s != nullptr; s = s->next) {
-      if (s->whole_free()) victims.emplace_back(p.get(), s);
+      if (ladder_may_release(*p, *s)) victims.emplace_back(p.get(), s);
     }
   }
   if (oldest_first) {
@@ -656,6 +659,7 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   // Out-of-memory ladder: wait for every pending free, release every whole free segment of every
   // pool (and what released graph pools hold), and retry once.
   retry_count.fetch_add(1, std::memory_order_relaxed);
+  const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
   lk.unlock();
   {
     auto all = lock_all();
@@ -945,7 +949,10 @@ graph_pool_info device_allocator::impl::graph_pool_state(graph_pool_id gid) cons
 
 device_allocator::device_allocator(std::shared_ptr<device_backend> backend, config cfg,
                                    std::shared_ptr<allocation_observer> observer)
-    : impl_(std::make_unique<impl>(std::move(backend), std::move(cfg), std::move(observer))) {}
+    : impl_(std::make_unique<impl>(std::move(backend), std::move(cfg), std::move(observer))) {
+  // reserve_mb: after the allocator is whole, so that a refusal destroys it cleanly.
+  if (impl_->cfg.reserve_bytes != 0) impl_->reserve(impl_->cfg.reserve_bytes, nullptr);
+}
 device_allocator::~device_allocator() = default;
 
 void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {

@@ -200,6 +200,26 @@ def main() -> int:
     mgr.reset()
     assert cucache.memory_stats(0)["reserved_bytes.all.current"] == 0
 
+    # --- headroom and reserve ---------------------------------------------------------------
+    n = cucache.max_allocatable()
+    assert isinstance(n, int) and n > 0, n
+    p = cucache.alloc(n, 0)  # exactly the headroom is served
+    cucache.free(p, n, 0)
+    assert cucache.max_allocatable(0) == n, (cucache.max_allocatable(0), n)
+    before = cucache.memory_stats()["reserved_bytes.all.current"]
+    cucache.empty_cache()
+    cucache.reserve(64 * MIB)
+    after = cucache.memory_stats()["reserved_bytes.all.current"]
+    assert after == cucache.memory_stats()["reserved_bytes.all.current"]
+    assert after >= 64 * MIB and after <= before + 64 * MIB, (before, after)
+    for bad, err in ((-1, ValueError), (1 << 60, RuntimeError)):
+        try:
+            cucache.reserve(bad)
+        except err:
+            pass
+        else:
+            raise AssertionError(f"cucache.reserve({bad}) was accepted")
+
     # --- torch: importable without torch; install() needs it -----------------------------------
     import cucache.torch as ct
 
