@@ -69,8 +69,8 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
                       r.base, pg, mp->used_pages, used, mp->idle));
     }
     if (!mp->accessible && !mp->idle) {
-      violated(fmt::format("range {:#x}: mapping at page {} is used but has no access", r.base,
-                           pg));
+      violated(
+          fmt::format("range {:#x}: mapping at page {} is used but has no access", r.base, pg));
     }
     idle_seen += mp->idle;
     reserved += static_cast<std::int64_t>(mp->pages * r.page_bytes);

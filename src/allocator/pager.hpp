@@ -169,8 +169,8 @@ class pager {
   /// Maps pc at first_page (no access yet) and adds the mapping to `batch`.
   void map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc,
            std::vector<vm_mapping*>& batch);
-  vm_mapping* record_mapping(stream_pool& p, vm_range& r, std::size_t first_page,
-                             std::size_t pages, phys_handle h);
+  vm_mapping* record_mapping(stream_pool& p, vm_range& r, std::size_t first_page, std::size_t pages,
+                             phys_handle h);
   void keep(phys_handle h, std::size_t bytes);
   void keep_locked(phys_handle h, std::size_t bytes);  // REQUIRES budget.mu
   void release(phys_handle h, std::size_t bytes);

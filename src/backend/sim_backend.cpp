@@ -720,8 +720,8 @@ std::size_t sim_backend::live_mappings() const {
 }
 std::size_t sim_backend::inaccessible_mappings() const {
   std::lock_guard lock(mu_);
-  return static_cast<std::size_t>(std::count_if(mappings_.begin(), mappings_.end(),
-                                                [](const auto& m) { return !m.second.accessible; }));
+  return static_cast<std::size_t>(std::count_if(
+      mappings_.begin(), mappings_.end(), [](const auto& m) { return !m.second.accessible; }));
 }
 bool sim_backend::accessible(const void* va, std::size_t bytes) const {
   std::lock_guard lock(mu_);

@@ -39,8 +39,8 @@ struct vm_range {
   std::uintptr_t base = 0;
   std::size_t size = 0;
   std::size_t page_bytes = 0;
-  pool_kind kind = pool_kind::large;    // the pool whose stats its mappings count in
-  std::vector<vm_mapping*> page_map;    // per page: the mapping backing it, or nullptr
+  pool_kind kind = pool_kind::large;  // the pool whose stats its mappings count in
+  std::vector<vm_mapping*> page_map;  // per page: the mapping backing it, or nullptr
   /// Per page: allocated or pending blocks whose first or last page it is (a block on one page
   /// counts once). A page is touched iff this is nonzero or a live block covers it strictly
   /// inside its span.

@@ -56,7 +56,7 @@ struct cucache_ops {
 /// 256 MiB, interpolated on log2 of the size between them, the end figure outside.
 double h200_us(const double (&at)[3], std::size_t bytes) {
   const double x = std::log2(static_cast<double>(std::max<std::size_t>(bytes, 1)) / (1 << 20));
-  if (x <= 1.0) return at[0];  // 2 MiB
+  if (x <= 1.0) return at[0];                                      // 2 MiB
   if (x <= 5.0) return at[0] + (at[1] - at[0]) * (x - 1.0) / 4.0;  // 32 MiB
   if (x <= 8.0) return at[1] + (at[2] - at[1]) * (x - 5.0) / 3.0;  // 256 MiB
   return at[2];
