@@ -192,6 +192,11 @@ class sim_backend final : public device_backend {
   [[nodiscard]] std::size_t live_handles() const;
   [[nodiscard]] std::size_t live_reservations() const;
   [[nodiscard]] std::size_t live_mappings() const;
+  /// Mappings no set_access has covered yet (the driver maps without access: a kernel touching
+  /// one faults).
+  [[nodiscard]] std::size_t inaccessible_mappings() const;
+  /// Whether every byte of [va, va + bytes) is mapped and covered by a set_access.
+  [[nodiscard]] bool accessible(const void* va, std::size_t bytes) const;
   /// Host memory behind [dev_ptr, dev_ptr + bytes); nullptr unless host_memory is on and the range
   /// lies in one segment or one mapping.
   [[nodiscard]] std::byte* host_view(const void* dev_ptr, std::size_t bytes);

@@ -19,23 +19,31 @@ namespace {
   throw std::logic_error("cucache invariant violated: " + what);
 }
 
-/// An expandable segment: page use counts equal a recount from the blocks, every touched page is
-/// mapped, every mapping is consistent with the page table, and idle means untouched.
+/// An expandable segment: edge use counts equal a recount from the blocks, every touched page is
+/// mapped, every mapping is consistent with the page table, idle means untouched, and a mapping
+/// without access is idle (back() grants access before a block is handed out).
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
                  std::int64_t& mappings, std::size_t& idle_seen, std::size_t& mapped_total) {
   const detail::vm_range& r = *s.vm;
+  std::vector<std::uint32_t> edge(r.page_map.size(), 0);
   std::vector<std::uint32_t> use(r.page_map.size(), 0);
   for (const block* b = s.first; b != nullptr; b = b->next) {
     if (b->state == block_state::free) continue;
-    for (std::size_t pg = r.page_of(b->addr); pg <= r.page_of(b->addr + b->size - 1); ++pg) {
-      ++use[pg];
-    }
+    const std::size_t first = r.page_of(b->addr);
+    const std::size_t last = r.page_of(b->addr + b->size - 1);
+    ++edge[first];
+    if (last != first) ++edge[last];
+    for (std::size_t pg = first; pg <= last; ++pg) ++use[pg];
   }
   std::size_t mapped_pages = 0;
   for (std::size_t pg = 0; pg < r.page_map.size(); ++pg) {
-    if (use[pg] != r.page_use[pg]) {
-      violated(fmt::format("range {:#x} page {}: use count {} but {} blocks touch it", r.base, pg,
-                           r.page_use[pg], use[pg]));
+    if (edge[pg] != r.edge_use[pg]) {
+      violated(fmt::format("range {:#x} page {}: edge count {} but {} blocks begin or end on it",
+                           r.base, pg, r.edge_use[pg], edge[pg]));
+    }
+    if (use[pg] > 1 && edge[pg] != use[pg]) {
+      violated(fmt::format("range {:#x} page {}: {} blocks touch it, not all at their edges",
+                           r.base, pg, use[pg]));
     }
     const detail::vm_mapping* mp = r.page_map[pg];
     if (use[pg] > 0 && mp == nullptr) {
@@ -59,6 +67,10 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
           fmt::format("range {:#x}: mapping at page {} counts {} used pages, recount {}, "
                       "idle {}",
                       r.base, pg, mp->used_pages, used, mp->idle));
+    }
+    if (!mp->accessible && !mp->idle) {
+      violated(
+          fmt::format("range {:#x}: mapping at page {} is used but has no access", r.base, pg));
     }
     idle_seen += mp->idle;
     reserved += static_cast<std::int64_t>(mp->pages * r.page_bytes);

@@ -124,8 +124,10 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
       const std::size_t first = vm.page_of(addr);
       const std::size_t last = vm.page_of(addr + bytes - 1);
       std::size_t pages = last - first + 1;
-      pages -= vm.page_use[first] > 0;
-      if (last > first) pages -= vm.page_use[last] > 0;
+      // A free hole's end pages are touched by another block only as that block's edge page (a
+      // page strictly inside a live block holds no part of a hole).
+      pages -= vm.edge_use[first] > 0;
+      if (last > first) pages -= vm.edge_use[last] > 0;
       return pages * page_bytes;
     };
     std::vector<block*> holes;

@@ -43,7 +43,8 @@ struct device_budget {
 struct pager_counters {
   std::atomic<std::uint64_t> create{0};          // cuMemCreate
   std::atomic<std::uint64_t> release{0};         // cuMemRelease
-  std::atomic<std::uint64_t> map{0};             // cuMemMap (+ cuMemSetAccess)
+  std::atomic<std::uint64_t> map{0};             // cuMemMap
+  std::atomic<std::uint64_t> set_access{0};      // cuMemSetAccess (one per run of new mappings)
   std::atomic<std::uint64_t> unmap{0};           // cuMemUnmap
   std::atomic<std::uint64_t> stitched_pages{0};  // idle pages moved to where a request needed them
   std::atomic<std::uint64_t> shared_pages{0};    // of those, pages taken from another pool
@@ -51,7 +52,7 @@ struct pager_counters {
   std::atomic<std::uint64_t> splits{0};  // idle mappings released because a block used them in part
   std::atomic<std::uint64_t> reclaims{0};  // times memory was short and idle memory was released
   void reset() noexcept {
-    for (auto* c : {&create, &release, &map, &unmap, &stitched_pages, &shared_pages,
+    for (auto* c : {&create, &release, &map, &set_access, &unmap, &stitched_pages, &shared_pages,
                     &synchronizations, &splits, &reclaims}) {
       c->store(0, std::memory_order_relaxed);
     }
@@ -78,7 +79,8 @@ class pager {
   /// Unmaps and releases every mapping of r and frees its virtual range. Never throws.
   void destroy_range(vm_range& r) noexcept;
 
-  /// Adds delta (+1 carve, -1 free) to the use count of every page b touches; mappings whose
+  /// Adds delta (+1 carve, -1 free) to the use of the pages b touches (its edge pages' counts, and
+  /// the used pages of each mapping its span crosses: O(mappings), not O(pages)); mappings whose
   /// pages become untouched go on the pool's idle list, and come off it when touched again.
   void touch(stream_pool& p, const block* b, int delta);
 
@@ -87,9 +89,11 @@ class pager {
   /// touches. May throw (a failed unmap) before anything changed.
   void split_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr, std::size_t bytes);
 
-  /// Maps every page carved block b touches. False when no physical memory could be found (the
-  /// pages already mapped stay mapped, idle once the caller un-carves b). A failed VM call throws
-  /// and leaves no half-mapped run and no untracked handle.
+  /// Maps every page carved block b touches, and grants access to what it mapped with one
+  /// cuMemSetAccess per run of adjacent new mappings. False when no physical memory could be
+  /// found (the pages already mapped stay mapped, with access, idle once the caller un-carves b).
+  /// A failed VM call throws and leaves no half-mapped block (what this call mapped is unmapped
+  /// again) and no untracked handle.
   [[nodiscard]] bool back(stream_pool& p, const block* b);
 
   /// Bytes that backing new pages could take without a new device allocation now or after the
@@ -160,14 +164,30 @@ class pager {
   /// Pages of the next handle for carved block b at its unmapped page pg: 1 for a page b shares
   /// with a neighbour, else the rest of the unmapped run (less a shared last page).
   std::size_t piece_pages(const vm_range& r, const block* b, std::size_t pg) const;
-  /// Bytes of b's pages that no mapping backs.
-  std::size_t missing_bytes(const vm_range& r, const block* b) const;
+  struct span_state {
+    std::size_t missing_bytes = 0;  // b's pages that no mapping backs
+    bool needs_access = false;      // a mapping of b's span without access (a failed undo)
+  };
+  /// What b's pages lack: one step per mapping.
+  span_state scan(const vm_range& r, const block* b) const;
+  /// back() without the access grant: maps pieces over b's missing pages.
+  bool back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t missing,
+                  std::vector<vm_mapping*>& batch);
+  /// cuMemSetAccess over each run of adjacent mappings without access in pages [first, last];
+  /// on failure, revoke(batch) and rethrow.
+  void grant_access(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
+                    const std::vector<vm_mapping*>& batch);
+  /// Unmaps the mappings of `batch` (made by this back()) that have no access yet, keeping their
+  /// handles.
+  void revoke(stream_pool& p, const std::vector<vm_mapping*>& batch) noexcept;
   void idle_link(stream_pool& p, vm_mapping* m);
   void idle_unlink(stream_pool& p, vm_mapping* m);
   phys_handle unmap(stream_pool& p, vm_mapping* m);
-  void map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc);
-  void record_mapping(stream_pool& p, vm_range& r, std::size_t first_page, std::size_t pages,
-                      phys_handle h);
+  /// Maps pc at first_page (no access yet) and adds the mapping to `batch`.
+  void map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc,
+           std::vector<vm_mapping*>& batch);
+  vm_mapping* record_mapping(stream_pool& p, vm_range& r, std::size_t first_page, std::size_t pages,
+                             phys_handle h);
   void keep(phys_handle h, std::size_t bytes);
   void keep_locked(phys_handle h, std::size_t bytes);  // REQUIRES budget.mu
   void release(phys_handle h, std::size_t bytes);

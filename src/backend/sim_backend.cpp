@@ -387,20 +387,20 @@ void sim_backend::set_access(void* va, std::size_t bytes) {
   if (should_fail(sim_call::set_access)) fail(sim_call::set_access, "injected failure");
   require_capture_safe(sim_call::set_access);
   const auto addr = reinterpret_cast<std::uintptr_t>(va);
-  // Every byte of the range must be mapped; mappings that start inside it become accessible.
+  // The driver's rule (cuMemSetAccess): the range must be fully mapped and made of whole
+  // mappings -- it may span several adjacent ones, but neither begin nor end inside one. Nothing
+  // changes when the range is refused.
+  auto m = mappings_.find(addr);
   std::uintptr_t cursor = addr;
-  auto m = mappings_.upper_bound(addr);
-  if (m != mappings_.begin()) --m;
-  for (; m != mappings_.end() && m->first < addr + bytes; ++m) {
-    if (m->first + m->second.bytes <= cursor) continue;
-    if (m->first > cursor) break;
-    m->second.accessible = true;
-    cursor = m->first + m->second.bytes;
+  for (auto it = m; it != mappings_.end() && it->first == cursor && cursor < addr + bytes; ++it) {
+    cursor = it->first + it->second.bytes;
   }
-  if (cursor < addr + bytes) {
-    fail(sim_call::set_access, fmt::format("{} (+{}) is not fully mapped", va, bytes),
+  if (bytes == 0 || m == mappings_.end() || cursor != addr + bytes) {
+    fail(sim_call::set_access,
+         fmt::format("{} (+{}) is not a fully mapped range of whole mappings", va, bytes),
          k_sim_invalid_value);
   }
+  for (; m != mappings_.end() && m->first < addr + bytes; ++m) m->second.accessible = true;
 }
 
 event_handle sim_backend::event_create() {
@@ -729,6 +729,26 @@ std::size_t sim_backend::live_reservations() const {
 std::size_t sim_backend::live_mappings() const {
   std::lock_guard lock(mu_);
   return mappings_.size();
+}
+std::size_t sim_backend::inaccessible_mappings() const {
+  std::lock_guard lock(mu_);
+  return static_cast<std::size_t>(std::count_if(
+      mappings_.begin(), mappings_.end(), [](const auto& m) { return !m.second.accessible; }));
+}
+bool sim_backend::accessible(const void* va, std::size_t bytes) const {
+  std::lock_guard lock(mu_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(va);
+  auto m = mappings_.upper_bound(addr);
+  if (m == mappings_.begin()) return false;
+  --m;
+  std::uintptr_t cursor = addr;
+  for (; m != mappings_.end() && cursor < addr + bytes; ++m) {
+    if (m->first > cursor || m->first + m->second.bytes <= cursor || !m->second.accessible) {
+      return false;
+    }
+    cursor = m->first + m->second.bytes;
+  }
+  return cursor >= addr + bytes;
 }
 
 std::byte* sim_backend::host_view(const void* dev_ptr, std::size_t bytes) {

@@ -35,6 +35,9 @@ TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
   // of its own; the rest of the run one handle.
   EXPECT_EQ(s.vm_create_count, 2u);
   EXPECT_EQ(s.vm_map_count, 2u);
+  // Both handles get access in one call: they are adjacent, and a set-access may span mappings.
+  EXPECT_EQ(a.sim->calls(sim_call::set_access), 1u);
+  EXPECT_TRUE(a.sim->accessible(p, 3 * MiB));
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
   void* q = a.alloc.allocate(3 * MiB);  // [3, 6) MiB: page 1 is mapped, page 2 is not
   EXPECT_EQ(addr(q), addr(p) + 3 * MiB);
@@ -52,8 +55,98 @@ TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
   EXPECT_EQ(addr(big), addr(q) + 3 * MiB);
   EXPECT_EQ(a.stats().vm_create_count, 4u);
   EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(26 * MiB));
+  EXPECT_EQ(a.sim->calls(sim_call::set_access), 3u);  // one per block that mapped anything
+  EXPECT_EQ(a.sim->inaccessible_mappings(), 0u);
   a.alloc.check_invariants();
   expect_no_leak(a);
+}
+
+/// A block over [0, 10) MiB of the large range whose page 2 is an idle mapping with access and
+/// whose pages 0-1 and 3-4 are unmapped, nothing reusable cached: backing it maps two handles,
+/// one run on each side of page 2.
+void make_hole_around_a_mapped_page(sim_allocator& a) {
+  void* x = a.alloc.allocate(4 * MiB);  // pages 0-1
+  void* y = a.alloc.allocate(2 * MiB);  // page 2
+  void* z = a.alloc.allocate(4 * MiB);  // pages 3-4
+  ASSERT_EQ(addr(y), addr(x) + 4 * MiB);
+  ASSERT_EQ(addr(z), addr(y) + 2 * MiB);
+  a.alloc.deallocate(x);
+  a.alloc.deallocate(z);
+  a.alloc.empty_cache();  // pages 0-1 and 3-4 unmapped and released; page 2 stays (y is live)
+  a.alloc.deallocate(y);
+  ASSERT_EQ(a.sim->live_mappings(), 1u);
+  ASSERT_EQ(a.sim->live_handles(), 1u);
+}
+
+TEST(Expandable, SetAccessCoversEachRunOfNewMappingsOnceAndLeavesMappedPagesAlone) {
+  sim_allocator a(expandable());
+  make_hole_around_a_mapped_page(a);
+  const std::uint64_t maps = a.sim->calls(sim_call::map);
+  const std::uint64_t access = a.sim->calls(sim_call::set_access);
+  void* p = a.alloc.allocate(10 * MiB);  // page 2 is used in place
+  EXPECT_EQ(a.sim->calls(sim_call::map), maps + 2);
+  // Two runs of new mappings, split by page 2, which already has access (work may be using a
+  // mapping that has access: it is not set again).
+  EXPECT_EQ(a.sim->calls(sim_call::set_access), access + 2);
+  EXPECT_TRUE(a.sim->accessible(p, 10 * MiB));
+  EXPECT_EQ(a.sim->inaccessible_mappings(), 0u);
+  a.alloc.check_invariants();
+  a.alloc.deallocate(p);
+  expect_no_leak(a);
+}
+
+// A failure in the middle of a batch -- the second map, or the second set-access of two -- leaves
+// no half-mapped block: what the batch mapped and could not give access to is unmapped again and
+// its handle kept for reuse; what got access stays mapped, idle. Nothing leaks, and the next
+// allocation succeeds.
+TEST(Expandable, AFailureInTheMiddleOfABatchLeavesNoHalfMappedBlock) {
+  for (sim_call kind : {sim_call::map, sim_call::set_access}) {
+    SCOPED_TRACE(to_string(kind));
+    sim_allocator a(expandable());
+    make_hole_around_a_mapped_page(a);
+    a.sim->fail_nth(kind, 2);
+    EXPECT_THROW((void)a.alloc.allocate(10 * MiB), cuda_error);
+    EXPECT_EQ(a.stats().allocation_count[0].current, 0);
+    EXPECT_EQ(a.sim->inaccessible_mappings(), 0u);
+    // map #2 failed: the first handle (pages 0-1) was unmapped again, the second never mapped;
+    // both kept. set_access #2 failed: pages 0-1 have access and stay mapped (idle); pages 3-4
+    // were unmapped again, their handle kept.
+    EXPECT_EQ(a.sim->live_mappings(), kind == sim_call::map ? 1u : 2u);
+    EXPECT_EQ(a.sim->live_handles(), 3u);
+    EXPECT_EQ(a.stats().unmapped_handle_bytes, kind == sim_call::map ? 8 * MiB : 4 * MiB);
+    a.alloc.check_invariants();
+    expect_no_leak(a);
+    const std::uint64_t creates = a.sim->calls(sim_call::phys_create);
+    void* p = a.alloc.allocate(10 * MiB);  // from the kept handles: nothing created
+    EXPECT_EQ(a.sim->calls(sim_call::phys_create), creates);
+    EXPECT_TRUE(a.sim->accessible(p, 10 * MiB));
+    a.alloc.check_invariants();
+    a.alloc.deallocate(p);
+    a.alloc.empty_cache();
+    EXPECT_EQ(a.sim->live_handles(), 0u);
+    EXPECT_EQ(a.sim->live_mappings(), 0u);
+  }
+}
+
+// The set-access fails and so does the unmap that would undo the map: the mapping stays recorded,
+// idle and without access, so that its handle is not lost; the next block over it grants access.
+TEST(Expandable, AMappingWhoseUndoFailedGetsAccessWhenABlockUsesIt) {
+  sim_allocator a(expandable());
+  make_hole_around_a_mapped_page(a);
+  a.sim->fail_nth(sim_call::set_access, 1);
+  a.sim->fail_nth(sim_call::unmap, 1);
+  EXPECT_THROW((void)a.alloc.allocate(10 * MiB), cuda_error);
+  EXPECT_EQ(a.sim->inaccessible_mappings(), 1u);  // pages 0-1: its undo failed
+  EXPECT_EQ(a.sim->live_mappings(), 2u);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  void* p = a.alloc.allocate(10 * MiB);
+  EXPECT_TRUE(a.sim->accessible(p, 10 * MiB));
+  EXPECT_EQ(a.sim->inaccessible_mappings(), 0u);
+  a.alloc.check_invariants();
+  a.alloc.deallocate(p);
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.sim->live_handles(), 0u);
 }
 
 TEST(Expandable, AnIdleMappingUsedInPartIsReleasedRatherThanPinned) {

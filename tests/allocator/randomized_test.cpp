@@ -82,6 +82,11 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
             auto prev = std::prev(next);
             ASSERT_LE(prev->first + prev->second, ad) << "overlaps previous";
           }
+          // Expandable mode: every page of the block is mapped and has access (the sim knows
+          // which mappings a set-access covered).
+          if (cfg.expandable_segments) {
+            ASSERT_TRUE(a.sim->accessible(p, size));
+          }
           by_addr.emplace(ad, size);
           live.push_back({ad, size, s});
         }

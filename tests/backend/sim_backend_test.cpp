@@ -78,6 +78,46 @@ TEST(SimBackend, VirtualMemoryRules) {
   EXPECT_EQ(s.used_bytes(), 0u);
 }
 
+// cuMemSetAccess takes a fully mapped range of whole mappings, several adjacent ones included;
+// cuMemUnmap exactly one mapping. A refused call changes nothing.
+TEST(SimBackend, SetAccessSpansWholeAdjacentMappingsOnly) {
+  sim_backend s;
+  auto* va = static_cast<char*>(s.va_reserve(16 * MiB));
+  const auto a = s.phys_create(2 * MiB);
+  const auto b = s.phys_create(4 * MiB);
+  const auto c = s.phys_create(2 * MiB);
+  ASSERT_TRUE(a && b && c);
+  s.map(va, 2 * MiB, *a);
+  s.map(va + 2 * MiB, 4 * MiB, *b);
+  s.map(va + 8 * MiB, 2 * MiB, *c);  // a hole at [6, 8) MiB
+  EXPECT_EQ(s.inaccessible_mappings(), 3u);
+  EXPECT_FALSE(s.accessible(va, 2 * MiB));
+  EXPECT_THROW(s.set_access(va, 4 * MiB), cuda_error);            // ends inside b
+  EXPECT_THROW(s.set_access(va + 2 * MiB, 2 * MiB), cuda_error);  // inside b
+  EXPECT_THROW(s.set_access(va + 4 * MiB, 2 * MiB), cuda_error);  // begins inside b
+  EXPECT_THROW(s.set_access(va, 10 * MiB), cuda_error);           // the hole
+  EXPECT_THROW(s.set_access(va + 6 * MiB, 4 * MiB), cuda_error);  // begins in the hole
+  EXPECT_THROW(s.set_access(va, 0), cuda_error);
+  EXPECT_EQ(s.inaccessible_mappings(), 3u);  // nothing changed
+  s.set_access(va, 6 * MiB);                 // a and b at once
+  EXPECT_EQ(s.inaccessible_mappings(), 1u);
+  EXPECT_TRUE(s.accessible(va, 6 * MiB));
+  EXPECT_TRUE(s.accessible(va + 3 * MiB, 1 * MiB));
+  EXPECT_FALSE(s.accessible(va, 10 * MiB));
+  s.set_access(va, 6 * MiB);  // again: allowed
+  s.set_access(va + 8 * MiB, 2 * MiB);
+  EXPECT_EQ(s.inaccessible_mappings(), 0u);
+  EXPECT_THROW(s.unmap(va, 6 * MiB), cuda_error);  // two mappings: one call each
+  s.unmap(va, 2 * MiB);
+  s.unmap(va + 2 * MiB, 4 * MiB);
+  s.unmap(va + 8 * MiB, 2 * MiB);
+  s.map(va, 2 * MiB, *a);  // a mapping starts without access again
+  EXPECT_EQ(s.inaccessible_mappings(), 1u);
+  s.unmap(va, 2 * MiB);
+  for (const auto h : {*a, *b, *c}) s.phys_release(h);
+  s.va_free(va, 16 * MiB);
+}
+
 TEST(SimBackend, EventsCompleteWhenTheTestSaysSo) {
   sim_backend s;
   event_handle e = s.event_create();

@@ -100,6 +100,22 @@ struct memory_figures {
   friend bool operator==(const memory_figures&, const memory_figures&) = default;
 };
 
+/// The driver calls of the sampling replay, counted as the backend saw them, and what they would
+/// cost on the H200 (docs/benchmarks.md, "Cost of each device call", medians of cucache-vm-cost;
+/// a size between the measured 2, 32 and 256 MiB is interpolated on log2 of the size). A model,
+/// not a measurement: on the simulated device it estimates the host time expandable mode spends
+/// in VM calls.
+struct vm_call_model {
+  std::uint64_t create = 0, release = 0, map = 0, unmap = 0, set_access = 0;
+  std::uint64_t device_synchronize = 0, mem_get_info = 0;
+  double create_us = 0, release_us = 0, map_us = 0, unmap_us = 0, set_access_us = 0;
+  double device_synchronize_us = 0, mem_get_info_us = 0;
+  [[nodiscard]] double total_us() const noexcept {
+    return create_us + release_us + map_us + unmap_us + set_access_us + device_synchronize_us +
+           mem_get_info_us;
+  }
+};
+
 struct peer_result {
   std::string name;
   double host_ns_per_op = 0.0;  // median over repeats
@@ -125,6 +141,7 @@ struct trace_result {
   double host_ns_per_op = 0.0;  // median over repeats
   std::vector<double> host_ns_per_op_runs;
   fragmentation_sample fragmentation_at_peak;
+  vm_call_model vm_model;  // from the sampling run
   std::optional<std::size_t> capacity_bytes;
   std::optional<bool> fits;  // only with a capacity
   std::vector<peer_result> peers;
