@@ -145,6 +145,9 @@ class observe_hub {
 /// allocators of `by_device` (index = device; nullptr for a device never used). torch_snapshot.cpp.
 [[nodiscard]] std::string torch_snapshot_json(const std::vector<const device_allocator*>& by_device,
                                               const observe_hub& hub);
+/// Tag statistics as a JSON array of {tag, current_bytes, peak_bytes, allocations,
+/// total_allocations} (the Python package's cucache.tag_stats).
+[[nodiscard]] std::string tag_stats_json(const std::vector<tag_stat>& tags);
 /// leak_report as JSON (cucache::leak_report_json).
 [[nodiscard]] std::string leak_report_json(const observe_hub& hub, std::uint64_t steps);
 

@@ -100,6 +100,18 @@ std::string torch_snapshot_json(const std::vector<const device_allocator*>& by_d
   return json{{"segments", std::move(segments)}, {"device_traces", std::move(traces)}}.dump();
 }
 
+std::string tag_stats_json(const std::vector<tag_stat>& tags) {
+  json out = json::array();
+  for (const tag_stat& t : tags) {
+    out.push_back({{"tag", t.tag},
+                   {"current_bytes", t.current_bytes},
+                   {"peak_bytes", t.peak_bytes},
+                   {"allocations", t.allocations},
+                   {"total_allocations", t.total_allocations}});
+  }
+  return out.dump();
+}
+
 std::string leak_report_json(const observe_hub& hub, std::uint64_t steps) {
   const std::uint64_t k = hub.leak_window(steps);
   json candidates = json::array();
