@@ -97,9 +97,6 @@ else()
   endforeach()
   string(APPEND CUCACHE_PC_LIBS
     " -L${CUDAToolkit_LIBRARY_DIR} -lcudart_static -lz -lrt -ldl -lpthread -lstdc++ -lm")
-  if(CUCACHE_HAVE_BACKTRACES)
-    string(APPEND CUCACHE_PC_LIBS " ${LIBUNWIND_LDFLAGS}")
-  endif()
 endif()
 configure_file(${PROJECT_SOURCE_DIR}/cmake/cucache.pc.in ${_pkg}/cucache.pc @ONLY)
 

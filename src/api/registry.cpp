@@ -135,6 +135,12 @@ registry::registry() {
           fmt::format("environment variable CUCACHE_CONF: trace: {}", e.what()));
     }
   }
+  if (cfg_.record_backtraces && !backtraces_available()) {
+    throw environment_error(fmt::format(
+        "environment variable CUCACHE_CONF: key 'record_backtraces': call stacks cannot be "
+        "captured: {}",
+        backtraces_unavailable_reason()));
+  }
   hub_ = std::make_shared<observe_hub>(cfg_, trace_ != nullptr ? make_trace_observer(trace_) : nullptr,
                                        census_.count);
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cucache/observe.hpp"
@@ -14,8 +15,11 @@ struct backtrace {
   std::vector<void*> ips;  // innermost first
 };
 
-/// True when this build can capture call stacks (it was built with libunwind).
+/// True when call stacks can be captured: the build had libunwind's header and libunwind.so.8
+/// loads (it is loaded on first use, not linked).
 [[nodiscard]] bool backtraces_available() noexcept;
+/// Why not, when backtraces_available() is false ("" otherwise).
+[[nodiscard]] std::string backtraces_unavailable_reason();
 /// The calling thread's stack, minus the frames inside cucache's recording code; nullptr when
 /// the build has no libunwind or the host is out of memory.
 [[nodiscard]] std::shared_ptr<const backtrace> capture_backtrace() noexcept;
