@@ -41,6 +41,16 @@ struct config {
   /// nvtx: NVTX ranges around device calls, the out-of-memory ladder and page moves. Off = one
   /// branch per slow path.
   bool nvtx = false;
+  /// Events of the device trace snapshots carry (history:N): the last N allocation, free and
+  /// segment events per device, in a ring. 0 = off (no event is kept).
+  std::size_t history_entries = 0;
+  /// Leak hunting (leak_steps:K): allocations alive for more than K steps (cucache::mark_step)
+  /// while the live total grows are leak candidates. 0 = not configured (leak_report then needs
+  /// its own K).
+  std::uint64_t leak_steps = 0;
+  /// Record the call stack of every allocation (record_backtraces:True), shown in snapshots and
+  /// leak reports. Needs a build with libunwind.
+  bool record_backtraces = false;
 
   friend bool operator==(const config&, const config&) = default;
 };
@@ -51,7 +61,8 @@ inline constexpr std::size_t k_roundup_power2_intervals = 64;
 /// Parses a CUCACHE_CONF string on top of `base`: a key that appears replaces its field, the
 /// others keep base's values. Keys (docs/config.md): max_split_size_mb,
 /// max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold,
-/// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace.
+/// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace,
+/// history, leak_steps, record_backtraces.
 /// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key, a
 /// PyTorch key cucache does not support, a duplicate key or a malformed value; never ignores
 /// anything silently. Empty or blank text returns base.

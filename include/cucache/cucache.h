@@ -149,6 +149,40 @@ cudaError_t cucacheResetPeakStats(int device) CUCACHE_NOEXCEPT;
  * cucacheGetLastErrorMessage() says why. */
 size_t cucacheMemorySummary(int device, char* buf, size_t len) CUCACHE_NOEXCEPT;
 
+/** Seeing where the memory goes (docs/api.md, "Snapshots, leaks and tags").
+ *
+ * Writes a snapshot of every device's segments and blocks, and (CUCACHE_CONF history:N) the
+ * last N events of each device, to `path` as JSON in the schema of PyTorch's
+ * torch.cuda.memory._snapshot() (the Python package turns it into the pickle memory_viz reads).
+ * The file is written under a temporary name and renamed: nothing partial is left at `path`.
+ * Errors: cudaErrorInvalidValue (path NULL, or the file cannot be written: the message names
+ * it), cudaErrorInitializationError. */
+cudaError_t cucacheSnapshot(const char* path) CUCACHE_NOEXCEPT;
+
+/** Ends a step of the program's loop, for leak hunting (CUCACHE_CONF leak_steps:K).
+ * Errors: cudaErrorInvalidValue (leak hunting is off), cudaErrorInitializationError. */
+cudaError_t cucacheStepMarker(void) CUCACHE_NOEXCEPT;
+
+/** Writes the leak candidates as JSON into buf, as cucacheMemorySummary writes its table:
+ * {"step": S, "steps": K, "candidates": [{device, address, size, stream, tag, step, steps_alive,
+ * frames}]} -- allocations alive for more than K steps (K = `steps`, or leak_steps when 0) on a
+ * device whose live total grew over the last K steps, largest first. Returns the length of the
+ * whole text, 0 on failure: leak hunting off, no step marked yet, steps == 0 without leak_steps,
+ * buf NULL with len > 0 (cucacheGetLastErrorMessage() says which). */
+size_t cucacheLeakReport(unsigned long long steps, char* buf, size_t len) CUCACHE_NOEXCEPT;
+
+/** Makes `tag` the calling thread's current tag (tags nest): allocations made on this thread
+ * until the matching cucachePopTag count for it in cucacheGetTagStats, snapshots and leak reports.
+ * Errors: cudaErrorInvalidValue (tag NULL or empty). */
+cudaError_t cucachePushTag(const char* tag) CUCACHE_NOEXCEPT;
+/** Ends the calling thread's current tag. Errors: cudaErrorInvalidValue (no tag pushed). */
+cudaError_t cucachePopTag(void) CUCACHE_NOEXCEPT;
+/** Bytes (the sizes callers asked for) of live allocations made under `tag` on `device` now,
+ * and their peak since the process started; 0 and 0 for a tag that never allocated there.
+ * Errors: cudaErrorInvalidValue (a NULL argument), cudaErrorInitializationError. */
+cudaError_t cucacheGetTagStats(int device, const char* tag, size_t* currentBytes,
+                               size_t* peakBytes) CUCACHE_NOEXCEPT;
+
 /** The message of the most recent failed cucache call on this thread (for an out-of-memory error,
  * the full report: request, capacity, free, allocated, cached, largest free block,
  * fragmentation); "" if none failed yet. Successful calls leave it unchanged, as errno. The text

@@ -14,6 +14,7 @@
 #include "cucache/backend.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
+#include "cucache/observe.hpp"
 
 namespace cucache {
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cucache/backend.hpp"
 #include "cucache/config.hpp"
@@ -32,6 +33,18 @@ class allocation_observer {
   virtual void on_free(const void* ptr, std::size_t requested, stream_handle stream) noexcept = 0;
   /// An allocation of `requested` bytes on `stream` failed (it threw).
   virtual void on_failure(std::size_t requested, stream_handle stream) noexcept = 0;
+  /// A cudaMalloc'd segment of `bytes` at `base` was created for the pool of `stream` (called
+  /// under that pool's lock, before any block of it is handed out). Default: ignored.
+  virtual void on_segment_alloc(std::uintptr_t base, std::size_t bytes,
+                                stream_handle stream) noexcept {
+    static_cast<void>(base), static_cast<void>(bytes), static_cast<void>(stream);
+  }
+  /// The cudaMalloc'd segment at `base` was returned to the device (under its pool's lock, after
+  /// the device call). Default: ignored.
+  virtual void on_segment_free(std::uintptr_t base, std::size_t bytes,
+                               stream_handle stream) noexcept {
+    static_cast<void>(base), static_cast<void>(bytes), static_cast<void>(stream);
+  }
 };
 
 /// Names a private pool of CUDA graph memory (PyTorch's MempoolId_t). A program (or PyTorch,
@@ -47,6 +60,28 @@ struct graph_pool_id {
     return {k_capture, capture_id};
   }
   friend constexpr auto operator<=>(const graph_pool_id&, const graph_pool_id&) = default;
+};
+
+/// One block of a segment, as segments() lists it.
+struct block_view {
+  enum class state : std::uint8_t { allocated, pending, free };
+  std::uintptr_t address = 0;
+  std::size_t size = 0;       ///< bytes the block spans (the rounded size)
+  std::size_t requested = 0;  ///< the caller's size for an allocated block, else 0
+  state st = state::free;
+};
+
+/// One segment (a cudaMalloc'd range, or an expandable segment's virtual range) and its blocks,
+/// which tile it in address order.
+struct segment_view {
+  std::uint64_t id = 0;  ///< creation order
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  bool small = false;       ///< of the small pool (blocks <= 1 MiB)
+  bool expandable = false;  ///< a virtual range (its unmapped pages are in free blocks)
+  stream_handle stream = nullptr;
+  graph_pool_id pool{};     ///< the graph pool it belongs to; {0, 0} for ordinary memory
+  std::vector<block_view> blocks;
 };
 
 /// What a graph pool holds now (device_allocator::graph_pool_state).
@@ -172,6 +207,9 @@ class device_allocator {
   [[nodiscard]] std::string memory_summary() const;
   /// JSON description of every segment and block (see docs/api.md).
   [[nodiscard]] std::string snapshot_json() const;
+  /// Every segment and its blocks, taken consistently under all locks (what snapshots are made
+  /// of: cucache::snapshot() writes them in PyTorch's memory-viewer schema).
+  [[nodiscard]] std::vector<segment_view> segments() const;
   /// Size of the block holding ptr (its rounded size) or 0 when ptr is not a live allocation.
   [[nodiscard]] std::size_t allocation_size(const void* ptr) const;
 

@@ -4,11 +4,14 @@ is imported here."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import pickle
+import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 _LIB_NAME = "libcucache_torch.so"
 _HOOKS_NAME = "libcucache_torch_hooks.so"
@@ -103,6 +106,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_stats_size": (sz, []),
         "cucache_torch_memory_summary": (i64, [i, ctypes.c_char_p, sz]),
         "cucache_torch_snapshot_json": (i64, [i, ctypes.c_char_p, sz]),
+        "cucache_torch_write_snapshot": (i, [ctypes.c_char_p]),
+        "cucache_torch_mark_step": (i, []),
+        "cucache_torch_leak_report": (i64, [u64, ctypes.c_char_p, sz]),
+        "cucache_torch_push_tag": (i, [ctypes.c_char_p]),
+        "cucache_torch_pop_tag": (i, []),
+        "cucache_torch_tag_stats": (i64, [i, ctypes.c_char_p, sz]),
         "cucache_torch_last_error": (ctypes.c_char_p, []),
         "cucache_torch_bad_free_count": (u64, []),
         "cucache_torch_backend_name": (ctypes.c_char_p, []),
@@ -188,9 +197,104 @@ def free(ptr: int, size: int, device: int, stream: int = 0) -> None:
         library().cucache_torch_free(ctypes.c_void_p(ptr), size, device, ctypes.c_void_p(stream or None))
 
 
-def snapshot(device: Any = None) -> dict[str, Any]:
-    """Every segment and block of one device (snapshot_json(), parsed)."""
-    return json.loads(snapshot_json(device))
+def snapshot() -> dict[str, Any]:
+    """Every device's segments and blocks, and (CUCACHE_CONF history:N) its last N events, in the
+    structure of torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...]]}
+    (docs/python.md). dump_snapshot() writes it as the pickle PyTorch's memory viewer reads."""
+    with tempfile.TemporaryDirectory(prefix="cucache-snapshot-") as folder:
+        path = os.path.join(folder, "snapshot.json")
+        _check(library().cucache_torch_write_snapshot(path.encode()), "snapshot")
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    return _as_torch(data)
+
+
+def _as_torch(data: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no tuples: PyTorch's segment_pool_id is a pair.
+    for seg in data.get("segments", []):
+        seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
+    return data
+
+
+def dump_snapshot(path: "os.PathLike[str] | str", snapshot_data: Optional[dict[str, Any]] = None) -> None:
+    """Writes snapshot() (or `snapshot_data`) to `path`: a pickle, which torch.cuda._memory_viz and
+    pytorch.org/memory_viz open, or JSON when the name ends in ".json". Written under a temporary
+    name in the same folder and renamed, so nothing partial is ever left at `path`; an unwritable
+    path raises OSError naming it."""
+    data = snapshot() if snapshot_data is None else snapshot_data
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".cucache-snapshot-", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            if target.endswith(".json"):
+                f.write(json.dumps(_as_json(data)).encode())
+            else:
+                pickle.dump(data, f)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        raise OSError(e.errno, f"cucache: dump_snapshot: cannot write {target!r}: {e.strerror}") from e
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _as_json(data: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(data))  # tuples become lists
+
+
+def load_snapshot(path: "os.PathLike[str] | str") -> dict[str, Any]:
+    """Reads a file dump_snapshot wrote (pickle, or JSON by its ".json" name)."""
+    target = os.fspath(path)
+    if target.endswith(".json"):
+        with open(target, encoding="utf-8") as f:
+            return _as_torch(json.load(f))
+    with open(target, "rb") as f:
+        return pickle.load(f)
+
+
+def mark_step() -> None:
+    """Ends a step of the program's loop, for leak hunting (CUCACHE_CONF leak_steps:K)."""
+    _check(library().cucache_torch_mark_step(), "mark_step")
+
+
+def leak_report(steps: int = 0) -> dict[str, Any]:
+    """{"step": S, "steps": K, "candidates": [{device, address, size, stream, tag, step,
+    steps_alive, frames}]}: allocations alive for more than K steps (K = steps, or leak_steps)
+    while their device's live total grew, largest first."""
+    return json.loads(_text(lambda _d, b, n: library().cucache_torch_leak_report(steps, b, n), 0,
+                            "leak_report"))
+
+
+def push_tag(name: str) -> None:
+    """Makes `name` the calling thread's current tag (tags nest); see tag()."""
+    _check(library().cucache_torch_push_tag(name.encode()), "push_tag")
+
+
+def pop_tag() -> None:
+    """Ends the calling thread's current tag; RuntimeError when it has none."""
+    _check(library().cucache_torch_pop_tag(), "pop_tag")
+
+
+@contextlib.contextmanager
+def tag(name: str) -> Iterator[None]:
+    """with cucache.tag("kv_cache"): allocations made on this thread inside the block count for
+    the tag in tag_stats(), memory_summary(), snapshots and leak reports."""
+    push_tag(name)
+    try:
+        yield
+    finally:
+        pop_tag()
+
+
+def tag_stats(device: Any = None) -> dict[str, dict[str, int]]:
+    """Per tag on one device: {"kv_cache": {"current_bytes", "peak_bytes", "allocations",
+    "total_allocations"}} (requested bytes of live allocations)."""
+    d = _device(device)
+    rows = json.loads(_text(library().cucache_torch_tag_stats, d, "tag_stats"))
+    return {r.pop("tag"): r for r in rows}
 
 
 def memory_stats(device: Any = None) -> dict[str, Any]:

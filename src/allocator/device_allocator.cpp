@@ -297,6 +297,8 @@ segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std
   b->state = block_state::free;
   s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
+  if (observer != nullptr && vm == nullptr) [[unlikely]]
+    observer->on_segment_alloc(base, bytes, p.stream);
   return s;
 }
 
@@ -325,6 +327,8 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
     reserved -= s->size;
   }
   device_free_count.fetch_add(1, std::memory_order_relaxed);
+  if (observer != nullptr) [[unlikely]]
+    observer->on_segment_free(s->base, s->size, p.stream);
   p.index_of(s->kind).erase(s->first);
   p.stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
   p.stats.segment_count.dec(s->kind, 1);

@@ -47,6 +47,23 @@ cudaError_t allocate(const char* function, void** devPtr, size_t size,
   return guarded(function, [&] { *devPtr = cucache::malloc(size, stream); });
 }
 
+// snprintf-style copy of the text `make` returns: the whole length, 0 on failure.
+template <class F>
+size_t copy_text(const char* function, char* buf, size_t len, F&& make) noexcept {
+  if (buf == nullptr && len != 0) {
+    null_argument(function, "buf (with len > 0)");
+    return 0;
+  }
+  std::string text;
+  if (guarded(function, [&] { text = make(); }) != cudaSuccess) return 0;
+  if (len != 0) {
+    const std::size_t n = std::min(len - 1, text.size());
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
+}
+
 size_t as_size(std::int64_t v) noexcept {
   return v > 0 ? static_cast<size_t>(v) : 0;
 }
@@ -158,21 +175,43 @@ cudaError_t cucacheResetPeakStats(int device) noexcept {
 }
 
 size_t cucacheMemorySummary(int device, char* buf, size_t len) noexcept {
-  if (buf == nullptr && len != 0) {
-    null_argument("cucacheMemorySummary", "buf (with len > 0)");
-    return 0;
-  }
-  std::string text;
-  if (guarded("cucacheMemorySummary", [&] { text = cucache::memory_summary(device); }) !=
-      cudaSuccess) {
-    return 0;
-  }
-  if (len != 0) {
-    const std::size_t n = std::min(len - 1, text.size());
-    std::memcpy(buf, text.data(), n);
-    buf[n] = '\0';
-  }
-  return text.size();
+  return copy_text("cucacheMemorySummary", buf, len,
+                   [&] { return cucache::memory_summary(device); });
+}
+
+cudaError_t cucacheSnapshot(const char* path) noexcept {
+  if (path == nullptr) return null_argument("cucacheSnapshot", "path");
+  return guarded("cucacheSnapshot", [&] { cucache::write_snapshot(path); });
+}
+
+cudaError_t cucacheStepMarker(void) noexcept {
+  return guarded("cucacheStepMarker", [] { cucache::mark_step(); });
+}
+
+size_t cucacheLeakReport(unsigned long long steps, char* buf, size_t len) noexcept {
+  return copy_text("cucacheLeakReport", buf, len,
+                   [&] { return cucache::leak_report_json(steps); });
+}
+
+cudaError_t cucachePushTag(const char* tag) noexcept {
+  if (tag == nullptr) return null_argument("cucachePushTag", "tag");
+  return guarded("cucachePushTag", [&] { cucache::push_tag(tag); });
+}
+
+cudaError_t cucachePopTag(void) noexcept {
+  return guarded("cucachePopTag", [] { cucache::pop_tag(); });
+}
+
+cudaError_t cucacheGetTagStats(int device, const char* tag, size_t* currentBytes,
+                               size_t* peakBytes) noexcept {
+  if (tag == nullptr) return null_argument("cucacheGetTagStats", "tag");
+  if (currentBytes == nullptr) return null_argument("cucacheGetTagStats", "currentBytes");
+  if (peakBytes == nullptr) return null_argument("cucacheGetTagStats", "peakBytes");
+  return guarded("cucacheGetTagStats", [&] {
+    const cucache::tag_stat t = cucache::tag_stats(device, tag);
+    *currentBytes = t.current_bytes;
+    *peakBytes = t.peak_bytes;
+  });
 }
 
 const char* cucacheGetLastErrorMessage(void) noexcept {

@@ -46,7 +46,7 @@ struct key_spec {
   void (*parse)(std::string_view key, std::string_view value, config& out);
 };
 
-const std::array<key_spec, 12>& key_specs();
+const std::array<key_spec, 15>& key_specs();
 
 // PyTorch allocator keys that cucache recognises only to say that it does not support them.
 constexpr std::array<std::string_view, 16> k_pytorch_only_keys = {
@@ -304,8 +304,35 @@ void parse_nvtx(std::string_view key, std::string_view value, config& out) {
   }
 }
 
-const std::array<key_spec, 12>& key_specs() {
-  static const std::array<key_spec, 12> specs = {{
+void parse_history(std::string_view key, std::string_view value, config& out) {
+  const std::uint64_t n = parse_uint(key, value);
+  if (n > (std::uint64_t{1} << 26)) fail_value(key, value, "at most 67108864 entries");
+  out.history_entries = static_cast<std::size_t>(n);
+}
+
+void parse_leak_steps(std::string_view key, std::string_view value, config& out) {
+  const std::uint64_t n = parse_uint(key, value);
+  if (n == 0) fail_value(key, value, "must be >= 1");
+  out.leak_steps = n;
+}
+
+void parse_record_backtraces(std::string_view key, std::string_view value, config& out) {
+  if (value == "True" || value == "true" || value == "1") {
+#if !CUCACHE_HAVE_BACKTRACES
+    fail_value(key, value,
+               "this build of cucache has no call-stack capture (it was built without libunwind: "
+               "install libunwind-dev, tools/install_deps.sh, and rebuild)");
+#endif
+    out.record_backtraces = true;
+  } else if (value == "False" || value == "false" || value == "0") {
+    out.record_backtraces = false;
+  } else {
+    fail_value(key, value, "not a boolean");
+  }
+}
+
+const std::array<key_spec, 15>& key_specs() {
+  static const std::array<key_spec, 15> specs = {{
       {"max_split_size_mb", "max_split_size_mb",
        "an integer number of MiB >= 20, e.g. max_split_size_mb:512", parse_max_split_size},
       {"max_non_split_rounding_mb", "max_non_split_rounding_mb",
@@ -338,6 +365,17 @@ const std::array<key_spec, 12>& key_specs() {
       {"reserve_mb", "reserve_mb",
        "an integer number of MiB from 0 (off) to 16777216, e.g. reserve_mb:4096", parse_reserve},
       {"nvtx", "nvtx", "True, False, true, false, 1 or 0, e.g. nvtx:True", parse_nvtx},
+      {"history", "history",
+       "a number of device-trace events to keep per device, 0 (off) to 67108864, e.g. "
+       "history:100000",
+       parse_history},
+      {"leak_steps", "leak_steps",
+       "a number of steps >= 1 an allocation must survive to be a leak candidate, e.g. "
+       "leak_steps:3",
+       parse_leak_steps},
+      {"record_backtraces", "record_backtraces",
+       "True, False, true, false, 1 or 0, e.g. record_backtraces:True (needs libunwind)",
+       parse_record_backtraces},
   }};
   return specs;
 }
@@ -516,6 +554,17 @@ std::string to_string(const config& cfg) {
   }
   if (cfg.nvtx != def.nvtx) {
     put("nvtx", cfg.nvtx ? "True" : "False", [&](const config& c) { return c.nvtx == cfg.nvtx; });
+  if (cfg.history_entries != def.history_entries) {
+    put("history", fmt::format("{}", cfg.history_entries),
+        [&](const config& c) { return c.history_entries == cfg.history_entries; });
+  }
+  if (cfg.leak_steps != def.leak_steps) {
+    put("leak_steps", fmt::format("{}", cfg.leak_steps),
+        [&](const config& c) { return c.leak_steps == cfg.leak_steps; });
+  }
+  if (cfg.record_backtraces != def.record_backtraces) {
+    put("record_backtraces", cfg.record_backtraces ? "True" : "False",
+        [&](const config& c) { return c.record_backtraces == cfg.record_backtraces; });
   }
   return out;
 }

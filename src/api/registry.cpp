@@ -17,6 +17,7 @@
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/trace.hpp"
+#include "observe/observe_hub.hpp"
 
 namespace cucache::detail {
 namespace {
@@ -133,8 +134,15 @@ registry::registry() {
       throw environment_error(
           fmt::format("environment variable CUCACHE_CONF: trace: {}", e.what()));
     }
-    observer_ = make_trace_observer(trace_);
   }
+  if (cfg_.record_backtraces && !backtraces_available()) {
+    throw environment_error(fmt::format(
+        "environment variable CUCACHE_CONF: key 'record_backtraces': call stacks cannot be "
+        "captured: {}",
+        backtraces_unavailable_reason()));
+  }
+  hub_ = std::make_shared<observe_hub>(cfg_, trace_ != nullptr ? make_trace_observer(trace_) : nullptr,
+                                       census_.count);
 }
 
 registry::~registry() {
@@ -234,7 +242,7 @@ device_allocator& registry::create(int device) {
   auto backend = make_backend(kind_, device);
   device_allocator* a = nullptr;
   try {
-    a = new device_allocator(std::move(backend), std::move(cfg), observer_);
+    a = new device_allocator(std::move(backend), std::move(cfg), hub_->observer_for(device));
   } catch (const invalid_argument& e) {
     // The only caller-supplied input here is the config, so the fault is CUCACHE_CONF's.
     throw environment_error(fmt::format("environment variable CUCACHE_CONF: {}", e.what()));
@@ -307,6 +315,14 @@ void registry::empty_cache() {
     }
   }
   if (first) std::rethrow_exception(first);
+}
+
+std::string registry::torch_snapshot() const {
+  std::vector<const device_allocator*> by_device;
+  for (int d = 0; d < census_.count; ++d) by_device.push_back(find(d));
+  std::string out = torch_snapshot_json(by_device, *hub_);
+  hub_->note_snapshot();
+  return out;
 }
 
 void registry::flush_trace() {

@@ -7,9 +7,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cucache/backend_factory.hpp"
@@ -21,6 +23,8 @@ class trace_recorder;
 }
 
 namespace cucache::detail {
+
+class observe_hub;
 
 /// What a release does to a live allocation.
 enum class release_kind : std::uint8_t {
@@ -84,6 +88,11 @@ class registry {
   void empty_cache();
   /// Writes buffered trace rows (CUCACHE_CONF=trace:PATH); no-op when tracing is off.
   void flush_trace();
+  /// The observer every allocator of this registry reports to: device traces, live records, tags
+  /// and step markers (observe/observe_hub.hpp).
+  [[nodiscard]] observe_hub& hub() const noexcept { return *hub_; }
+  /// PyTorch's snapshot of every created allocator (cucache::snapshot).
+  [[nodiscard]] std::string torch_snapshot() const;
   /// The backend of a created allocator, else nullptr.
   [[nodiscard]] device_backend* backend_of(int device) const noexcept;
 
@@ -104,7 +113,7 @@ class registry {
   device_census census_;
   config cfg_;
   std::shared_ptr<trace_recorder> trace_;
-  std::shared_ptr<allocation_observer> observer_;
+  std::shared_ptr<observe_hub> hub_;  // outlives the allocators (deleted in ~registry first)
   std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
   std::mutex create_mu_;
   std::vector<double> fractions_;  // per device, under create_mu_; 0 = the config's
@@ -130,6 +139,12 @@ void set_last_error(std::string_view message) noexcept;
 /// The last error stored by any thread ("" if none): what a caller on another thread than the
 /// one that failed (torch's autograd thread) can read.
 [[nodiscard]] std::string process_last_error();
+
+/// Writes `text` to `path` through a temporary file in the same folder renamed over it, so that
+/// nothing partial is ever left under `path`. Throws invalid_argument "cucache: <function>:
+/// cannot write '<path>': <reason>".
+void write_file_replacing(const std::filesystem::path& path, std::string_view text,
+                          const char* function);
 
 /// Throws invalid_argument: `ptr` is not the start of a live cucache allocation. With a built
 /// registry, the allocator of device `hint` (when created) explains why (interior pointer, already

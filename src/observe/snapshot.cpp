@@ -2,6 +2,9 @@
 // memory maps or look for the source of fragmentation.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <vector>
+
 #include "allocator/allocator_impl.hpp"
 
 namespace cucache {
@@ -68,6 +71,37 @@ std::string device_allocator::snapshot_json() const {
               {"unmapped_handle_bytes", s.unmapped_handle_bytes},
               {"segments", std::move(segments)}};
   return out.dump();
+}
+
+std::vector<segment_view> device_allocator::segments() const {
+  auto all = impl_->lock_all();
+  std::vector<segment_view> out;
+  for (const auto& p : impl_->pools) {
+    for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
+      segment_view v;
+      v.id = seg->id;
+      v.address = seg->base;
+      v.size = seg->size;
+      v.small = seg->kind == detail::pool_kind::small;
+      v.expandable = seg->vm != nullptr;
+      v.stream = p->stream;
+      if (p->graph != nullptr) v.pool = p->graph->id;
+      for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
+        block_view bv;
+        bv.address = b->addr;
+        bv.size = b->size;
+        bv.st = b->state == detail::block_state::allocated ? block_view::state::allocated
+                : b->state == detail::block_state::pending ? block_view::state::pending
+                                                           : block_view::state::free;
+        bv.requested = bv.st == block_view::state::allocated ? b->requested : 0;
+        v.blocks.push_back(bv);
+      }
+      out.push_back(std::move(v));
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const segment_view& a, const segment_view& b) { return a.address < b.address; });
+  return out;
 }
 
 }  // namespace cucache

@@ -223,6 +223,26 @@ TEST(ConfigParse, Trace) {
   expect_error("trace:/tmp/run[1].csv", "trace", "may not contain '[' or ']'");
 }
 
+TEST(ConfigParse, HistoryLeakStepsAndBacktraces) {
+  EXPECT_EQ(parse_config("history:100000").history_entries, 100000u);
+  EXPECT_EQ(parse_config("history:0").history_entries, 0u);
+  expect_error("history:many", "history", "not a non-negative integer");
+  expect_error("history:67108865", "history", "at most 67108864 entries");
+  EXPECT_EQ(parse_config("leak_steps:3").leak_steps, 3u);
+  expect_error("leak_steps:0", "leak_steps", "must be >= 1");
+  expect_error("leak_steps:-1", "leak_steps", "not a non-negative integer");
+  expect_error("record_backtraces:maybe", "record_backtraces", "not a boolean");
+  EXPECT_FALSE(parse_config("record_backtraces:False").record_backtraces);
+#if CUCACHE_TEST_HAVE_BACKTRACES
+  EXPECT_TRUE(parse_config("record_backtraces:True").record_backtraces);
+  const config c = parse_config("history:64,leak_steps:5,record_backtraces:True");
+  EXPECT_EQ(to_string(c), "history:64,leak_steps:5,record_backtraces:True");
+  EXPECT_EQ(parse_config(to_string(c)), c);
+#else
+  expect_error("record_backtraces:True", "record_backtraces", "built without libunwind");
+#endif
+}
+
 TEST(ConfigParse, AllKeysTogetherWithWhitespace) {
   const config c = parse_config(
       " max_split_size_mb : 256 ,max_non_split_rounding_mb:64, "

@@ -137,7 +137,7 @@ def main() -> int:
     s = cucache.memory_stats()
     assert s["allocated_bytes.all.current"] == base + 3 * MIB, s["allocated_bytes.all.current"]
     snap = cucache.snapshot()
-    live = [b for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "allocated"]
+    live = [b for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
     assert mp.ptr in [b["address"] for b in live], live
     assert "Allocated memory" in cucache.memory_summary()
     zero = cc.allocator(0)

@@ -118,6 +118,17 @@ CUCACHE_TORCH_API size_t cucache_torch_stats_size(void);
  * length without the NUL: a return >= len means buf was too small. -1 on error. */
 CUCACHE_TORCH_API int64_t cucache_torch_memory_summary(int device, char* buf, size_t len);
 CUCACHE_TORCH_API int64_t cucache_torch_snapshot_json(int device, char* buf, size_t len);
+
+/* Snapshots, leak hunting and tags (docs/api.md, cucache/observe.hpp): 0 on success, -1 on failure
+ * (cucache_torch_last_error says why). write_snapshot writes PyTorch's snapshot schema as JSON to
+ * `path` (temporary file, then renamed); leak_report and tag_stats copy JSON as memory_summary
+ * does and return its whole length, -1 on failure. */
+CUCACHE_TORCH_API int cucache_torch_write_snapshot(const char* path);
+CUCACHE_TORCH_API int cucache_torch_mark_step(void);
+CUCACHE_TORCH_API int64_t cucache_torch_leak_report(uint64_t steps, char* buf, size_t len);
+CUCACHE_TORCH_API int cucache_torch_push_tag(const char* tag);
+CUCACHE_TORCH_API int cucache_torch_pop_tag(void);
+CUCACHE_TORCH_API int64_t cucache_torch_tag_stats(int device, char* buf, size_t len);
 /* The message of the latest failure in any thread ("" if none). Valid in the calling thread until
  * its next call of this function. */
 CUCACHE_TORCH_API const char* cucache_torch_last_error(void);

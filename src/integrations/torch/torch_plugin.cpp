@@ -17,10 +17,12 @@
 #include <string_view>
 
 #include "api/registry.hpp"
+#include "cucache/cucache.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache_torch.h"
+#include "observe/observe_hub.hpp"
 
 namespace cucache::detail {
 namespace {
@@ -268,7 +270,7 @@ int64_t cucache_torch_memory_summary(int device, char* buf, size_t len) {
   guarded("memory_summary", [&] {
     device_allocator* a = existing(device);
     const std::string text =
-        a != nullptr ? a->memory_summary()
+        a != nullptr ? cucache::memory_summary(device)
                      : "cucache: device " + std::to_string(device) + " has allocated nothing yet\n";
     n = copy_out(text, buf, len);
   });
@@ -281,6 +283,41 @@ int64_t cucache_torch_snapshot_json(int device, char* buf, size_t len) {
     device_allocator* a = existing(device);
     n = copy_out(a != nullptr ? a->snapshot_json() : std::string("{\"segments\":[]}"), buf, len);
   });
+  return n;
+}
+
+int cucache_torch_write_snapshot(const char* path) {
+  return guarded("write_snapshot", [&] {
+    if (path == nullptr) throw invalid_argument("path is NULL");
+    cucache::write_snapshot(path);
+  });
+}
+
+int cucache_torch_mark_step(void) {
+  return guarded("mark_step", [] { cucache::mark_step(); });
+}
+
+int64_t cucache_torch_leak_report(uint64_t steps, char* buf, size_t len) {
+  std::int64_t n = -1;
+  guarded("leak_report", [&] { n = copy_out(cucache::leak_report_json(steps), buf, len); });
+  return n;
+}
+
+int cucache_torch_push_tag(const char* tag) {
+  return guarded("push_tag", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    cucache::push_tag(tag);
+  });
+}
+
+int cucache_torch_pop_tag(void) {
+  return guarded("pop_tag", [] { cucache::pop_tag(); });
+}
+
+int64_t cucache_torch_tag_stats(int device, char* buf, size_t len) {
+  std::int64_t n = -1;
+  guarded("tag_stats",
+          [&] { n = copy_out(tag_stats_json(cucache::tag_stats(device)), buf, len); });
   return n;
 }
 

@@ -1,0 +1,347 @@
+// The observe hub (observe_hub.hpp): device traces, live records, tags and step markers.
+#include "observe/observe_hub.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+
+#include "cucache/errors.hpp"
+
+namespace cucache::detail {
+
+// --- tags --------------------------------------------------------------------------------------
+
+namespace {
+
+// Never destroyed: ids stay valid for the life of the process (threads may still hold them while
+// static destructors run).
+struct tag_table {
+  std::mutex mu;
+  std::deque<std::string> names;  // id - 1 -> name; a deque keeps references stable
+  std::unordered_map<std::string_view, std::uint32_t> ids;
+};
+tag_table& tags() {
+  static auto* t = new tag_table();
+  return *t;
+}
+
+// The thread's tag stack; its top is the current tag, kept apart so that an allocation reads one
+// thread-local word.
+thread_local std::uint32_t t_current_tag = 0;
+thread_local std::vector<std::uint32_t> t_tag_stack;
+
+std::uint64_t now_us() noexcept {
+  return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                        std::chrono::system_clock::now().time_since_epoch())
+                                        .count());
+}
+
+}  // namespace
+
+std::uint32_t current_tag_id() noexcept {
+  return t_current_tag;
+}
+
+std::string tag_name(std::uint32_t id) {
+  tag_table& t = tags();
+  std::lock_guard lock(t.mu);
+  return id == 0 || id > t.names.size() ? std::string() : t.names[id - 1];
+}
+
+std::uint32_t tag_id(std::string_view name) {
+  if (name.empty()) throw invalid_argument("cucache: push_tag: the tag is empty");
+  tag_table& t = tags();
+  std::lock_guard lock(t.mu);
+  if (auto it = t.ids.find(name); it != t.ids.end()) return it->second;
+  t.names.emplace_back(name);
+  const auto id = static_cast<std::uint32_t>(t.names.size());
+  t.ids.emplace(t.names.back(), id);
+  return id;
+}
+
+std::uint32_t find_tag_id(std::string_view name) {
+  tag_table& t = tags();
+  std::lock_guard lock(t.mu);
+  auto it = t.ids.find(name);
+  return it == t.ids.end() ? 0 : it->second;
+}
+
+void push_tag_id(std::uint32_t id) {
+  t_tag_stack.push_back(id);
+  t_current_tag = id;
+}
+
+void pop_tag_id(const char* function) {
+  if (t_tag_stack.empty()) {
+    throw invalid_argument(
+        fmt::format("cucache: {}: this thread has no current tag (a pop without a push)", function));
+  }
+  t_tag_stack.pop_back();
+  t_current_tag = t_tag_stack.empty() ? 0 : t_tag_stack.back();
+}
+
+// --- the observer ------------------------------------------------------------------------------
+
+const char* to_string(history_entry::action a) noexcept {
+  switch (a) {
+    case history_entry::action::alloc:
+      return "alloc";
+    case history_entry::action::free_requested:
+      return "free_requested";
+    case history_entry::action::free_completed:
+      return "free_completed";
+    case history_entry::action::segment_alloc:
+      return "segment_alloc";
+    case history_entry::action::segment_free:
+      return "segment_free";
+    case history_entry::action::oom:
+      return "oom";
+    case history_entry::action::snapshot:
+      return "snapshot";
+  }
+  return "unknown";
+}
+
+namespace {
+
+class device_observer final : public allocation_observer {
+ public:
+  device_observer(observe_hub& hub, int device) : hub_(hub), device_(device) {}
+
+  void on_allocate(const void* ptr, std::size_t requested, stream_handle stream) noexcept override {
+    if (allocation_observer* t = hub_.trace()) t->on_allocate(ptr, requested, stream);
+    const std::uint32_t tag = current_tag_id();
+    if (tag == 0 && !hub_.always_record() && !hub_.history_on()) [[likely]]
+      return;
+    hub_.record_allocate(device_, ptr, requested, stream, tag);
+  }
+  void on_free(const void* ptr, std::size_t requested, stream_handle stream) noexcept override {
+    if (allocation_observer* t = hub_.trace()) t->on_free(ptr, requested, stream);
+    if (!hub_.free_needs_record() && !hub_.history_on()) [[likely]]
+      return;
+    hub_.record_free(device_, ptr, requested, stream);
+  }
+  void on_failure(std::size_t requested, stream_handle stream) noexcept override {
+    if (allocation_observer* t = hub_.trace()) t->on_failure(requested, stream);
+    if (hub_.history_on()) hub_.record_event(device_, history_entry::action::oom, 0, requested, stream);
+  }
+  void on_segment_alloc(std::uintptr_t base, std::size_t bytes,
+                        stream_handle stream) noexcept override {
+    if (hub_.history_on())
+      hub_.record_event(device_, history_entry::action::segment_alloc, base, bytes, stream);
+  }
+  void on_segment_free(std::uintptr_t base, std::size_t bytes,
+                       stream_handle stream) noexcept override {
+    if (hub_.history_on())
+      hub_.record_event(device_, history_entry::action::segment_free, base, bytes, stream);
+  }
+
+ private:
+  observe_hub& hub_;
+  int device_;
+};
+
+}  // namespace
+
+observe_hub::observe_hub(const config& cfg, std::shared_ptr<allocation_observer> trace,
+                         int devices)
+    : trace_(std::move(trace)),
+      history_cap_(cfg.history_entries),
+      leak_steps_(cfg.leak_steps),
+      backtraces_(cfg.record_backtraces && backtraces_available()),
+      always_record_(cfg.leak_steps != 0 || backtraces_) {
+  for (int d = 0; d < devices; ++d) devices_.push_back(std::make_unique<device_state>());
+}
+
+observe_hub::~observe_hub() = default;
+
+std::shared_ptr<allocation_observer> observe_hub::observer_for(int device) {
+  return std::make_shared<device_observer>(*this, device);
+}
+
+void observe_hub::push_locked(device_state& d, history_entry e) {
+  if (d.ring.size() < history_cap_) {
+    d.ring.push_back(std::move(e));
+    return;
+  }
+  d.ring[d.ring_next] = std::move(e);
+  d.ring_next = (d.ring_next + 1) % history_cap_;
+}
+
+void observe_hub::record_allocate(int device, const void* ptr, std::size_t size,
+                                  stream_handle stream, std::uint32_t tag) noexcept {
+  device_state& d = *devices_[static_cast<std::size_t>(device)];
+  std::shared_ptr<const backtrace> bt;
+  if (backtraces_) bt = capture_backtrace();
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  try {
+    std::lock_guard lock(d.mu);
+    if (tag != 0 || always_record_) {
+      d.live[addr] = live_record{size, stream, tag, step_.load(std::memory_order_relaxed), bt};
+      d.live_total += size;
+    }
+    if (tag != 0) {
+      if (d.tags.size() <= tag) d.tags.resize(tag + 1);
+      tag_counter& c = d.tags[tag];
+      c.current += size;
+      c.peak = std::max(c.peak, c.current);
+      ++c.live;
+      ++c.total;
+      tagged_live_.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (history_cap_ != 0) {
+      push_locked(d, history_entry{history_entry::action::alloc, addr, size, stream, now_us(), tag,
+                                   std::move(bt)});
+    }
+  } catch (...) {
+    // Host out of memory: the record is lost; the allocation the program asked for stands.
+  }
+}
+
+void observe_hub::record_free(int device, const void* ptr, std::size_t size,
+                              stream_handle stream) noexcept {
+  device_state& d = *devices_[static_cast<std::size_t>(device)];
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  try {
+    std::lock_guard lock(d.mu);
+    std::uint32_t tag = 0;
+    if (auto it = d.live.find(addr); it != d.live.end()) {
+      tag = it->second.tag;
+      d.live_total -= it->second.size;
+      if (tag != 0) {
+        tag_counter& c = d.tags[tag];
+        c.current -= it->second.size;
+        --c.live;
+        tagged_live_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      d.live.erase(it);
+    }
+    if (history_cap_ != 0) {
+      // cucache knows of one free: the block is reusable at once on its stream, or once other
+      // streams' events complete, which no observer hears of. Both of PyTorch's events are
+      // written at the free, so the viewer ends the allocation there.
+      const std::uint64_t t = now_us();
+      push_locked(d, history_entry{history_entry::action::free_requested, addr, size, stream, t,
+                                   tag, nullptr});
+      push_locked(d, history_entry{history_entry::action::free_completed, addr, size, stream, t,
+                                   tag, nullptr});
+    }
+  } catch (...) {
+  }
+}
+
+void observe_hub::record_event(int device, history_entry::action act, std::uintptr_t addr,
+                               std::size_t size, stream_handle stream) noexcept {
+  device_state& d = *devices_[static_cast<std::size_t>(device)];
+  try {
+    std::lock_guard lock(d.mu);
+    push_locked(d, history_entry{act, addr, size, stream, now_us(), 0, nullptr});
+  } catch (...) {
+  }
+}
+
+std::vector<history_entry> observe_hub::history(int device) const {
+  const device_state& d = *devices_[static_cast<std::size_t>(device)];
+  std::lock_guard lock(d.mu);
+  std::vector<history_entry> out;
+  out.reserve(d.ring.size());
+  for (std::size_t i = 0; i < d.ring.size(); ++i) {
+    out.push_back(d.ring[(d.ring_next + i) % d.ring.size()]);
+  }
+  return out;
+}
+
+void observe_hub::note_snapshot() {
+  if (history_cap_ == 0) return;
+  for (int dev = 0; dev < static_cast<int>(devices_.size()); ++dev) {
+    record_event(dev, history_entry::action::snapshot, 0, 0, nullptr);
+  }
+}
+
+std::unordered_map<std::uintptr_t, live_record> observe_hub::live(int device) const {
+  const device_state& d = *devices_[static_cast<std::size_t>(device)];
+  std::lock_guard lock(d.mu);
+  return d.live;
+}
+
+void observe_hub::mark_step() {
+  if (leak_steps_ == 0) {
+    throw invalid_argument(
+        "cucache: mark_step: leak hunting is off: set CUCACHE_CONF=leak_steps:K (an allocation "
+        "alive for more than K steps while the live total grows is a leak candidate)");
+  }
+  // One marker at a time, so that every device's totals are numbered alike.
+  std::lock_guard step_lock(step_mu_);
+  for (auto& d : devices_) {
+    std::lock_guard lock(d->mu);
+    d->step_totals.push_back(d->live_total);
+  }
+  step_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::uint64_t observe_hub::leak_window(std::uint64_t steps) const {
+  if (leak_steps_ == 0) {
+    throw invalid_argument(
+        "cucache: leak_report: leak hunting is off: set CUCACHE_CONF=leak_steps:K and call "
+        "mark_step() at the end of every step");
+  }
+  return steps != 0 ? steps : leak_steps_;
+}
+
+std::vector<leak_candidate> observe_hub::leak_report(std::uint64_t steps) const {
+  const std::uint64_t k = leak_window(steps);
+  std::lock_guard step_lock(step_mu_);
+  const std::uint64_t s = step_.load(std::memory_order_relaxed);
+  if (s == 0) {
+    throw invalid_argument(
+        "cucache: leak_report: no step was marked yet: call cucache::mark_step() "
+        "(cucacheStepMarker, cucache.mark_step()) at the end of every step");
+  }
+  std::vector<leak_candidate> out;
+  if (s <= k) return out;  // nothing can have survived more than K markers yet
+  for (std::size_t dev = 0; dev < devices_.size(); ++dev) {
+    const device_state& d = *devices_[dev];
+    std::lock_guard lock(d.mu);
+    if (!(d.step_totals[s] > d.step_totals[s - k])) continue;  // not growing: no leak
+    for (const auto& [addr, r] : d.live) {
+      if (r.step >= s || s - r.step <= k) continue;
+      leak_candidate c;
+      c.device = static_cast<int>(dev);
+      c.address = addr;
+      c.size = r.size;
+      c.stream = r.stream;
+      c.step = r.step;
+      c.steps_alive = s - r.step;
+      if (r.tag != 0) c.tag = tag_name(r.tag);
+      if (r.frames != nullptr) c.frames = symbolize(*r.frames);
+      out.push_back(std::move(c));
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const leak_candidate& a, const leak_candidate& b) {
+    if (a.size != b.size) return a.size > b.size;
+    if (a.device != b.device) return a.device < b.device;
+    return a.address < b.address;
+  });
+  return out;
+}
+
+std::vector<tag_stat> observe_hub::tag_stats(int device) const {
+  const device_state& d = *devices_[static_cast<std::size_t>(device)];
+  std::vector<tag_stat> out;
+  {
+    std::lock_guard lock(d.mu);
+    for (std::size_t id = 1; id < d.tags.size(); ++id) {
+      const tag_counter& c = d.tags[id];
+      if (c.total == 0) continue;
+      out.push_back(tag_stat{std::to_string(id), c.current, c.peak, c.live, c.total});
+    }
+  }
+  for (tag_stat& t : out) t.tag = tag_name(static_cast<std::uint32_t>(std::stoul(t.tag)));
+  std::sort(out.begin(), out.end(),
+            [](const tag_stat& a, const tag_stat& b) { return a.tag < b.tag; });
+  return out;
+}
+
+}  // namespace cucache::detail

@@ -1,0 +1,154 @@
+// The observe hub: one allocation observer per device, fed by every allocator the registry
+// creates, that keeps what snapshots, leak reports and tag statistics need -- a ring of the last
+// N device events (history:N), a record per live allocation when one is needed (a tag, leak
+// hunting or call stacks), per-tag bytes, and the live total at every step marker. The trace
+// recorder (trace:PATH) is called through it. With nothing on and no tag set, an allocation
+// costs the observer one thread-local read and a free one atomic load.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "cucache/config.hpp"
+#include "cucache/device_allocator.hpp"
+#include "cucache/observe.hpp"
+#include "observe/backtrace.hpp"
+
+namespace cucache::detail {
+
+// --- tags (process-wide, independent of any registry) ------------------------------------------
+
+/// The calling thread's current tag id, 0 for none. Read on every allocation.
+[[nodiscard]] std::uint32_t current_tag_id() noexcept;
+/// The name of tag `id` (> 0).
+[[nodiscard]] std::string tag_name(std::uint32_t id);
+/// The id of `name`, interned. Throws invalid_argument for an empty name.
+[[nodiscard]] std::uint32_t tag_id(std::string_view name);
+/// The id of `name` if it was ever interned, else 0.
+[[nodiscard]] std::uint32_t find_tag_id(std::string_view name);
+void push_tag_id(std::uint32_t id);
+/// Throws invalid_argument naming `function` when the thread has no current tag.
+void pop_tag_id(const char* function);
+
+// --- the hub ----------------------------------------------------------------------------------
+
+/// One event of a device trace (PyTorch's TraceEntry).
+struct history_entry {
+  enum class action : std::uint8_t {
+    alloc,
+    free_requested,
+    free_completed,
+    segment_alloc,
+    segment_free,
+    oom,
+    snapshot,
+  };
+  action act = action::alloc;
+  std::uintptr_t addr = 0;  // for oom: 0 (the device's free memory is not known here)
+  std::size_t size = 0;
+  stream_handle stream = nullptr;
+  std::uint64_t time_us = 0;  // microseconds since the Unix epoch
+  std::uint32_t tag = 0;
+  std::shared_ptr<const backtrace> frames;
+};
+[[nodiscard]] const char* to_string(history_entry::action a) noexcept;
+
+/// What the hub knows of a live allocation it records.
+struct live_record {
+  std::size_t size = 0;
+  stream_handle stream = nullptr;
+  std::uint32_t tag = 0;
+  std::uint64_t step = 0;
+  std::shared_ptr<const backtrace> frames;
+};
+
+class observe_hub {
+ public:
+  /// `trace`, when not null, is told of every event too. `devices` is the device count.
+  observe_hub(const config& cfg, std::shared_ptr<allocation_observer> trace, int devices);
+  ~observe_hub();
+  observe_hub(const observe_hub&) = delete;
+  observe_hub& operator=(const observe_hub&) = delete;
+
+  /// The observer to create `device`'s allocator with. The hub must outlive the allocator.
+  [[nodiscard]] std::shared_ptr<allocation_observer> observer_for(int device);
+
+  [[nodiscard]] bool history_on() const noexcept { return history_cap_ != 0; }
+  [[nodiscard]] bool leak_on() const noexcept { return leak_steps_ != 0; }
+
+  /// The device's trace, oldest first (empty when history is off).
+  [[nodiscard]] std::vector<history_entry> history(int device) const;
+  /// Appends a "snapshot" event to every device's trace (history on).
+  void note_snapshot();
+  /// The records of `device`'s live allocations (those the hub keeps), by address.
+  [[nodiscard]] std::unordered_map<std::uintptr_t, live_record> live(int device) const;
+
+  void mark_step();
+  [[nodiscard]] std::uint64_t steps() const noexcept { return step_.load(); }
+  /// K = steps, or the config's leak_steps when 0. Errors as cucache::leak_report.
+  [[nodiscard]] std::vector<leak_candidate> leak_report(std::uint64_t steps) const;
+  [[nodiscard]] std::uint64_t leak_window(std::uint64_t steps) const;
+
+  [[nodiscard]] std::vector<tag_stat> tag_stats(int device) const;
+
+  // The observer's entry points (observe_hub.cpp).
+  void record_allocate(int device, const void* ptr, std::size_t size, stream_handle stream,
+                       std::uint32_t tag) noexcept;
+  void record_free(int device, const void* ptr, std::size_t size, stream_handle stream) noexcept;
+  void record_event(int device, history_entry::action act, std::uintptr_t addr, std::size_t size,
+                    stream_handle stream) noexcept;
+  /// Nonzero when an allocation needs record_allocate even without a tag.
+  [[nodiscard]] bool always_record() const noexcept { return always_record_; }
+  /// Nonzero when a free needs record_free.
+  [[nodiscard]] bool free_needs_record() const noexcept {
+    return always_record_ || tagged_live_.load(std::memory_order_relaxed) != 0;
+  }
+  [[nodiscard]] allocation_observer* trace() const noexcept { return trace_.get(); }
+
+ private:
+  struct tag_counter {
+    std::size_t current = 0;
+    std::size_t peak = 0;
+    std::uint64_t live = 0;
+    std::uint64_t total = 0;
+  };
+  struct device_state {
+    mutable std::mutex mu;
+    std::unordered_map<std::uintptr_t, live_record> live;
+    std::vector<tag_counter> tags;  // by tag id
+    std::vector<history_entry> ring;
+    std::size_t ring_next = 0;  // where the next event goes once the ring is full
+    std::size_t live_total = 0;
+    std::vector<std::size_t> step_totals{0};  // live_total at each marker; [0]: at the start
+  };
+  void push_locked(device_state& d, history_entry e);
+
+  std::shared_ptr<allocation_observer> trace_;
+  std::size_t history_cap_ = 0;
+  std::uint64_t leak_steps_ = 0;
+  bool backtraces_ = false;
+  bool always_record_ = false;  // leak hunting or call stacks: every allocation is recorded
+  std::atomic<std::uint64_t> step_{0};
+  std::atomic<std::uint64_t> tagged_live_{0};
+  mutable std::mutex step_mu_;
+  std::vector<std::unique_ptr<device_state>> devices_;
+};
+
+/// The snapshot of PyTorch's memory viewer (torch.cuda.memory._snapshot()) as JSON, for the
+/// allocators of `by_device` (index = device; nullptr for a device never used). torch_snapshot.cpp.
+[[nodiscard]] std::string torch_snapshot_json(const std::vector<const device_allocator*>& by_device,
+                                              const observe_hub& hub);
+/// Tag statistics as a JSON array of {tag, current_bytes, peak_bytes, allocations,
+/// total_allocations} (the Python package's cucache.tag_stats).
+[[nodiscard]] std::string tag_stats_json(const std::vector<tag_stat>& tags);
+/// leak_report as JSON (cucache::leak_report_json).
+[[nodiscard]] std::string leak_report_json(const observe_hub& hub, std::uint64_t steps);
+
+}  // namespace cucache::detail
