@@ -76,6 +76,10 @@ struct device_allocator::impl {
   void* allocate(std::size_t bytes, stream_handle stream);
   /// False (nothing changed) when ptr is not the start of a live block.
   bool deallocate(void* ptr, stream_handle stream, bool ordered);
+  /// deallocate's general path (captures, observer, other streams). REQUIRES: p.mu held, b
+  /// taken out of the block map.
+  bool deallocate_locked(detail::stream_pool& p, detail::block* b, void* ptr,
+                         stream_handle stream, bool ordered);
   bool record_stream(void* ptr, stream_handle stream);
   void empty_cache();
   void begin_allocate_to_pool(graph_pool_id pool, stream_filter filter);
@@ -83,7 +87,9 @@ struct device_allocator::impl {
   void release_graph_pool(graph_pool_id pool);
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
 
+  /// The pool of `stream` (thread-local one-entry cache in front of pool_for_key).
   detail::stream_pool& pool_for(stream_handle stream);
+  detail::stream_pool& pool_for_key(stream_handle stream, std::uint64_t key);
   /// The key of `stream`'s pool: its stream id.
   [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
     return stream == nullptr ? detail::k_legacy_stream_key : raw->stream_id(stream);

@@ -141,8 +141,15 @@ stream_pool& device_allocator::impl::pool_for(stream_handle stream) {
   // value to the next stream it creates, while work queued on the dead one may still run. A pool
   // keyed by the value would give the new stream blocks whose last use is that work.
   const std::uint64_t key = stream_key(stream);
+  const pool_cache_entry& c = t_pool_cache;
+  if (c.owner == id && c.key == key) [[likely]]
+    return *c.pool;
+  return pool_for_key(stream, key);
+}
+
+stream_pool& device_allocator::impl::pool_for_key(stream_handle stream, std::uint64_t key) {
+  // pool_for's miss of the thread's one-entry cache: out of line, so that the hit stays small.
   pool_cache_entry& c = t_pool_cache;
-  if (c.owner == id && c.key == key) return *c.pool;
   stream_pool* p = nullptr;
   {
     std::shared_lock lock(pools_mu_);
@@ -717,6 +724,24 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (b == nullptr) return false;
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
+  // The common free: no capture known, nobody observing, the block used on its own stream only.
+  // It is deallocate_locked's path for that case, step for step, without its tests.
+  if (captures_n.load(std::memory_order_acquire) != 0 || observer != nullptr ||
+      b->uses != nullptr || (ordered && !names_pool_stream(p, stream))) [[unlikely]] {
+    return deallocate_locked(p, b, ptr, stream, ordered);
+  }
+  p.stats.on_free(b->seg->kind, static_cast<std::int64_t>(b->size),
+                  static_cast<std::int64_t>(b->requested));
+  if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
+  b->requested = 0;
+  release_to_free(p, b);
+  return true;
+}
+
+bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* ptr,
+                                               stream_handle stream, bool ordered) {
+  // REQUIRES: p.mu held; b taken out of the block map.
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   // A block of a stream pool freed while cucache knows that stream captures: the captured work
   // may use it at every replay, so it is held for that capture's graph pool, not reused.
   detail::graph_pool* own_capture = nullptr;
