@@ -341,6 +341,11 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
 
 block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
                                      std::size_t requested) {
+  return carve_inline(p, b, kind, rounded, requested);
+}
+
+block* device_allocator::impl::carve_inline(stream_pool& p, block* b, pool_kind kind,
+                                            std::size_t rounded, std::size_t requested) {
   if (policy.should_split(kind, b->size, rounded)) {
     block* rest = split_off(p, b, rounded);
     p.index_of(kind).replace(b, rest);
@@ -359,6 +364,10 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
 }
 
 void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
+  release_to_free_inline(p, b);
+}
+
+void device_allocator::impl::release_to_free_inline(stream_pool& p, block* b) {
   // REQUIRES: p.mu held; b allocated-then-freed (allocation stats already taken off).
   const pool_kind kind = b->seg->kind;
   if (b->state == block_state::pending) {
@@ -710,7 +719,7 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
     lk.unlock();
     throw_oom(bytes, rounded, stream);
   }
-  b = carve(p, b, kind, rounded, bytes);
+  b = carve_inline(p, b, kind, rounded, bytes);
   blocks.insert(b->addr, b);
   return reinterpret_cast<void*>(b->addr);
 }
@@ -734,7 +743,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
                   static_cast<std::int64_t>(b->requested));
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
-  release_to_free(p, b);
+  release_to_free_inline(p, b);
   return true;
 }
 
