@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "churn_plan.hpp"
 #include "common/c10_loader.hpp"
 #include "common/cuda_check.hpp"
 #include "common/device_peers.hpp"
@@ -118,13 +119,22 @@ void set_memory_counters(benchmark::State& state, double reserved, double reserv
 // allocator has one), allocate/deallocate act on a stream, stream(i) names stream i, synchronize()
 // waits for the device. Every one is thread-safe, so the thread benchmark shares one instance.
 
-/// cucache over a device backend: on the simulated device (host cost only) or on GPU 0.
-template <bool gpu>
+/// cucache over a device backend: on the simulated device (host cost only) or on GPU 0, in
+/// default mode or with expandable segments.
+template <bool gpu, bool expandable = false>
 class cucache_alloc {
  public:
-  static constexpr const char* k_name = gpu ? "cucache_cuda" : "cucache_sim";
+  static constexpr const char* k_name =
+      gpu ? (expandable ? "cucache_cuda_expandable" : "cucache_cuda")
+          : (expandable ? "cucache_sim_expandable" : "cucache_sim");
 
-  cucache_alloc() : alloc_(make_backend(gpu ? backend_kind::cuda : backend_kind::sim, 0)) {}
+  cucache_alloc()
+      : alloc_(make_backend(gpu ? backend_kind::cuda : backend_kind::sim, 0), make_config()) {}
+  static config make_config() {
+    config c;
+    c.expandable_segments = expandable;
+    return c;
+  }
   void* allocate(std::size_t bytes, stream_handle stream) { return alloc_.allocate(bytes, stream); }
   void deallocate(void* ptr, stream_handle /*stream*/) { alloc_.deallocate(ptr); }
   static stream_handle stream(int index) { return gpu ? gpu_stream(index) : sim_stream(index); }
@@ -233,63 +243,6 @@ void bm_pair(benchmark::State& state, std::size_t bytes) {
 
 // --- churn: many live blocks, free a random one and allocate a new one --------------------------
 
-/// A precomputed churn sequence, so that no random numbers are drawn while timing. An operation is
-/// one free of a random live block plus one allocation of a log-uniform size into its slot.
-struct churn_plan {
-  struct op {
-    std::uint32_t slot;
-    std::uint32_t bytes;
-  };
-  std::vector<std::uint32_t> initial;  // sizes of the first `live` blocks
-  std::vector<op> ops;                 // a power-of-two count, replayed cyclically
-};
-
-/// SplitMix64: a tiny, well-mixed generator whose sequence is the same on every platform.
-class splitmix64 {
- public:
-  explicit splitmix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-  }
-  double uniform() noexcept { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
-
- private:
-  std::uint64_t state_;
-};
-
-churn_plan make_churn_plan(std::size_t live, std::size_t min_bytes, std::size_t max_bytes,
-                           std::uint64_t seed) {
-  constexpr std::size_t k_ops = std::size_t{1} << 16;
-  splitmix64 rng(seed);
-  const double lo = std::log(static_cast<double>(min_bytes));
-  const double hi = std::log(static_cast<double>(max_bytes));
-  auto log_uniform = [&] {
-    const auto b = static_cast<std::size_t>(std::exp(lo + rng.uniform() * (hi - lo)));
-    return static_cast<std::uint32_t>(std::clamp(b, min_bytes, max_bytes));
-  };
-  churn_plan plan;
-  plan.initial.reserve(live);
-  for (std::size_t i = 0; i < live; ++i) plan.initial.push_back(log_uniform());
-  plan.ops.reserve(k_ops);
-  for (std::size_t i = 0; i < k_ops; ++i) {
-    const auto slot = static_cast<std::uint32_t>(rng.next() % live);
-    plan.ops.push_back({slot, log_uniform()});
-  }
-  return plan;
-}
-
-const churn_plan& small_churn_plan() {
-  static const churn_plan plan = make_churn_plan(2000, 512, 1 * k_mib, 0xC0FFEE01);
-  return plan;
-}
-const churn_plan& large_churn_plan() {
-  static const churn_plan plan = make_churn_plan(1000, 512, 32 * k_mib, 0xC0FFEE02);
-  return plan;
-}
-
 template <class A>
 void bm_churn(benchmark::State& state, const churn_plan* plan) {
   try {
@@ -351,15 +304,16 @@ void threads_teardown(const benchmark::State& /*state*/) {
   g_shared<A>.reset();
 }
 
+/// `shared`: every thread on stream 0 (one pool, one lock), else each on its own stream.
 template <class A>
-void bm_threads(benchmark::State& state) {
+void bm_threads(benchmark::State& state, bool shared) {
   A* alloc = g_shared<A>.get();
   if (alloc == nullptr) {
     state.SkipWithError(("allocator setup failed: " + g_shared_error<A>).c_str());
     return;
   }
   try {
-    const stream_handle stream = A::stream(state.thread_index());
+    const stream_handle stream = A::stream(shared ? 0 : state.thread_index());
     alloc->deallocate(alloc->allocate(k_thread_pair_bytes, stream), stream);
     // Timed from the first iteration: the start barrier lies between the setup and it.
     std::int64_t start = 0;
@@ -479,10 +433,12 @@ void register_churn() {
 
 template <class A>
 void register_threads() {
-  auto* b =
-      benchmark::RegisterBenchmark((std::string("threads/") + A::k_name).c_str(), bm_threads<A>);
-  for (int t : k_thread_counts) b->Threads(t);
-  b->UseRealTime()->Setup(threads_setup<A>)->Teardown(threads_teardown<A>);
+  for (const bool shared : {false, true}) {
+    const std::string name = std::string(shared ? "threads_one_stream/" : "threads/") + A::k_name;
+    auto* b = benchmark::RegisterBenchmark(name.c_str(), bm_threads<A>, shared);
+    for (int t : k_thread_counts) b->Threads(t);
+    b->UseRealTime()->Setup(threads_setup<A>)->Teardown(threads_teardown<A>);
+  }
 }
 
 struct allocator_entry {
@@ -514,7 +470,8 @@ int run(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
 
-  std::vector<allocator_entry> allocators{entry_of<cucache_alloc<false>>()};
+  std::vector<allocator_entry> allocators{entry_of<cucache_alloc<false>>(),
+                                          entry_of<cucache_alloc<false, true>>()};
   if (count_devices(backend_kind::cuda).count > 0) {
     try {
       make_gpu_streams();
@@ -522,6 +479,7 @@ int run(int argc, char** argv) {
       check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
       benchmark::AddCustomContext("cuda_device", prop.name);
       allocators.push_back(entry_of<cucache_alloc<true>>());
+      allocators.push_back(entry_of<cucache_alloc<true, true>>());
       register_stream_queries();
       allocators.push_back(entry_of<cuda_malloc_alloc>());
       allocators.push_back(entry_of<cuda_malloc_async_alloc>());

@@ -22,6 +22,10 @@
 #include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
 
+/// Hot-path helpers: inline into allocate and deallocate, defined in device_allocator.cpp (the only
+/// translation unit that calls them).
+#define CUCACHE_HOT [[gnu::always_inline]] inline
+
 namespace cucache {
 
 namespace detail {
@@ -76,6 +80,10 @@ struct device_allocator::impl {
   void* allocate(std::size_t bytes, stream_handle stream);
   /// False (nothing changed) when ptr is not the start of a live block.
   bool deallocate(void* ptr, stream_handle stream, bool ordered);
+  /// deallocate's general path (captures, observer, other streams). REQUIRES: p.mu held, b
+  /// taken out of the block map.
+  bool deallocate_locked(detail::stream_pool& p, detail::block* b, void* ptr,
+                         stream_handle stream, bool ordered);
   bool record_stream(void* ptr, stream_handle stream);
   void empty_cache();
   void begin_allocate_to_pool(graph_pool_id pool, stream_filter filter);
@@ -83,7 +91,13 @@ struct device_allocator::impl {
   void release_graph_pool(graph_pool_id pool);
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
 
-  detail::stream_pool& pool_for(stream_handle stream);
+  /// The pool of `stream` (thread-local one-entry cache in front of pool_for_key).
+  CUCACHE_HOT detail::stream_pool& pool_for(stream_handle stream);
+  /// pool_for and find_free for the other translation units (headroom.cpp): out of line.
+  detail::stream_pool& pool_for_outline(stream_handle stream);
+  detail::block* find_free_outline(detail::stream_pool& p, detail::pool_kind kind,
+                                   std::size_t rounded);
+  detail::stream_pool& pool_for_key(stream_handle stream, std::uint64_t key);
   /// The key of `stream`'s pool: its stream id.
   [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
     return stream == nullptr ? detail::k_legacy_stream_key : raw->stream_id(stream);
@@ -142,17 +156,25 @@ struct device_allocator::impl {
   void settle_graph_pools();
   [[nodiscard]] detail::graph_pool* find_graph_pool(graph_pool_id id) const;  // REQUIRES graph_mu_
   [[noreturn]] void throw_capture_blocks(const char* what) const;
-  detail::block* find_free(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded);
+  CUCACHE_HOT detail::block* find_free(detail::stream_pool& p, detail::pool_kind kind,
+                                       std::size_t rounded);
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                       std::unique_lock<detail::pool_mutex>& lk);
   detail::block* new_segment(detail::stream_pool& p, detail::pool_kind kind, std::size_t bytes);
   detail::block* carve(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
                        std::size_t rounded, std::size_t requested);
   void release_to_free(detail::stream_pool& p, detail::block* b);
+  // carve and release_to_free as the allocation and free paths inline them (the named functions
+  // call these, for the other translation units).
+  CUCACHE_HOT detail::block* carve_inline(detail::stream_pool& p, detail::block* b,
+                                          detail::pool_kind kind, std::size_t rounded,
+                                          std::size_t requested);
+  CUCACHE_HOT void release_to_free_inline(detail::stream_pool& p, detail::block* b);
   detail::segment* add_segment(detail::stream_pool& p, detail::pool_kind kind, std::uintptr_t base,
                                std::size_t bytes, detail::vm_range* vm);
   void release_segment(detail::stream_pool& p, detail::segment* s);
-  detail::block* split_off(detail::stream_pool& p, detail::block* b, std::size_t front_bytes);
+  CUCACHE_HOT detail::block* split_off(detail::stream_pool& p, detail::block* b,
+                                       std::size_t front_bytes);
   void poll_pending(detail::stream_pool& p);
   void sync_pending(detail::stream_pool& p);
   void release_oversize(detail::stream_pool& p);

@@ -143,8 +143,15 @@ stream_pool& device_allocator::impl::pool_for(stream_handle stream) {
   // value to the next stream it creates, while work queued on the dead one may still run. A pool
   // keyed by the value would give the new stream blocks whose last use is that work.
   const std::uint64_t key = stream_key(stream);
+  const pool_cache_entry& c = t_pool_cache;
+  if (c.owner == id && c.key == key) [[likely]]
+    return *c.pool;
+  return pool_for_key(stream, key);
+}
+
+stream_pool& device_allocator::impl::pool_for_key(stream_handle stream, std::uint64_t key) {
+  // pool_for's miss of the thread's one-entry cache: out of line, so that the hit stays small.
   pool_cache_entry& c = t_pool_cache;
-  if (c.owner == id && c.key == key) return *c.pool;
   stream_pool* p = nullptr;
   {
     std::shared_lock lock(pools_mu_);
@@ -342,6 +349,11 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
 
 block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
                                      std::size_t requested) {
+  return carve_inline(p, b, kind, rounded, requested);
+}
+
+block* device_allocator::impl::carve_inline(stream_pool& p, block* b, pool_kind kind,
+                                            std::size_t rounded, std::size_t requested) {
   if (policy.should_split(kind, b->size, rounded)) {
     block* rest = split_off(p, b, rounded);
     p.index_of(kind).replace(b, rest);
@@ -360,6 +372,10 @@ block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, s
 }
 
 void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
+  release_to_free_inline(p, b);
+}
+
+void device_allocator::impl::release_to_free_inline(stream_pool& p, block* b) {
   // REQUIRES: p.mu held; b allocated-then-freed (allocation stats already taken off).
   const pool_kind kind = b->seg->kind;
   if (b->state == block_state::pending) {
@@ -714,7 +730,7 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
     lk.unlock();
     throw_oom(bytes, rounded, stream);
   }
-  b = carve(p, b, kind, rounded, bytes);
+  b = carve_inline(p, b, kind, rounded, bytes);
   blocks.insert(b->addr, b);
   return reinterpret_cast<void*>(b->addr);
 }
@@ -728,6 +744,24 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (b == nullptr) return false;
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
+  // The common free: no capture known, nobody observing, the block used on its own stream only.
+  // It is deallocate_locked's path for that case, step for step, without its tests.
+  if (captures_n.load(std::memory_order_acquire) != 0 || observer != nullptr ||
+      b->uses != nullptr || (ordered && !names_pool_stream(p, stream))) [[unlikely]] {
+    return deallocate_locked(p, b, ptr, stream, ordered);
+  }
+  p.stats.on_free(b->seg->kind, static_cast<std::int64_t>(b->size),
+                  static_cast<std::int64_t>(b->requested));
+  if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
+  b->requested = 0;
+  release_to_free_inline(p, b);
+  return true;
+}
+
+bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* ptr,
+                                               stream_handle stream, bool ordered) {
+  // REQUIRES: p.mu held; b taken out of the block map.
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   // A block of a stream pool freed while cucache knows that stream captures: the captured work
   // may use it at every replay, so it is held for that capture's graph pool, not reused.
   detail::graph_pool* own_capture = nullptr;
@@ -1016,6 +1050,15 @@ std::size_t device_allocator::allocation_size(const void* ptr) const {
   std::size_t size = 0;
   impl_->blocks.with(reinterpret_cast<std::uintptr_t>(ptr), [&](block* b) { size = b->size; });
   return size;
+}
+
+detail::stream_pool& device_allocator::impl::pool_for_outline(stream_handle stream) {
+  return pool_for(stream);
+}
+detail::block* device_allocator::impl::find_free_outline(detail::stream_pool& p,
+                                                        detail::pool_kind kind,
+                                                        std::size_t rounded) {
+  return find_free(p, kind, rounded);
 }
 
 }  // namespace cucache

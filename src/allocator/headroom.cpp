@@ -49,7 +49,7 @@ std::size_t device_allocator::impl::largest_request_within(std::size_t rounded) 
 
 std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   // The pool before the locks: pool_for may create it (under pools_mu_, which lock_all shares).
-  stream_pool& own = pool_for(stream);
+  stream_pool& own = pool_for_outline(stream);
   auto all = lock_all();
   // The ladder's first step, taken now: pending frees become free blocks (and may coalesce).
   for (auto& q : pools) sync_pending(*q);
@@ -74,7 +74,7 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
         if (n <= best) continue;
         const std::optional<std::size_t> r = policy.round_size(n);
         if (!r || detail::size_policy::pool_for(*r) != s->kind) continue;
-        if (find_free(own, s->kind, *r) != nullptr) best = n;
+        if (find_free_outline(own, s->kind, *r) != nullptr) best = n;
       }
     }
     // 2. A new segment after the ladder released every whole free segment it may release.
@@ -173,7 +173,7 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
 
 void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return;
-  stream_pool& p = pool_for(stream);
+  stream_pool& p = pool_for_outline(stream);
   std::unique_lock lk(p.mu);
   if (!expandable) {
     // One large-pool segment, through the path a request that misses the cache takes.

@@ -554,6 +554,7 @@ std::string to_string(const config& cfg) {
   }
   if (cfg.nvtx != def.nvtx) {
     put("nvtx", cfg.nvtx ? "True" : "False", [&](const config& c) { return c.nvtx == cfg.nvtx; });
+  }
   if (cfg.history_entries != def.history_entries) {
     put("history", fmt::format("{}", cfg.history_entries),
         [&](const config& c) { return c.history_entries == cfg.history_entries; });

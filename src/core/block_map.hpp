@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <new>
 
 #include "core/block.hpp"
@@ -82,8 +83,72 @@ class block_map {
     return static_cast<std::size_t>((addr >> 9) * 0x9E3779B97F4A7C15ULL);
   }
   shard& shard_of(std::uintptr_t addr) const noexcept { return shards_[hash(addr) >> 58]; }
+  /// A key's home slot in its shard's table (other bits than those that pick the shard).
+  static std::size_t slot_hash(std::uintptr_t key) noexcept {
+    return static_cast<std::size_t>(((key >> 9) * 0xC2B2AE3D27D4EB4FULL) >> 17);
+  }
 
   std::unique_ptr<shard[]> shards_;
 };
+
+// The free and allocation paths' lookups, inline.
+
+inline block* block_map::shard::find(std::uintptr_t key) const noexcept {
+  if (slots == nullptr) return nullptr;
+  for (std::size_t i = block_map::slot_hash(key) & mask;; i = (i + 1) & mask) {
+    if (slots[i].key == key) return slots[i].value;
+    if (slots[i].key == 0) return nullptr;
+  }
+}
+
+inline void block_map::shard::insert(std::uintptr_t key, block* value) {
+  if (slots == nullptr || (used + 1) * 2 > mask + 1) grow();
+  std::size_t i = block_map::slot_hash(key) & mask;
+  while (slots[i].key != 0) i = (i + 1) & mask;
+  slots[i] = slot{key, value};
+  ++used;
+}
+
+inline block* block_map::shard::take(std::uintptr_t key) noexcept {
+  if (slots == nullptr) return nullptr;
+  std::size_t i = block_map::slot_hash(key) & mask;
+  while (slots[i].key != key) {
+    if (slots[i].key == 0) return nullptr;
+    i = (i + 1) & mask;
+  }
+  block* value = slots[i].value;
+  // Backward-shift deletion keeps every probe sequence unbroken without tombstones.
+  std::size_t hole = i;
+  for (std::size_t j = (i + 1) & mask; slots[j].key != 0; j = (j + 1) & mask) {
+    const std::size_t home = block_map::slot_hash(slots[j].key) & mask;
+    // Move j into the hole unless its home lies cyclically in (hole, j].
+    const bool home_between = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+    if (!home_between) {
+      slots[hole] = slots[j];
+      hole = j;
+    }
+  }
+  slots[hole] = slot{};
+  --used;
+  return value;
+}
+
+inline void block_map::insert(std::uintptr_t addr, block* b) {
+  shard& s = shard_of(addr);
+  std::lock_guard lock(s.mu);
+  s.insert(addr, b);
+}
+
+inline block* block_map::take(std::uintptr_t addr) noexcept {
+  shard& s = shard_of(addr);
+  std::lock_guard lock(s.mu);
+  return s.take(addr);
+}
+
+inline block* block_map::find(std::uintptr_t addr) const noexcept {
+  shard& s = shard_of(addr);
+  std::lock_guard lock(s.mu);
+  return s.find(addr);
+}
 
 }  // namespace cucache::detail

@@ -68,6 +68,9 @@ class free_index {
  private:
   [[nodiscard]] block* first_above(std::uint32_t bin) const noexcept;
   void link(block* b, std::uint32_t bin) noexcept;  // insert into a known bin
+  /// link / erase without the count and byte totals (replace and resize keep the count).
+  void place(block* b, std::uint32_t bin) noexcept;
+  void unplace(block* b) noexcept;
   /// Best-fit order: size, then address.
   static bool before(std::size_t size_a, std::uintptr_t addr_a, const block* b) noexcept {
     return size_a < b->size || (size_a == b->size && addr_a < b->addr);
@@ -82,5 +85,119 @@ class free_index {
   std::size_t count_ = 0;
   std::size_t bytes_ = 0;
 };
+
+// The fast paths, inline: every allocation and free runs several of them.
+
+inline void free_index::place(block* b, std::uint32_t bin) noexcept {
+  b->bin = bin;
+  block* prev = nullptr;
+  block* cur = heads_[bin];
+  while (cur != nullptr && (cur->size < b->size || (cur->size == b->size && cur->addr < b->addr))) {
+    prev = cur;
+    cur = cur->free_next;
+  }
+  b->free_prev = prev;
+  b->free_next = cur;
+  if (cur != nullptr) cur->free_prev = b;
+  if (prev != nullptr) {
+    prev->free_next = b;
+  } else {
+    heads_[bin] = b;
+    level_map_ |= std::uint64_t{1} << (bin / k_sub_bins);
+    sub_map_[bin / k_sub_bins] |= 1u << (bin % k_sub_bins);
+  }
+}
+
+inline void free_index::unplace(block* b) noexcept {
+  const std::uint32_t bin = b->bin;
+  block* const p = b->free_prev;
+  block* const n = b->free_next;
+  if (p != nullptr) {
+    p->free_next = n;
+  } else {
+    heads_[bin] = n;
+    if (n == nullptr) {
+      auto& sub = sub_map_[bin / k_sub_bins];
+      sub &= ~(1u << (bin % k_sub_bins));
+      if (sub == 0) level_map_ &= ~(std::uint64_t{1} << (bin / k_sub_bins));
+    }
+  }
+  if (n != nullptr) n->free_prev = p;
+  b->free_prev = b->free_next = nullptr;
+}
+
+inline void free_index::link(block* b, std::uint32_t bin) noexcept {
+  place(b, bin);
+  ++count_;
+  bytes_ += b->size;
+}
+
+inline void free_index::erase(block* b) noexcept {
+  unplace(b);
+  --count_;
+  bytes_ -= b->size;
+}
+
+inline void free_index::replace(block* out, block* in) noexcept {
+  const std::uint32_t bin = bin_of(in->size);
+  block* p = out->free_prev;
+  block* n = out->free_next;
+  bytes_ = bytes_ - out->size + in->size;  // the count stays
+  if (bin == out->bin && (p == nullptr || before(p, in->size, in->addr)) &&
+      (n == nullptr || before(in->size, in->addr, n))) {
+    in->bin = bin;
+    in->free_prev = p;
+    in->free_next = n;
+    if (p != nullptr) {
+      p->free_next = in;
+    } else {
+      heads_[bin] = in;
+    }
+    if (n != nullptr) n->free_prev = in;
+    out->free_prev = out->free_next = nullptr;
+    return;
+  }
+  unplace(out);
+  place(in, bin);
+}
+
+inline void free_index::resize(block* b, std::size_t size) noexcept {
+  block* p = b->free_prev;
+  block* n = b->free_next;
+  const std::uint32_t bin = bin_of(size);
+  bytes_ = bytes_ - b->size + size;
+  if (bin == b->bin && (p == nullptr || before(p, size, b->addr)) &&
+      (n == nullptr || before(size, b->addr, n))) {
+    b->size = size;
+    return;
+  }
+  unplace(b);
+  b->size = size;
+  place(b, bin);
+}
+
+inline block* free_index::first_above(std::uint32_t bin) const noexcept {
+  // The head of the first non-empty bin above `bin`: its smallest block, larger than any in `bin`.
+  const unsigned level = bin / k_sub_bins;
+  const unsigned sub = bin % k_sub_bins;
+  const std::uint32_t above_in_level =
+      sub + 1 < k_sub_bins ? sub_map_[level] & ~((2u << sub) - 1) : 0u;
+  if (above_in_level != 0) {
+    return heads_[level * k_sub_bins + static_cast<unsigned>(std::countr_zero(above_in_level))];
+  }
+  const std::uint64_t levels_above =
+      level + 1 < k_levels ? level_map_ & ~((std::uint64_t{2} << level) - 1) : 0;
+  if (levels_above == 0) return nullptr;
+  const unsigned l = static_cast<unsigned>(std::countr_zero(levels_above));
+  return heads_[l * k_sub_bins + static_cast<unsigned>(std::countr_zero(sub_map_[l]))];
+}
+
+inline block* free_index::best_fit(std::size_t bytes) const noexcept {
+  const std::uint32_t bin = bin_of(bytes);
+  for (block* b = heads_[bin]; b != nullptr; b = b->free_next) {
+    if (b->size >= bytes) return b;
+  }
+  return first_above(bin);
+}
 
 }  // namespace cucache::detail

@@ -32,7 +32,7 @@ size_policy::size_policy(const config& cfg)
       divisions_(cfg.roundup_power2_divisions),
       split_any_remainder_(cfg.expandable_segments) {}
 
-std::optional<std::size_t> size_policy::round_size(std::size_t bytes) const noexcept {
+std::optional<std::size_t> size_policy::round_size_divided(std::size_t bytes) const noexcept {
   if (bytes > k_max_request_bytes) return std::nullopt;
   if (bytes <= k_min_block_bytes) return k_min_block_bytes;
   std::size_t rounded = bytes;
@@ -69,20 +69,6 @@ std::size_t size_policy::segment_size(std::size_t rounded) const noexcept {
     seg = round_up(rounded, k_large_segment_round_bytes);
   }
   return seg;
-}
-
-bool size_policy::should_split(pool_kind pool, std::size_t block_bytes,
-                               std::size_t rounded) const noexcept {
-  const std::size_t remaining = block_bytes - rounded;
-  if (pool == pool_kind::small || split_any_remainder_) return remaining >= k_min_block_bytes;
-  return rounded < max_split_size_ && remaining > k_large_split_remainder_bytes;
-}
-
-bool size_policy::may_take(std::size_t block_bytes, std::size_t rounded) const noexcept {
-  if (block_bytes < rounded) return false;
-  if (!is_oversize(block_bytes)) return true;
-  if (rounded < max_split_size_) return false;
-  return block_bytes - rounded < max_non_split_rounding_;
 }
 
 }  // namespace cucache::detail

@@ -44,7 +44,16 @@ class size_policy {
   /// roundup_power2_divisions asks for it. nullopt when the request or its rounded size passes
   /// k_max_request_bytes: no device can hold it (the caller reports out of memory). The
   /// arithmetic is checked, so nothing wraps around. REQUIRES: bytes > 0.
-  [[nodiscard]] std::optional<std::size_t> round_size(std::size_t bytes) const noexcept;
+  [[nodiscard]] std::optional<std::size_t> round_size(std::size_t bytes) const noexcept {
+    if (!divisions_.empty()) [[unlikely]]
+      return round_size_divided(bytes);
+    // Plain 512 B rounding, inline. k_max_request_bytes is 511 mod 512, so the sum cannot wrap
+    // and a rounded size past it is refused exactly as the general path refuses it.
+    if (bytes > k_max_request_bytes) return std::nullopt;
+    const std::size_t rounded = (bytes + (k_min_block_bytes - 1)) & ~(k_min_block_bytes - 1);
+    if (rounded > k_max_request_bytes) return std::nullopt;
+    return rounded < k_min_block_bytes ? k_min_block_bytes : rounded;
+  }
   [[nodiscard]] static pool_kind pool_for(std::size_t rounded) noexcept {
     return rounded <= k_small_request_max_bytes ? pool_kind::small : pool_kind::large;
   }
@@ -52,20 +61,32 @@ class size_policy {
   [[nodiscard]] std::size_t segment_size(std::size_t rounded) const noexcept;
   /// True when a free block of `block_bytes` taken for `rounded` should be split.
   [[nodiscard]] bool should_split(pool_kind pool, std::size_t block_bytes,
-                                  std::size_t rounded) const noexcept;
+                                  std::size_t rounded) const noexcept {
+    const std::size_t remaining = block_bytes - rounded;
+    if (pool == pool_kind::small || split_any_remainder_) return remaining >= k_min_block_bytes;
+    return rounded < max_split_size_ && remaining > k_large_split_remainder_bytes;
+  }
   /// Blocks at or above the cap are "oversize": never split, and only taken by requests at or
   /// above the cap that waste less than max_non_split_rounding.
   [[nodiscard]] bool is_oversize(std::size_t block_bytes) const noexcept {
     return block_bytes >= max_split_size_;
   }
   /// May a free block of `block_bytes` serve a rounded request under the cap rules?
-  [[nodiscard]] bool may_take(std::size_t block_bytes, std::size_t rounded) const noexcept;
+  [[nodiscard]] bool may_take(std::size_t block_bytes, std::size_t rounded) const noexcept {
+    if (block_bytes < rounded) return false;
+    if (!is_oversize(block_bytes)) return true;
+    if (rounded < max_split_size_) return false;
+    return block_bytes - rounded < max_non_split_rounding_;
+  }
   [[nodiscard]] std::size_t max_split_size() const noexcept { return max_split_size_; }
   [[nodiscard]] std::size_t max_non_split_rounding() const noexcept {
     return max_non_split_rounding_;
   }
 
  private:
+  /// round_size with roundup_power2_divisions set.
+  [[nodiscard]] std::optional<std::size_t> round_size_divided(std::size_t bytes) const noexcept;
+
   std::size_t max_split_size_ = std::numeric_limits<std::size_t>::max();
   std::size_t max_non_split_rounding_ = 20 * k_mib;
   std::vector<std::uint32_t> divisions_;  // empty: plain 512 B rounding

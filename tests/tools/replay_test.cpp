@@ -252,6 +252,62 @@ TEST(replay_cli, json_lines_have_every_key) {
   EXPECT_EQ(lines[0]["device_alloc_calls"], lines[1]["device_alloc_calls"]);
 }
 
+// --warm: the second pass of each run replays the bundled trace through the cache the first pass
+// filled. Exact figures only (no timing): the first pass's are those of a plain run, and the
+// second makes no device call at all -- every block it needs is cached -- in both modes.
+struct warm_case {
+  const char* config;
+  std::uint64_t cold_device_allocs;
+  std::uint64_t cold_peak_reserved;
+};
+
+class replay_warm : public ::testing::TestWithParam<warm_case> {};
+
+TEST_P(replay_warm, second_pass_makes_no_device_call) {
+  const warm_case c = GetParam();
+  std::vector<std::string> args{"--backend", "sim", "--json", "--warm", "--repeat", "2"};
+  if (*c.config != '\0') {
+    args.emplace_back("--config");
+    args.emplace_back(c.config);
+  }
+  args.push_back(k_resnet.string());
+  const cli_run r = run(args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto lines = json_lines(r.out);
+  ASSERT_EQ(lines.size(), 1u);
+  const auto& j = lines[0];
+  EXPECT_TRUE(j.contains("host_ns_per_op"));
+  EXPECT_EQ(j["device_alloc_calls"], c.cold_device_allocs);
+  EXPECT_EQ(j["peak_reserved_bytes"], c.cold_peak_reserved);
+  ASSERT_TRUE(j.contains("warm")) << j.dump();
+  const auto& w = j["warm"];
+  for (const char* key : {"host_ns_per_op", "host_ns_per_op_runs", "device_alloc_calls",
+                          "device_free_calls", "vm_calls", "oom_count", "peak_reserved_bytes"}) {
+    EXPECT_TRUE(w.contains(key)) << key;
+  }
+  EXPECT_EQ(w["host_ns_per_op_runs"].size(), 2u);
+  EXPECT_EQ(w["device_alloc_calls"], 0u);
+  EXPECT_EQ(w["device_free_calls"], 0u);
+  EXPECT_EQ(w["vm_calls"]["create"], 0u);
+  EXPECT_EQ(w["vm_calls"]["map"], 0u);
+  EXPECT_EQ(w["vm_calls"]["unmap"], 0u);
+  EXPECT_EQ(w["oom_count"], 0u);
+  EXPECT_EQ(w["peak_reserved_bytes"], c.cold_peak_reserved);  // the cache did not grow
+}
+
+INSTANTIATE_TEST_SUITE_P(modes, replay_warm,
+                         ::testing::Values(warm_case{"", 117, 3592421376u},
+                                           warm_case{"expandable_segments:True", 722,
+                                                     3214934016u}));
+
+TEST(replay_cli, without_warm_there_is_no_warm_object) {
+  const cli_run r = run({"--backend", "sim", "--json", k_resnet.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto lines = json_lines(r.out);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_FALSE(lines[0].contains("warm"));
+}
+
 TEST(replay_cli, capacity_decides_whether_the_trace_fits) {
   const cli_run small =
       run({"--backend", "sim", "--json", "--capacity-gib", "1", k_resnet.string()});

@@ -129,6 +129,12 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                                     "median is reported")
                          ->check(CLI::Range(1U, 1000000U));
   app.add_flag("--json", json, "one JSON object per trace per line, nothing else on stdout");
+  bool warm = false;
+  auto* warm_opt = app.add_flag(
+      "--warm", warm,
+      "steady state: each timed run replays the trace a second time through the same allocator "
+      "(for cucache and every peer), after freeing what the first pass left live, and times "
+      "both passes (JSON: host_ns_per_op and warm.host_ns_per_op)");
   auto* peers_opt = app.add_option(
       "--peers", peers_text,
       "comma-separated peers: cudaMalloc,cudaMallocAsync,c10 or none (default: every available "
@@ -155,6 +161,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       "card (docs/replay.md)");
   advise_opt->excludes(fit_opt);
   advise_opt->excludes(repeat_opt);
+  fit_opt->excludes(warm_opt);
+  advise_opt->excludes(warm_opt);
   app.add_option("trace", traces, "trace files")->required()->check(CLI::ExistingFile);
   try {
     app.parse(argc, argv);
@@ -220,6 +228,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       opts.capacity_bytes = static_cast<std::size_t>(bytes);
     }
     opts.repeat = repeat;
+    opts.warm = warm;
 
     if (advise) {
       // Every trace is read before any advice is printed: a bad file fails the run up front.

@@ -16,14 +16,17 @@
 
 namespace cucache::replay {
 
-/// One cold run of a peer.
+/// One cold run of a peer (and with `warm`, its second pass through the same, filled cache).
 struct peer_run {
   double ns_per_op = 0.0;
   std::uint64_t oom_count = 0;
   std::size_t peak_reserved_bytes = 0;
+  double warm_ns_per_op = 0.0;  // warm runs only
 };
 
-/// A peer allocator. Each run starts from an empty cache and ends with everything freed.
+/// A peer allocator. Each run starts from an empty cache and ends with everything freed. A warm
+/// run replays the trace twice through the same instance, freeing what the first pass left live
+/// (untimed) before the second, and times both passes.
 class peer {
  public:
   virtual ~peer() = default;
@@ -34,7 +37,7 @@ class peer {
   virtual void begin_trace() {}
   [[nodiscard]] virtual peer_run run(const prepared_trace& trace,
                                      std::span<const stream_handle> streams,
-                                     std::span<void*> slots) = 0;
+                                     std::span<void*> slots, bool warm) = 0;
   /// Whether the peer can be held to a memory limit (--capacity-gib, --fit).
   [[nodiscard]] virtual bool limitable() const { return true; }
   /// --fit: one untimed, cold run under a limit of `limit_bytes` that stops at the first

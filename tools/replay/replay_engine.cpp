@@ -334,6 +334,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   std::vector<void*> slots(trace.ops.size(), nullptr);
 
   // Timed runs: nothing but the allocator calls inside the clock.
+  if (opts.warm) r.warm.emplace();
   for (unsigned run = 0; run < opts.repeat; ++run) {
     std::fill(slots.begin(), slots.end(), nullptr);
     device_allocator a(backend_for(opts), cfg);
@@ -353,8 +354,31 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
                       "{} gave {}",
                       trace.name, describe(r.figures), run + 1, describe(f)));
     }
+    if (opts.warm) {
+      // The second pass, through the cache the first one filled: what the first left live is
+      // freed first, untimed.
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i] != nullptr) a.deallocate(slots[i]);
+        slots[i] = nullptr;
+      }
+      const memory_figures before = figures_of(a.stats());
+      const pass_result second = run_pass(trace, streams, slots, ops);
+      r.warm->host_ns_per_op_runs.push_back(per_op(second.elapsed, trace));
+      const memory_figures after = figures_of(a.stats());
+      if (run == 0) {
+        warm_figures& w = *r.warm;
+        w.device_alloc_calls = after.device_alloc_calls - before.device_alloc_calls;
+        w.device_free_calls = after.device_free_calls - before.device_free_calls;
+        w.vm_create_calls = after.vm_create_calls - before.vm_create_calls;
+        w.vm_map_calls = after.vm_map_calls - before.vm_map_calls;
+        w.vm_unmap_calls = after.vm_unmap_calls - before.vm_unmap_calls;
+        w.oom_count = after.oom_count - before.oom_count;
+        w.peak_reserved_bytes = after.peak_reserved_bytes;
+      }
+    }
   }
   r.host_ns_per_op = median(r.host_ns_per_op_runs);
+  if (r.warm) r.warm->host_ns_per_op = median(r.warm->host_ns_per_op_runs);
 
   // One untimed run samples the stats whenever reserved memory grew, keeping the sample where it
   // was highest: the allocator's state at its reserved peak.
@@ -412,15 +436,18 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     pr.name = p->name();
     pr.peak_source = p->peak_source();
     p->begin_trace();
+    if (opts.warm) pr.warm.emplace();
     for (unsigned run = 0; run < opts.repeat; ++run) {
-      const peer_run pass = p->run(trace, streams, slots);
+      const peer_run pass = p->run(trace, streams, slots, opts.warm);
       pr.host_ns_per_op_runs.push_back(pass.ns_per_op);
+      if (pr.warm) pr.warm->host_ns_per_op_runs.push_back(pass.warm_ns_per_op);
       if (run == 0) {
         pr.peak_reserved_bytes = pass.peak_reserved_bytes;
         pr.oom_count = pass.oom_count;
       }
     }
     pr.host_ns_per_op = median(pr.host_ns_per_op_runs);
+    if (pr.warm) pr.warm->host_ns_per_op = median(pr.warm->host_ns_per_op_runs);
     r.peers.push_back(std::move(pr));
   }
   return r;
@@ -552,7 +579,7 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
   for (peer* p : peers) {
     const auto start = std::chrono::steady_clock::now();
     p->begin_trace();
-    const peer_run free_run = p->run(trace, streams, slots);
+    const peer_run free_run = p->run(trace, streams, slots, /*warm=*/false);
     if (free_run.oom_count != 0) {
       throw error(
           fmt::format("--fit: {} runs out of memory without a limit ({})", trace.name, p->name()));
@@ -624,6 +651,18 @@ nlohmann::json to_json(const trace_result& r) {
                                 {"largest_free_block", f.largest_free_block}};
   if (r.capacity_bytes) j["capacity_bytes"] = *r.capacity_bytes;
   if (r.fits) j["fits"] = *r.fits;
+  if (r.warm) {
+    const warm_figures& w = *r.warm;
+    j["warm"] = {{"host_ns_per_op", w.host_ns_per_op},
+                 {"host_ns_per_op_runs", w.host_ns_per_op_runs},
+                 {"device_alloc_calls", w.device_alloc_calls},
+                 {"device_free_calls", w.device_free_calls},
+                 {"vm_calls", {{"create", w.vm_create_calls},
+                               {"map", w.vm_map_calls},
+                               {"unmap", w.vm_unmap_calls}}},
+                 {"oom_count", w.oom_count},
+                 {"peak_reserved_bytes", w.peak_reserved_bytes}};
+  }
   nlohmann::json peers = nlohmann::json::object();
   for (const peer_result& p : r.peers) {
     peers[p.name] = {
@@ -638,6 +677,14 @@ nlohmann::json to_json(const trace_result& r) {
                                              static_cast<double>(p.peak_reserved_bytes))},
         {"cucache_over_peer_ns_per_op", ratio(r.host_ns_per_op, p.host_ns_per_op)},
     };
+    if (p.warm) {
+      peers[p.name]["warm"] = {
+          {"host_ns_per_op", p.warm->host_ns_per_op},
+          {"host_ns_per_op_runs", p.warm->host_ns_per_op_runs},
+          {"cucache_over_peer_ns_per_op",
+           ratio(r.warm ? r.warm->host_ns_per_op : 0.0, p.warm->host_ns_per_op)},
+      };
+    }
   }
   j["peers"] = std::move(peers);
   return j;
@@ -666,6 +713,18 @@ std::string format_table(std::span<const trace_result> results) {
       s += fmt::format(" {:>5} {:>6}", r.fits.value_or(false) ? "yes" : "no", r.figures.oom_count);
     s += '\n';
   }
+  if (first.warm) {
+    s += fmt::format("\nwarm (second pass through the cache the first filled)\n");
+    s += fmt::format("{:<20} {:>9} {:>9} {:>10} {:>10} {:>10} {:>13}\n", "trace", "cold ns", "warm ns",
+                     "dev alloc", "dev free", "vm create", "peak resv");
+    for (const trace_result& r : results) {
+      if (!r.warm) continue;
+      const warm_figures& w = *r.warm;
+      s += fmt::format("{:<20} {:>9.1f} {:>9.1f} {:>10} {:>10} {:>10} {:>13}\n", r.trace,
+                       r.host_ns_per_op, w.host_ns_per_op, w.device_alloc_calls,
+                       w.device_free_calls, w.vm_create_calls, gib(w.peak_reserved_bytes));
+    }
+  }
   const bool any_peers = std::any_of(results.begin(), results.end(),
                                      [](const trace_result& r) { return !r.peers.empty(); });
   if (!any_peers) return s;
@@ -682,6 +741,18 @@ std::string format_table(std::span<const trace_result> results) {
                        ratio(static_cast<double>(r.figures.peak_reserved_bytes),
                              static_cast<double>(p.peak_reserved_bytes)),
                        ratio(r.host_ns_per_op, p.host_ns_per_op), p.oom_count);
+    }
+  }
+  if (first.warm) {
+    s += fmt::format("\n{:<20} {:<16} {:>12} {:>12} {:>14}\n", "trace", "peer", "warm ns/op",
+                     "cucache warm", "cucache/peer");
+    for (const trace_result& r : results) {
+      for (const peer_result& p : r.peers) {
+        if (!p.warm || !r.warm) continue;
+        s += fmt::format("{:<20} {:<16} {:>12.1f} {:>12.1f} {:>14.3f}\n", r.trace, p.name,
+                         p.warm->host_ns_per_op, r.warm->host_ns_per_op,
+                         ratio(r.warm->host_ns_per_op, p.warm->host_ns_per_op));
+      }
     }
   }
   return s;

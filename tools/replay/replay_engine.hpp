@@ -66,6 +66,10 @@ struct options {
   unsigned repeat = 1;
   /// Peer names (see k_peer_names) to replay the same events through; cuda backend only.
   std::vector<std::string> peers;
+  /// --warm: each timed run replays the trace twice through the same allocator (what the first
+  /// pass leaves live is freed, untimed, in between) and times the second pass too, against a
+  /// filled cache.
+  bool warm = false;
 };
 
 /// Allocator state at the moment reserved memory reached its peak.
@@ -116,10 +120,27 @@ struct vm_call_model {
   }
 };
 
+/// --warm: the second pass of each timed run, through the allocator the first pass filled.
+struct warm_figures {
+  double host_ns_per_op = 0.0;  // median over repeats
+  std::vector<double> host_ns_per_op_runs;
+  /// Device calls the second pass made (first run; cucache only): 0 when the first pass left
+  /// everything the second needs in the cache.
+  std::uint64_t device_alloc_calls = 0;
+  std::uint64_t device_free_calls = 0;
+  std::uint64_t vm_create_calls = 0;
+  std::uint64_t vm_map_calls = 0;
+  std::uint64_t vm_unmap_calls = 0;
+  std::uint64_t oom_count = 0;  // allocations the second pass could not make
+  /// Peak reserved over both passes (first run; cucache only).
+  std::size_t peak_reserved_bytes = 0;
+};
+
 struct peer_result {
   std::string name;
   double host_ns_per_op = 0.0;  // median over repeats
   std::vector<double> host_ns_per_op_runs;
+  std::optional<warm_figures> warm;  // --warm: host time only
   std::size_t peak_reserved_bytes = 0;
   std::uint64_t oom_count = 0;
   /// How peak_reserved_bytes was measured.
@@ -144,6 +165,7 @@ struct trace_result {
   vm_call_model vm_model;  // from the sampling run
   std::optional<std::size_t> capacity_bytes;
   std::optional<bool> fits;  // only with a capacity
+  std::optional<warm_figures> warm;  // --warm
   std::vector<peer_result> peers;
 };
 
@@ -152,8 +174,9 @@ inline constexpr const char* k_peer_names[] = {"cudaMalloc", "cudaMallocAsync", 
 
 class peer;
 
-/// Replays one trace: `opts.repeat` timed runs, each through a fresh allocator, then one untimed
-/// run that samples the stats at the reserved peak; then each peer. Throws cucache::error when
+/// Replays one trace: `opts.repeat` timed runs, each through a fresh allocator (with --warm each
+/// run times a second pass through the same allocator too), then one untimed run that samples
+/// the stats at the reserved peak; then each peer, the same way. Throws cucache::error when
 /// figures that must agree do not (sim runs, trace vs allocator requested peak).
 [[nodiscard]] trace_result replay_trace(const prepared_trace& trace, const options& opts,
                                         std::span<peer* const> peers = {});
