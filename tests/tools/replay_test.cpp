@@ -17,6 +17,7 @@
 
 #include "cucache/cuda_backend.hpp"
 #include "cucache/errors.hpp"
+#include "cucache/stats.hpp"
 #include "cucache/trace.hpp"
 #include "replay_engine.hpp"
 
@@ -250,6 +251,40 @@ TEST(replay_cli, json_lines_have_every_key) {
   }
   EXPECT_EQ(lines[0]["peak_reserved_bytes"], lines[1]["peak_reserved_bytes"]);
   EXPECT_EQ(lines[0]["device_alloc_calls"], lines[1]["device_alloc_calls"]);
+}
+
+// The replay's statistics are the field table's (cucache/stats.hpp), and its shorthand keys agree
+// with them, in both modes.
+TEST(replay_cli, json_stats_come_from_the_field_table) {
+  for (const char* conf : {"", "expandable_segments:True"}) {
+    SCOPED_TRACE(conf);
+    std::vector<std::string> args = {"--backend", "sim", "--json", k_resnet.string()};
+    if (*conf != '\0') args.insert(args.begin(), {"--config", conf});
+    const cli_run r = run(args);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = json_lines(r.out).at(0);
+    for (const char* object : {"stats", "stats_at_reserved_peak"}) {
+      ASSERT_EQ(j[object].size(), k_stat_field_count) << object;
+      for (const stat_field& f : k_stat_fields) {
+        ASSERT_TRUE(j[object].contains(std::string(f.name))) << object << "." << f.name;
+      }
+    }
+    const auto& peak = j["stats_at_reserved_peak"];
+    const auto& frag = j["fragmentation_at_peak"];
+    EXPECT_EQ(frag["largest_free_block"], peak["largest_free_block"]);
+    EXPECT_EQ(frag["free_bytes"], peak["free_bytes"]);
+    EXPECT_EQ(frag["reserved_bytes"], peak["reserved_bytes"]["all"]["current"]);
+    EXPECT_EQ(frag["external"], peak["external_fragmentation"]);
+    EXPECT_EQ(j["peak_reserved_bytes"], j["stats"]["reserved_bytes"]["all"]["peak"]);
+    EXPECT_EQ(j["device_alloc_calls"], j["stats"]["device_alloc_count"]);
+    EXPECT_EQ(j["vm_calls"]["map"], j["stats"]["vm_map_count"]);
+    EXPECT_EQ(j["vm_calls"]["create"], *conf != '\0' ? j["device_alloc_calls"] : nlohmann::json(0));
+    // Issue 9: at the peak, expandable mode had free bytes and a largest free block of 0.
+    if (*conf != '\0') {
+      EXPECT_EQ(frag["free_bytes"], 11812352u);
+      EXPECT_GT(frag["largest_free_block"].get<std::size_t>(), 0u);
+    }
+  }
 }
 
 TEST(replay_cli, capacity_decides_whether_the_trace_fits) {

@@ -87,9 +87,6 @@ class counting_backend final : public device_backend {
   }
   [[nodiscard]] bool event_query(event_handle event) override { return inner_->event_query(event); }
   void event_synchronize(event_handle event) override { inner_->event_synchronize(event); }
-  void stream_wait_event(stream_handle stream, event_handle event) override {
-    inner_->stream_wait_event(stream, event);
-  }
   void stream_synchronize(stream_handle stream) override { inner_->stream_synchronize(stream); }
   void device_synchronize() override { inner_->device_synchronize(); }
   [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override {
@@ -158,8 +155,6 @@ memory_figures figures_of(const device_stats& s) {
   f.device_alloc_calls = s.device_alloc_count;
   f.device_free_calls = s.device_free_count;
   f.oom_count = s.oom_count;
-  f.vm_create_calls = s.vm_create_count;
-  f.vm_release_calls = s.vm_release_count;
   f.vm_map_calls = s.vm_map_count;
   f.vm_unmap_calls = s.vm_unmap_count;
   f.stitched_pages = s.stitched_pages;
@@ -274,6 +269,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   r.skipped_failures = trace.skipped_failures;
   r.peak_requested_bytes = trace.summary.peak_requested_bytes;
   r.capacity_bytes = opts.capacity_bytes;
+  r.expandable = opts.cfg.expandable_segments;
 
   const bool sim = opts.backend == backend_kind::sim;
   const config cfg = effective_config(opts);
@@ -327,6 +323,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
       best.allocated_bytes = static_cast<std::size_t>(s.allocated_bytes[0].current);
       best.free_bytes = s.free_bytes;
       best.largest_free_block = s.largest_free_block;
+      best.stats = s;
     });
     const memory_figures f = figures_of(a.stats());
     if (sim && f != r.figures) {
@@ -341,6 +338,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
                               trace.name, best.reserved_bytes, f.peak_reserved_bytes));
     }
     r.fragmentation_at_peak = best;
+    r.stats = a.stats();
   }
 
   // With one stream the allocator's requested peak is exact; with several it is a sum of
@@ -535,13 +533,16 @@ nlohmann::json to_json(const trace_result& r) {
   j["device_alloc_calls"] = r.figures.device_alloc_calls;
   j["device_free_calls"] = r.figures.device_free_calls;
   j["oom_count"] = r.figures.oom_count;
-  j["vm_calls"] = {{"create", r.figures.vm_create_calls},
-                   {"release", r.figures.vm_release_calls},
-                   {"map", r.figures.vm_map_calls},
-                   {"unmap", r.figures.vm_unmap_calls},
-                   {"set_access", r.figures.vm_map_calls},
-                   {"total", r.figures.vm_create_calls + r.figures.vm_release_calls +
-                                 2 * r.figures.vm_map_calls + r.figures.vm_unmap_calls}};
+  // In expandable mode the device allocations and releases are cuMemCreate and cuMemRelease.
+  const std::uint64_t creates = r.expandable ? r.figures.device_alloc_calls : 0;
+  const std::uint64_t releases = r.expandable ? r.figures.device_free_calls : 0;
+  j["vm_calls"] = {
+      {"create", creates},
+      {"release", releases},
+      {"map", r.figures.vm_map_calls},
+      {"unmap", r.figures.vm_unmap_calls},
+      {"set_access", r.figures.vm_map_calls},
+      {"total", creates + releases + 2 * r.figures.vm_map_calls + r.figures.vm_unmap_calls}};
   j["stitched_pages"] = r.figures.stitched_pages;
   j["shared_pages"] = r.figures.shared_pages;
   j["device_synchronizations"] = r.figures.vm_sync_calls;
@@ -557,6 +558,10 @@ nlohmann::json to_json(const trace_result& r) {
                                 {"allocated_bytes", f.allocated_bytes},
                                 {"free_bytes", f.free_bytes},
                                 {"largest_free_block", f.largest_free_block}};
+  // Every statistic, from the field table (cucache/stats.hpp): at the end of the sampling run
+  // (the same figures as the timed runs on sim) and at its reserved peak.
+  j["stats"] = nlohmann::json::parse(stats_json(r.stats));
+  j["stats_at_reserved_peak"] = nlohmann::json::parse(stats_json(f.stats));
   if (r.capacity_bytes) j["capacity_bytes"] = *r.capacity_bytes;
   if (r.fits) j["fits"] = *r.fits;
   nlohmann::json peers = nlohmann::json::object();
