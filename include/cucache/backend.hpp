@@ -95,7 +95,6 @@ class device_backend {
   /// True when all work captured by the event has completed.
   [[nodiscard]] virtual bool event_query(event_handle event) = 0;
   virtual void event_synchronize(event_handle event) = 0;
-  virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;
   virtual void stream_synchronize(stream_handle stream) = 0;
   virtual void device_synchronize() = 0;
 

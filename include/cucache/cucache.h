@@ -31,25 +31,28 @@ extern "C" {
  * On failure cucacheGetLastErrorMessage() says what went wrong. */
 
 /** Statistics of one device's allocator (cucacheGetStats). Bytes unless named a count. "Peak"
- * values are the highest since the process started or the last cucacheResetPeakStats. */
+ * values are the highest since the process started or the last cucacheResetPeakStats. A fixed
+ * subset of cucache::device_stats (cucache/stats.hpp, docs/design.md "Statistics"); the names
+ * and order of these fields do not change. */
 typedef struct cucacheStats {
   size_t allocatedBytes;     /* in blocks handed to callers (sizes as rounded by cucache) */
   size_t allocatedBytesPeak; /* upper bound when several streams allocate (per-stream peaks add) */
-  size_t reservedBytes;      /* device memory cucache holds (its cudaMalloc segments) */
+  size_t reservedBytes;      /* device memory cucache holds (segments or physical handles) */
   size_t reservedBytesPeak;  /* exact */
   size_t activeBytes;        /* allocated, plus freed blocks still waiting for other streams */
   size_t activeBytesPeak;    /* upper bound with several streams, as allocatedBytesPeak */
   size_t requestedBytes;     /* the sizes callers asked for */
   size_t requestedBytesPeak; /* upper bound with several streams, as allocatedBytesPeak */
   size_t cachedFreeBytes;    /* reserved - active: cached memory ready for reuse */
-  size_t largestFreeBlock;   /* the largest single cached block */
+  size_t largestFreeBlock;   /* the largest request served from the cache without a new device
+                                allocation (on the stream holding it; docs/design.md) */
   size_t allocationCount;    /* live allocations */
-  size_t segmentCount;       /* live device allocations (segments) */
-  unsigned long long
-      deviceAllocCount; /* device allocations made (cudaMalloc calls that succeeded) */
-  unsigned long long deviceFreeCount; /* device allocations released (cudaFree calls) */
-  unsigned long long oomCount;        /* allocations that failed with cudaErrorMemoryAllocation */
-  unsigned long long allocRetryCount; /* times cucache released its cache and retried */
+  size_t segmentCount;       /* live segments (expandable mode: virtual ranges holding memory) */
+  unsigned long long deviceAllocCount; /* device allocations made: cudaMalloc, or cuMemCreate with
+                                          expandable segments (calls that succeeded) */
+  unsigned long long deviceFreeCount;  /* device allocations released: cudaFree / cuMemRelease */
+  unsigned long long oomCount;         /* allocations that failed with cudaErrorMemoryAllocation */
+  unsigned long long allocRetryCount;  /* times cucache released its cache and retried */
   double externalFragmentation; /* 1 - largestFreeBlock / cachedFreeBytes; 0 when none cached */
   double overheadFragmentation; /* 1 - allocatedBytes / reservedBytes; 0 when none reserved */
   size_t memoryLimit;           /* cap on reservedBytes (CUCACHE_CONF); 0 = none */

@@ -59,7 +59,6 @@ class cuda_backend final : public device_backend {
   void event_record(event_handle event, stream_handle stream) override;
   [[nodiscard]] bool event_query(event_handle event) override;
   void event_synchronize(event_handle event) override;
-  void stream_wait_event(stream_handle stream, event_handle event) override;
   void stream_synchronize(stream_handle stream) override;
   void device_synchronize() override;
   /// cudaStreamGetId; nullptr (the legacy stream) included.

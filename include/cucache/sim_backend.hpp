@@ -38,7 +38,6 @@ enum class sim_call : std::uint8_t {
   event_record,
   event_query,
   event_synchronize,
-  stream_wait_event,
   stream_synchronize,
   device_synchronize,
   mem_get_info,
@@ -109,7 +108,6 @@ class sim_backend final : public device_backend {
   void event_record(event_handle event, stream_handle stream) override;
   [[nodiscard]] bool event_query(event_handle event) override;
   void event_synchronize(event_handle event) override;
-  void stream_wait_event(stream_handle stream, event_handle event) override;
   void stream_synchronize(stream_handle stream) override;
   void device_synchronize() override;
   [[nodiscard]] memory_info mem_get_info() override;
@@ -122,7 +120,7 @@ class sim_backend final : public device_backend {
   // device, may crash on the dangling handle -- so the sim keeps a registry: streams it created
   // (create_stream) are alive until destroy_stream; every handle it never created (nullptr, the
   // legacy default stream, and the fake values tests pass, e.g. reinterpret_cast<stream_handle>(1))
-  // counts as alive. event_record, stream_wait_event and stream_synchronize on a destroyed stream
+  // counts as alive. event_record and stream_synchronize on a destroyed stream
   // throw cuda_error with code 400 (k_sim_invalid_resource_handle). Work recorded on a stream
   // before it was destroyed still completes (complete_stream, complete_all, device_synchronize),
   // as on the driver. Like the runtime, create_stream hands a destroyed stream's handle value to
@@ -151,7 +149,7 @@ class sim_backend final : public device_backend {
   // recorded on a capturing stream (recording one there is legal: the capture records it). A
   // refused call throws cuda_error 900 (k_sim_capture_unsupported), is counted
   // (capture_violations) and invalidates the captures that made it illegal: their end_capture
-  // throws 901. event_record, stream_wait_event, event_create and event_destroy are always legal.
+  // throws 901. event_record, event_create and event_destroy are always legal.
   /// Begins capturing `stream` (cudaStreamBeginCapture) in `mode` on the calling thread; returns
   /// the capture id (1, 2, ...). Throws cuda_error for nullptr, a destroyed stream or one already
   /// capturing.

@@ -41,11 +41,15 @@ _COUNTERS = (
     "oversize_allocations",
     "oversize_segments",
     "events_pending",
-    "vm_create_count",
-    "vm_release_count",
     "vm_map_count",
     "vm_unmap_count",
     "stitched_pages",
+    "shared_pages",
+    "vm_sync_count",
+    "vm_split_count",
+    "vm_reclaim_count",
+    "vm_host_ns",
+    "sync_host_ns",
     "mapped_bytes",
     "unmapped_handle_bytes",
     "free_bytes",
@@ -57,7 +61,9 @@ _COUNTERS = (
 
 
 class _Stats(ctypes.Structure):
-    # Mirrors cucache_torch_stats (src/integrations/torch/cucache_torch.h); the size is checked on load.
+    # Mirrors cucache_torch_stats (src/integrations/torch/cucache_torch.h), the field table of
+    # include/cucache/stats.hpp flattened; checked on load against the library's own description
+    # (cucache_torch_stats_layout: names, order, offsets, sizes, types).
     _fields_ = (
         [(n, _Stat * 3) for n in _STAT_ARRAYS]
         + [(n, ctypes.c_uint64) for n in _COUNTERS]
@@ -104,6 +110,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_set_memory_fraction": (i, [i, ctypes.c_double]),
         "cucache_torch_get_stats": (i, [i, ctypes.POINTER(_Stats)]),
         "cucache_torch_stats_size": (sz, []),
+        "cucache_torch_stats_layout": (ctypes.c_char_p, []),
         "cucache_torch_memory_summary": (i64, [i, ctypes.c_char_p, sz]),
         "cucache_torch_snapshot_json": (i64, [i, ctypes.c_char_p, sz]),
         "cucache_torch_write_snapshot": (i, [ctypes.c_char_p]),
@@ -131,13 +138,41 @@ def library(lib_path: Optional[str] = None) -> ctypes.CDLL:
         # RTLD_GLOBAL: the hooks library resolves its cucache_torch_* calls against this copy.
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         _declare(lib)
-        if lib.cucache_torch_stats_size() != ctypes.sizeof(_Stats):
-            raise RuntimeError(
-                f"cucache: {path} has a stats struct of {lib.cucache_torch_stats_size()} bytes, "
-                f"this module expects {ctypes.sizeof(_Stats)}: the module and library do not match"
-            )
+        mismatch = layout_mismatch(lib)
+        if mismatch:
+            raise RuntimeError(f"cucache: {path} and this module do not match: {mismatch}")
         _lib, _lib_path = lib, str(path)
     return _lib
+
+
+_CTYPE_NAMES = {_Stat * 3: "stat[3]", ctypes.c_uint64: "u64", ctypes.c_double: "f64"}
+
+
+def stats_layout() -> list[tuple[str, int, int, str]]:
+    """This module's ctypes layout of cucache_torch_stats: (name, offset, size, type) per field."""
+    return [(n, getattr(_Stats, n).offset, getattr(_Stats, n).size, _CTYPE_NAMES[t]) for n, t in _Stats._fields_]
+
+
+def library_stats_layout(lib: ctypes.CDLL) -> list[tuple[str, int, int, str]]:
+    """The library's cucache_torch_stats layout, from its field table (cucache_torch_stats_layout)."""
+    rows = []
+    for line in lib.cucache_torch_stats_layout().decode().splitlines():
+        name, offset, size, kind = line.split()
+        rows.append((name, int(offset), int(size), kind))
+    return rows
+
+
+def layout_mismatch(lib: ctypes.CDLL) -> str:
+    """"" when this module's stats layout is the library's, else the first difference."""
+    if lib.cucache_torch_stats_size() != ctypes.sizeof(_Stats):
+        return f"stats struct of {lib.cucache_torch_stats_size()} bytes, module expects {ctypes.sizeof(_Stats)}"
+    mine, theirs = stats_layout(), library_stats_layout(lib)
+    for i in range(max(len(mine), len(theirs))):
+        a = mine[i] if i < len(mine) else None
+        b = theirs[i] if i < len(theirs) else None
+        if a != b:
+            return f"stats field {i}: module has {a}, library has {b}"
+    return ""
 
 
 def last_error() -> str:

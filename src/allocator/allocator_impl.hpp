@@ -95,8 +95,8 @@ struct device_allocator::impl {
   CUCACHE_HOT detail::stream_pool& pool_for(stream_handle stream);
   /// pool_for and find_free for the other translation units (headroom.cpp): out of line.
   detail::stream_pool& pool_for_outline(stream_handle stream);
-  detail::block* find_free_outline(detail::stream_pool& p, detail::pool_kind kind,
-                                   std::size_t rounded);
+  detail::block* find_free_outline(const detail::stream_pool& p, detail::pool_kind kind,
+                                   std::size_t rounded) const;
   detail::stream_pool& pool_for_key(stream_handle stream, std::uint64_t key);
   /// The key of `stream`'s pool: its stream id.
   [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
@@ -156,11 +156,13 @@ struct device_allocator::impl {
   void settle_graph_pools();
   [[nodiscard]] detail::graph_pool* find_graph_pool(graph_pool_id id) const;  // REQUIRES graph_mu_
   [[noreturn]] void throw_capture_blocks(const char* what) const;
-  CUCACHE_HOT detail::block* find_free(detail::stream_pool& p, detail::pool_kind kind,
-                                       std::size_t rounded);
+  CUCACHE_HOT detail::block* find_free(const detail::stream_pool& p, detail::pool_kind kind,
+                                       std::size_t rounded) const;
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                       std::unique_lock<detail::pool_mutex>& lk);
-  detail::block* new_segment(detail::stream_pool& p, detail::pool_kind kind, std::size_t bytes);
+  /// A new device segment of `bytes` for p (its one block free and indexed); nullptr when the
+  /// device or the memory limit refuses.
+  detail::segment* new_segment(detail::stream_pool& p, detail::pool_kind kind, std::size_t bytes);
   detail::block* carve(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
                        std::size_t rounded, std::size_t requested);
   void release_to_free(detail::stream_pool& p, detail::block* b);
@@ -214,8 +216,12 @@ struct device_allocator::impl {
   event_handle take_event();
   void return_event(event_handle e) noexcept;
 
-  // --- observers (observe/*.cpp) ---
+  // --- statistics (stats.cpp) ---
   device_stats stats_locked() const;  // REQUIRES: all pools locked
+  /// The largest request the allocator serves from cached memory alone -- no device allocation
+  /// -- on the stream of some pool (device_stats::largest_free_block; docs/design.md, "Free
+  /// memory"). REQUIRES: all pools locked.
+  std::size_t largest_cached_request() const;
 
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called
@@ -227,7 +233,7 @@ struct device_allocator::impl {
   std::size_t limit = 0;     // cap on reserved bytes; 0 = none
   std::size_t gc_bytes = 0;  // garbage-collection trigger on reserved bytes; 0 = off
 
-  detail::block_map blocks;
+  detail::block_map blocks;  // the pointer map: allocated blocks by address
   mutable std::shared_mutex pools_mu_;
   std::vector<std::unique_ptr<detail::stream_pool>> pools;
   std::unordered_map<std::uint64_t, detail::stream_pool*> pool_by_stream;  // by stream key
@@ -245,6 +251,7 @@ struct device_allocator::impl {
   mutable std::mutex grow_mu_;
   std::size_t reserved = 0;
   std::size_t reserved_peak = 0;
+  // Physical memory created and released: segments, or in expandable mode physical handles.
   std::atomic<std::uint64_t> device_alloc_count{0};
   std::atomic<std::uint64_t> device_free_count{0};
   std::atomic<std::uint64_t> oom_count{0};
@@ -252,7 +259,6 @@ struct device_allocator::impl {
   std::atomic<std::uint64_t> segment_ids{0};
 
   // Expandable segments: the pager backs the pools' virtual ranges with physical memory.
-  bool expandable = false;
   std::size_t page_bytes = 0;
   std::unique_ptr<detail::pager> pager;
 

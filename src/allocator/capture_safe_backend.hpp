@@ -72,9 +72,6 @@ class capture_safe_backend final : public device_backend {
     const relaxed r(*inner_);
     inner_->event_synchronize(event);
   }
-  void stream_wait_event(stream_handle stream, event_handle event) override {
-    inner_->stream_wait_event(stream, event);
-  }
   void stream_synchronize(stream_handle stream) override {
     const relaxed r(*inner_);
     inner_->stream_synchronize(stream);

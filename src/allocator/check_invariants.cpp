@@ -137,7 +137,9 @@ void device_allocator::check_invariants() const {
       prev_seg = s;
       if (s->owner != &p) violated(fmt::format("segment {:#x}: wrong owner", s->base));
       if (s->vm != nullptr) {
-        check_range(p, *s, reserved[k], seg_count[k], idle_seen, mapped_total);
+        std::int64_t mappings = 0;
+        check_range(p, *s, reserved[k], mappings, idle_seen, mapped_total);
+        seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
         reserved[k] += static_cast<std::int64_t>(s->size);
         seg_count[k] += 1;

@@ -43,8 +43,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
       id(g_allocator_ids.fetch_add(1)) {
   if (!raw) throw invalid_argument("device_allocator: backend is null");
   sync_waiters.released = true;
-  expandable = cfg.expandable_segments;
-  if (expandable) {
+  if (cfg.expandable_segments) {
     page_bytes = backend->vm_granularity();
     if (page_bytes == 0) {
       throw invalid_argument(fmt::format(
@@ -67,7 +66,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
                                  base, limit != 0 ? "the memory limit" : "the device's capacity",
                                  "would turn garbage collection off");
   }
-  if (expandable) {
+  if (cfg.expandable_segments) {
     // (The pager gets the capture-safe backend too, and may not move idle pages while a capture
     // is underway: unmapping waits for a device synchronization.)
     pager = std::make_unique<detail::pager>(
@@ -123,10 +122,10 @@ device_allocator::impl::~impl() {
       for (block* b = s->first; b != nullptr;) {
         block* nb = b->next;
         if (b->state != block_state::free) delete b->uses;
-        p->blocks.recycle(b);
+        p->block_arena.recycle(b);
         b = nb;
       }
-      p->segs.recycle(s);
+      p->segment_arena.recycle(s);
       s = next;
     }
   }
@@ -257,13 +256,14 @@ void device_allocator::impl::sync_pending(stream_pool& p) {
 
 // --- blocks and segments ----------------------------------------------------------------------
 
-block* device_allocator::impl::find_free(stream_pool& p, pool_kind kind, std::size_t rounded) {
+block* device_allocator::impl::find_free(const stream_pool& p, pool_kind kind,
+                                         std::size_t rounded) const {
   block* b = p.index_of(kind).best_fit(rounded);
   if (b == nullptr || !policy.may_take(b->size, rounded)) return nullptr;
   return b;
 }
 
-block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::size_t bytes) {
+segment* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::size_t bytes) {
   void* ptr = nullptr;
   {
     std::lock_guard lock(grow_mu_);
@@ -276,18 +276,17 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
   }
   device_alloc_count.fetch_add(1, std::memory_order_relaxed);
   segment* s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(ptr), bytes, nullptr);
-  block* b = s->first;
   p.stats.reserved_bytes.inc(kind, static_cast<std::int64_t>(bytes));
   p.stats.segment_count.inc(kind, 1);
   if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
-  return b;
+  return s;
 }
 
 segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std::uintptr_t base,
                                              std::size_t bytes, detail::vm_range* vm) {
   // A new segment (or expandable range) of p: one free block covering it, indexed.
-  segment* s = p.segs.make();
-  block* b = p.blocks.make();
+  segment* s = p.segment_arena.make();
+  block* b = p.block_arena.make();
   s->base = base;
   s->size = bytes;
   s->kind = kind;
@@ -312,7 +311,7 @@ segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std
 block* device_allocator::impl::split_off(stream_pool& p, block* b, std::size_t front_bytes) {
   // A new free block for b's bytes from front_bytes on, linked after b. b's size and both blocks'
   // places in the free index are the caller's to set.
-  block* rest = p.blocks.make();
+  block* rest = p.block_arena.make();
   rest->addr = b->addr + front_bytes;
   rest->size = b->size - front_bytes;
   rest->seg = b->seg;
@@ -343,8 +342,8 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
   if (p.segments == s) p.segments = s->next;
-  p.blocks.recycle(s->first);
-  p.segs.recycle(s);
+  p.block_arena.recycle(s->first);
+  p.segment_arena.recycle(s);
 }
 
 block* device_allocator::impl::carve(stream_pool& p, block* b, pool_kind kind, std::size_t rounded,
@@ -401,12 +400,12 @@ void device_allocator::impl::release_to_free_inline(stream_pool& p, block* b) {
       index.erase(n);
       size += n->size;
       after = n->next;
-      p.blocks.recycle(n);
+      p.block_arena.recycle(n);
     }
     q->next = after;
     if (after != nullptr) after->prev = q;
     index.resize(q, size);
-    p.blocks.recycle(b);
+    p.block_arena.recycle(b);
     return;
   }
   if (merge_next) {
@@ -414,7 +413,7 @@ void device_allocator::impl::release_to_free_inline(stream_pool& p, block* b) {
     b->next = n->next;
     if (n->next != nullptr) n->next->prev = b;
     index.replace(n, b);
-    p.blocks.recycle(n);
+    p.block_arena.recycle(n);
     return;
   }
   index.insert(b);
@@ -674,7 +673,7 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
       if (block* b = find_free(p, kind, rounded)) return b;
     }
   }
-  if (block* b = new_segment(p, kind, seg_bytes)) return b;
+  if (segment* s = new_segment(p, kind, seg_bytes)) return s->first;
 
   // Out-of-memory ladder: wait for every pending free, release every whole free segment of every
   // pool (and what released graph pools hold), and retry once.
@@ -691,7 +690,8 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   }
   lk.lock();
   if (block* b = find_free(p, kind, rounded)) return b;
-  return new_segment(p, kind, seg_bytes);
+  segment* s = new_segment(p, kind, seg_bytes);
+  return s != nullptr ? s->first : nullptr;
 }
 
 void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) {
@@ -714,7 +714,7 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   stream_pool& p = graph_part != nullptr ? *graph_part : pool_for(stream);
   std::unique_lock lk(p.mu);
   if (!p.pending.empty()) poll_pending(p);
-  if (expandable && p.graph == nullptr) {
+  if (cfg.expandable_segments && p.graph == nullptr) {
     // (Graph pools use segments in every mode: nothing of theirs may be unmapped or moved while
     // a graph may replay on it.)
     void* ptr = allocate_expandable(p, kind, rounded, bytes, lk);
@@ -872,7 +872,7 @@ void device_allocator::impl::empty_cache() {
   for (auto& p : pools) sync_pending(*p);
   if (sync_blocked()) throw_capture_blocks("empty_cache");
   settle_graph_pools();
-  if (expandable) {
+  if (cfg.expandable_segments) {
     for (auto& p : pools) pager->unmap_idle(*p, /*release_handles=*/true);
     pager->release_unmapped(0);
   }
@@ -1055,9 +1055,9 @@ std::size_t device_allocator::allocation_size(const void* ptr) const {
 detail::stream_pool& device_allocator::impl::pool_for_outline(stream_handle stream) {
   return pool_for(stream);
 }
-detail::block* device_allocator::impl::find_free_outline(detail::stream_pool& p,
+detail::block* device_allocator::impl::find_free_outline(const detail::stream_pool& p,
                                                         detail::pool_kind kind,
-                                                        std::size_t rounded) {
+                                                        std::size_t rounded) const {
   return find_free(p, kind, rounded);
 }
 

@@ -62,7 +62,7 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   }
   std::size_t best = 0;
 
-  if (!expandable) {
+  if (!cfg.expandable_segments) {
     // 1. A cached free block of the stream's own pool that find_free would hand out.
     for (segment* s = own.segments; s != nullptr; s = s->next) {
       for (block* b = s->first; b != nullptr; b = b->next) {
@@ -175,7 +175,7 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return;
   stream_pool& p = pool_for_outline(stream);
   std::unique_lock lk(p.mu);
-  if (!expandable) {
+  if (!cfg.expandable_segments) {
     // One large-pool segment, through the path a request that misses the cache takes.
     const std::size_t seg = bytes > detail::k_max_request_bytes
                                 ? 0

@@ -2,6 +2,7 @@
 #include "allocator/pager.hpp"
 
 #include <algorithm>
+#include <numeric>
 
 #include "allocator/nvtx.hpp"
 #include "cucache/errors.hpp"
@@ -18,10 +19,6 @@ constexpr std::size_t k_max_handle_bytes = std::size_t{256} << 20;
 /// went idle, and new ones are created, instead of being moved at every placement that lacks them.
 /// Idle memory is always reclaimable, so the slack never costs the fit under a limit.
 constexpr std::size_t k_idle_slack_divisor = 128;  // 0.8%
-
-std::size_t round_up(std::size_t n, std::size_t m) {
-  return (n + m - 1) / m * m;
-}
 }  // namespace
 
 pager::pager(device_backend& backend, device_budget budget, std::size_t page_bytes,
@@ -35,9 +32,9 @@ pager::pager(device_backend& backend, device_budget budget, std::size_t page_byt
       pools_(pools) {}
 
 pager::~pager() {
-  for (auto& [bytes, h] : free_handles) {
+  for (const auto& entry : free_handles) {
     try {
-      backend_.phys_release(h);
+      timed(counters.vm_ns, [&] { backend_.phys_release(entry.second); });
     } catch (...) {
     }
   }
@@ -66,8 +63,10 @@ void pager::destroy_range(vm_range& r) noexcept {
     vm_mapping* m = r.page_map[pg];
     if (m == nullptr || m->first_page != pg) continue;
     try {
-      backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), m->pages * page_bytes_);
-      backend_.phys_release(m->handle);
+      timed(counters.vm_ns, [&] {
+        backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), m->pages * page_bytes_);
+        backend_.phys_release(m->handle);
+      });
     } catch (...) {
     }
   }
@@ -146,7 +145,7 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
 
 void pager::synchronize_device() {
   const std::uint64_t ticket = syncs_started_.fetch_add(1, std::memory_order_seq_cst) + 1;
-  backend_.device_synchronize();
+  timed(counters.sync_ns, [&] { backend_.device_synchronize(); });
   counters.synchronizations.fetch_add(1, std::memory_order_relaxed);
   std::uint64_t done = syncs_done_.load(std::memory_order_seq_cst);
   while (done < ticket && !syncs_done_.compare_exchange_weak(done, ticket)) {
@@ -175,13 +174,12 @@ void pager::keep(phys_handle h, std::size_t bytes) {
 void pager::release(phys_handle h, std::size_t bytes) {
   std::lock_guard lock(budget_.mu);
   try {
-    backend_.phys_release(h);
+    timed(counters.vm_ns, [&] { backend_.phys_release(h); });
   } catch (...) {
     keep_locked(h, bytes);  // still ours: keep it tracked, never leak it
     throw;
   }
   budget_.reserved -= bytes;
-  counters.release.fetch_add(1, std::memory_order_relaxed);
   budget_.device_frees.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -189,12 +187,12 @@ void pager::release_unmapped(std::size_t target_reserved) {
   std::lock_guard lock(budget_.mu);
   while (budget_.reserved > target_reserved && !free_handles.empty()) {
     auto it = std::prev(free_handles.end());
-    const auto [bytes, h] = *it;
-    backend_.phys_release(h);  // a failure leaves the handle listed
+    const std::size_t bytes = it->first;
+    const phys_handle h = it->second;
+    timed(counters.vm_ns, [&] { backend_.phys_release(h); });  // a failure leaves it listed
     free_handles.erase(it);
     free_handle_bytes -= bytes;
     budget_.reserved -= bytes;
-    counters.release.fetch_add(1, std::memory_order_relaxed);
     budget_.device_frees.fetch_add(1, std::memory_order_relaxed);
   }
 }
@@ -203,13 +201,14 @@ phys_handle pager::unmap(stream_pool& p, vm_mapping* m) {
   // REQUIRES: m idle, wait_until_unmappable(*m) done.
   vm_range& r = *m->range;
   const std::size_t bytes = m->pages * page_bytes_;
-  backend_.unmap(reinterpret_cast<void*>(r.page_addr(m->first_page)), bytes);
+  timed(counters.vm_ns,
+        [&] { backend_.unmap(reinterpret_cast<void*>(r.page_addr(m->first_page)), bytes); });
   counters.unmap.fetch_add(1, std::memory_order_relaxed);
   for (std::size_t i = 0; i < m->pages; ++i) r.page_map[m->first_page + i] = nullptr;
   r.mapped_pages -= m->pages;
   if (m->idle) idle_unlink(p, m);
   p.stats.reserved_bytes.dec(r.kind, static_cast<std::int64_t>(bytes));
-  p.stats.segment_count.dec(r.kind, 1);
+  if (r.mapped_pages == 0) p.stats.segment_count.dec(r.kind, 1);  // a range holding memory
   const phys_handle h = m->handle;
   p.maps.recycle(m);
   return h;
@@ -233,9 +232,9 @@ vm_mapping* pager::record_mapping(stream_pool& p, vm_range& r, std::size_t first
   m->handle = h;
   m->used_pages = pages;
   for (std::size_t i = 0; i < pages; ++i) r.page_map[first_page + i] = m;
+  if (r.mapped_pages == 0) p.stats.segment_count.inc(r.kind, 1);  // a range holding memory
   r.mapped_pages += pages;
   p.stats.reserved_bytes.inc(r.kind, static_cast<std::int64_t>(pages * page_bytes_));
-  p.stats.segment_count.inc(r.kind, 1);
   return m;
 }
 
@@ -244,7 +243,7 @@ void pager::map(stream_pool& p, vm_range& r, std::size_t first_page, const piece
   void* va = reinterpret_cast<void*>(r.page_addr(first_page));
   const std::size_t pages = pc.bytes / page_bytes_;
   try {
-    backend_.map(va, pc.bytes, pc.handle);
+    timed(counters.vm_ns, [&] { backend_.map(va, pc.bytes, pc.handle); });
   } catch (...) {
     keep(pc.handle, pc.bytes);
     throw;
@@ -372,11 +371,10 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
 std::optional<pager::piece> pager::create(std::size_t bytes) {
   std::lock_guard lock(budget_.mu);
   if (budget_.limit != 0 && budget_.reserved + bytes > budget_.limit) return std::nullopt;
-  std::optional<phys_handle> h = backend_.phys_create(bytes);
+  std::optional<phys_handle> h = timed(counters.vm_ns, [&] { return backend_.phys_create(bytes); });
   if (!h) return std::nullopt;
   budget_.reserved += bytes;
   budget_.peak = std::max(budget_.peak, budget_.reserved);
-  counters.create.fetch_add(1, std::memory_order_relaxed);
   budget_.device_allocs.fetch_add(1, std::memory_order_relaxed);
   return piece{*h, bytes, false};
 }
@@ -497,31 +495,40 @@ void pager::split_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr, std
   const std::size_t last = r.page_of(addr + bytes - 1);
   for (std::size_t pg : {first, last}) {
     vm_mapping* m = r.page_map[pg];
-    if (m == nullptr || !m->idle) continue;
-    // Inside the block's span it is kept (used in place), unless it is a multi-page mapping on a
-    // page the block shares with a neighbour: a neighbour carved there later would pin all of it
-    // after this block is freed (bert_serve: 1.0197 instead of its floor of 1.0138).
-    const bool inside = m->first_page >= first && m->first_page + m->pages - 1 <= last;
-    const bool shared = m->pages > 1 && ((pg == first && addr % page_bytes_ != 0) ||
-                                         (pg == last && (addr + bytes) % page_bytes_ != 0));
-    if (inside && !shared) continue;
+    if (m == nullptr || !overhang_released(*m, pg, first, last, addr, bytes)) continue;
     counters.splits.fetch_add(1, std::memory_order_relaxed);
     release_idle(p, m);
   }
 }
 
-std::size_t pager::piece_pages(const vm_range& r, const block* b, std::size_t pg) const {
+bool pager::overhang_released(const vm_mapping& m, std::size_t pg, std::size_t first,
+                              std::size_t last, std::uintptr_t addr, std::size_t bytes) const {
+  if (!m.idle) return false;
+  // Inside the block's span it is kept (used in place), unless it is a multi-page mapping on a
+  // page the block shares with a neighbour: a neighbour carved there later would pin all of it
+  // after this block is freed (bert_serve: 1.0197 instead of its floor of 1.0138).
+  const bool inside = m.first_page >= first && m.first_page + m.pages - 1 <= last;
+  const bool shared = m.pages > 1 && ((pg == first && addr % page_bytes_ != 0) ||
+                                      (pg == last && (addr + bytes) % page_bytes_ != 0));
+  return !(inside && !shared);
+}
+
+template <class Unmapped>
+std::size_t pager::piece_pages(const page_span& span, std::size_t pg, Unmapped&& unmapped) {
   // A page the block shares with a neighbour -- its first page when it starts inside a page, its
   // last when it ends inside one -- gets a handle of its own: a handle a neighbour keeps in use
   // cannot be moved or given back. Every other page of an unmapped run goes in as few handles as
   // the sources allow (split_overhang keeps a multi-page mapping off a shared page later on).
-  const std::size_t first = r.page_of(b->addr);
-  const std::size_t last = r.page_of(b->addr + b->size - 1);
-  if (pg == first && b->addr % page_bytes_ != 0) return 1;
+  if (pg == span.first && span.head_shared) return 1;
   std::size_t run = 0;
-  while (pg + run <= last && r.page_map[pg + run] == nullptr) ++run;
-  if (run > 1 && pg + run - 1 == last && (b->addr + b->size) % page_bytes_ != 0) --run;
+  while (pg + run <= span.last && unmapped(pg + run)) ++run;
+  if (run > 1 && pg + run - 1 == span.last && span.tail_shared) --run;
   return run;
+}
+
+pager::page_span pager::span_of(const vm_range& r, std::uintptr_t addr, std::size_t bytes) const {
+  return {r.page_of(addr), r.page_of(addr + bytes - 1), addr % page_bytes_ != 0,
+          (addr + bytes) % page_bytes_ != 0};
 }
 
 pager::span_state pager::scan(const vm_range& r, const block* b) const {
@@ -569,8 +576,9 @@ bool pager::back(stream_pool& p, const block* b) {
 
 bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t missing,
                        std::vector<vm_mapping*>& batch) {
-  const std::size_t first = r.page_of(b->addr);
-  const std::size_t last = r.page_of(b->addr + b->size - 1);
+  const page_span span = span_of(r, b->addr, b->size);
+  const std::size_t first = span.first;
+  const std::size_t last = span.last;
   // One decision per block, for all the pages it lacks. While memory is plentiful (may_grow),
   // they are created and idle pages stay mapped where they went idle. Otherwise idle pages are
   // moved here first (this pool's, then another stream's), and only what is still missing is
@@ -594,7 +602,8 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
         ++pg;
         continue;
       }
-      const std::size_t pages = piece_pages(r, b, pg);
+      const std::size_t pages =
+          piece_pages(span, pg, [&](std::size_t q) { return r.page_map[q] == nullptr; });
       const std::size_t want = pages * page_bytes_;
       // Pass 0 moves only until what is still missing may be created: as few moves as lower what
       // the device must hold, and the rest in new handles, as large as the run allows.
@@ -662,6 +671,125 @@ void pager::unmap_idle(stream_pool& p, bool release_handles) {
       keep(h, bytes);
     }
   }
+}
+
+// --- what cached memory can serve ---------------------------------------------------------------
+
+template <class Unmapped>
+bool pager::backed_by_handles(const page_span& span, Unmapped&& unmapped,
+                              std::vector<std::size_t>& handles) const {
+  // back()'s walk over the block's unmapped pages with unmapped handles as the only source: each
+  // piece takes the largest handle that fits it (take_unmapped), or none is left and back() would
+  // create. `handles`: the sizes of the unmapped handles, ascending; taken ones are erased.
+  for (std::size_t pg = span.first; pg <= span.last;) {
+    if (!unmapped(pg)) {
+      ++pg;
+      continue;
+    }
+    const std::size_t want = piece_pages(span, pg, unmapped) * page_bytes_;
+    auto it = std::upper_bound(handles.begin(), handles.end(), want);
+    if (it == handles.begin()) return false;
+    --it;
+    pg += *it / page_bytes_;
+    handles.erase(it);
+  }
+  return true;
+}
+
+std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
+                                          const size_policy& policy) const {
+  // A request placed in p's range (best fit, at the front of the free block: impl's placement)
+  // is served from cached memory when split_overhang and back() find every page it touches
+  // mapped or backed by unmapped handles: nothing is created. Idle mappings elsewhere are not
+  // counted: back() moves them only when memory is not plentiful, which depends on the device's
+  // free memory at the time of the request; while it is plentiful it creates instead.
+  const std::size_t lo = kind == pool_kind::small ? 0 : k_small_request_max_bytes;
+  const std::size_t hi = kind == pool_kind::small ? k_small_request_max_bytes : ~std::size_t{0};
+  std::vector<std::size_t> all_handles;
+  {
+    std::lock_guard lock(budget_.mu);
+    for (const auto& entry : free_handles) all_handles.push_back(entry.first);
+  }
+  const std::size_t handle_bytes =
+      std::accumulate(all_handles.begin(), all_handles.end(), std::size_t{0});
+  std::vector<std::size_t> handles;
+  const auto by_handles = [&](const page_span& span, const auto& unmapped) {
+    handles = all_handles;
+    return backed_by_handles(span, unmapped, handles);
+  };
+  std::size_t best = 0;
+  const auto consider = [&](std::size_t bytes) {
+    const std::size_t r = policy.largest_rounded_within(std::min(bytes, hi));
+    return r > lo && r > best ? r : 0;
+  };
+  const segment* seg = p.ranges[static_cast<int>(kind)];
+  if (seg == nullptr) {
+    // No range yet: the request reserves one (no device allocation) and backs it from handles.
+    for (std::size_t pages = handle_bytes / page_bytes_; pages > 0 && best == 0; --pages) {
+      for (std::size_t end : {pages * page_bytes_, pages * page_bytes_ - 1}) {
+        const std::size_t r = consider(end);
+        if (r == 0 || r <= (pages - 1) * page_bytes_) continue;
+        const page_span span{0, (r - 1) / page_bytes_, false, r % page_bytes_ != 0};
+        if (by_handles(span, [](std::size_t) { return true; })) {
+          best = r;
+          break;
+        }
+      }
+    }
+    return best;
+  }
+  const vm_range& range = *seg->vm;
+  const bool releases = may_synchronize_();
+  const free_index& index = p.index_of(kind);
+  std::vector<std::size_t> unmapped_upto;  // per page from the block's first: unmapped so far
+  index.for_each([&](const block* f) {
+    if (consider(f->size) == 0) return;
+    const std::size_t fp = range.page_of(f->addr);
+    const std::size_t fl = range.page_of(f->addr + f->size - 1);
+    // Pages the request may touch: no further than handles could back.
+    unmapped_upto.clear();
+    std::size_t unmapped_n = 0;
+    for (std::size_t pg = fp; pg <= fl; ++pg) {
+      unmapped_n += range.page_map[pg] == nullptr;
+      if (unmapped_n * page_bytes_ > handle_bytes) break;
+      unmapped_upto.push_back(unmapped_n);
+    }
+    // From the largest request down; the first one served is this block's largest.
+    for (std::size_t j = unmapped_upto.size(); j-- > 0;) {
+      const std::size_t boundary = range.page_addr(fp + j + 1) - f->addr;
+      const std::size_t below = j == 0 ? 0 : range.page_addr(fp + j) - f->addr;
+      for (std::size_t end : {std::min(boundary, f->size), std::min(boundary - 1, f->size)}) {
+        const std::size_t r = consider(end);
+        if (r == 0 || r <= below) continue;  // none left ending on this page
+        if (index.best_fit(r) != f) continue;  // a request of r is placed elsewhere
+        const page_span span = span_of(range, f->addr, r);
+        const vm_mapping* cut[2] = {nullptr, nullptr};  // idle mappings split_overhang releases
+        std::size_t missing = unmapped_upto[j];
+        for (int e = 0; e < 2 && releases; ++e) {
+          const std::size_t pg = e == 0 ? span.first : span.last;
+          const vm_mapping* m = range.page_map[pg];
+          if (m == nullptr || m == cut[0] ||
+              !overhang_released(*m, pg, span.first, span.last, f->addr, r)) {
+            continue;
+          }
+          cut[e] = m;
+          const std::size_t from = std::max(m->first_page, span.first);
+          const std::size_t to = std::min(m->first_page + m->pages - 1, span.last);
+          missing += to - from + 1;
+        }
+        if (missing * page_bytes_ > handle_bytes) continue;
+        const auto unmapped = [&](std::size_t q) {
+          const vm_mapping* m = range.page_map[q];
+          return m == nullptr || m == cut[0] || m == cut[1];
+        };
+        if (missing == 0 || by_handles(span, unmapped)) {
+          best = r;
+          return;
+        }
+      }
+    }
+  });
+  return best;
 }
 
 }  // namespace cucache::detail

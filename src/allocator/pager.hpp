@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -35,14 +36,13 @@ struct device_budget {
   std::size_t& peak;
   std::size_t limit = 0;     // cap on reserved bytes; 0 = none
   std::size_t gc_bytes = 0;  // garbage-collection threshold on reserved bytes; 0 = off
-  std::atomic<std::uint64_t>& device_allocs;
-  std::atomic<std::uint64_t>& device_frees;
+  std::atomic<std::uint64_t>& device_allocs;  // cuMemCreate calls that succeeded
+  std::atomic<std::uint64_t>& device_frees;   // cuMemRelease calls that succeeded
 };
 
-/// What the pager did, for stats. Relaxed counters.
+/// What the pager did, for stats (its cuMemCreate and cuMemRelease calls are the budget's
+/// device_allocs and device_frees). Relaxed counters.
 struct pager_counters {
-  std::atomic<std::uint64_t> create{0};          // cuMemCreate
-  std::atomic<std::uint64_t> release{0};         // cuMemRelease
   std::atomic<std::uint64_t> map{0};             // cuMemMap
   std::atomic<std::uint64_t> set_access{0};      // cuMemSetAccess (one per run of new mappings)
   std::atomic<std::uint64_t> unmap{0};           // cuMemUnmap
@@ -51,13 +51,32 @@ struct pager_counters {
   std::atomic<std::uint64_t> synchronizations{0};  // device synchronizations before an unmap
   std::atomic<std::uint64_t> splits{0};  // idle mappings released because a block used them in part
   std::atomic<std::uint64_t> reclaims{0};  // times memory was short and idle memory was released
+  std::atomic<std::uint64_t> vm_ns{0};     // host time in cuMemCreate/Map/SetAccess/Unmap/Release
+  std::atomic<std::uint64_t> sync_ns{0};   // host time in the synchronizations counted above
   void reset() noexcept {
-    for (auto* c : {&create, &release, &map, &set_access, &unmap, &stitched_pages, &shared_pages,
-                    &synchronizations, &splits, &reclaims}) {
+    for (auto* c : {&map, &set_access, &unmap, &stitched_pages, &shared_pages, &synchronizations,
+                    &splits, &reclaims, &vm_ns, &sync_ns}) {
       c->store(0, std::memory_order_relaxed);
     }
   }
 };
+
+/// Runs f() and adds the host time it took, in steady-clock nanoseconds, to `ns` (also when it
+/// throws): the pager's driver calls, timed for stats.
+template <class F>
+decltype(auto) timed(std::atomic<std::uint64_t>& ns, F&& f) {
+  struct add_elapsed {
+    std::atomic<std::uint64_t>& ns;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    ~add_elapsed() {
+      const auto d = std::chrono::steady_clock::now() - start;
+      ns.fetch_add(static_cast<std::uint64_t>(
+                       std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()),
+                   std::memory_order_relaxed);
+    }
+  } guard{ns};
+  return f();
+}
 
 class pager {
  public:
@@ -116,6 +135,14 @@ class pager {
   /// Releases unmapped handles, largest first, until reserved <= target.
   void release_unmapped(std::size_t target_reserved);
 
+  /// The largest rounded request of pool kind `kind` that, placed in p's range as the allocator
+  /// places it (best fit, at the front of the free block), split_overhang() and back() serve with
+  /// no new physical memory: every page it touches is mapped already, or backed by unmapped
+  /// handles (docs/design.md, "Free memory"). 0 when none is. A dry run sharing their rules
+  /// (overhang_released, piece_pages); changes nothing. REQUIRES: p locked.
+  [[nodiscard]] std::size_t largest_cached_request(const stream_pool& p, pool_kind kind,
+                                                   const size_policy& policy) const;
+
   // Under the budget's mutex (read by stats and the invariant check).
   std::multimap<std::size_t, phys_handle> free_handles;  // unmapped handles by size
   std::size_t free_handle_bytes = 0;
@@ -161,9 +188,28 @@ class pager {
 
   /// An idle mapping of q of at most `want` bytes to move, or nullptr (a bounded walk).
   vm_mapping* idle_within(const stream_pool& q, std::size_t want) const;
-  /// Pages of the next handle for carved block b at its unmapped page pg: 1 for a page b shares
-  /// with a neighbour, else the rest of the unmapped run (less a shared last page).
-  std::size_t piece_pages(const vm_range& r, const block* b, std::size_t pg) const;
+  /// The pages [first, last] of a block, and whether it shares its first (head) or last (tail)
+  /// page with a neighbour: it starts or ends inside it.
+  struct page_span {
+    std::size_t first, last;
+    bool head_shared, tail_shared;
+  };
+  [[nodiscard]] page_span span_of(const vm_range& r, std::uintptr_t addr, std::size_t bytes) const;
+  /// Pages of the next handle for a block over `span` at its unmapped page pg: 1 for a page it
+  /// shares with a neighbour, else the rest of the unmapped run (less a shared last page).
+  /// unmapped(q): no mapping backs page q.
+  template <class Unmapped>
+  static std::size_t piece_pages(const page_span& span, std::size_t pg, Unmapped&& unmapped);
+  /// Would split_overhang() release idle mapping m, on page pg (first or last) of a block carved
+  /// at [addr, addr + bytes) over pages [first, last]?
+  [[nodiscard]] bool overhang_released(const vm_mapping& m, std::size_t pg, std::size_t first,
+                                       std::size_t last, std::uintptr_t addr,
+                                       std::size_t bytes) const;
+  /// back()'s walk for a block over `span`, with unmapped handles of the sizes in `handles`
+  /// (ascending; taken ones are erased) as the only source. True when none is missing.
+  template <class Unmapped>
+  bool backed_by_handles(const page_span& span, Unmapped&& unmapped,
+                         std::vector<std::size_t>& handles) const;
   struct span_state {
     std::size_t missing_bytes = 0;  // b's pages that no mapping backs
     bool needs_access = false;      // a mapping of b's span without access (a failed undo)

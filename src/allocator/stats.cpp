@@ -1,9 +1,11 @@
-// Device-wide statistics: the per-stream pools' figures summed, plus what only a walk of the free
-// indices can tell (largest free block, free block count).
+// Device-wide statistics: the per-stream pools' figures summed, plus what only a walk of the
+// blocks can tell (inactive split blocks, free blocks) and the largest request cached memory serves.
 #include <algorithm>
 #include <mutex>
 
 #include "allocator/allocator_impl.hpp"
+
+using cucache::detail::pool_kind;
 
 namespace cucache {
 namespace {
@@ -43,23 +45,15 @@ device_stats device_allocator::impl::stats_locked() const {
     s.events_pending += p->pending.size();
     for (const auto& idx : p->free) {
       s.free_block_count += idx.count();
-      if (expandable) continue;
-      s.free_bytes += idx.bytes();
-      if (const detail::block* b = idx.largest()) {
-        s.largest_free_block = std::max(s.largest_free_block, b->size);
-      }
+      if (!cfg.expandable_segments) s.free_bytes += idx.bytes();
     }
-    if (expandable) {
-      // Free memory is physical: idle pages can be moved anywhere, so they count as one
-      // contiguous block; free bytes inside partly used pages cannot.
-      s.largest_free_block += p->idle_bytes;
-      for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
-        if (seg->vm != nullptr) s.mapped_bytes += seg->vm->mapped_pages * page_bytes;
-      }
-    }
-    // Inactive split: free blocks inside segments that are not wholly free.
     for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
-      if (seg->whole_free() || seg->vm != nullptr) continue;
+      if (seg->vm != nullptr) {
+        s.mapped_bytes += seg->vm->mapped_pages * page_bytes;
+        continue;
+      }
+      // Inactive split: free blocks inside segments that are not wholly free.
+      if (seg->whole_free()) continue;
       const std::size_t slot = seg->kind == detail::pool_kind::small ? 1 : 2;
       for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
         if (b->state != detail::block_state::free) continue;
@@ -81,17 +75,16 @@ device_stats device_allocator::impl::stats_locked() const {
     s.reserved_bytes[0].peak = static_cast<std::int64_t>(reserved_peak);
     if (pager) s.unmapped_handle_bytes = pager->free_handle_bytes;
   }
-  if (expandable) {
-    s.largest_free_block += s.unmapped_handle_bytes;
+  if (cfg.expandable_segments) {
+    // Free memory is physical: mapped pages no block uses (idle or partly used) and unmapped
+    // handles.
     const std::size_t active = static_cast<std::size_t>(s.active_bytes[0].current);
     s.free_bytes = reserved > active ? reserved - active : 0;
-    s.largest_free_block = std::min(s.largest_free_block, s.free_bytes);
   }
+  s.largest_free_block = largest_cached_request();
   if (pager) {
     const auto& c = pager->counters;
     constexpr auto relaxed = std::memory_order_relaxed;
-    s.vm_create_count = c.create.load(relaxed);
-    s.vm_release_count = c.release.load(relaxed);
     s.vm_map_count = c.map.load(relaxed);
     s.vm_unmap_count = c.unmap.load(relaxed);
     s.stitched_pages = c.stitched_pages.load(relaxed);
@@ -99,6 +92,8 @@ device_stats device_allocator::impl::stats_locked() const {
     s.vm_sync_count = c.synchronizations.load(relaxed);
     s.vm_split_count = c.splits.load(relaxed);
     s.vm_reclaim_count = c.reclaims.load(relaxed);
+    s.vm_host_ns = c.vm_ns.load(relaxed);
+    s.sync_host_ns = c.sync_ns.load(relaxed);
   }
   s.device_alloc_count = device_alloc_count.load(std::memory_order_relaxed);
   s.device_free_count = device_free_count.load(std::memory_order_relaxed);
@@ -107,6 +102,30 @@ device_stats device_allocator::impl::stats_locked() const {
   s.memory_limit = limit;
   s.device_total_bytes = device_total;
   return s;
+}
+
+std::size_t device_allocator::impl::largest_cached_request() const {
+  // The largest request some pool serves with no device allocation (docs/design.md, "Free
+  // memory"). Default mode, and graph pools in every mode: the block find_free() picks, under
+  // the max_split_size rules; small requests stop at 1 MiB. Expandable mode: the pager's dry run
+  // of its placement.
+  std::size_t best = 0;
+  for (const auto& p : pools) {
+    for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
+      if (cfg.expandable_segments && p->graph == nullptr) {
+        best = std::max(best, pager->largest_cached_request(*p, kind, policy));
+        continue;
+      }
+      const bool small = kind == pool_kind::small;
+      p->index_of(kind).for_each([&](const detail::block* b) {
+        const std::size_t r = policy.largest_rounded_within(
+            small ? std::min(b->size, detail::k_small_request_max_bytes) : b->size);
+        if (r <= best || (!small && r <= detail::k_small_request_max_bytes)) return;
+        if (find_free_outline(*p, kind, r) != nullptr) best = r;
+      });
+    }
+  }
+  return best;
 }
 
 device_stats device_allocator::stats() const {

@@ -291,8 +291,9 @@ class stream_pool {
   pending_frees pending;        // freed blocks waiting on events
   pool_stats stats;
   std::uint64_t tick = 0;  // free order, for garbage collection
-  object_arena<block> blocks;
-  object_arena<segment> segs;
+  object_arena<block>
+      block_arena;  // storage of this pool's blocks (the pointer map is impl::blocks)
+  object_arena<segment> segment_arena;
 
   // Expandable segments: one range per pool kind, created on first use.
   segment* ranges[2] = {nullptr, nullptr};
@@ -302,6 +303,7 @@ class stream_pool {
   object_arena<vm_mapping> maps;
 
   free_index& index_of(pool_kind k) noexcept { return free[static_cast<int>(k)]; }
+  const free_index& index_of(pool_kind k) const noexcept { return free[static_cast<int>(k)]; }
 };
 
 }  // namespace cucache::detail

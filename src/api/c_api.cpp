@@ -3,12 +3,14 @@
 #include "cucache/cucache.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <new>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "api/registry.hpp"
 #include "cucache/cucache.hpp"
@@ -67,6 +69,59 @@ size_t copy_text(const char* function, char* buf, size_t len, F&& make) noexcept
 size_t as_size(std::int64_t v) noexcept {
   return v > 0 ? static_cast<size_t>(v) : 0;
 }
+
+// cucacheStats from the field table (cucache/stats.hpp): a fixed subset of device_stats, in the
+// order and with the names of cucache.h. X(C field, C type, value from device_stats s).
+constexpr auto k_all = static_cast<std::size_t>(cucache::stat_pool::all);
+#define CUCACHE_C_STATS(X)                                               \
+  X(allocatedBytes, size_t, as_size(s.allocated_bytes[k_all].current))   \
+  X(allocatedBytesPeak, size_t, as_size(s.allocated_bytes[k_all].peak))  \
+  X(reservedBytes, size_t, as_size(s.reserved_bytes[k_all].current))     \
+  X(reservedBytesPeak, size_t, as_size(s.reserved_bytes[k_all].peak))    \
+  X(activeBytes, size_t, as_size(s.active_bytes[k_all].current))         \
+  X(activeBytesPeak, size_t, as_size(s.active_bytes[k_all].peak))        \
+  X(requestedBytes, size_t, as_size(s.requested_bytes[k_all].current))   \
+  X(requestedBytesPeak, size_t, as_size(s.requested_bytes[k_all].peak))  \
+  X(cachedFreeBytes, size_t, s.free_bytes)                               \
+  X(largestFreeBlock, size_t, s.largest_free_block)                      \
+  X(allocationCount, size_t, as_size(s.allocation_count[k_all].current)) \
+  X(segmentCount, size_t, as_size(s.segment_count[k_all].current))       \
+  X(deviceAllocCount, unsigned long long, s.device_alloc_count)          \
+  X(deviceFreeCount, unsigned long long, s.device_free_count)            \
+  X(oomCount, unsigned long long, s.oom_count)                           \
+  X(allocRetryCount, unsigned long long, s.alloc_retry_count)            \
+  X(externalFragmentation, double, s.external_fragmentation())           \
+  X(overheadFragmentation, double, s.overhead_fragmentation())           \
+  X(memoryLimit, size_t, s.memory_limit)                                 \
+  X(deviceTotalBytes, size_t, s.device_total_bytes)
+
+cucacheStats to_c(const cucache::device_stats& s) noexcept {
+  cucacheStats out{};
+#define CUCACHE_C_FILL_(field, type, value) out.field = static_cast<type>(value);
+  CUCACHE_C_STATS(CUCACHE_C_FILL_)
+#undef CUCACHE_C_FILL_
+  return out;
+}
+
+// The list is cucache.h's struct, field for field: same names, types and order, no field left
+// out (each field starts where the one before it ends, and the last ends the struct).
+#define CUCACHE_C_TYPE_(field, type, value) \
+  static_assert(std::is_same_v<decltype(cucacheStats::field), type>, #field);
+CUCACHE_C_STATS(CUCACHE_C_TYPE_)
+#undef CUCACHE_C_TYPE_
+constexpr bool c_layout_matches() {
+  std::size_t end = 0;
+#define CUCACHE_C_OFFSET_(field, type, value)                                                     \
+  if (offsetof(cucacheStats, field) != (end + alignof(type) - 1) / alignof(type) * alignof(type)) \
+    return false;                                                                                 \
+  end = offsetof(cucacheStats, field) + sizeof(type);
+  CUCACHE_C_STATS(CUCACHE_C_OFFSET_)
+#undef CUCACHE_C_OFFSET_
+  return (end + alignof(cucacheStats) - 1) / alignof(cucacheStats) * alignof(cucacheStats) ==
+         sizeof(cucacheStats);
+}
+static_assert(c_layout_matches(),
+              "CUCACHE_C_STATS and cucacheStats (cucache.h) have drifted apart");
 
 }  // namespace
 
@@ -143,29 +198,7 @@ cudaError_t cucacheGraphPoolRelease(unsigned long long captureId) noexcept {
 cudaError_t cucacheGetStats(int device, cucacheStats* stats) noexcept {
   if (stats == nullptr) return null_argument("cucacheGetStats", "stats");
   return guarded("cucacheGetStats", [&] {
-    const cucache::device_stats s = cucache::get(device).stats();
-    constexpr auto all = static_cast<std::size_t>(cucache::stat_pool::all);
-    cucacheStats out{};
-    out.allocatedBytes = as_size(s.allocated_bytes[all].current);
-    out.allocatedBytesPeak = as_size(s.allocated_bytes[all].peak);
-    out.reservedBytes = as_size(s.reserved_bytes[all].current);
-    out.reservedBytesPeak = as_size(s.reserved_bytes[all].peak);
-    out.activeBytes = as_size(s.active_bytes[all].current);
-    out.activeBytesPeak = as_size(s.active_bytes[all].peak);
-    out.requestedBytes = as_size(s.requested_bytes[all].current);
-    out.requestedBytesPeak = as_size(s.requested_bytes[all].peak);
-    out.cachedFreeBytes = s.free_bytes;
-    out.largestFreeBlock = s.largest_free_block;
-    out.allocationCount = as_size(s.allocation_count[all].current);
-    out.segmentCount = as_size(s.segment_count[all].current);
-    out.deviceAllocCount = s.device_alloc_count;
-    out.deviceFreeCount = s.device_free_count;
-    out.oomCount = s.oom_count;
-    out.allocRetryCount = s.alloc_retry_count;
-    out.externalFragmentation = s.external_fragmentation();
-    out.overheadFragmentation = s.overhead_fragmentation();
-    out.memoryLimit = s.memory_limit;
-    out.deviceTotalBytes = s.device_total_bytes;
+    const cucacheStats out = to_c(cucache::get(device).stats());
     *stats = out;
   });
 }

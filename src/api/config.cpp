@@ -14,16 +14,16 @@
 #include <system_error>
 #include <utility>
 
+#include "core/size_policy.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache {
 namespace detail {
 namespace {
 
-constexpr std::size_t k_mib = std::size_t{1} << 20;
 // PyTorch refuses max_split_size_mb and max_non_split_rounding_mb below its 20 MiB large-segment
 // size (kLargeBuffer): a smaller limit would make every 20 MiB segment unsplittable.
-constexpr std::uint64_t k_min_split_mb = 20;
+constexpr std::uint64_t k_min_split_mb = k_large_segment_bytes / k_mib;
 // Entry i of roundup_power2_divisions covers [2^(i+20), 2^(i+21)); the last interval a 64-bit size
 // can fall in starts at 2^63, so list keys run from 1 MiB (2^0) to 2^43 MiB.
 constexpr unsigned k_max_roundup_key_log2 = 43;

@@ -307,13 +307,6 @@ void cuda_backend::event_synchronize(event_handle event) {
   detail::check_runtime(cudaEventSynchronize(detail::as_event(event)), "cudaEventSynchronize");
 }
 
-void cuda_backend::stream_wait_event(stream_handle stream, event_handle event) {
-  const detail::device_guard guard(device_);
-  detail::check_runtime(
-      cudaStreamWaitEvent(detail::as_stream(stream), detail::as_event(event), cudaEventWaitDefault),
-      "cudaStreamWaitEvent");
-}
-
 void cuda_backend::stream_synchronize(stream_handle stream) {
   const detail::device_guard guard(device_);
   detail::check_runtime(cudaStreamSynchronize(detail::as_stream(stream)), "cudaStreamSynchronize");

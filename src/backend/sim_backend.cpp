@@ -81,8 +81,6 @@ const char* to_string(sim_call call) noexcept {
       return "event_query";
     case sim_call::event_synchronize:
       return "event_synchronize";
-    case sim_call::stream_wait_event:
-      return "stream_wait_event";
     case sim_call::stream_synchronize:
       return "stream_synchronize";
     case sim_call::device_synchronize:
@@ -457,16 +455,6 @@ void sim_backend::event_synchronize(event_handle event) {
   }
   require_capture_safe(sim_call::event_synchronize);
   it->second.complete = true;
-}
-
-void sim_backend::stream_wait_event(stream_handle stream, event_handle event) {
-  std::lock_guard lock(mu_);
-  if (should_fail(sim_call::stream_wait_event))
-    fail(sim_call::stream_wait_event, "injected failure");
-  require_live_stream(sim_call::stream_wait_event, stream);
-  if (events_.find(reinterpret_cast<std::uintptr_t>(event)) == events_.end()) {
-    fail(sim_call::stream_wait_event, "unknown event", k_sim_invalid_value);
-  }
 }
 
 void sim_backend::stream_synchronize(stream_handle stream) {

@@ -8,10 +8,6 @@
 namespace cucache::detail {
 namespace {
 
-constexpr std::size_t round_up(std::size_t n, std::size_t m) {
-  return (n + m - 1) / m * m;
-}
-
 /// n rounded up to a multiple of m, or nullopt when that is not representable. REQUIRES: m > 0.
 constexpr std::optional<std::size_t> checked_round_up(std::size_t n, std::size_t m) {
   const std::size_t rem = n % m;
@@ -56,6 +52,27 @@ std::optional<std::size_t> size_policy::round_size_divided(std::size_t bytes) co
   const std::optional<std::size_t> out = checked_round_up(rounded, k_min_block_bytes);
   if (!out || *out > k_max_request_bytes) return std::nullopt;
   return out;
+}
+
+std::size_t size_policy::largest_rounded_within(std::size_t bytes) const noexcept {
+  // Rounding is monotonic, never rounds down and maps rounded sizes to themselves, so the largest
+  // multiple of 512 whose rounded size fits is itself a rounded size.
+  const auto fits = [&](std::size_t units) {
+    const std::optional<std::size_t> r = round_size(units * k_min_block_bytes);
+    return r && *r <= bytes;
+  };
+  std::size_t lo = 0;  // in units of k_min_block_bytes; 0: none
+  std::size_t hi = bytes / k_min_block_bytes;
+  if (hi != 0 && fits(hi)) return hi * k_min_block_bytes;  // plain 512 B rounding
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo * k_min_block_bytes;
 }
 
 std::size_t size_policy::segment_size(std::size_t rounded) const noexcept {

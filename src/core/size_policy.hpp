@@ -32,6 +32,11 @@ inline constexpr std::size_t k_large_split_remainder_bytes = 1 * k_mib;
 inline constexpr std::size_t k_max_request_bytes =
     std::numeric_limits<std::size_t>::max() - 2 * k_large_segment_bytes;
 
+/// n rounded up to a multiple of m (m > 0).
+[[nodiscard]] constexpr std::size_t round_up(std::size_t n, std::size_t m) noexcept {
+  return (n + m - 1) / m * m;
+}
+
 enum class pool_kind : std::uint8_t { small = 0, large = 1 };
 
 /// Size rules for one allocator, built from its config. Immutable after construction.
@@ -54,6 +59,9 @@ class size_policy {
     if (rounded > k_max_request_bytes) return std::nullopt;
     return rounded < k_min_block_bytes ? k_min_block_bytes : rounded;
   }
+  /// The largest rounded size at most `bytes` (0 if none): a request of that many bytes is
+  /// rounded to itself, and every larger request to more than `bytes`.
+  [[nodiscard]] std::size_t largest_rounded_within(std::size_t bytes) const noexcept;
   [[nodiscard]] static pool_kind pool_for(std::size_t rounded) noexcept {
     return rounded <= k_small_request_max_bytes ? pool_kind::small : pool_kind::large;
   }

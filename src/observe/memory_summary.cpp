@@ -62,23 +62,27 @@ std::string device_allocator::memory_summary() const {
   stat_rows(out, "Active allocs", s.active_count, false);
   stat_rows(out, "Segments", s.segment_count, false);
   stat_rows(out, "Non-releasable allocs (current only)", s.inactive_split_count, false);
-  line(out, fmt::format("Free (cached) memory: {} in {} blocks, largest {}",
+  // The largest request the cache serves without new device memory (docs/design.md).
+  line(out, fmt::format("Free (cached) memory: {} in {} pieces, largest servable request {}",
                         detail::format_bytes(static_cast<double>(s.free_bytes)), s.free_block_count,
                         detail::format_bytes(static_cast<double>(s.largest_free_block))));
-  line(out, fmt::format("Fragmentation: external {:.1f}% (1 - largest free / free), overhead "
-                        "{:.1f}% (1 - allocated / reserved)",
+  line(out, fmt::format("Fragmentation: external {:.1f}% (1 - largest servable / free), "
+                        "overhead {:.1f}% (1 - allocated / reserved)",
                         100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation()));
   line(out, fmt::format("Oversize allocations: {}   oversize segments: {}   pending frees: {}",
                         s.oversize_allocations, s.oversize_segments, s.events_pending));
   if (get_config().expandable_segments) {
-    line(out, fmt::format("Expandable: {} mapped, {} in unmapped handles; VM calls: {} create, "
-                          "{} release, {} map, {} unmap; {} pages stitched ({} from other "
-                          "streams); {} device syncs; {} idle mappings split; {} reclaims",
+    // Device allocs and frees above are its cuMemCreate and cuMemRelease calls.
+    line(out, fmt::format("Expandable: {} mapped, {} in unmapped handles; VM calls: {} map, "
+                          "{} unmap; {} pages stitched ({} from other streams); {} device syncs; "
+                          "{} idle mappings split; {} reclaims",
                           detail::format_bytes(static_cast<double>(s.mapped_bytes)),
                           detail::format_bytes(static_cast<double>(s.unmapped_handle_bytes)),
-                          s.vm_create_count, s.vm_release_count, s.vm_map_count, s.vm_unmap_count,
-                          s.stitched_pages, s.shared_pages, s.vm_sync_count, s.vm_split_count,
-                          s.vm_reclaim_count));
+                          s.vm_map_count, s.vm_unmap_count, s.stitched_pages, s.shared_pages,
+                          s.vm_sync_count, s.vm_split_count, s.vm_reclaim_count));
+    line(out, fmt::format("Pager host time: {:.3f} ms in VM calls, {:.3f} ms in {} device syncs",
+                          static_cast<double>(s.vm_host_ns) / 1e6,
+                          static_cast<double>(s.sync_host_ns) / 1e6, s.vm_sync_count));
   }
   line(out,
        fmt::format("Memory limit: {}   device capacity: {}",

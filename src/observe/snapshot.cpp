@@ -1,13 +1,36 @@
 // snapshot_json(): every segment and block of a device allocator as JSON, for tools that draw
-// memory maps or look for the source of fragmentation.
+// memory maps or look for the source of fragmentation; and stats_json(), the statistics from the
+// field table (cucache/stats.hpp), which the snapshot and cucache-replay --json carry.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <vector>
+#include <string>
+#include <type_traits>
 
 #include "allocator/allocator_impl.hpp"
 
 namespace cucache {
+
+std::string stats_json(const device_stats& s) {
+  using nlohmann::json;
+  json out = json::object();
+  for_each_stat(s, [&](const stat_field& field, const auto& value) {
+    using value_type = std::decay_t<decltype(value)>;
+    json& entry = out[std::string(field.name)];
+    if constexpr (std::is_same_v<value_type, stat_array>) {
+      for (std::size_t i = 0; i < k_stat_pools; ++i) {
+        entry[std::string(k_stat_pool_names[i])] = {{"current", value[i].current},
+                                                    {"peak", value[i].peak},
+                                                    {"allocated", value[i].allocated},
+                                                    {"freed", value[i].freed}};
+      }
+    } else {
+      entry = value;
+    }
+  });
+  return out.dump();
+}
 
 std::string device_allocator::snapshot_json() const {
   using nlohmann::json;
@@ -55,20 +78,7 @@ std::string device_allocator::snapshot_json() const {
   }
   json out = {{"device", impl_->backend->device()},
               {"backend", impl_->backend->name()},
-              {"allocated_bytes", s.allocated_bytes[0].current},
-              {"reserved_bytes", s.reserved_bytes[0].current},
-              {"peak_reserved_bytes", s.reserved_bytes[0].peak},
-              {"free_bytes", s.free_bytes},
-              {"largest_free_block", s.largest_free_block},
-              {"external_fragmentation", s.external_fragmentation()},
-              {"overhead_fragmentation", s.overhead_fragmentation()},
-              {"vm_calls",
-               {{"create", s.vm_create_count},
-                {"release", s.vm_release_count},
-                {"map", s.vm_map_count},
-                {"unmap", s.vm_unmap_count},
-                {"stitched_pages", s.stitched_pages}}},
-              {"unmapped_handle_bytes", s.unmapped_handle_bytes},
+              {"stats", json::parse(stats_json(s))},
               {"segments", std::move(segments)}};
   return out.dump();
 }

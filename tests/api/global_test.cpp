@@ -258,7 +258,7 @@ TEST_F(Global, MalformedConfigIsAnEnvironmentError) {
   detail::reset_for_testing();
   void* p = cucache::malloc(3 << 20);
   EXPECT_NE(p, nullptr);
-  EXPECT_EQ(get().stats().vm_create_count, 2u);
+  EXPECT_EQ(get().stats().device_alloc_count, 2u);
   cucache::free(p);
 }
 

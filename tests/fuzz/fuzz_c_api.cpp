@@ -335,7 +335,7 @@ void do_bad_input(byte_reader& in, state& st) {
 
 void do_inject(byte_reader& in) {
   // The device calls the allocator makes; the n-th next one fails.
-  constexpr std::array<cucache::sim_call, 14> kinds = {cucache::sim_call::segment_malloc,
+  constexpr std::array<cucache::sim_call, 13> kinds = {cucache::sim_call::segment_malloc,
                                                        cucache::sim_call::segment_free,
                                                        cucache::sim_call::event_record,
                                                        cucache::sim_call::event_query,
@@ -347,8 +347,7 @@ void do_inject(byte_reader& in) {
                                                        cucache::sim_call::unmap,
                                                        cucache::sim_call::set_access,
                                                        cucache::sim_call::stream_synchronize,
-                                                       cucache::sim_call::device_synchronize,
-                                                       cucache::sim_call::stream_wait_event};
+                                                       cucache::sim_call::device_synchronize};
   const std::uint8_t b = in.u8();
   g_counts.add(op_inject_failure);
   sim().fail_nth(kinds[b % kinds.size()], 1 + (b >> 4) % 4);

@@ -7,9 +7,46 @@ import json
 import sys
 
 import cucache_torch as ct
+from cucache import _lib as layout  # the ctypes struct and its check against the library
 
 lib = ct.library()
 assert lib.cucache_torch_backend_name() == b"sim", lib.cucache_torch_backend_name()
+# The ctypes layout is the plug-in's field table, field for field: names, order, offsets, sizes,
+# types, and the struct's size (library() refuses a mismatch too; this names the difference).
+mine, theirs = layout.stats_layout(), layout.library_stats_layout(lib)
+assert [f[0] for f in mine] == [f[0] for f in theirs], (mine, theirs)
+assert mine == theirs, [(a, b) for a, b in zip(mine, theirs) if a != b]
+assert lib.cucache_torch_stats_size() == ctypes.sizeof(layout._Stats) == theirs[-1][1] + theirs[-1][2]
+assert layout.layout_mismatch(lib) == ""
+# ... and the check has teeth: a library whose table lists two fields the other way round, or
+# one field more, is refused.
+class _Drifted:
+    def __init__(self, rows, size):
+        self._text = "".join(f"{n} {o} {z} {k}\n" for n, o, z, k in rows).encode()
+        self._size = size
+
+    def cucache_torch_stats_layout(self):
+        return self._text
+
+    def cucache_torch_stats_size(self):
+        return self._size
+
+
+swapped = list(theirs)
+swapped[9], swapped[10] = (swapped[10][0],) + swapped[9][1:], (swapped[9][0],) + swapped[10][1:]
+assert "field 9" in layout.layout_mismatch(_Drifted(swapped, ctypes.sizeof(layout._Stats)))
+extra = theirs + [("new_counter", theirs[-1][1] + 8, 8, "u64")]
+assert layout.layout_mismatch(_Drifted(extra, ctypes.sizeof(layout._Stats) + 8)) != ""
+assert "field" in layout.layout_mismatch(_Drifted(extra, ctypes.sizeof(layout._Stats)))
+# Every field reaches memory_stats() under its key.
+keys = set(ct.memory_stats(0))
+for name, _, _, kind in theirs:
+    if kind == "stat[3]":
+        assert f"{name}.all.peak" in keys and f"{name}.large_pool.freed" in keys, name
+    elif name.startswith("fragmentation_"):
+        assert name.replace("_", ".", 1) in keys, name
+    else:
+        assert name in keys, name
 p = lib.cucache_torch_alloc(3 << 20, 0, None)
 q = lib.cucache_torch_alloc(1000, 0, None)
 assert p and q, ct.last_error()

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "allocator/test_support.hpp"
+#include "cucache/config.hpp"
 
 namespace cucache::test {
 namespace {
@@ -116,6 +117,38 @@ TEST(Stats, MatchAShadowModelWithPendingFreesAndResets) {
   for (auto& [p, b] : live) a.alloc.deallocate(p);
   a.sim->complete_all();
   a.alloc.empty_cache();
+  a.alloc.check_invariants();
+}
+
+// Expandable segments: a segment is a virtual range holding memory (one per stream and pool kind),
+// however many mappings back it; device allocations and frees are the physical handles.
+TEST(Stats, ExpandableSegmentsCountRangesAndHandles) {
+  sim_allocator a(parse_config("expandable_segments:True"));
+  void* x = a.alloc.allocate(3 * MiB);  // pages 0-1: two handles (it shares page 1 with y)
+  void* y = a.alloc.allocate(9 * MiB);  // pages 1-5: one more for 2-5 (it ends on a boundary)
+  void* z = a.alloc.allocate(4 * KiB);  // the small range: one
+  device_stats s = a.stats();
+  EXPECT_EQ(s.segment_count[0].current, 2);
+  EXPECT_EQ(s.segment_count[1].current, 1);
+  EXPECT_EQ(s.segment_count[2].current, 1);
+  EXPECT_EQ(s.device_alloc_count, a.sim->calls(sim_call::phys_create));
+  EXPECT_EQ(s.device_alloc_count, 4u);
+  EXPECT_EQ(s.vm_map_count, 4u);
+  EXPECT_EQ(a.sim->calls(sim_call::segment_malloc), 0u);
+  a.alloc.deallocate(z);
+  a.alloc.deallocate(y);
+  a.alloc.empty_cache();  // releases the small range's handle and y's idle ones
+  s = a.stats();
+  EXPECT_EQ(s.segment_count[0].current, 1);
+  EXPECT_EQ(s.segment_count[1].current, 0);
+  EXPECT_EQ(s.segment_count[0].allocated, 2);
+  EXPECT_EQ(s.device_free_count, a.sim->calls(sim_call::phys_release));
+  a.alloc.deallocate(x);
+  a.alloc.empty_cache();
+  s = a.stats();
+  EXPECT_EQ(s.segment_count[0].current, 0);
+  EXPECT_EQ(s.reserved_bytes[0].current, 0);
+  EXPECT_EQ(s.device_free_count, 4u);
   a.alloc.check_invariants();
 }
 

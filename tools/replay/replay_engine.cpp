@@ -129,9 +129,6 @@ class counting_backend final : public device_backend {
   }
   [[nodiscard]] bool event_query(event_handle event) override { return inner_->event_query(event); }
   void event_synchronize(event_handle event) override { inner_->event_synchronize(event); }
-  void stream_wait_event(stream_handle stream, event_handle event) override {
-    inner_->stream_wait_event(stream, event);
-  }
   void stream_synchronize(stream_handle stream) override { inner_->stream_synchronize(stream); }
   void device_synchronize() override {
     ++model_.device_synchronize;
@@ -210,8 +207,6 @@ memory_figures figures_of(const device_stats& s) {
   f.device_alloc_calls = s.device_alloc_count;
   f.device_free_calls = s.device_free_count;
   f.oom_count = s.oom_count;
-  f.vm_create_calls = s.vm_create_count;
-  f.vm_release_calls = s.vm_release_count;
   f.vm_map_calls = s.vm_map_count;
   f.vm_unmap_calls = s.vm_unmap_count;
   f.stitched_pages = s.stitched_pages;
@@ -326,6 +321,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   r.skipped_failures = trace.skipped_failures;
   r.peak_requested_bytes = trace.summary.peak_requested_bytes;
   r.capacity_bytes = opts.capacity_bytes;
+  r.expandable = opts.cfg.expandable_segments;
 
   const bool sim = opts.backend == backend_kind::sim;
   const config cfg = effective_config(opts);
@@ -369,7 +365,8 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
         warm_figures& w = *r.warm;
         w.device_alloc_calls = after.device_alloc_calls - before.device_alloc_calls;
         w.device_free_calls = after.device_free_calls - before.device_free_calls;
-        w.vm_create_calls = after.vm_create_calls - before.vm_create_calls;
+        // In expandable mode the device allocations are the cuMemCreate calls.
+        w.vm_create_calls = cfg.expandable_segments ? w.device_alloc_calls : 0;
         w.vm_map_calls = after.vm_map_calls - before.vm_map_calls;
         w.vm_unmap_calls = after.vm_unmap_calls - before.vm_unmap_calls;
         w.oom_count = after.oom_count - before.oom_count;
@@ -403,6 +400,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
       best.allocated_bytes = static_cast<std::size_t>(s.allocated_bytes[0].current);
       best.free_bytes = s.free_bytes;
       best.largest_free_block = s.largest_free_block;
+      best.stats = s;
     });
     const memory_figures f = figures_of(a.stats());
     if (sim && f != r.figures) {
@@ -418,6 +416,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     }
     r.fragmentation_at_peak = best;
     r.vm_model = counting->model();
+    r.stats = a.stats();
   }
 
   // With one stream the allocator's requested peak is exact; with several it is a sum of
@@ -649,6 +648,10 @@ nlohmann::json to_json(const trace_result& r) {
                                 {"allocated_bytes", f.allocated_bytes},
                                 {"free_bytes", f.free_bytes},
                                 {"largest_free_block", f.largest_free_block}};
+  // Every statistic, from the field table (cucache/stats.hpp): at the end of the sampling run
+  // (the same figures as the timed runs on sim) and at its reserved peak.
+  j["stats"] = nlohmann::json::parse(stats_json(r.stats));
+  j["stats_at_reserved_peak"] = nlohmann::json::parse(stats_json(f.stats));
   if (r.capacity_bytes) j["capacity_bytes"] = *r.capacity_bytes;
   if (r.fits) j["fits"] = *r.fits;
   if (r.warm) {

@@ -17,6 +17,7 @@
 #include "cucache/backend.hpp"
 #include "cucache/backend_factory.hpp"
 #include "cucache/config.hpp"
+#include "cucache/stats.hpp"
 #include "cucache/trace.hpp"
 
 namespace cucache::replay {
@@ -80,6 +81,7 @@ struct fragmentation_sample {
   std::size_t allocated_bytes = 0;
   std::size_t free_bytes = 0;
   std::size_t largest_free_block = 0;
+  device_stats stats;  // all of them (the figures above are from it)
 };
 
 /// The memory figures of one cucache replay; on the simulated device every run must agree.
@@ -90,9 +92,8 @@ struct memory_figures {
   std::uint64_t device_alloc_calls = 0;
   std::uint64_t device_free_calls = 0;
   std::uint64_t oom_count = 0;
-  // Expandable segments: driver VM calls and pages moved rather than created.
-  std::uint64_t vm_create_calls = 0;
-  std::uint64_t vm_release_calls = 0;
+  // Expandable segments (where device allocs and frees are cuMemCreate and cuMemRelease): driver
+  // mapping calls and pages moved rather than created.
   std::uint64_t vm_map_calls = 0;
   std::uint64_t vm_unmap_calls = 0;
   std::uint64_t stitched_pages = 0;
@@ -163,6 +164,8 @@ struct trace_result {
   std::vector<double> host_ns_per_op_runs;
   fragmentation_sample fragmentation_at_peak;
   vm_call_model vm_model;  // from the sampling run
+  device_stats stats;       // at the end of the sampling run
+  bool expandable = false;  // expandable_segments:True
   std::optional<std::size_t> capacity_bytes;
   std::optional<bool> fits;  // only with a capacity
   std::optional<warm_figures> warm;  // --warm

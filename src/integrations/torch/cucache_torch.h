@@ -28,7 +28,10 @@ typedef struct cucache_torch_stat {
 /* Pools of the per-pool arrays: 0 all, 1 small (<= 1 MiB), 2 large. */
 #define CUCACHE_TORCH_POOLS 3
 
-/* The statistics of one device (cucache::device_stats, flattened). Byte counts unless named. */
+/* The statistics of one device: cucache::device_stats flattened, field for field in the order of
+ * its field table (include/cucache/stats.hpp, CUCACHE_STAT_*_FIELDS) under PyTorch's names;
+ * torch_plugin.cpp fails to compile when the two differ. Byte counts unless named a count; see
+ * stats.hpp for each field. cucache_torch_stats_layout() describes the layout for bindings. */
 typedef struct cucache_torch_stats {
   cucache_torch_stat allocated_bytes[CUCACHE_TORCH_POOLS];
   cucache_torch_stat reserved_bytes[CUCACHE_TORCH_POOLS];
@@ -46,11 +49,15 @@ typedef struct cucache_torch_stats {
   uint64_t oversize_allocations;
   uint64_t oversize_segments;
   uint64_t events_pending;
-  uint64_t vm_create_count;
-  uint64_t vm_release_count;
   uint64_t vm_map_count;
   uint64_t vm_unmap_count;
   uint64_t stitched_pages;
+  uint64_t shared_pages;
+  uint64_t vm_sync_count;
+  uint64_t vm_split_count;
+  uint64_t vm_reclaim_count;
+  uint64_t vm_host_ns; /* host nanoseconds in cuMemCreate/Map/SetAccess/Unmap/Release */
+  uint64_t sync_host_ns; /* host nanoseconds in the pager's device synchronizations */
   uint64_t mapped_bytes;
   uint64_t unmapped_handle_bytes;
   uint64_t free_bytes;
@@ -113,6 +120,10 @@ CUCACHE_TORCH_API int cucache_torch_release_pool(int device, uint64_t first, uin
 CUCACHE_TORCH_API int cucache_torch_get_stats(int device, cucache_torch_stats* out);
 /* sizeof(cucache_torch_stats), for bindings to check their copy of the layout. */
 CUCACHE_TORCH_API size_t cucache_torch_stats_size(void);
+/* The layout of cucache_torch_stats, from the field table: one line per field,
+ * "NAME OFFSET SIZE TYPE\n", TYPE one of stat[3] (cucache_torch_stat[CUCACHE_TORCH_POOLS]), u64,
+ * f64, in order. python/cucache/_lib.py checks its ctypes copy against it. Never NULL. */
+CUCACHE_TORCH_API const char* cucache_torch_stats_layout(void);
 /* The text table of memory_summary / the JSON snapshot of `device`. Both copy at most len - 1
  * bytes and a terminating NUL into buf (buf may be NULL when len is 0) and return the full text's
  * length without the NUL: a return >= len means buf was too small. -1 on error. */

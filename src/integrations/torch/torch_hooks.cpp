@@ -52,6 +52,8 @@ struct cucache_allocator final : CUDAPluggableAllocator {
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     const cucache_torch_stats s = stats_of(device);
+    // c10's DeviceStats, field by field: the plug-in struct uses its names (cucache_torch.h, laid
+    // out from the field table), and carries more, which c10 has no place for.
     DeviceStats d;
     fill(s.allocation, d.allocation);
     fill(s.segment, d.segment);

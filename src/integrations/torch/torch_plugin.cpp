@@ -5,6 +5,7 @@
 // torch among them, cannot handle C++ exceptions.
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -15,12 +16,14 @@
 #include <new>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "api/registry.hpp"
 #include "cucache/cucache.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
+#include "cucache/stats.hpp"
 #include "cucache_torch.h"
 #include "observe/observe_hub.hpp"
 
@@ -57,6 +60,71 @@ void copy_stat_array(const stat_array& from, cucache_torch_stat* to) {
   for (std::size_t i = 0; i < k_stat_pools; ++i) {
     to[i] = {from[i].current, from[i].peak, from[i].allocated, from[i].freed};
   }
+}
+
+// cucache_torch_stats is the field table (cucache/stats.hpp) flattened: every field, in table
+// order, under its torch name, each starting where the one before ends, the last ending the struct.
+static_assert(CUCACHE_TORCH_POOLS == k_stat_pools);
+#define CUCACHE_TORCH_ARRAY_TYPE_(member, torch, unit)                   \
+  static_assert(std::is_same_v<decltype(cucache_torch_stats::torch),     \
+                               cucache_torch_stat[CUCACHE_TORCH_POOLS]>, \
+                #torch);
+#define CUCACHE_TORCH_COUNTER_TYPE_(member, torch, unit) \
+  static_assert(std::is_same_v<decltype(cucache_torch_stats::torch), std::uint64_t>, #torch);
+#define CUCACHE_TORCH_RATE_TYPE_(fn, torch) \
+  static_assert(std::is_same_v<decltype(cucache_torch_stats::torch), double>, #torch);
+CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_TORCH_ARRAY_TYPE_)
+CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_TORCH_COUNTER_TYPE_)
+CUCACHE_STAT_RATE_FIELDS(CUCACHE_TORCH_RATE_TYPE_)
+#undef CUCACHE_TORCH_ARRAY_TYPE_
+#undef CUCACHE_TORCH_COUNTER_TYPE_
+#undef CUCACHE_TORCH_RATE_TYPE_
+
+struct torch_field {
+  const char* name;
+  std::size_t offset;
+  std::size_t size;
+  const char* type;
+};
+constexpr torch_field k_torch_fields[] = {
+#define CUCACHE_TORCH_ARRAY_(member, torch, unit) \
+  {#torch, offsetof(cucache_torch_stats, torch), sizeof(cucache_torch_stats::torch), "stat[3]"},
+#define CUCACHE_TORCH_COUNTER_(member, torch, unit) \
+  {#torch, offsetof(cucache_torch_stats, torch), sizeof(std::uint64_t), "u64"},
+#define CUCACHE_TORCH_RATE_(fn, torch) \
+  {#torch, offsetof(cucache_torch_stats, torch), sizeof(double), "f64"},
+    CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_TORCH_ARRAY_)
+        CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_TORCH_COUNTER_)
+            CUCACHE_STAT_RATE_FIELDS(CUCACHE_TORCH_RATE_)
+#undef CUCACHE_TORCH_ARRAY_
+#undef CUCACHE_TORCH_COUNTER_
+#undef CUCACHE_TORCH_RATE_
+};
+static_assert(std::size(k_torch_fields) == k_stat_field_count);
+constexpr bool torch_layout_matches() {
+  std::size_t end = 0;
+  for (const torch_field& f : k_torch_fields) {
+    if (f.offset != end) return false;  // every member is 8-byte aligned: no padding
+    end += f.size;
+  }
+  return end == sizeof(cucache_torch_stats);
+}
+static_assert(torch_layout_matches(),
+              "cucache_torch_stats (cucache_torch.h) and the field table have drifted apart");
+
+cucache_torch_stats to_torch(const device_stats& s) {
+  cucache_torch_stats out{};
+#define CUCACHE_TORCH_FILL_ARRAY_(member, torch, unit) copy_stat_array(s.member, out.torch);
+#define CUCACHE_TORCH_FILL_COUNTER_(member, torch, unit) \
+  out.torch = static_cast<std::uint64_t>(s.member);
+#define CUCACHE_TORCH_FILL_RATE_(fn, torch) out.torch = s.fn();
+  CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_TORCH_FILL_ARRAY_)
+  CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_TORCH_FILL_COUNTER_)
+  CUCACHE_STAT_RATE_FIELDS(CUCACHE_TORCH_FILL_RATE_)
+#undef CUCACHE_TORCH_FILL_ARRAY_
+#undef CUCACHE_TORCH_FILL_COUNTER_
+#undef CUCACHE_TORCH_FILL_RATE_
+  return out;
 }
 
 // snprintf's contract for a std::string.
@@ -227,42 +295,24 @@ int cucache_torch_get_stats(int device, cucache_torch_stats* out) {
     *out = cucache_torch_stats{};
     device_allocator* a = existing(device);
     if (a == nullptr) return;  // an unused device: nothing reserved, nothing allocated
-    const device_stats s = a->stats();
-    copy_stat_array(s.allocated_bytes, out->allocated_bytes);
-    copy_stat_array(s.reserved_bytes, out->reserved_bytes);
-    copy_stat_array(s.active_bytes, out->active_bytes);
-    copy_stat_array(s.requested_bytes, out->requested_bytes);
-    copy_stat_array(s.inactive_split_bytes, out->inactive_split_bytes);
-    copy_stat_array(s.allocation_count, out->allocation);
-    copy_stat_array(s.segment_count, out->segment);
-    copy_stat_array(s.active_count, out->active);
-    copy_stat_array(s.inactive_split_count, out->inactive_split);
-    out->num_device_alloc = s.device_alloc_count;
-    out->num_device_free = s.device_free_count;
-    out->num_ooms = s.oom_count;
-    out->num_alloc_retries = s.alloc_retry_count;
-    out->oversize_allocations = s.oversize_allocations;
-    out->oversize_segments = s.oversize_segments;
-    out->events_pending = s.events_pending;
-    out->vm_create_count = s.vm_create_count;
-    out->vm_release_count = s.vm_release_count;
-    out->vm_map_count = s.vm_map_count;
-    out->vm_unmap_count = s.vm_unmap_count;
-    out->stitched_pages = s.stitched_pages;
-    out->mapped_bytes = s.mapped_bytes;
-    out->unmapped_handle_bytes = s.unmapped_handle_bytes;
-    out->free_bytes = s.free_bytes;
-    out->free_block_count = s.free_block_count;
-    out->largest_free_block = s.largest_free_block;
-    out->memory_limit = s.memory_limit;
-    out->device_total_bytes = s.device_total_bytes;
-    out->fragmentation_external = s.external_fragmentation();
-    out->fragmentation_overhead = s.overhead_fragmentation();
+    *out = to_torch(a->stats());
   });
 }
 
 size_t cucache_torch_stats_size(void) {
   return sizeof(cucache_torch_stats);
+}
+
+const char* cucache_torch_stats_layout(void) {
+  static const std::string text = [] {
+    std::string t;
+    for (const torch_field& f : k_torch_fields) {
+      t += std::string(f.name) + ' ' + std::to_string(f.offset) + ' ' + std::to_string(f.size) +
+           ' ' + f.type + '\n';
+    }
+    return t;
+  }();
+  return text.c_str();
 }
 
 int64_t cucache_torch_memory_summary(int device, char* buf, size_t len) {
