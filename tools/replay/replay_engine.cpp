@@ -14,6 +14,7 @@
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
 #include "peers.hpp"
+#include "progress.hpp"
 #include "replay_loop.hpp"
 
 namespace cucache::replay {
@@ -283,6 +284,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
 
   // Timed runs: nothing but the allocator calls inside the clock.
   for (unsigned run = 0; run < opts.repeat; ++run) {
+    report(opts.progress_line, fmt::format("{}: run {}/{}", trace.name, run + 1, opts.repeat));
     std::fill(slots.begin(), slots.end(), nullptr);
     device_allocator a(backend_for(opts), cfg);
     cucache_ops ops{&a};
@@ -307,6 +309,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   // One untimed run samples the stats whenever reserved memory grew, keeping the sample where it
   // was highest: the allocator's state at its reserved peak.
   {
+    report(opts.progress_line, fmt::format("{}: sampling the peak", trace.name));
     std::fill(slots.begin(), slots.end(), nullptr);
     auto counting = std::make_shared<counting_backend>(backend_for(opts));
     device_allocator a(counting, cfg);
@@ -360,6 +363,8 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     pr.peak_source = p->peak_source();
     p->begin_trace();
     for (unsigned run = 0; run < opts.repeat; ++run) {
+      report(opts.progress_line,
+             fmt::format("{}: {} run {}/{}", trace.name, p->name(), run + 1, opts.repeat));
       const peer_run pass = p->run(trace, streams, slots);
       pr.host_ns_per_op_runs.push_back(pass.ns_per_op);
       if (run == 0) {
@@ -474,6 +479,7 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
     const auto start = std::chrono::steady_clock::now();
     std::size_t upper = 0;
     {
+      report(opts.progress_line, fmt::format("{}: fit, replay without a limit", trace.name));
       std::fill(slots.begin(), slots.end(), nullptr);
       device_allocator a(backend_for(opts), effective_config(opts));
       cucache_ops ops{&a};
@@ -482,7 +488,10 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
       }
       upper = static_cast<std::size_t>(a.stats().reserved_bytes[0].peak);
     }
+    unsigned tried = 0;
     auto passes = [&](std::size_t limit) {
+      report(opts.progress_line, fmt::format("{}: fit, replay {} under {}", trace.name, ++tried,
+                                             gib(limit)));
       options limited = opts;
       limited.capacity_bytes = limit;
       std::fill(slots.begin(), slots.end(), nullptr);
@@ -504,7 +513,12 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
       throw error(
           fmt::format("--fit: {} runs out of memory without a limit ({})", trace.name, p->name()));
     }
-    auto passes = [&](std::size_t limit) { return p->fits(trace, streams, slots, limit); };
+    unsigned tried = 0;
+    auto passes = [&](std::size_t limit) {
+      report(opts.progress_line, fmt::format("{}: fit of {}, replay {} under {}", trace.name,
+                                             p->name(), ++tried, gib(limit)));
+      return p->fits(trace, streams, slots, limit);
+    };
     peer_fit pf;
     pf.name = p->name();
     pf.fit = bisect(r.peak_requested_bytes, free_run.peak_reserved_bytes, fit.resolution_bytes,

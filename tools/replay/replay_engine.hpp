@@ -58,6 +58,8 @@ struct prepared_trace {
 /// Default simulated capacity: large enough that any trace fits.
 inline constexpr std::size_t k_unbounded_sim_capacity = std::size_t{1} << 40;
 
+class progress;
+
 struct options {
   backend_kind backend = backend_kind::sim;
   config cfg;
@@ -66,6 +68,8 @@ struct options {
   unsigned repeat = 1;
   /// Peer names (see k_peer_names) to replay the same events through; cuda backend only.
   std::vector<std::string> peers;
+  /// Told what is being done (progress.hpp), when set: the stderr line on a terminal.
+  progress* progress_line = nullptr;
 };
 
 /// Allocator state at the moment reserved memory reached its peak.
