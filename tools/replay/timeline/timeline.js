@@ -16,6 +16,7 @@
   var KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
   function human(b) {
     var a = Math.abs(b);
+    if (a >= 1024 * GiB) return (b / (1024 * GiB)).toFixed(3) + ' TiB';
     if (a >= GiB) return (b / GiB).toFixed(3) + ' GiB';
     if (a >= MiB) return (b / MiB).toFixed(2) + ' MiB';
     if (a >= KiB) return (b / KiB).toFixed(1) + ' KiB';
@@ -394,7 +395,7 @@
     more.hidden = peak.allocations.length <= limit;
     more.textContent = 'show all ' + grouped(peak.allocations.length);
   }
-  fillAlive(100);
+  fillAlive(25);
   document.getElementById('alive-more').addEventListener('click', function () { fillAlive(peak.allocations.length); });
   text('alive-summary', grouped(peak.alive_count) + ' allocations, ' + human(peak.alive_requested_bytes) + ' requested, ' +
        human(peak.alive_rounded_bytes) + ' rounded; largest first' +
@@ -408,11 +409,21 @@
   var segs = (peak.snapshot.segments || []).slice().sort(function (x, y) {
     return x.stream - y.stream || (x.pool < y.pool ? 1 : x.pool > y.pool ? -1 : 0) || x.address - y.address;
   });
-  var MAX_ROWS = 300, ROW = 16, LABEL = 230;
+  var MAX_ROWS = 300, ROW = 16, LABEL = 300;
   var shown = segs.slice(0, MAX_ROWS);
   var holes = 0, holeBytes = 0, unmapped = 0;
+  // Free holes: free blocks of ordinary segments; in an expandable range, the free bytes that lie
+  // on mapped pages (free virtual space elsewhere is unmapped, not a hole).
   segs.forEach(function (s) {
-    s.blocks.forEach(function (b) { if (b.state === 'free') { ++holes; holeBytes += b.size; } });
+    s.blocks.forEach(function (b) {
+      if (b.state !== 'free') return;
+      if (!s.expandable) { ++holes; holeBytes += b.size; return; }
+      var onMapped = 0;
+      (s.mappings || []).forEach(function (m) {
+        onMapped += Math.max(0, Math.min(b.address + b.size, m.address + m.size) - Math.max(b.address, m.address));
+      });
+      if (onMapped > 0) { ++holes; holeBytes += onMapped; }
+    });
     if (s.expandable) unmapped += s.unmapped_bytes;
   });
   // A row spans its segment; an expandable range spans what is mapped or used of it (the rest of
@@ -453,8 +464,9 @@
       var y = 4 + i * ROW, ext = extent(s), sc = (x1 - x0) / ext;
       mctx.fillStyle = '#5c6678';
       mctx.textAlign = 'right';
-      mctx.fillText(s.pool + ' · stream 0x' + s.stream.toString(16) + ' · ' + human(s.size) +
-                    (s.expandable ? ' VA, ' + human(s.mapped_bytes) + ' mapped' : ''), x0 - 6, y + ROW / 2);
+      mctx.fillText(s.pool + ' · stream 0x' + s.stream.toString(16) + ' · ' +
+                    (s.expandable ? human(s.mapped_bytes) + ' mapped of ' + human(s.size) + ' VA' : human(s.size)),
+                    x0 - 6, y + ROW / 2);
       mctx.fillStyle = s.expandable ? '#8a93a3' : '#ffffff';
       mctx.fillRect(x0, y + 1, x1 - x0, ROW - 3);
       if (s.expandable) {
