@@ -17,7 +17,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "cucache/backend_factory.hpp"
+#include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
+#include "cucache/sim_backend.hpp"
 #include "cucache/trace.hpp"
 #include "progress.hpp"
 #include "replay_engine.hpp"
@@ -319,6 +322,37 @@ TEST(replay_timeline, bad_inputs_name_the_file_and_leave_nothing) {
     EXPECT_NE(std::string(e.what()).find(nowhere.string()), std::string::npos) << e.what();
   }
   EXPECT_EQ(dir.entries(), (std::vector<std::string>{"bad.csv", "page.html"}));
+}
+
+TEST(replay_timeline, from_a_trace_recorded_from_a_live_allocator) {
+  // What CUCACHE_CONF=trace:PATH writes (the trace observer over a live allocator) is the format
+  // the timeline reads: record a program's allocations, then draw them.
+  temp_dir dir("cucache_timeline_live");
+  const fs::path csv = dir.path() / "live.csv";
+  {
+    auto recorder = std::make_shared<trace_recorder>(csv);
+    device_allocator a(make_backend(backend_kind::sim, 0, sim_options{}), config{},
+                       make_trace_observer(recorder));
+    auto* s1 = reinterpret_cast<stream_handle>(std::uintptr_t{0x30});
+    void* x = a.allocate(3 * std::size_t{1} << 20);
+    void* y = a.allocate(1000, s1);
+    a.deallocate(x);
+    void* z = a.allocate(600);
+    a.deallocate(y);
+    a.deallocate(z);
+    recorder->flush();
+  }
+  const fs::path out = dir.path() / "live.html";
+  const cli_run r = run({"--backend", "sim", "--json", "--timeline", out.string(), csv.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::vector<trace_event> events = read_trace(csv);
+  ASSERT_EQ(events.size(), 6u);
+  const json d = timeline_data(prepare(events, "live"), &events, sim());
+  // 20 MiB for the 3 MiB request, one 2 MiB small segment per stream.
+  EXPECT_EQ(d["peak"]["reserved_bytes"], 24 * k_mib);
+  EXPECT_EQ(nlohmann::json::parse(r.out)["peak_reserved_bytes"], 24 * k_mib);
+  EXPECT_EQ(d["streams"], json::array({"0x0", "0x30"}));
+  EXPECT_TRUE(fs::exists(out));
 }
 
 TEST(replay_progress, off_unless_stderr_is_the_terminal) {
