@@ -465,7 +465,7 @@
       mctx.fillStyle = '#5c6678';
       mctx.textAlign = 'right';
       mctx.fillText(s.pool + ' · stream 0x' + s.stream.toString(16) + ' · ' +
-                    (s.expandable ? human(s.mapped_bytes) + ' mapped of ' + human(s.size) + ' VA' : human(s.size)),
+                    (s.expandable ? human(s.mapped_bytes) + ' / ' + human(s.size) + ' VA' : human(s.size)),
                     x0 - 6, y + ROW / 2);
       mctx.fillStyle = s.expandable ? '#8a93a3' : '#ffffff';
       mctx.fillRect(x0, y + 1, x1 - x0, ROW - 3);
