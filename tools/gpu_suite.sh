@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Runs the GPU test binaries (both allocator modes), optionally under compute-sanitizer, writing
 # one log per run into OUT_DIR. Used on the H200 through the device tool; see docs/verified.md.
-#   tools/gpu_suite.sh BIN_DIR OUT_DIR [memcheck]
+#   tools/gpu_suite.sh BIN_DIR OUT_DIR [memcheck|racecheck|synccheck|initcheck]
 set -uo pipefail
 bin=${1:?bin dir}; out=${2:?out dir}; mode=${3:-}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$out/gpu.txt"
 prefix=()
-if [[ $mode == memcheck ]]; then
-  # OOM tests make the runtime return errors on purpose: report memory errors and leaks only.
-  prefix=(compute-sanitizer --tool memcheck --leak-check full --report-api-errors no --error-exitcode 97)
-fi
+case $mode in
+  "") ;;
+  memcheck)
+    # OOM tests make the runtime return errors on purpose: report memory errors and leaks only.
+    prefix=(compute-sanitizer --tool memcheck --leak-check full --report-api-errors no --error-exitcode 97) ;;
+  racecheck|synccheck|initcheck)
+    prefix=(compute-sanitizer --tool "$mode" --report-api-errors no --error-exitcode 97) ;;
+  *) echo "gpu_suite.sh: unknown mode '$mode' (memcheck, racecheck, synccheck, initcheck)" >&2; exit 2 ;;
+esac
 status=0
 run() {  # name, env..., binary, args...
   local name=$1; shift
@@ -20,7 +25,8 @@ run() {  # name, env..., binary, args...
   echo "$name: exit $rc in $((SECONDS - start)) s; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')" | tee -a "$out/summary.txt"
   [[ $rc -ne 0 ]] && status=1
 }
-for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test allocator_suite_cuda_test; do
+for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test allocator_suite_cuda_test \
+  graph_capture_gpu_test; do
   [[ -x $bin/$t ]] || continue
   run "$t" "${prefix[@]}" "$bin/$t"
 done

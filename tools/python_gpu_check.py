@@ -81,6 +81,11 @@ def run_numba(via_env: bool) -> None:
     import cucache.numba
     import numpy as np
 
+    if not hasattr(np, "row_stack"):
+        # numba 0.68's typing of NumPy still names np.row_stack, which NumPy 2.4 removed: without
+        # this alias every @cuda.jit compile fails with AttributeError, cucache or not (seen on the
+        # H200's torch venv). An environment mismatch, not part of what this check proves.
+        np.row_stack = np.vstack
     if not via_env:
         cucache.numba.install()
     from numba import cuda

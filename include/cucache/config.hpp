@@ -35,6 +35,12 @@ struct config {
   std::size_t memory_limit_bytes = 0;
   /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
   std::string trace_path;
+  /// reserve_mb: bytes the allocator caches when it is created (device_allocator::reserve on the
+  /// legacy stream): a segment, or mapped idle pages in expandable mode. 0 = off.
+  std::size_t reserve_bytes = 0;
+  /// nvtx: NVTX ranges around device calls, the out-of-memory ladder and page moves. Off = one
+  /// branch per slow path.
+  bool nvtx = false;
 
   friend bool operator==(const config&, const config&) = default;
 };

@@ -101,6 +101,20 @@ cudaError_t cucacheMemGetInfo(size_t* free, size_t* total) CUCACHE_NOEXCEPT;
  * nothing was ever allocated. Errors: CUDA runtime errors. */
 cudaError_t cucacheEmptyCache(void) CUCACHE_NOEXCEPT;
 
+/** Headroom: *bytes = the largest single cucacheMalloc on the current device (legacy stream) that
+ * would succeed now -- from a cached free block, or from new memory once the out-of-memory path
+ * gave back what it may (free segments, idle pages), under the device's free memory and the memory
+ * limit. Waits for pending stream-ordered frees first. Exact on the simulated device; on a GPU
+ * other processes may take memory meanwhile. Errors: cudaErrorInvalidValue (bytes NULL),
+ * cudaErrorInitializationError, CUDA runtime errors. */
+cudaError_t cucacheMaxAllocatable(size_t* bytes) CUCACHE_NOEXCEPT;
+/** Caches `bytes` of free memory on the current device (legacy stream) now, so that the first
+ * allocations make no device call: one segment, or mapped pages with expandable segments (as
+ * CUCACHE_CONF reserve_mb:N does at the allocator's creation). Reserved memory is ordinary cached
+ * memory: cucacheEmptyCache gives it back. Errors: cudaErrorMemoryAllocation (no room),
+ * cudaErrorInitializationError, CUDA runtime errors. */
+cudaError_t cucacheReserve(size_t bytes) CUCACHE_NOEXCEPT;
+
 /** CUDA graphs. An allocation on a stream that is being captured (cudaStreamBeginCapture) comes
  * from a private pool of that capture, which nobody else gets while a graph replays on it; a free
  * inside the capture returns memory to that pool, and a block of another pool freed (or used) on

@@ -60,6 +60,15 @@ void record_stream(void* ptr, stream_handle stream);
 /// Returns the cached free memory of every allocator created so far to the device. Creates none.
 void empty_cache();
 
+/// The largest single request on `stream` that `device`'s allocator (created if needed) would
+/// serve now; see device_allocator::max_allocatable. Without a device: the current one.
+[[nodiscard]] std::size_t max_allocatable(int device, stream_handle stream = nullptr);
+[[nodiscard]] std::size_t max_allocatable();
+/// Caches `bytes` of free memory on `device` for `stream` (device_allocator::reserve). Without a
+/// device: the current one.
+void reserve(std::size_t bytes, int device, stream_handle stream = nullptr);
+void reserve(std::size_t bytes);
+
 /// PyTorch-style statistics table of `device`'s allocator (creating it if needed).
 [[nodiscard]] std::string memory_summary(int device);
 

@@ -146,6 +146,24 @@ class device_allocator {
   /// The state of `pool` (exists == false when unknown).
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
 
+  // --- headroom and reserve (docs/api.md) -----------------------------------------------------
+  /// The largest request on `stream` that allocate would serve now: from a cached free block of
+  /// the stream's pool (best fit, max_split_size), or -- after the out-of-memory ladder would
+  /// release every whole free segment, or, in expandable mode, unmap every idle page -- from new
+  /// memory under the device's free memory and the memory limit. Waits for pending frees first
+  /// (as the ladder does) and takes every pool lock: not for the hot path. Exact on the simulated
+  /// device; on a GPU, other processes and the driver's own fragmentation may refuse less.
+  /// While a CUDA graph capture is underway, for a stream that is not capturing.
+  [[nodiscard]] std::size_t max_allocatable(stream_handle stream = nullptr);
+  /// Caches `bytes` of free memory for `stream` now, so that the first requests make no device
+  /// allocation: one large-pool segment of `bytes` rounded up to 2 MiB (requests of 1 MiB or
+  /// less use the small pool and do not draw on it), or in expandable mode pages mapped at the
+  /// front of the large range (idle until used; small requests may move them). Reserved memory is
+  /// ordinary cached memory: it counts in reserved bytes, and empty_cache, the out-of-memory
+  /// ladder and garbage collection may give it back like any free segment (docs/api.md). Throws
+  /// out_of_memory when the device or the memory limit has no room.
+  void reserve(std::size_t bytes, stream_handle stream = nullptr);
+
   /// Statistics, taken consistently under all locks.
   [[nodiscard]] device_stats stats() const;
   void reset_peak_stats();

@@ -94,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_free": (None, [vp, sz, i, vp]),
         "cucache_torch_record_stream": (i, [vp, vp]),
         "cucache_torch_empty_cache": (i, []),
+        "cucache_torch_max_allocatable": (i, [i, ctypes.POINTER(sz)]),
+        "cucache_torch_reserve": (i, [i, sz]),
         "cucache_torch_reset_peak_stats": (i, [i]),
         "cucache_torch_reset_accumulated_stats": (i, [i]),
         "cucache_torch_set_memory_fraction": (i, [i, ctypes.c_double]),
@@ -237,6 +239,23 @@ def snapshot_json(device: Any = None) -> str:
 def empty_cache() -> None:
     """Returns every wholly free cached segment of every device to the driver."""
     _check(library().cucache_torch_empty_cache(), "empty_cache")
+
+
+def max_allocatable(device: Any = None) -> int:
+    """The largest single allocation on one device that would succeed now, in bytes: a cached
+    free block, or new memory once the out-of-memory path gave back what it may, under the
+    device's free memory and the memory limit (exact on the simulated device)."""
+    out = ctypes.c_size_t(0)
+    _check(library().cucache_torch_max_allocatable(_device(device), ctypes.byref(out)), "max_allocatable")
+    return int(out.value)
+
+
+def reserve(nbytes: int, device: Any = None) -> None:
+    """Caches nbytes of free memory on one device now, so that the first allocations make no
+    device call (CUCACHE_CONF reserve_mb:N does it when the allocator is created)."""
+    if nbytes < 0:
+        raise ValueError(f"cucache.reserve: nbytes must be >= 0, not {nbytes}")
+    _check(library().cucache_torch_reserve(_device(device), int(nbytes)), "reserve")
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:

@@ -36,30 +36,32 @@ def _numba_config() -> Any:
     return config
 
 
-def _uses_nvidia_binding() -> bool:
-    # The driver module says which binding it uses where it has the flag; numba-cuda releases
-    # without Numba's ctypes binding have no flag and always use NVIDIA's (seen on the H200: their
-    # driver calls int() on the pointer). Without the driver module, the config's flag decides.
+def _device_pointer(ptr: int) -> Any:
+    """The pointer object Numba's MemoryPointer takes: the driver binding's own CUdeviceptr where
+    the driver uses NVIDIA's cuda-python binding, a ctypes integer with Numba's ctypes binding.
+
+    numba-cuda releases without the ctypes binding have no USE_NV_BINDING flag and always use
+    NVIDIA's binding -- while their config may still say CUDA_USE_NVIDIA_BINDING = 0 (numba-cuda
+    0.30.4 on the H200 does) -- and their MemoryPointer calls int() on the pointer: so the driver
+    module decides, never the config. Without a driver module the config's flag decides."""
     try:
         from numba.cuda.cudadrv import driver
     except ImportError:
-        return bool(getattr(_numba_config(), "CUDA_USE_NVIDIA_BINDING", False))
-    flag = getattr(driver, "USE_NV_BINDING", None)
-    if flag is None:
-        flag = getattr(_numba_config(), "CUDA_USE_NVIDIA_BINDING", True)
-    return bool(flag)
-
-
-def _device_pointer(ptr: int) -> Any:
-    # Numba's driver takes the pointer type of the binding in use: cuda-python's CUdeviceptr with
-    # the NVIDIA binding (numba-cuda's default), a ctypes integer with Numba's own.
-    if _uses_nvidia_binding():
+        driver = None
+    if driver is not None:
+        flag = getattr(driver, "USE_NV_BINDING", None)
+        nvidia = True if flag is None else bool(flag)
+    else:
+        nvidia = bool(getattr(_numba_config(), "CUDA_USE_NVIDIA_BINDING", False))
+    if not nvidia:
+        return ctypes.c_uint64(ptr)
+    cls = getattr(getattr(driver, "binding", None), "CUdeviceptr", None)
+    if cls is None:
         try:
-            from cuda.bindings.driver import CUdeviceptr
+            from cuda.bindings.driver import CUdeviceptr as cls
         except ImportError:
-            from cuda.cuda import CUdeviceptr
-        return CUdeviceptr(ptr)
-    return ctypes.c_uint64(ptr)
+            from cuda.cuda import CUdeviceptr as cls
+    return cls(ptr)
 
 
 def _make_class() -> Any:

@@ -88,20 +88,21 @@ struct device_allocator::impl {
   [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
     return stream == nullptr ? detail::k_legacy_stream_key : raw->stream_id(stream);
   }
-  /// stream_key for a stream that may be capturing: cudaStreamGetId is refused during a
-  /// global-mode capture (and would invalidate it), so the id is asked in relaxed mode.
-  [[nodiscard]] std::uint64_t stream_key_while_capturing(stream_handle stream) const {
+  /// The key of a stream that is being captured. cudaStreamGetId is refused on a capturing stream
+  /// in every capture mode, relaxed included, and the refusal invalidates the capture (seen on the
+  /// H200), so a capturing stream is keyed by its handle, tagged so that it never equals an id
+  /// (ids are small counters). A stream cannot be destroyed while it is being captured, so the
+  /// handle names one stream for as long as the capture lasts; graph pools and the list of known
+  /// captures are the only places such keys go.
+  [[nodiscard]] static std::uint64_t capture_key(stream_handle stream) noexcept {
+    return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(stream)) | k_capture_key_tag;
+  }
+  static constexpr std::uint64_t k_capture_key_tag = std::uint64_t{1} << 63;
+  /// The key of any stream: its capture key while it is being captured, its id otherwise.
+  [[nodiscard]] std::uint64_t any_stream_key(stream_handle stream) const {
     if (stream == nullptr) return detail::k_legacy_stream_key;
-    const capture_mode previous = raw->exchange_capture_mode(capture_mode::relaxed);
-    std::uint64_t key = 0;
-    try {
-      key = raw->stream_id(stream);
-    } catch (...) {
-      static_cast<void>(raw->exchange_capture_mode(previous));
-      throw;
-    }
-    static_cast<void>(raw->exchange_capture_mode(previous));
-    return key;
+    return raw->capture_status(stream).state != capture_state::none ? capture_key(stream)
+                                                                     : raw->stream_id(stream);
   }
   /// True when `stream`, named by the caller, is the stream p serves (handles equal, and for the
   /// per-thread handle the ids too). A destroyed stream's pool is never confused with a live one
@@ -109,7 +110,7 @@ struct device_allocator::impl {
   /// that p's stream was destroyed, and p's blocks are then reachable only through paths that
   /// synchronize the device, so treating them as p's own stream is safe.
   [[nodiscard]] bool names_pool_stream(const detail::stream_pool& p, stream_handle stream) const {
-    return stream == p.stream && (stream != per_thread_stream() || stream_key(stream) == p.key);
+    return stream == p.stream && (stream != per_thread_stream() || any_stream_key(stream) == p.key);
   }
   detail::stream_pool& new_pool(stream_handle stream, std::uint64_t key, detail::graph_pool* g);
 
@@ -163,6 +164,19 @@ struct device_allocator::impl {
   void undo_carve(detail::stream_pool& p, detail::block* b);
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                             std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk);
+
+  // --- headroom and reserve (headroom.cpp) ---
+  /// The largest request on `stream` that allocate would serve now (docs/api.md).
+  std::size_t max_allocatable(stream_handle stream);
+  /// Pre-creates `bytes` of cached free memory for `stream` (a segment, or mapped idle pages).
+  void reserve(std::size_t bytes, stream_handle stream);
+  /// The largest request n whose rounded size is at most `rounded` (0 when none).
+  [[nodiscard]] std::size_t largest_request_within(std::size_t rounded) const;
+  /// Would the out-of-memory ladder (release_free_segments) give segment s of pool p back?
+  [[nodiscard]] static bool ladder_may_release(const detail::stream_pool& p,
+                                               const detail::segment& s) noexcept {
+    return (p.graph == nullptr || p.graph->released) && s.whole_free();
+  }
 
   [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream);
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "allocator/allocator_impl.hpp"
+#include "allocator/nvtx.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache {
@@ -75,6 +76,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
                               device_alloc_count, device_free_count},
         page_bytes, device_total, pools_mu_, pools);
     pager->set_synchronization_gate([this] { return !sync_blocked(); });
+    pager->nvtx = cfg.nvtx;
   }
 }
 
@@ -259,6 +261,7 @@ block* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::
   {
     std::lock_guard lock(grow_mu_);
     if (limit != 0 && reserved + bytes > limit) return nullptr;
+    const detail::nvtx_range range(cfg.nvtx, "cucache: cudaMalloc");
     ptr = backend->segment_malloc(bytes);
     if (ptr == nullptr) return nullptr;
     reserved += bytes;
@@ -317,6 +320,7 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   // every structure as it was.
   {
     std::lock_guard lock(grow_mu_);
+    const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
     backend->segment_free(reinterpret_cast<void*>(s->base));
     reserved -= s->size;
   }
@@ -415,9 +419,8 @@ void device_allocator::impl::release_free_segments(std::size_t target_reserved, 
   // replays on their addresses.
   std::vector<std::pair<stream_pool*, segment*>> victims;
   for (auto& p : pools) {
-    if (p->graph != nullptr && !p->graph->released) continue;
     for (segment* s = p->segments; s != nullptr; s = s->next) {
-      if (s->whole_free()) victims.emplace_back(p.get(), s);
+      if (ladder_may_release(*p, *s)) victims.emplace_back(p.get(), s);
     }
   }
   if (oldest_first) {
@@ -502,12 +505,15 @@ stream_pool* device_allocator::impl::graph_part_for(stream_handle stream, captur
                     "graph can never run, and cucache allocates nothing for it (end the capture)",
                     fmt::ptr(stream)));
   }
-  const std::uint64_t key = stream_key_while_capturing(stream);
+  // A capturing stream's part is keyed by its capture key (its id cannot be asked); a stream
+  // routed to a graph pool outside a capture by its id, as everywhere else.
+  const std::uint64_t ckey = capture_key(stream);
+  const std::uint64_t key = cap.state == capture_state::active ? ckey : stream_key(stream);
   detail::graph_pool* g = nullptr;
   {
     std::lock_guard lock(graph_mu_);
     if (cap.state == capture_state::active) {
-      g = capture_pool_locked(stream, key, cap);
+      g = capture_pool_locked(stream, ckey, cap);
     } else {
       for (detail::graph_route& r : routes) {
         if (r.filter(stream)) {
@@ -516,7 +522,7 @@ stream_pool* device_allocator::impl::graph_part_for(stream_handle stream, captur
         }
       }
       // Not capturing now: a capture cucache noted on this stream has ended.
-      if (std::erase_if(captures, [&](const auto& c) { return c.stream_key == key; }) != 0) {
+      if (std::erase_if(captures, [&](const auto& c) { return c.stream_key == ckey; }) != 0) {
         update_blockers_locked();
       }
     }
@@ -653,6 +659,7 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   // Out-of-memory ladder: wait for every pending free, release every whole free segment of every
   // pool (and what released graph pools hold), and retry once.
   retry_count.fetch_add(1, std::memory_order_relaxed);
+  const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
   lk.unlock();
   {
     auto all = lock_all();
@@ -722,7 +729,9 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   detail::graph_pool* own_capture = nullptr;
   if (captures_n.load(std::memory_order_acquire) != 0 && p.graph == nullptr) [[unlikely]] {
     std::lock_guard lock(graph_mu_);
-    own_capture = known_capture_locked(p.key);
+    // By handle: captures are known by their streams' capture keys. A stale handle (p's stream
+    // destroyed, its value now a capturing stream's) only retains a block longer than needed.
+    own_capture = known_capture_locked(capture_key(p.stream));
     if (own_capture != nullptr && b->uses == nullptr) {
       try {
         b->uses = new detail::stream_uses;
@@ -767,7 +776,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
       std::uint64_t key = 0;
       try {
         cap = raw->capture_status(s);
-        if (cap.state != capture_state::none) key = stream_key_while_capturing(s);
+        if (cap.state != capture_state::none) key = capture_key(s);
       } catch (...) {
         cap = {};  // the stream is gone: the record below fails and the fallback waits
       }
@@ -940,7 +949,10 @@ graph_pool_info device_allocator::impl::graph_pool_state(graph_pool_id gid) cons
 
 device_allocator::device_allocator(std::shared_ptr<device_backend> backend, config cfg,
                                    std::shared_ptr<allocation_observer> observer)
-    : impl_(std::make_unique<impl>(std::move(backend), std::move(cfg), std::move(observer))) {}
+    : impl_(std::make_unique<impl>(std::move(backend), std::move(cfg), std::move(observer))) {
+  // reserve_mb: after the allocator is whole, so that a refusal destroys it cleanly.
+  if (impl_->cfg.reserve_bytes != 0) impl_->reserve(impl_->cfg.reserve_bytes, nullptr);
+}
 device_allocator::~device_allocator() = default;
 
 void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "allocator/allocator_impl.hpp"
+#include "allocator/nvtx.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache {
@@ -68,6 +69,7 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     // could lock without waiting. Wait for pending frees everywhere, unmap every idle page of
     // every pool into the reusable handle list, and try once more.
     retry_count.fetch_add(1, std::memory_order_relaxed);
+    const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
     lk.unlock();
     {
       auto all = lock_all();

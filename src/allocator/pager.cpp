@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "allocator/nvtx.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache::detail {
@@ -350,6 +351,7 @@ bool pager::fits(std::size_t bytes) {
 bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   if (fits(bytes)) return true;
   counters.reclaims.fetch_add(1, std::memory_order_relaxed);
+  const nvtx_range range(nvtx, "cucache: reclaim idle pages");
   // Unmapped handles first: no synchronization, and none of them fits the run (take_unmapped
   // would have taken it).
   for (;;) {
@@ -457,6 +459,7 @@ bool pager::back(stream_pool& p, const block* b) {
   const std::size_t last = r.page_of(b->addr + b->size - 1);
   std::size_t missing = missing_bytes(r, b);
   if (missing == 0) return true;
+  const nvtx_range range(nvtx, "cucache: map pages");
   // One decision per block, for all the pages it lacks. While memory is plentiful (may_grow),
   // they are created and idle pages stay mapped where they went idle. Otherwise idle pages are
   // moved here first (this pool's, then another stream's), and only what is still missing is
@@ -504,6 +507,18 @@ bool pager::back(stream_pool& p, const block* b) {
       map(p, r, pg, *pc);
       pg += pc->bytes / page_bytes_;
     }
+  }
+  return true;
+}
+
+bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std::size_t bytes) {
+  const nvtx_range range(nvtx, "cucache: reserve pages");
+  for (std::size_t pg = r.page_of(addr); pg <= r.page_of(addr + bytes - 1); ++pg) {
+    if (r.page_map[pg] != nullptr) continue;
+    std::optional<piece> pc = take_unmapped(page_bytes_);  // only a one-page handle fits
+    if (!pc) pc = create(page_bytes_);
+    if (!pc) return false;
+    map(p, r, pg, *pc);
   }
   return true;
 }

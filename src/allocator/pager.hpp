@@ -92,6 +92,21 @@ class pager {
   /// and leaves no half-mapped run and no untracked handle.
   [[nodiscard]] bool back(stream_pool& p, const block* b);
 
+  /// Bytes that backing new pages could take without a new device allocation now or after the
+  /// out-of-memory ladder: the unmapped handles kept for reuse and, when `with_idle` (the ladder
+  /// may unmap), the idle mappings of every pool (max_allocatable, headroom.cpp).
+  [[nodiscard]] std::size_t reclaimable_bytes(bool with_idle) const {
+    std::size_t n = with_idle ? idle_total_.load(std::memory_order_relaxed) : 0;
+    std::lock_guard lock(budget_.mu);
+    return n + free_handle_bytes;
+  }
+
+  /// reserve: maps every unmapped page of [addr, addr + bytes) of r with a handle of its own (an
+  /// unmapped one-page handle, else a new one), idle until a block touches it. False when the
+  /// device or the limit has no room (the pages mapped so far stay mapped, idle).
+  [[nodiscard]] bool map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr,
+                                    std::size_t bytes);
+
   /// Unmaps every idle mapping of p: handles go to the reusable list, or are released.
   void unmap_idle(stream_pool& p, bool release);
   /// Releases unmapped handles, largest first, until reserved <= target.
@@ -101,6 +116,8 @@ class pager {
   std::multimap<std::size_t, phys_handle> free_handles;  // unmapped handles by size
   std::size_t free_handle_bytes = 0;
   pager_counters counters;
+  /// NVTX ranges around backing, page moves and reclaims (config nvtx:True); set before use.
+  bool nvtx = false;
 
  private:
   /// A piece of physical memory found for a run of pages.

@@ -102,6 +102,15 @@ cudaError_t cucacheEmptyCache(void) noexcept {
   return guarded("cucacheEmptyCache", [] { cucache::empty_cache(); });
 }
 
+cudaError_t cucacheMaxAllocatable(size_t* bytes) noexcept {
+  if (bytes == nullptr) return null_argument("cucacheMaxAllocatable", "bytes");
+  return guarded("cucacheMaxAllocatable", [&] { *bytes = cucache::max_allocatable(); });
+}
+
+cudaError_t cucacheReserve(size_t bytes) noexcept {
+  return guarded("cucacheReserve", [&] { cucache::reserve(bytes); });
+}
+
 cudaError_t cucacheGraphCaptureEnded(unsigned long long captureId) noexcept {
   return guarded("cucacheGraphCaptureEnded", [&] {
     cucache::get().end_allocate_to_pool(cucache::graph_pool_id::of_capture(captureId));

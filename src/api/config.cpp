@@ -46,7 +46,7 @@ struct key_spec {
   void (*parse)(std::string_view key, std::string_view value, config& out);
 };
 
-const std::array<key_spec, 10>& key_specs();
+const std::array<key_spec, 12>& key_specs();
 
 // PyTorch allocator keys that cucache recognises only to say that it does not support them.
 constexpr std::array<std::string_view, 16> k_pytorch_only_keys = {
@@ -282,8 +282,30 @@ void parse_trace(std::string_view key, std::string_view value, config& out) {
   out.trace_path = std::string(value);
 }
 
-const std::array<key_spec, 10>& key_specs() {
-  static const std::array<key_spec, 10> specs = {{
+/// reserve_mb above this (16 TiB) is taken for a typo: no device holds it.
+constexpr std::uint64_t k_max_reserve_mb = std::uint64_t{1} << 24;
+
+void parse_reserve(std::string_view key, std::string_view value, config& out) {
+  const std::uint64_t mb = parse_uint(key, value);
+  if (mb > k_max_reserve_mb) {
+    fail_value(key, value,
+               fmt::format("more than {} MiB (16 TiB), which no device holds", k_max_reserve_mb));
+  }
+  out.reserve_bytes = static_cast<std::size_t>(mb) << 20;
+}
+
+void parse_nvtx(std::string_view key, std::string_view value, config& out) {
+  if (value == "True" || value == "true" || value == "1") {
+    out.nvtx = true;
+  } else if (value == "False" || value == "false" || value == "0") {
+    out.nvtx = false;
+  } else {
+    fail_value(key, value, "not a boolean");
+  }
+}
+
+const std::array<key_spec, 12>& key_specs() {
+  static const std::array<key_spec, 12> specs = {{
       {"max_split_size_mb", "max_split_size_mb",
        "an integer number of MiB >= 20, e.g. max_split_size_mb:512", parse_max_split_size},
       {"max_non_split_rounding_mb", "max_non_split_rounding_mb",
@@ -313,6 +335,9 @@ const std::array<key_spec, 10>& key_specs() {
        "a non-empty file path without ',', '[' or ']' and without surrounding blanks, e.g. "
        "trace:/tmp/cucache.csv",
        parse_trace},
+      {"reserve_mb", "reserve_mb",
+       "an integer number of MiB from 0 (off) to 16777216, e.g. reserve_mb:4096", parse_reserve},
+      {"nvtx", "nvtx", "True, False, true, false, 1 or 0, e.g. nvtx:True", parse_nvtx},
   }};
   return specs;
 }
@@ -484,6 +509,13 @@ std::string to_string(const config& cfg) {
   }
   if (cfg.trace_path != def.trace_path) {
     put("trace", cfg.trace_path, [&](const config& c) { return c.trace_path == cfg.trace_path; });
+  }
+  if (cfg.reserve_bytes != def.reserve_bytes) {
+    put("reserve_mb", fmt::format("{}", cfg.reserve_bytes / k_mib),
+        [&](const config& c) { return c.reserve_bytes == cfg.reserve_bytes; });
+  }
+  if (cfg.nvtx != def.nvtx) {
+    put("nvtx", cfg.nvtx ? "True" : "False", [&](const config& c) { return c.nvtx == cfg.nvtx; });
   }
   return out;
 }

@@ -54,6 +54,22 @@ void empty_cache() {
   if (registry* r = registry::if_built()) r->empty_cache();
 }
 
+std::size_t max_allocatable(int device, stream_handle stream) {
+  return get(device).max_allocatable(stream);
+}
+
+std::size_t max_allocatable() {
+  return get().max_allocatable(nullptr);
+}
+
+void reserve(std::size_t bytes, int device, stream_handle stream) {
+  get(device).reserve(bytes, stream);
+}
+
+void reserve(std::size_t bytes) {
+  get().reserve(bytes, nullptr);
+}
+
 std::string memory_summary(int device) {
   return get(device).memory_summary();
 }

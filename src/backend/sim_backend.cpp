@@ -545,11 +545,23 @@ std::uint64_t sim_backend::stream_id(stream_handle stream) {
   const auto v = reinterpret_cast<std::uintptr_t>(stream);
   // Handles the sim never created need no lookup (the benchmarks' and most tests' streams).
   if ((v < k_stream_base || v >= next_stream_.load(std::memory_order_acquire)) &&
-      query_fast(sim_call::stream_id)) {
+      capturing_.load(std::memory_order_acquire) == 0 && query_fast(sim_call::stream_id)) {
     return stream == nullptr ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
   }
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::stream_id)) fail(sim_call::stream_id, "injected failure");
+  // As on the H200 (driver 580): cudaStreamGetId of a stream being captured is refused in every
+  // capture mode, relaxed included, from any thread, and the refusal invalidates the capture.
+  if (auto it = captures_.find(stream); it != captures_.end()) {
+    it->second.invalidated = true;
+    capture_violation(sim_call::stream_id,
+                      fmt::format("cudaStreamGetId of stream {} while it is being captured "
+                                  "(capture {} is invalidated)",
+                                  fmt::ptr(stream), it->second.id));
+  }
+  if (v < k_stream_base || v >= next_stream_.load(std::memory_order_acquire)) {
+    return stream == nullptr ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
+  }
   require_live_stream(sim_call::stream_id, stream);
   return id_of_locked(stream);
 }

@@ -114,6 +114,33 @@ TEST_P(GraphCapture, TheSimRefusesWhatCucacheNeverDoes) {
   a.alloc.check_invariants();
 }
 
+TEST_P(GraphCapture, TheSimRefusesTheIdOfACapturingStreamInEveryMode) {
+  // As on the H200: cudaStreamGetId of a capturing stream is refused even in relaxed mode, and
+  // the refusal invalidates the capture; the id of another stream is fine. cucache keys a
+  // capturing stream by its handle, so allocations, frees and record_stream on it never ask.
+  sim_allocator a = make();
+  const stream_handle s = a.sim->create_stream();
+  const stream_handle t = a.sim->create_stream();
+  void* before = a.alloc.allocate(1 * MiB, s);  // s's own pool, keyed by its id
+  (void)a.sim->begin_capture(s);
+  void* p = a.alloc.allocate(4 * MiB, s);
+  a.alloc.record_stream(before, s);
+  a.alloc.deallocate(before, s);
+  a.alloc.deallocate(p, s);
+  void* q = a.alloc.allocate(512, t);
+  a.alloc.record_stream(q, s);
+  a.alloc.deallocate(q, t);
+  EXPECT_EQ(a.sim->capture_violations(), 0u);
+  EXPECT_NE(a.sim->stream_id(t), 0u);
+  EXPECT_EQ(a.sim->capture_violations(), 0u);
+  const capture_mode previous = a.sim->exchange_capture_mode(capture_mode::relaxed);
+  EXPECT_EQ(code_of([&] { (void)a.sim->stream_id(s); }), k_sim_capture_unsupported);
+  (void)a.sim->exchange_capture_mode(previous);
+  EXPECT_EQ(a.sim->capture_violations(), 1u);
+  EXPECT_EQ(code_of([&] { (void)a.sim->end_capture(s); }), k_sim_capture_invalidated);
+  a.alloc.check_invariants();
+}
+
 TEST_P(GraphCapture, OtherThreadsAllocateFreeAndPollDuringAGlobalCapture) {
   // Another thread's misses (cudaMalloc / cuMemCreate + map), hits and pending-free polls
   // (cudaEventQuery) are "potentially unsafe" calls that global mode forbids to every thread:

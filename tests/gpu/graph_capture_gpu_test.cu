@@ -108,6 +108,28 @@ std::string churn(device_allocator& alloc, const std::atomic<bool>& stop, unsign
 
 class GraphCapture : public ::testing::TestWithParam<const char*> {};
 
+/// Ends a capture a failed assertion left open, so that one failure does not make every later
+/// test of the binary fail on "operation not permitted when stream is capturing".
+struct capture_guard {
+  cudaStream_t stream;
+  bool armed = true;
+  void dismiss() noexcept { armed = false; }  // the capture was ended (the stream may go)
+  ~capture_guard() {
+    if (!armed) return;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess ||
+        status == cudaStreamCaptureStatusNone) {
+      static_cast<void>(cudaGetLastError());
+      return;
+    }
+    cudaGraph_t graph = nullptr;
+    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && graph != nullptr) {
+      static_cast<void>(cudaGraphDestroy(graph));
+    }
+    static_cast<void>(cudaGetLastError());
+  }
+};
+
 TEST_P(GraphCapture, CapturedAllocationsSurvive100ReplaysWhileOtherStreamsChurn) {
   CUCACHE_REQUIRE_GPU();
   device_allocator alloc(std::make_shared<cucache::cuda_backend>(0),
@@ -125,6 +147,7 @@ TEST_P(GraphCapture, CapturedAllocationsSurvive100ReplaysWhileOtherStreamsChurn)
 
   // --- capture: out = 3 (in + 1) - in = 2 in + 3, through three cucache buffers ----------------
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  capture_guard open_capture{s};
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long capture_id = 0;
   CUDA_CHECK(cudaStreamGetCaptureInfo(s, &status, &capture_id));
@@ -149,6 +172,7 @@ TEST_P(GraphCapture, CapturedAllocationsSurvive100ReplaysWhileOtherStreamsChurn)
   cudaGraph_t graph = nullptr;
   // An illegal call by cucache during the capture would make this
   // cudaErrorStreamCaptureInvalidated.
+  open_capture.dismiss();
   CUDA_CHECK(cudaStreamEndCapture(s, &graph));
   const graph_pool_id pool = graph_pool_id::of_capture(capture_id);
   alloc.end_allocate_to_pool(pool);  // tells cucache the capture has ended
@@ -266,6 +290,7 @@ TEST_P(GraphCapture, AnotherThreadsMissesAndPollsDuringAGlobalCaptureLeaveItVali
   CUDA_CHECK(cudaDeviceSynchronize());
 
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  capture_guard open_capture{s};
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long capture_id = 0;
   CUDA_CHECK(cudaStreamGetCaptureInfo(s, &status, &capture_id));
@@ -298,6 +323,7 @@ TEST_P(GraphCapture, AnotherThreadsMissesAndPollsDuringAGlobalCaptureLeaveItVali
   times_three<<<k_grid, k_threads_per_block, 0, s>>>(a, out, k_elems);  // out = 3 (in + 1)
   alloc.deallocate(a);
   cudaGraph_t graph = nullptr;
+  open_capture.dismiss();
   ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess) << "cucache invalidated the capture";
   alloc.end_allocate_to_pool(graph_pool_id::of_capture(capture_id));
   cudaGraphExec_t exec = nullptr;

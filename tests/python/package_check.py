@@ -56,7 +56,23 @@ FAKE_CUPY = {
 FAKE_NUMBA = {
     "numba/__init__.py": "from . import cuda\n",
     "numba/core/__init__.py": "",
-    "numba/core/config.py": "CUDA_USE_NVIDIA_BINDING = False\n",
+    # As numba-cuda 0.30.4 on the H200: the config says 0, the driver has no USE_NV_BINDING flag,
+    # always uses NVIDIA's binding and calls int() on a MemoryPointer's pointer.
+    "numba/core/config.py": "CUDA_USE_NVIDIA_BINDING = 0\n",
+    "numba/cuda/cudadrv/__init__.py": "",
+    "numba/cuda/cudadrv/driver.py": textwrap.dedent(
+        """
+        class CUdeviceptr:
+            def __init__(self, value=0):
+                if not isinstance(value, int):
+                    raise TypeError("CUdeviceptr takes an int")
+                self._value = value
+            def __int__(self):
+                return self._value
+        class binding:
+            CUdeviceptr = CUdeviceptr
+        """
+    ),
     "numba/cuda/__init__.py": textwrap.dedent(
         """
         from collections import namedtuple
@@ -157,7 +173,15 @@ def main() -> int:
     assert mgr.interface_version == 1
     a = mgr.memalloc(2 * MIB)
     b = mgr.memalloc(1000)
-    assert isinstance(a.device_pointer, ctypes.c_uint64) and a.device_pointer.value != 0
+    from numba.cuda.cudadrv import driver
+
+    assert isinstance(a.device_pointer, driver.CUdeviceptr), type(a.device_pointer)
+    assert int(a.device_pointer) != 0
+    driver.USE_NV_BINDING = False  # a Numba with its own ctypes binding selected
+    d = mgr.memalloc(4096)
+    assert isinstance(d.device_pointer, ctypes.c_uint64) and d.device_pointer.value != 0
+    d.free()
+    del driver.USE_NV_BINDING
     s = cucache.memory_stats(0)
     assert s["allocated_bytes.all.current"] == base + 2 * MIB + 1024, s["allocated_bytes.all.current"]
     info = mgr.get_memory_info()
@@ -175,6 +199,26 @@ def main() -> int:
     assert cucache.memory_stats(0)["allocated_bytes.all.current"] == base
     mgr.reset()
     assert cucache.memory_stats(0)["reserved_bytes.all.current"] == 0
+
+    # --- headroom and reserve ---------------------------------------------------------------
+    n = cucache.max_allocatable()
+    assert isinstance(n, int) and n > 0, n
+    p = cucache.alloc(n, 0)  # exactly the headroom is served
+    cucache.free(p, n, 0)
+    assert cucache.max_allocatable(0) == n, (cucache.max_allocatable(0), n)
+    before = cucache.memory_stats()["reserved_bytes.all.current"]
+    cucache.empty_cache()
+    cucache.reserve(64 * MIB)
+    after = cucache.memory_stats()["reserved_bytes.all.current"]
+    assert after == cucache.memory_stats()["reserved_bytes.all.current"]
+    assert after >= 64 * MIB and after <= before + 64 * MIB, (before, after)
+    for bad, err in ((-1, ValueError), (1 << 60, RuntimeError)):
+        try:
+            cucache.reserve(bad)
+        except err:
+            pass
+        else:
+            raise AssertionError(f"cucache.reserve({bad}) was accepted")
 
     # --- torch: importable without torch; install() needs it -----------------------------------
     import cucache.torch as ct

@@ -11,6 +11,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "advisor.hpp"
 #include "cucache/backend_factory.hpp"
 #include "cucache/cuda_backend.hpp"
 #include "cucache/errors.hpp"
@@ -193,7 +194,6 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       "--fit-resolution-mib", fit_resolution_mib,
       "with --fit: the bisection's resolution in MiB; every limit tried is a multiple of it "
       "(default 2, the allocation granule, at which the simulated device's answer is exact)");
-  fit_resolution_opt->needs(fit_opt);
   std::string timeline_path;
   auto* timeline_opt = app.add_option(
       "--timeline", timeline_path,
@@ -203,6 +203,16 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   timeline_opt->excludes(fit_opt);
   fit_opt->excludes(capacity_opt);
   fit_opt->excludes(repeat_opt);
+  bool advise = false;
+  auto* advise_opt = app.add_flag(
+      "--advise", advise,
+      "config advisor: replay each trace on the simulated device under candidate settings, rank "
+      "them (minimum capacity by the --fit bisection, peak reserved, device and VM calls) and "
+      "print the recommended CUCACHE_CONF; with --capacity-gib N, which settings fit an N GiB "
+      "card (docs/replay.md)");
+  advise_opt->excludes(fit_opt);
+  advise_opt->excludes(repeat_opt);
+  timeline_opt->excludes(advise_opt);
   app.add_option("trace", traces, "trace files")->required()->check(CLI::ExistingFile);
   try {
     app.parse(argc, argv);
@@ -227,6 +237,25 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       }
     }
     opts.cfg = parse_config(config_text);
+    if (fit_resolution_opt->count() > 0 && !fit && !advise) {
+      throw invalid_argument("--fit-resolution-mib requires --fit or --advise");
+    }
+    if (advise) {
+      if (!config_text.empty()) {
+        throw invalid_argument(
+            "--advise: --config is not taken (the advisor tries its own "
+            "candidate settings)");
+      }
+      if (peers_opt->count() > 0) {
+        throw invalid_argument(
+            "--advise: --peers is not taken (the advisor replays on the "
+            "simulated device)");
+      }
+      if (!backend_name.empty() && opts.backend != backend_kind::sim) {
+        throw invalid_argument("--advise: replays on the simulated device only (--backend sim)");
+      }
+      opts.backend = backend_kind::sim;
+    }
     fit_options fit_opts;
     if (fit_resolution_opt->count() > 0) {
       const double bytes =
@@ -239,6 +268,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       fit_opts.resolution_bytes = static_cast<std::size_t>(bytes);
     }
     if (fit) check_fit(opts, fit_opts);  // before any peer is made
+    if (advise && fit_opts.resolution_bytes == 0) {
+      throw invalid_argument("--fit-resolution-mib: must be positive");
+    }
     if (capacity_opt->count() > 0) {
       const double bytes = std::round(capacity_gib * static_cast<double>(std::size_t{1} << 30));
       if (!(bytes >= 1.0) || bytes > 1e18) {
@@ -249,6 +281,20 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     opts.repeat = repeat;
     std::unique_ptr<progress> progress_line = progress::for_terminal(err);
     opts.progress_line = progress_line.get();
+
+    if (advise) {
+      // Every trace is read before any advice is printed: a bad file fails the run up front.
+      std::vector<prepared_trace> loaded;
+      for (const std::string& path : traces) loaded.push_back(load_trace(path));
+      const std::optional<std::size_t> card = opts.capacity_bytes;
+      opts.capacity_bytes.reset();
+      for (const prepared_trace& trace : loaded) {
+        const advice a = advise_trace(trace, opts, fit_opts, card);
+        if (progress_line) progress_line->clear();
+        out << (json ? to_json(a).dump() + "\n" : format_advice(a)) << std::flush;
+      }
+      return 0;
+    }
 
     bool requested = false;
     if (peers_opt->count() > 0) {

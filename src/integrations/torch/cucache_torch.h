@@ -76,6 +76,12 @@ CUCACHE_TORCH_API void cucache_torch_free(void* ptr, size_t size, int device,
 CUCACHE_TORCH_API int cucache_torch_record_stream(void* ptr, cucache_torch_stream stream);
 /* Releases every wholly free cached segment of every device. 0, or -1 on error. */
 CUCACHE_TORCH_API int cucache_torch_empty_cache(void);
+/* Headroom: *out = the largest single allocation on `device` (legacy stream) that would succeed
+ * now (device_allocator::max_allocatable; creates the device's allocator). 0, or -1 on error. */
+CUCACHE_TORCH_API int cucache_torch_max_allocatable(int device, size_t* out);
+/* Caches `bytes` of free memory on `device` now (device_allocator::reserve). 0, or -1 on error
+ * (out of memory included). */
+CUCACHE_TORCH_API int cucache_torch_reserve(int device, size_t bytes);
 /* Resets peak statistics of `device` (every device when negative). 0, or -1 on error. */
 CUCACHE_TORCH_API int cucache_torch_reset_peak_stats(int device);
 /* Resets the total allocated/freed sums of `device` (every device when negative). 0, or -1. */

@@ -149,6 +149,18 @@ int cucache_torch_empty_cache(void) {
   });
 }
 
+int cucache_torch_max_allocatable(int device, size_t* out) {
+  return guarded("max_allocatable", [&] {
+    if (out == nullptr) throw cucache::invalid_argument("max_allocatable: out is NULL");
+    *out = registry::instance().allocator(device).max_allocatable(nullptr);
+  });
+}
+
+int cucache_torch_reserve(int device, size_t bytes) {
+  return guarded("reserve",
+                 [&] { registry::instance().allocator(device).reserve(bytes, nullptr); });
+}
+
 int cucache_torch_reset_peak_stats(int device) {
   return guarded("reset_peak_stats", [&] {
     registry* r = registry::if_built();

@@ -1,0 +1,241 @@
+// Headroom and reserve: max_allocatable, the largest request allocate would serve now, and
+// reserve, which fills the cache ahead of the first requests. Both sit beside the paths that serve
+// requests and are written in their terms -- find_free (best fit and the max_split_size rules),
+// the size policy's rounding and segment sizes, the ladder's own release rule
+// (ladder_may_release), new_segment, and the pager's backing -- so that the answer cannot drift
+// from what allocate does. See docs/api.md ("Headroom and reserve") and docs/design.md.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "allocator/allocator_impl.hpp"
+#include "allocator/nvtx.hpp"
+#include "cucache/errors.hpp"
+
+namespace cucache {
+
+using detail::block;
+using detail::block_state;
+using detail::pool_kind;
+using detail::segment;
+using detail::stream_pool;
+
+namespace {
+constexpr std::size_t k_granule = detail::k_min_block_bytes;
+
+std::size_t round_down(std::size_t n, std::size_t m) {
+  return n / m * m;
+}
+}  // namespace
+
+std::size_t device_allocator::impl::largest_request_within(std::size_t rounded) const {
+  // round_size is monotonic: bisect for the largest n with round_size(n) <= rounded.
+  if (rounded == 0) return 0;
+  auto ok = [&](std::size_t n) {
+    const std::optional<std::size_t> r = policy.round_size(n);
+    return r && *r <= rounded;
+  };
+  if (!ok(1)) return 0;
+  std::size_t lo = 1;            // ok
+  std::size_t hi = rounded + 1;  // round_size(n) >= n: not ok
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    (ok(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
+  // The pool before the locks: pool_for may create it (under pools_mu_, which lock_all shares).
+  stream_pool& own = pool_for(stream);
+  auto all = lock_all();
+  // The ladder's first step, taken now: pending frees become free blocks (and may coalesce).
+  for (auto& q : pools) sync_pending(*q);
+  const bool blocked = sync_blocked();  // the ladder then releases nothing
+  const std::size_t device_free = backend->mem_get_info().free_bytes;
+  std::size_t reserved_now = 0;
+  {
+    std::lock_guard lock(grow_mu_);
+    reserved_now = reserved;
+  }
+  std::size_t best = 0;
+
+  if (!expandable) {
+    // 1. A cached free block of the stream's own pool that find_free would hand out.
+    for (segment* s = own.segments; s != nullptr; s = s->next) {
+      for (block* b = s->first; b != nullptr; b = b->next) {
+        if (b->state != block_state::free) continue;
+        const std::size_t cap = s->kind == pool_kind::small
+                                    ? std::min(b->size, detail::k_small_request_max_bytes)
+                                    : b->size;
+        const std::size_t n = largest_request_within(cap);
+        if (n <= best) continue;
+        const std::optional<std::size_t> r = policy.round_size(n);
+        if (!r || detail::size_policy::pool_for(*r) != s->kind) continue;
+        if (find_free(own, s->kind, *r) != nullptr) best = n;
+      }
+    }
+    // 2. A new segment after the ladder released every whole free segment it may release.
+    std::size_t releasable = 0;
+    if (!blocked) {
+      for (auto& q : pools) {
+        for (segment* s = q->segments; s != nullptr; s = s->next) {
+          if (ladder_may_release(*q, *s)) releasable += s->size;
+        }
+      }
+    }
+    std::size_t room = std::min(device_free + releasable, device_total);
+    if (limit != 0) room = std::min(room, limit - std::min(limit, reserved_now - releasable));
+    auto try_rounded = [&](std::size_t cap, pool_kind kind) {
+      const std::size_t n = largest_request_within(cap);
+      if (n <= best) return;
+      const std::optional<std::size_t> r = policy.round_size(n);
+      if (!r || detail::size_policy::pool_for(*r) != kind) return;
+      if (policy.segment_size(*r) <= room) best = n;
+    };
+    try_rounded(detail::k_small_request_max_bytes, pool_kind::small);
+    // Large requests: the segment is the request rounded up to 2 MiB at and above 10 MiB (and
+    // below a max_split_size under 20 MiB), else a shared 20 MiB one: the candidates are the
+    // room in 2 MiB units, and the largest request below 10 MiB or below max_split_size.
+    const std::size_t room2 = round_down(room, detail::k_large_segment_round_bytes);
+    try_rounded(room2, pool_kind::large);
+    try_rounded(std::min(room2, detail::k_large_shared_below_bytes - k_granule), pool_kind::large);
+    if (policy.max_split_size() != std::numeric_limits<std::size_t>::max()) {
+      try_rounded(std::min(room2, policy.max_split_size() - k_granule), pool_kind::large);
+    }
+    try_rounded(detail::k_large_shared_below_bytes - k_granule, pool_kind::large);
+    return best;
+  }
+
+  // Expandable segments: a request goes to the best fit in the pool's virtual range of its kind
+  // and needs physical memory for the pages of its span that no other block touches. The pager
+  // finds it on the device, in unmapped handles and -- the ladder unmapping every idle page of
+  // every pool -- in idle mappings, under the memory limit.
+  const std::size_t reclaimable = pager->reclaimable_bytes(/*with_idle=*/!blocked);
+  std::size_t avail = std::min(device_free + reclaimable, device_total);
+  if (limit != 0) avail = std::min(avail, limit - std::min(limit, reserved_now - reclaimable));
+  const std::size_t cap_all = limit != 0 ? std::min(device_total, limit) : device_total;
+  for (pool_kind kind : {pool_kind::small, pool_kind::large}) {
+    segment* range = ensure_range(own, kind);
+    const detail::vm_range& vm = *range->vm;
+    auto needed = [&](std::uintptr_t addr, std::size_t bytes) {
+      const std::size_t first = vm.page_of(addr);
+      const std::size_t last = vm.page_of(addr + bytes - 1);
+      std::size_t pages = last - first + 1;
+      pages -= vm.page_use[first] > 0;
+      if (last > first) pages -= vm.page_use[last] > 0;
+      return pages * page_bytes;
+    };
+    std::vector<block*> holes;
+    for (block* b = range->first; b != nullptr; b = b->next) {
+      if (b->state == block_state::free) holes.push_back(b);
+    }
+    std::sort(holes.begin(), holes.end(), [](const block* a, const block* b) {
+      return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+    });
+    const std::size_t kind_lo = kind == pool_kind::small ? 0 : detail::k_small_request_max_bytes;
+    const std::size_t kind_hi =
+        kind == pool_kind::small ? detail::k_small_request_max_bytes : cap_all;
+    std::size_t lo = 0;  // rounded sizes up to lo land in a smaller hole
+    for (const block* h : holes) {
+      if (h->size == lo) continue;  // an equal hole at a higher address never gets the request
+      // Rounded sizes in (lo, h->size] land in h: the largest of them whose pages fit.
+      const std::size_t from = std::max(lo, kind_lo);
+      const std::size_t to = std::min(h->size, kind_hi);
+      lo = h->size;
+      if (to <= from) continue;
+      std::size_t good = 0;
+      std::size_t a = round_down(from, k_granule) / k_granule;  // in granules; a*g <= from
+      std::size_t z = round_down(to, k_granule) / k_granule;
+      if (z * k_granule <= from) continue;
+      if (needed(h->addr, z * k_granule) <= avail) {
+        good = z * k_granule;
+      } else {
+        while (z - a > 1) {  // invariant: z fails; a*g <= from or a passes
+          const std::size_t mid = a + (z - a) / 2;
+          (needed(h->addr, mid * k_granule) <= avail ? a : z) = mid;
+        }
+        if (a * k_granule > from) good = a * k_granule;
+      }
+      if (good == 0) continue;
+      const std::size_t n = largest_request_within(good);
+      if (n <= best) continue;
+      const std::optional<std::size_t> r = policy.round_size(n);
+      if (r && *r > from && *r <= to && detail::size_policy::pool_for(*r) == kind) best = n;
+    }
+  }
+  return best;
+}
+
+void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
+  if (bytes == 0) return;
+  stream_pool& p = pool_for(stream);
+  std::unique_lock lk(p.mu);
+  if (!expandable) {
+    // One large-pool segment, through the path a request that misses the cache takes.
+    const std::size_t seg = bytes > detail::k_max_request_bytes
+                                ? 0
+                                : (bytes + detail::k_large_segment_round_bytes - 1) /
+                                      detail::k_large_segment_round_bytes *
+                                      detail::k_large_segment_round_bytes;
+    if (seg != 0 && seg <= device_total && new_segment(p, pool_kind::large, seg) != nullptr) {
+      return;
+    }
+    lk.unlock();
+    throw out_of_memory(fmt::format(
+        "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "
+        "room for a segment of {} bytes",
+        bytes, backend->device(), backend->name(), seg));
+  }
+  // Expandable: back the pages at the front of the large range's best fit, as a block there
+  // would be placed, without carving one: the new mappings are idle from the start, cached
+  // memory that the first requests placed there use in place. One handle per page: a request
+  // that uses part of a larger idle mapping would release it whole (pager::split_overhang).
+  segment* range = ensure_range(p, pool_kind::large);
+  const std::size_t want =
+      bytes > range->size ? 0 : (bytes + page_bytes - 1) / page_bytes * page_bytes;
+  block* hole = want == 0 ? nullptr : p.index_of(pool_kind::large).best_fit(want);
+  bool room = hole != nullptr;
+  if (room) {
+    // Nothing partial: refuse before mapping anything when the device or the limit lacks room.
+    const std::size_t device_free = backend->mem_get_info().free_bytes;
+    const std::size_t reclaimable = pager->reclaimable_bytes(!sync_blocked());
+    std::size_t reserved_now = 0;
+    {
+      std::lock_guard lock(grow_mu_);
+      reserved_now = reserved;
+    }
+    room = want <= device_free + reclaimable &&
+           (limit == 0 || reserved_now - reclaimable + want <= limit);
+  }
+  if (room) {
+    bool mapped = false;
+    try {
+      mapped = pager->map_idle_pages(p, *range->vm, hole->addr, want);
+    } catch (...) {
+      pager->unmap_idle(p, /*release=*/true);
+      throw;
+    }
+    if (mapped) return;
+    pager->unmap_idle(p, /*release=*/true);
+  }
+  lk.unlock();
+  throw out_of_memory(fmt::format(
+      "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "
+      "room for {} bytes of pages",
+      bytes, backend->device(), backend->name(), want));
+}
+
+// --- public shell -----------------------------------------------------------------------------
+
+std::size_t device_allocator::max_allocatable(stream_handle stream) {
+  return impl_->max_allocatable(stream);
+}
+
+void device_allocator::reserve(std::size_t bytes, stream_handle stream) {
+  impl_->reserve(bytes, stream);
+}
+
+}  // namespace cucache

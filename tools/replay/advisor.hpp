@@ -1,0 +1,63 @@
+// The config advisor of cucache-replay (--advise): replays a trace on the simulated device under
+// candidate settings, finds each one's minimum capacity with the --fit bisection (fit_trace),
+// measures its peak reserved memory and device calls in a replay (replay_trace), and ranks them.
+// docs/replay.md ("--advise") and docs/advisor.md.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "replay_engine.hpp"
+
+namespace cucache::replay {
+
+/// One candidate setting and what it did on the trace.
+struct advice_row {
+  std::string conf;            ///< CUCACHE_CONF text ("" = the defaults)
+  bool pytorch_option = true;  ///< only keys PyTorch's allocator has too (not reserve_mb)
+  bool ok = false;             ///< replayed and fitted; else `error` says why
+  std::string error;
+  std::size_t min_capacity_bytes = 0;   ///< fit_trace's minimum capacity
+  std::size_t peak_reserved_bytes = 0;  ///< in the measuring replay
+  std::uint64_t device_calls = 0;       ///< cudaMalloc + cudaFree (or cuMemCreate + cuMemRelease)
+  std::uint64_t vm_calls = 0;           ///< cuMemMap + cuMemUnmap
+  std::optional<bool> fits;             ///< with a capacity: min capacity <= it
+};
+
+struct advice {
+  std::string trace;
+  std::string backend;
+  std::size_t events = 0;
+  std::size_t peak_requested_bytes = 0;
+  std::size_t resolution_bytes = 0;
+  std::optional<std::size_t> capacity_bytes;
+  std::vector<advice_row> rows;  ///< ranked, best first (see rank in advisor.cpp)
+  /// The best row's CUCACHE_CONF, or "" with no_fit true when nothing fits the capacity.
+  std::string recommended_conf;
+  bool no_fit = false;
+  /// PYTORCH_CUDA_ALLOC_CONF: what the advisor can say about it (see advise_trace).
+  std::string pytorch_note;
+};
+
+/// The candidate settings for a trace: the defaults, expandable segments, max_split_size_mb 64,
+/// 128, 256 and 512, garbage_collection_threshold 0.6 and 0.8, roundup_power2_divisions 2, 4 and
+/// 8, and reserve_mb (90% of the trace's peak requested bytes) in both modes.
+[[nodiscard]] std::vector<std::string> advice_candidates(const prepared_trace& trace);
+
+/// Advises on one trace. `base.backend` must be sim (a GPU run of the advisor would replay c10
+/// under each candidate, which it does not do: refused with invalid_argument); `capacity` turns
+/// the ranking into "which settings fit on a card of that many bytes". Each candidate's replay
+/// and fit run on a fresh simulated device; a candidate that fails (no limit passes, a reserve
+/// that does not fit) is kept as a row with its error, ranked last.
+[[nodiscard]] advice advise_trace(const prepared_trace& trace, const options& base,
+                                  const fit_options& fit, std::optional<std::size_t> capacity);
+
+[[nodiscard]] nlohmann::json to_json(const advice& a);
+[[nodiscard]] std::string format_advice(const advice& a);
+
+}  // namespace cucache::replay
