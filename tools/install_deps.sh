@@ -7,9 +7,10 @@ set -euo pipefail
 # clang and libclang-rt-dev (compiler-rt: libFuzzer and clang's sanitizer runtimes) build the fuzz
 # harnesses; llvm gives llvm-symbolizer, which turns sanitizer reports into file:line stacks. gcc's
 # own sanitizer runtimes (libasan, libubsan, libtsan) come with g++. libunwind-dev captures
-# allocation call stacks (CUCACHE_CONF=record_backtraces:True).
+# allocation call stacks (CUCACHE_CONF=record_backtraces:True). chromium runs headless in the
+# timeline_browser tests (they load cucache-replay --timeline pages; skipped without it).
 packages=(cmake g++ make libgtest-dev libbenchmark-dev libfmt-dev nlohmann-json3-dev libcli11-dev
-          zlib1g-dev python3 pkg-config clang libclang-rt-dev llvm libunwind-dev)
+          zlib1g-dev python3 pkg-config clang libclang-rt-dev llvm libunwind-dev chromium)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

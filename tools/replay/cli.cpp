@@ -16,7 +16,9 @@
 #include "cucache/cuda_backend.hpp"
 #include "cucache/errors.hpp"
 #include "peers.hpp"
+#include "progress.hpp"
 #include "replay_engine.hpp"
+#include "timeline.hpp"
 
 namespace cucache::replay {
 namespace {
@@ -100,6 +102,54 @@ std::string format_min_capacity_reference(const std::vector<std::string>& paths,
   return s;
 }
 
+/// --timeline: one trace, and an output that names a file in an existing directory (checked
+/// before the replay; the page itself is written through a temporary file, renamed).
+void check_timeline_output(const std::string& out, std::size_t traces) {
+  namespace fs = std::filesystem;
+  if (traces != 1) {
+    throw invalid_argument(
+        fmt::format("--timeline {}: give exactly one trace (got {})", out, traces));
+  }
+  const fs::path p(out);
+  std::error_code ec;
+  if (p.filename().empty() || fs::is_directory(p, ec)) {
+    throw invalid_argument(fmt::format("--timeline {}: not a file name", out));
+  }
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  if (!fs::is_directory(dir, ec)) {
+    throw invalid_argument(
+        fmt::format("--timeline {}: cannot write: no directory {}", out, dir.string()));
+  }
+}
+
+/// load_trace that keeps the rows too (the timeline shows each allocation's line and thread).
+prepared_trace load_trace_keeping(const std::string& path, std::vector<trace_event>& events) {
+  events = read_trace(path);
+  std::string name = std::filesystem::path(path).filename().string();
+  for (const std::string_view suffix : {".gz", ".csv"}) {  // as load_trace names traces
+    if (name.size() > suffix.size() && name.ends_with(suffix)) name.resize(name.size() - suffix.size());
+  }
+  return prepare(events, std::move(name));
+}
+
+void write_timeline(const std::string& out, const prepared_trace& trace,
+                    const std::vector<trace_event>& events, const options& opts,
+                    const trace_result& r, progress* line, std::ostream& err) {
+  report(line, fmt::format("{}: timeline replay", trace.name));
+  const nlohmann::json data = timeline_data(trace, &events, opts);
+  const auto peak = data["peak"]["reserved_bytes"].get<std::size_t>();
+  if (opts.backend == backend_kind::sim && peak != r.figures.peak_reserved_bytes) {
+    throw error(fmt::format("--timeline: {}: the timeline's reserved peak {} differs from the "
+                            "replay's {}",
+                            trace.name, peak, r.figures.peak_reserved_bytes));
+  }
+  const std::string html = timeline_html(data);
+  write_file_atomically(out, html);
+  if (line != nullptr) line->clear();
+  err << fmt::format("cucache-replay: wrote the timeline of {} to {} ({:.1f} MiB)\n", trace.name,
+                     out, static_cast<double>(html.size()) / static_cast<double>(1 << 20));
+}
+
 }  // namespace
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
@@ -150,6 +200,13 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       "--fit-resolution-mib", fit_resolution_mib,
       "with --fit: the bisection's resolution in MiB; every limit tried is a multiple of it "
       "(default 2, the allocation granule, at which the simulated device's answer is exact)");
+  std::string timeline_path;
+  auto* timeline_opt = app.add_option(
+      "--timeline", timeline_path,
+      "also write the memory timeline of the (one) trace to this HTML file: bytes per pool and "
+      "stream over the events, the peak and what was alive at it, the segment map there, device "
+      "calls (docs/timeline.md)");
+  timeline_opt->excludes(fit_opt);
   fit_opt->excludes(capacity_opt);
   fit_opt->excludes(repeat_opt);
   bool advise = false;
@@ -163,6 +220,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   advise_opt->excludes(repeat_opt);
   fit_opt->excludes(warm_opt);
   advise_opt->excludes(warm_opt);
+  timeline_opt->excludes(advise_opt);
   app.add_option("trace", traces, "trace files")->required()->check(CLI::ExistingFile);
   try {
     app.parse(argc, argv);
@@ -171,6 +229,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   }
 
   try {
+    if (timeline_opt->count() > 0) check_timeline_output(timeline_path, traces.size());
     options opts;
     const bool have_gpu = count_devices(backend_kind::cuda).count > 0;
     if (backend_name.empty()) {
@@ -229,6 +288,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     opts.repeat = repeat;
     opts.warm = warm;
+    std::unique_ptr<progress> progress_line = progress::for_terminal(err);
+    opts.progress_line = progress_line.get();
 
     if (advise) {
       // Every trace is read before any advice is printed: a bad file fails the run up front.
@@ -238,6 +299,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       opts.capacity_bytes.reset();
       for (const prepared_trace& trace : loaded) {
         const advice a = advise_trace(trace, opts, fit_opts, card);
+        if (progress_line) progress_line->clear();
         out << (json ? to_json(a).dump() + "\n" : format_advice(a)) << std::flush;
       }
       return 0;
@@ -266,14 +328,17 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     if (fit) {
       std::vector<fit_result> fits;
       for (const std::string& path : traces) {
+        report(progress_line.get(), fmt::format("reading {}", path));
         const prepared_trace trace = load_trace(path);
         fit_result r = fit_trace(trace, opts, fit_opts, peer_ptrs);
+        if (progress_line) progress_line->clear();
         if (json) {
           out << to_json(r).dump() << '\n' << std::flush;
         } else {
           fits.push_back(std::move(r));
         }
       }
+      progress_line.reset();
       if (!json) {
         out << format_table(fits);
         out << format_min_capacity_reference(traces, fits, opts.cfg.expandable_segments);
@@ -283,14 +348,22 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
 
     std::vector<trace_result> results;
     for (const std::string& path : traces) {
-      const prepared_trace trace = load_trace(path);
+      report(progress_line.get(), fmt::format("reading {}", path));
+      std::vector<trace_event> events;
+      const prepared_trace trace = timeline_path.empty() ? load_trace(path)
+                                                         : load_trace_keeping(path, events);
       trace_result r = replay_trace(trace, opts, peer_ptrs);
+      if (!timeline_path.empty()) {
+        write_timeline(timeline_path, trace, events, opts, r, progress_line.get(), err);
+      }
+      if (progress_line) progress_line->clear();
       if (json) {
         out << to_json(r).dump() << '\n' << std::flush;
       } else {
         results.push_back(std::move(r));
       }
     }
+    progress_line.reset();
     if (!json) {
       out << format_table(results);
       out << format_reference(traces, results);

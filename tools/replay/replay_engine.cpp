@@ -15,6 +15,7 @@
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
 #include "peers.hpp"
+#include "progress.hpp"
 #include "replay_loop.hpp"
 
 namespace cucache::replay {
@@ -332,6 +333,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   // Timed runs: nothing but the allocator calls inside the clock.
   if (opts.warm) r.warm.emplace();
   for (unsigned run = 0; run < opts.repeat; ++run) {
+    report(opts.progress_line, fmt::format("{}: run {}/{}", trace.name, run + 1, opts.repeat));
     std::fill(slots.begin(), slots.end(), nullptr);
     device_allocator a(backend_for(opts), cfg);
     cucache_ops ops{&a};
@@ -380,6 +382,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   // One untimed run samples the stats whenever reserved memory grew, keeping the sample where it
   // was highest: the allocator's state at its reserved peak.
   {
+    report(opts.progress_line, fmt::format("{}: sampling the peak", trace.name));
     std::fill(slots.begin(), slots.end(), nullptr);
     auto counting = std::make_shared<counting_backend>(backend_for(opts));
     device_allocator a(counting, cfg);
@@ -437,6 +440,8 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     p->begin_trace();
     if (opts.warm) pr.warm.emplace();
     for (unsigned run = 0; run < opts.repeat; ++run) {
+      report(opts.progress_line,
+             fmt::format("{}: {} run {}/{}", trace.name, p->name(), run + 1, opts.repeat));
       const peer_run pass = p->run(trace, streams, slots, opts.warm);
       pr.host_ns_per_op_runs.push_back(pass.ns_per_op);
       if (pr.warm) pr.warm->host_ns_per_op_runs.push_back(pass.warm_ns_per_op);
@@ -553,6 +558,7 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
     const auto start = std::chrono::steady_clock::now();
     std::size_t upper = 0;
     {
+      report(opts.progress_line, fmt::format("{}: fit, replay without a limit", trace.name));
       std::fill(slots.begin(), slots.end(), nullptr);
       device_allocator a(backend_for(opts), effective_config(opts));
       cucache_ops ops{&a};
@@ -561,7 +567,10 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
       }
       upper = static_cast<std::size_t>(a.stats().reserved_bytes[0].peak);
     }
+    unsigned tried = 0;
     auto passes = [&](std::size_t limit) {
+      report(opts.progress_line, fmt::format("{}: fit, replay {} under {}", trace.name, ++tried,
+                                             gib(limit)));
       options limited = opts;
       limited.capacity_bytes = limit;
       std::fill(slots.begin(), slots.end(), nullptr);
@@ -583,7 +592,12 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
       throw error(
           fmt::format("--fit: {} runs out of memory without a limit ({})", trace.name, p->name()));
     }
-    auto passes = [&](std::size_t limit) { return p->fits(trace, streams, slots, limit); };
+    unsigned tried = 0;
+    auto passes = [&](std::size_t limit) {
+      report(opts.progress_line, fmt::format("{}: fit of {}, replay {} under {}", trace.name,
+                                             p->name(), ++tried, gib(limit)));
+      return p->fits(trace, streams, slots, limit);
+    };
     peer_fit pf;
     pf.name = p->name();
     pf.fit = bisect(r.peak_requested_bytes, free_run.peak_reserved_bytes, fit.resolution_bytes,

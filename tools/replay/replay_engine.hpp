@@ -59,6 +59,8 @@ struct prepared_trace {
 /// Default simulated capacity: large enough that any trace fits.
 inline constexpr std::size_t k_unbounded_sim_capacity = std::size_t{1} << 40;
 
+class progress;
+
 struct options {
   backend_kind backend = backend_kind::sim;
   config cfg;
@@ -71,6 +73,8 @@ struct options {
   /// pass leaves live is freed, untimed, in between) and times the second pass too, against a
   /// filled cache.
   bool warm = false;
+  /// Told what is being done (progress.hpp), when set: the stderr line on a terminal.
+  progress* progress_line = nullptr;
 };
 
 /// Allocator state at the moment reserved memory reached its peak.

@@ -1,0 +1,51 @@
+// The progress line of cucache-replay (issue 13, item 8): what a replay or --fit is doing, on
+// stderr, rewritten in place, shown only when stderr is a terminal and only once the work has
+// taken more than a second. Tests and CI (stderr a file or a pipe) never see it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <iosfwd>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace cucache::replay {
+
+class progress {
+ public:
+  /// A progress line on `err` when `err` is std::cerr and stderr is a terminal (isatty), and
+  /// the environment sets no CUCACHE_NO_PROGRESS; otherwise nullptr (and nothing is shown).
+  [[nodiscard]] static std::unique_ptr<progress> for_terminal(std::ostream& err);
+  /// Always shows (after `delay`), on `err`: for tests of the line itself.
+  progress(std::ostream& err, std::chrono::milliseconds delay);
+  ~progress();  // stops, and erases the line if one was shown
+  progress(const progress&) = delete;
+  progress& operator=(const progress&) = delete;
+
+  /// What is being done now ("gpt2_generate: run 2/5"). Thread-safe; cheap (no output here).
+  void phase(std::string text);
+  /// Erases the line now (before other output); later phases show it again.
+  void clear();
+
+ private:
+  void loop();
+  void draw_locked();
+  std::ostream& err_;
+  std::chrono::milliseconds delay_;
+  std::chrono::steady_clock::time_point start_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::string text_;
+  bool shown_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+/// Tells `p`, when there is one, what is being done now.
+inline void report(progress* p, std::string text) {
+  if (p != nullptr) p->phase(std::move(text));
+}
+
+}  // namespace cucache::replay
