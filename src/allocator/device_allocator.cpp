@@ -75,6 +75,10 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
                               device_alloc_count, device_free_count},
         page_bytes, device_total, pools_mu_, pools);
     pager->set_synchronization_gate([this] { return !sync_blocked(); });
+    // Which devices every mapping is made accessible to, and whether its physical memory can be
+    // exported (docs/config.md: peer_access, ipc_handles).
+    backend->configure_peer_access(cfg.peer_access);
+    if (cfg.ipc_handles) backend->enable_phys_export();
   }
 }
 
