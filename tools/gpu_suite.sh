@@ -26,7 +26,7 @@ run() {  # name, env..., binary, args...
   [[ $rc -ne 0 ]] && status=1
 }
 for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test allocator_suite_cuda_test \
-  graph_capture_gpu_test; do
+  graph_capture_gpu_test ipc_gpu_test multi_gpu_test; do
   [[ -x $bin/$t ]] || continue
   run "$t" "${prefix[@]}" "$bin/$t"
 done

@@ -6,6 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <vector>
+
+#include "cucache/config.hpp"
 
 namespace cucache {
 
@@ -49,6 +52,11 @@ struct memory_info {
   std::size_t total_bytes = 0;
 };
 
+/// An opaque inter-process handle of one cudaMalloc'd segment (cudaIpcMemHandle_t: 64 bytes).
+struct segment_ipc_handle {
+  unsigned char bytes[64] = {};
+};
+
 /// Every device effect the allocator uses. One instance serves one device.
 ///
 /// Error contract: calls that can run out of device memory (segment_malloc, phys_create) report it
@@ -85,8 +93,36 @@ class device_backend {
   virtual void map(void* va, std::size_t bytes, phys_handle handle) = 0;
   /// Unmaps exactly one earlier mapping of `bytes` at `va`.
   virtual void unmap(void* va, std::size_t bytes) = 0;
-  /// Grants this device read/write access to a mapped range.
+  /// Grants read/write access to a mapped range to this device and to the peers of
+  /// access_devices(): one cuMemSetAccess with one descriptor per device.
   virtual void set_access(void* va, std::size_t bytes) = 0;
+
+  // --- Peer access of mappings (config key peer_access) ----------------------------------------
+  /// Chooses which other devices set_access grants access to, from now on. Throws cuda_error
+  /// (cudaErrorPeerAccessUnsupported, 217) for peer_access_mode::all when a device cannot access
+  /// this one. The default, for backends without peers, keeps this device alone.
+  virtual void configure_peer_access(peer_access_mode mode) { static_cast<void>(mode); }
+  /// The devices set_access grants access to: this device first, then its peers, ascending.
+  [[nodiscard]] virtual std::vector<int> access_devices() { return {device()}; }
+
+  // --- Inter-process sharing (docs/design.md, "IPC") -------------------------------------------
+  /// Makes phys_create request POSIX-file-descriptor export (CU_MEM_HANDLE_TYPE_POSIX_FILE_
+  /// DESCRIPTOR) from now on (config key ipc_handles). Throws cuda_error (cudaErrorNotSupported,
+  /// 801) naming why when the device or driver cannot export such handles.
+  virtual void enable_phys_export();
+  /// The IPC handle of a live segment from segment_malloc, by its base (cudaIpcGetMemHandle).
+  [[nodiscard]] virtual segment_ipc_handle segment_export(void* base);
+  /// Opens another process's segment handle (cudaIpcOpenMemHandle with
+  /// cudaIpcMemLazyEnablePeerAccess): the segment's base in this process.
+  [[nodiscard]] virtual void* segment_import(const segment_ipc_handle& handle);
+  /// Closes what segment_import opened (cudaIpcCloseMemHandle).
+  virtual void segment_close(void* base);
+  /// A new POSIX file descriptor for a physical handle created after enable_phys_export
+  /// (cuMemExportToShareableHandle); the caller owns it.
+  [[nodiscard]] virtual int phys_export_fd(phys_handle handle);
+  /// Imports a physical handle from a file descriptor of phys_export_fd, possibly of another
+  /// process (cuMemImportFromShareableHandle). The descriptor stays the caller's.
+  [[nodiscard]] virtual phys_handle phys_import_fd(int fd);
 
   // --- Events and streams ------------------------------------------------------------------------
   [[nodiscard]] virtual event_handle event_create() = 0;

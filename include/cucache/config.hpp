@@ -11,6 +11,15 @@
 
 namespace cucache {
 
+/// Which devices get read/write access to expandable-segment mappings (cuMemSetAccess), besides
+/// the owning device (docs/config.md, peer_access). cudaMalloc'd segments are not concerned:
+/// their peer access follows cudaDeviceEnablePeerAccess.
+enum class peer_access_mode : std::uint8_t {
+  automatic,  ///< "auto": every other device that cudaDeviceCanAccessPeer says can access it
+  all,        ///< every other device; one that cannot access the owner is an error
+  none,       ///< the owning device only
+};
+
 /// Tuning of one device allocator. Every field has the documented default (docs/config.md).
 struct config {
   /// Blocks at or above this size are never split (PyTorch's max_split_size_mb). SIZE_MAX = off.
@@ -33,6 +42,12 @@ struct config {
   double memory_fraction = 0.0;
   /// Per-device cap on reserved memory in bytes. 0 = off. When both are set the lower wins.
   std::size_t memory_limit_bytes = 0;
+  /// Expandable segments: the devices each mapping is made accessible to (peer_access).
+  peer_access_mode peer_access = peer_access_mode::automatic;
+  /// Expandable segments: create physical memory exportable as a POSIX file descriptor, so that
+  /// blocks can be shared with other processes (ipc_handles). Default-mode segments can always be
+  /// exported (cudaIpcGetMemHandle).
+  bool ipc_handles = false;
   /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
   std::string trace_path;
   /// reserve_mb: bytes the allocator caches when it is created (device_allocator::reserve on the
@@ -62,7 +77,7 @@ inline constexpr std::size_t k_roundup_power2_intervals = 64;
 /// others keep base's values. Keys (docs/config.md): max_split_size_mb,
 /// max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold,
 /// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace,
-/// history, leak_steps, record_backtraces.
+/// reserve_mb, nvtx, history, leak_steps, record_backtraces, peer_access, ipc_handles.
 /// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key, a
 /// PyTorch key cucache does not support, a duplicate key or a malformed value; never ignores
 /// anything silently. Empty or blank text returns base.

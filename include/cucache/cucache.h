@@ -7,6 +7,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cucache/ipc.h"
+
 #ifdef __cplusplus
 #define CUCACHE_NOEXCEPT noexcept
 extern "C" {
@@ -185,6 +187,40 @@ cudaError_t cucachePopTag(void) CUCACHE_NOEXCEPT;
  * Errors: cudaErrorInvalidValue (a NULL argument), cudaErrorInitializationError. */
 cudaError_t cucacheGetTagStats(int device, const char* tag, size_t* currentBytes,
                                size_t* peakBytes) CUCACHE_NOEXCEPT;
+/** Inter-process sharing (docs/api.md, "IPC"). Fills *handle so that another process can open the
+ * live allocation devPtr (the start of a cucacheMalloc block, of any device). Default mode: the
+ * segment's cudaIpcMemHandle_t plus the block's offset. Expandable segments: only with
+ * CUCACHE_CONF=...,ipc_handles:True, as POSIX file descriptors (new ones, owned by the caller:
+ * send them with cucacheIpcSendHandle, then cucacheIpcReleaseFds). The handle is valid while
+ * the block is allocated: the exporter may free it at any time, and the importers must have
+ * closed it by then (afterwards the memory may belong to another allocation).
+ * Errors: cudaErrorInvalidValue (NULL, or not the start of a live cucache allocation),
+ * cudaErrorNotSupported (expandable segments without ipc_handles:True, or a block over more than
+ * CUCACHE_IPC_MAX_PIECES physical handles; nothing is exported), CUDA runtime errors. */
+cudaError_t cucacheIpcGetHandle(cucacheIpcHandle* handle, void* devPtr) CUCACHE_NOEXCEPT;
+
+/** Opens a handle of another process on the current device: *devPtr is the block's address in
+ * this process. Opening blocks of one segment twice maps the segment once. The file descriptors
+ * of the handle stay the caller's (cucacheIpcReleaseFds).
+ * Errors: cudaErrorInvalidValue (NULL, a malformed handle, or one this process exported with
+ * kind Segment: CUDA cannot open its own handles, use the pointer itself), CUDA runtime errors
+ * (e.g. the exporter's segment is gone). */
+cudaError_t cucacheIpcOpenHandle(void** devPtr, const cucacheIpcHandle* handle) CUCACHE_NOEXCEPT;
+
+/** Closes one cucacheIpcOpenHandle of devPtr (each open needs one close); the last close of a
+ * mapping unmaps it. Errors: cudaErrorInvalidValue (not an address cucacheIpcOpenHandle returned
+ * and still open, e.g. closed already). */
+cudaError_t cucacheIpcCloseHandle(void* devPtr) CUCACHE_NOEXCEPT;
+
+/** Sends *handle over the connected unix socket `socket`, its file descriptors as SCM_RIGHTS.
+ * Errors: cudaErrorInvalidValue (NULL or malformed handle), cudaErrorUnknown (the socket call
+ * failed; the message names errno). */
+cudaError_t cucacheIpcSendHandle(int socket, const cucacheIpcHandle* handle) CUCACHE_NOEXCEPT;
+/** Receives a handle sent by cucacheIpcSendHandle: its fds are this process's descriptors.
+ * Errors: as cucacheIpcSendHandle, and cudaErrorInvalidValue for what is not a handle. */
+cudaError_t cucacheIpcRecvHandle(int socket, cucacheIpcHandle* handle) CUCACHE_NOEXCEPT;
+/** Closes the file descriptors of *handle and sets them to -1 (nothing for kind Segment). */
+cudaError_t cucacheIpcReleaseFds(cucacheIpcHandle* handle) CUCACHE_NOEXCEPT;
 
 /** The message of the most recent failed cucache call on this thread (for an out-of-memory error,
  * the full report: request, capacity, free, allocated, cached, largest free block,

@@ -15,6 +15,7 @@
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/observe.hpp"
+#include "cucache/ipc.h"
 
 namespace cucache {
 
@@ -77,6 +78,23 @@ void reserve(std::size_t bytes);
 /// at normal process exit (std::exit or return from main); call this before reading the file
 /// while the process runs. No-op when tracing is off or nothing has been allocated yet.
 void flush_trace();
+
+// --- Inter-process sharing (docs/api.md, "IPC"; the C API's cucacheIpc* say it in full) -------
+
+/// A handle naming the live allocation `ptr` (of any device) for another process. Throws
+/// invalid_argument when ptr is not the start of a live cucache allocation, cuda_error
+/// (cudaErrorNotSupported) in expandable mode without ipc_handles:True or past
+/// CUCACHE_IPC_MAX_PIECES handles, cuda_error for a runtime failure.
+[[nodiscard]] cucacheIpcHandle ipc_get_handle(void* ptr);
+/// Opens another process's handle on the current device; the block's address here.
+[[nodiscard]] void* ipc_open_handle(const cucacheIpcHandle& handle);
+/// Closes one ipc_open_handle of `ptr`. Throws invalid_argument when ptr is not open.
+void ipc_close_handle(void* ptr);
+/// Sends / receives a handle over a connected unix socket, file descriptors as SCM_RIGHTS.
+void ipc_send_handle(int socket, const cucacheIpcHandle& handle);
+[[nodiscard]] cucacheIpcHandle ipc_recv_handle(int socket);
+/// Closes the handle's file descriptors, setting them to -1.
+void ipc_release_fds(cucacheIpcHandle& handle) noexcept;
 
 /// An owning pointer to `count` objects of T in device memory from cucache::malloc, returned with
 /// cucache::free when destroyed. Move-only. The objects are never constructed or destroyed on the

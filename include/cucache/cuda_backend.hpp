@@ -4,9 +4,12 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cucache/backend.hpp"
 
@@ -52,7 +55,22 @@ class cuda_backend final : public device_backend {
   void phys_release(phys_handle handle) override;
   void map(void* va, std::size_t bytes, phys_handle handle) override;
   void unmap(void* va, std::size_t bytes) override;
+  /// cuMemSetAccess with one read/write descriptor per device of access_devices().
   void set_access(void* va, std::size_t bytes) override;
+  /// Peers by cudaDeviceCanAccessPeer(peer, device()), asked once here.
+  void configure_peer_access(peer_access_mode mode) override;
+  [[nodiscard]] std::vector<int> access_devices() override;
+  /// Requires CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED; phys_create then
+  /// requests CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.
+  void enable_phys_export() override;
+  /// cudaIpcGetMemHandle / cudaIpcOpenMemHandle (cudaIpcMemLazyEnablePeerAccess) /
+  /// cudaIpcCloseMemHandle.
+  [[nodiscard]] segment_ipc_handle segment_export(void* base) override;
+  [[nodiscard]] void* segment_import(const segment_ipc_handle& handle) override;
+  void segment_close(void* base) override;
+  /// cuMemExportToShareableHandle / cuMemImportFromShareableHandle, POSIX file descriptors.
+  [[nodiscard]] int phys_export_fd(phys_handle handle) override;
+  [[nodiscard]] phys_handle phys_import_fd(int fd) override;
 
   [[nodiscard]] event_handle event_create() override;
   void event_destroy(event_handle event) override;
@@ -76,6 +94,10 @@ class cuda_backend final : public device_backend {
   int device_;
   int cu_device_ = 0;  // The driver's CUdevice for device_.
   std::size_t granularity_ = 0;
+  std::atomic<bool> export_fd_{false};
+  mutable std::mutex access_mu_;
+  std::vector<int> access_devices_;  // runtime ordinals, this device first
+  std::vector<int> access_cu_;       // their CUdevice numbers
 };
 
 }  // namespace cucache

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -148,6 +149,22 @@ class device_allocator {
     std::size_t block_size = 0;
   };
   [[nodiscard]] address_info locate(const void* ptr) const;
+  /// What sharing a live allocation with another process needs (docs/design.md, "IPC").
+  struct ipc_piece {
+    phys_handle handle = 0;
+    std::size_t bytes = 0;
+  };
+  struct ipc_block {
+    bool expandable = false;
+    std::uintptr_t base = 0;  ///< the segment's base, or (expandable) the first piece's address
+    std::size_t span = 0;     ///< the segment's size, or (expandable) the pieces' total
+    std::size_t offset = 0;   ///< ptr - base
+    std::size_t size = 0;     ///< the block's size (as rounded)
+    std::vector<ipc_piece> pieces;  ///< expandable: the handles mapped under the block, in order
+  };
+  /// The block `ptr` starts, for export; nullopt when ptr is not the start of a live allocation
+  /// here. Takes every pool lock: not for hot paths.
+  [[nodiscard]] std::optional<ipc_block> ipc_describe(const void* ptr) const;
   /// Waits for pending frees, then returns every whole free segment to the device. While a graph
   /// capture is underway (one cucache knows of, below) the device must not be synchronized, and
   /// cudaFree does: it then throws cuda_error 900 (cudaErrorStreamCaptureUnsupported), having

@@ -44,6 +44,11 @@ enum class sim_call : std::uint8_t {
   stream_id,
   capture_status,
   exchange_capture_mode,
+  segment_export,
+  segment_import,
+  segment_close,
+  phys_export_fd,
+  phys_import_fd,
   count_  // number of kinds; not a call
 };
 inline constexpr std::size_t k_sim_call_kinds = static_cast<std::size_t>(sim_call::count_);
@@ -80,6 +85,12 @@ struct sim_options {
   /// create_stream hands out the handle value of the most recently destroyed stream again, as the
   /// CUDA runtime does (seen on the H200), with a new stream id.
   bool reuse_stream_handles = true;
+  /// Number of simulated devices in the process (the registry's CUCACHE_SIM_DEVICES): the peers
+  /// configure_peer_access chooses from.
+  int device_count = 1;
+  /// Bit d set: device d can access this device's memory (cudaDeviceCanAccessPeer(d, device)).
+  /// Every device can by default.
+  std::uint64_t peer_mask = ~std::uint64_t{0};
 };
 
 /// The simulated device. Thread-safe: every call takes one internal mutex.
@@ -102,7 +113,25 @@ class sim_backend final : public device_backend {
   void phys_release(phys_handle handle) override;
   void map(void* va, std::size_t bytes, phys_handle handle) override;
   void unmap(void* va, std::size_t bytes) override;
+  /// Grants access to every device of access_devices() (recorded per mapping: device_can_access).
   void set_access(void* va, std::size_t bytes) override;
+  /// Peers among the device_count devices, by peer_mask: automatic takes those whose bit is set,
+  /// all throws cuda_error 217 naming the first without it, none takes none.
+  void configure_peer_access(peer_access_mode mode) override;
+  [[nodiscard]] std::vector<int> access_devices() override;
+  // Inter-process sharing. The sim has no second process: what a handle names is kept in a
+  // process-wide table, so that any sim_backend of the process (another one standing for the
+  // other process, or this one, which then acts as another process would) opens it at an address
+  // of its own window, with the same host memory behind it. A segment's handle is valid until
+  // the segment is freed; a descriptor of phys_export_fd is a real file descriptor (a memfd
+  // naming the table entry, valid until the exporter releases the handle), so it can travel over
+  // a unix socket (SCM_RIGHTS) like the driver's.
+  void enable_phys_export() override;
+  [[nodiscard]] segment_ipc_handle segment_export(void* base) override;
+  [[nodiscard]] void* segment_import(const segment_ipc_handle& handle) override;
+  void segment_close(void* base) override;
+  [[nodiscard]] int phys_export_fd(phys_handle handle) override;
+  [[nodiscard]] phys_handle phys_import_fd(int fd) override;
   [[nodiscard]] event_handle event_create() override;
   void event_destroy(event_handle event) override;
   void event_record(event_handle event, stream_handle stream) override;
@@ -195,6 +224,12 @@ class sim_backend final : public device_backend {
   [[nodiscard]] std::size_t inaccessible_mappings() const;
   /// Whether every byte of [va, va + bytes) is mapped and covered by a set_access.
   [[nodiscard]] bool accessible(const void* va, std::size_t bytes) const;
+  /// Segments opened with segment_import and not closed.
+  [[nodiscard]] std::size_t live_imports() const;
+  /// Whether kernels on `device` may read and write every byte of [ptr, ptr + bytes): within
+  /// mappings, the devices set_access granted; within segments and imports, this device only
+  /// (the sim does not model cudaDeviceEnablePeerAccess). False for memory the sim does not hold.
+  [[nodiscard]] bool device_can_access(int device, const void* ptr, std::size_t bytes) const;
   /// Host memory behind [dev_ptr, dev_ptr + bytes); nullptr unless host_memory is on and the range
   /// lies in one segment or one mapping.
   [[nodiscard]] std::byte* host_view(const void* dev_ptr, std::size_t bytes);
@@ -203,17 +238,24 @@ class sim_backend final : public device_backend {
  private:
   struct segment_rec {
     std::size_t bytes;
-    std::unique_ptr<std::byte[]> host;
+    std::shared_ptr<std::byte[]> host;
+    std::uint64_t export_id = 0;  // the process-wide export table's entry; 0 = not exported
   };
   struct handle_rec {
     std::size_t bytes;
     std::size_t map_count = 0;
-    std::unique_ptr<std::byte[]> host;
+    std::shared_ptr<std::byte[]> host;
+    std::uint64_t export_id = 0;
+    bool imported = false;  // from phys_import_fd: not charged to this device
   };
   struct mapping_rec {
     std::size_t bytes;
     phys_handle handle;
-    bool accessible = false;
+    std::uint64_t access = 0;  // bit d: device d may access it (set_access)
+  };
+  struct import_rec {
+    std::size_t bytes;
+    std::shared_ptr<std::byte[]> host;
   };
   struct event_rec {
     bool recorded = false;
@@ -258,6 +300,9 @@ class sim_backend final : public device_backend {
   std::map<std::uintptr_t, std::size_t> reservations_;
   std::map<std::uintptr_t, mapping_rec> mappings_;
   std::unordered_map<phys_handle, handle_rec> handles_;
+  std::map<std::uintptr_t, import_rec> imports_;
+  std::vector<int> access_devices_;  // set_access's devices; empty = this device alone
+  bool phys_export_ = false;
   phys_handle next_handle_ = 1;
   std::unordered_map<std::uintptr_t, event_rec> events_;
   std::uintptr_t next_event_ = 0x1000;

@@ -59,6 +59,26 @@ class capture_safe_backend final : public device_backend {
     const relaxed r(*inner_);
     inner_->set_access(va, bytes);
   }
+  void configure_peer_access(peer_access_mode mode) override {
+    inner_->configure_peer_access(mode);
+  }
+  [[nodiscard]] std::vector<int> access_devices() override { return inner_->access_devices(); }
+  void enable_phys_export() override { inner_->enable_phys_export(); }
+  [[nodiscard]] segment_ipc_handle segment_export(void* base) override {
+    return inner_->segment_export(base);
+  }
+  [[nodiscard]] void* segment_import(const segment_ipc_handle& handle) override {
+    const relaxed r(*inner_);
+    return inner_->segment_import(handle);
+  }
+  void segment_close(void* base) override {
+    const relaxed r(*inner_);
+    inner_->segment_close(base);
+  }
+  [[nodiscard]] int phys_export_fd(phys_handle handle) override {
+    return inner_->phys_export_fd(handle);
+  }
+  [[nodiscard]] phys_handle phys_import_fd(int fd) override { return inner_->phys_import_fd(fd); }
   [[nodiscard]] event_handle event_create() override { return inner_->event_create(); }
   void event_destroy(event_handle event) override { inner_->event_destroy(event); }
   void event_record(event_handle event, stream_handle stream) override {

@@ -76,6 +76,10 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
         page_bytes, device_total, pools_mu_, pools);
     pager->set_synchronization_gate([this] { return !sync_blocked(); });
     pager->nvtx = cfg.nvtx;
+    // Which devices every mapping is made accessible to, and whether its physical memory can be
+    // exported (docs/config.md: peer_access, ipc_handles).
+    backend->configure_peer_access(cfg.peer_access);
+    if (cfg.ipc_handles) backend->enable_phys_export();
   }
 }
 

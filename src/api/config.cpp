@@ -46,7 +46,7 @@ struct key_spec {
   void (*parse)(std::string_view key, std::string_view value, config& out);
 };
 
-const std::array<key_spec, 15>& key_specs();
+const std::array<key_spec, 17>& key_specs();
 
 // PyTorch allocator keys that cucache recognises only to say that it does not support them.
 constexpr std::array<std::string_view, 16> k_pytorch_only_keys = {
@@ -225,6 +225,28 @@ void parse_expandable(std::string_view key, std::string_view value, config& out)
   }
 }
 
+void parse_ipc_handles(std::string_view key, std::string_view value, config& out) {
+  if (value == "True" || value == "true" || value == "1") {
+    out.ipc_handles = true;
+  } else if (value == "False" || value == "false" || value == "0") {
+    out.ipc_handles = false;
+  } else {
+    fail_value(key, value, "not a boolean");
+  }
+}
+
+void parse_peer_access(std::string_view key, std::string_view value, config& out) {
+  if (value == "auto") {
+    out.peer_access = peer_access_mode::automatic;
+  } else if (value == "all") {
+    out.peer_access = peer_access_mode::all;
+  } else if (value == "none") {
+    out.peer_access = peer_access_mode::none;
+  } else {
+    fail_value(key, value, "not auto, all or none");
+  }
+}
+
 void parse_memory_fraction(std::string_view key, std::string_view value, config& out) {
   const double v = parse_double(key, value);
   if (!(v > 0.0 && v <= 1.0)) fail_value(key, value, "must be > 0 and <= 1");
@@ -331,8 +353,8 @@ void parse_record_backtraces(std::string_view key, std::string_view value, confi
   }
 }
 
-const std::array<key_spec, 15>& key_specs() {
-  static const std::array<key_spec, 15> specs = {{
+const std::array<key_spec, 17>& key_specs() {
+  static const std::array<key_spec, 17> specs = {{
       {"max_split_size_mb", "max_split_size_mb",
        "an integer number of MiB >= 20, e.g. max_split_size_mb:512", parse_max_split_size},
       {"max_non_split_rounding_mb", "max_non_split_rounding_mb",
@@ -376,6 +398,14 @@ const std::array<key_spec, 15>& key_specs() {
       {"record_backtraces", "record_backtraces",
        "True, False, true, false, 1 or 0, e.g. record_backtraces:True (needs libunwind)",
        parse_record_backtraces},
+      {"peer_access", "peer_access",
+       "auto, all or none, e.g. peer_access:none (expandable segments: which other devices each "
+       "mapping is made accessible to)",
+       parse_peer_access},
+      {"ipc_handles", "ipc_handles",
+       "True, False, true, false, 1 or 0, e.g. ipc_handles:True (expandable segments: physical "
+       "memory exportable as POSIX file descriptors)",
+       parse_ipc_handles},
   }};
   return specs;
 }
@@ -544,6 +574,17 @@ std::string to_string(const config& cfg) {
   if (cfg.memory_limit_bytes != def.memory_limit_bytes) {
     put("memory_limit", render_bytes(cfg.memory_limit_bytes),
         [&](const config& c) { return c.memory_limit_bytes == cfg.memory_limit_bytes; });
+  }
+  if (cfg.peer_access != def.peer_access) {
+    put("peer_access",
+        cfg.peer_access == peer_access_mode::all    ? "all"
+        : cfg.peer_access == peer_access_mode::none ? "none"
+                                                    : "auto",
+        [&](const config& c) { return c.peer_access == cfg.peer_access; });
+  }
+  if (cfg.ipc_handles != def.ipc_handles) {
+    put("ipc_handles", cfg.ipc_handles ? "True" : "False",
+        [&](const config& c) { return c.ipc_handles == cfg.ipc_handles; });
   }
   if (cfg.trace_path != def.trace_path) {
     put("trace", cfg.trace_path, [&](const config& c) { return c.trace_path == cfg.trace_path; });

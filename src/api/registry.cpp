@@ -146,6 +146,7 @@ registry::registry() {
 }
 
 registry::~registry() {
+  imports_.reset();  // closes what is still open, while the backends live
   for (int d = 0; d < census_.count; ++d) delete slots_[static_cast<std::size_t>(d)].load();
   // The recorder's destructor flushes the trace.
 }
@@ -239,7 +240,14 @@ device_allocator& registry::create(int device) {
   if (const double f = fractions_[static_cast<std::size_t>(device)]; f > 0) {
     cfg.memory_fraction = f;
   }
-  auto backend = make_backend(kind_, device);
+  // The simulated devices know how many there are (their peers), and may keep host memory behind
+  // every byte (CUCACHE_SIM_HOST_MEMORY=1) so that tests through the global API check contents.
+  sim_options sim;
+  sim.device_count = census_.count;
+  if (const char* h = std::getenv("CUCACHE_SIM_HOST_MEMORY"); h != nullptr && *h == '1') {
+    sim.host_memory = true;
+  }
+  auto backend = make_backend(kind_, device, sim);
   device_allocator* a = nullptr;
   try {
     a = new device_allocator(std::move(backend), std::move(cfg), hub_->observer_for(device));

@@ -25,6 +25,7 @@ class trace_recorder;
 namespace cucache::detail {
 
 class observe_hub;
+struct ipc_imports;  // src/api/ipc.cpp
 
 /// What a release does to a live allocation.
 enum class release_kind : std::uint8_t {
@@ -96,6 +97,10 @@ class registry {
   /// The backend of a created allocator, else nullptr.
   [[nodiscard]] device_backend* backend_of(int device) const noexcept;
 
+  /// The blocks of other processes this process has open (cucacheIpcOpenHandle), created on
+  /// first use (src/api/ipc.cpp). Closed, whatever is still open, before the allocators go.
+  [[nodiscard]] ipc_imports& imports();
+
   /// Drops the registry and every allocator it created (flushing the trace), so that the next
   /// call reads the environment again. Only for the simulated backend: with CUDA it throws
   /// std::logic_error once an allocator exists. No other thread may be inside a cucache call.
@@ -117,6 +122,7 @@ class registry {
   std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
   std::mutex create_mu_;
   std::vector<double> fractions_;  // per device, under create_mu_; 0 = the config's
+  std::shared_ptr<ipc_imports> imports_;  // under create_mu_ until set
 };
 
 /// Kept for tests written against the old name.

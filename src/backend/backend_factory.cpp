@@ -11,6 +11,35 @@
 
 namespace cucache {
 
+// --- device_backend's defaults for the optional calls (backend.hpp) ------------------------------
+
+namespace {
+[[noreturn]] void not_supported(const device_backend& b, const char* call) {
+  throw cuda_error(call, static_cast<int>(cudaErrorNotSupported),
+                   fmt::format("the {} backend of device {} cannot share memory between processes",
+                               b.name(), b.device()));
+}
+}  // namespace
+
+void device_backend::enable_phys_export() {
+  not_supported(*this, "enable_phys_export");
+}
+segment_ipc_handle device_backend::segment_export(void* /*base*/) {
+  not_supported(*this, "segment_export");
+}
+void* device_backend::segment_import(const segment_ipc_handle& /*handle*/) {
+  not_supported(*this, "segment_import");
+}
+void device_backend::segment_close(void* /*base*/) {
+  not_supported(*this, "segment_close");
+}
+int device_backend::phys_export_fd(phys_handle /*handle*/) {
+  not_supported(*this, "phys_export_fd");
+}
+phys_handle device_backend::phys_import_fd(int /*fd*/) {
+  not_supported(*this, "phys_import_fd");
+}
+
 const char* to_string(backend_kind kind) noexcept {
   return kind == backend_kind::sim ? "sim" : "cuda";
 }

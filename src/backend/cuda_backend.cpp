@@ -10,7 +10,9 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "backend/device_guard.hpp"
 #include "cucache/errors.hpp"
@@ -37,6 +39,8 @@ struct driver_api {
   PFN_cuMemMap_v10020 mem_map = nullptr;
   PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
   PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+  PFN_cuMemExportToShareableHandle_v10020 mem_export_to_shareable_handle = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 mem_import_from_shareable_handle = nullptr;
 };
 
 template <typename Fn>
@@ -68,6 +72,8 @@ driver_api load_driver_api() {
   resolve("cuMemMap", api.mem_map);
   resolve("cuMemUnmap", api.mem_unmap);
   resolve("cuMemSetAccess", api.mem_set_access);
+  resolve("cuMemExportToShareableHandle", api.mem_export_to_shareable_handle);
+  resolve("cuMemImportFromShareableHandle", api.mem_import_from_shareable_handle);
   return api;
 }
 
@@ -98,10 +104,11 @@ void* from_device_ptr(CUdeviceptr ptr) {
   return reinterpret_cast<void*>(static_cast<std::uintptr_t>(ptr));
 }
 
-CUmemAllocationProp pinned_device_memory(int cu_device) {
+CUmemAllocationProp pinned_device_memory(int cu_device, bool export_fd = false) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.requestedHandleTypes =
+      export_fd ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = cu_device;
   return prop;
@@ -228,7 +235,8 @@ void cuda_backend::va_free(void* base, std::size_t bytes) {
 std::optional<phys_handle> cuda_backend::phys_create(std::size_t bytes) {
   require_vmm("cuMemCreate");
   const detail::device_guard guard(device_);
-  const CUmemAllocationProp prop = detail::pinned_device_memory(cu_device_);
+  const CUmemAllocationProp prop =
+      detail::pinned_device_memory(cu_device_, export_fd_.load(std::memory_order_relaxed));
   CUmemGenericAllocationHandle handle = 0;
   const CUresult code = detail::driver().mem_create(&handle, bytes, &prop, 0);
   if (code == CUDA_ERROR_OUT_OF_MEMORY) return std::nullopt;
@@ -259,13 +267,124 @@ void cuda_backend::unmap(void* va, std::size_t bytes) {
 void cuda_backend::set_access(void* va, std::size_t bytes) {
   require_vmm("cuMemSetAccess");
   const detail::device_guard guard(device_);
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = cu_device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  std::vector<CUmemAccessDesc> access;
+  {
+    std::lock_guard lock(access_mu_);
+    if (access_cu_.empty()) {
+      access.resize(1);
+      access[0].location.id = cu_device_;
+    } else {
+      access.resize(access_cu_.size());
+      for (std::size_t i = 0; i < access_cu_.size(); ++i) access[i].location.id = access_cu_[i];
+    }
+  }
+  for (CUmemAccessDesc& a : access) {
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  detail::check_driver(detail::driver().mem_set_access(detail::to_device_ptr(va), bytes,
+                                                       access.data(), access.size()),
+                       "cuMemSetAccess");
+}
+
+void cuda_backend::configure_peer_access(peer_access_mode mode) {
+  std::vector<int> devices{device_};
+  std::vector<int> cu{cu_device_};
+  if (mode != peer_access_mode::none) {
+    int count = 0;
+    detail::check_runtime(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+    for (int d = 0; d < count; ++d) {
+      if (d == device_) continue;
+      int can = 0;
+      detail::check_runtime(cudaDeviceCanAccessPeer(&can, d, device_), "cudaDeviceCanAccessPeer");
+      if (can == 0) {
+        if (mode == peer_access_mode::all) {
+          throw cuda_error("cudaDeviceCanAccessPeer", static_cast<int>(cudaErrorPeerAccessUnsupported),
+                           fmt::format("peer_access:all: CUDA device {} cannot access device {}; "
+                                       "use peer_access:auto",
+                                       d, device_));
+        }
+        continue;
+      }
+      CUdevice c = 0;
+      detail::check_driver(detail::driver().device_get(&c, d), "cuDeviceGet");
+      devices.push_back(d);
+      cu.push_back(c);
+    }
+  }
+  std::lock_guard lock(access_mu_);
+  access_devices_ = std::move(devices);
+  access_cu_ = std::move(cu);
+}
+
+std::vector<int> cuda_backend::access_devices() {
+  std::lock_guard lock(access_mu_);
+  if (access_devices_.empty()) return {device_};
+  return access_devices_;
+}
+
+void cuda_backend::enable_phys_export() {
+  require_vmm("enable_phys_export");
+  int supported = 0;
   detail::check_driver(
-      detail::driver().mem_set_access(detail::to_device_ptr(va), bytes, &access, 1),
-      "cuMemSetAccess");
+      detail::driver().device_get_attribute(
+          &supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu_device_),
+      "cuDeviceGetAttribute");
+  if (supported == 0) {
+    throw cuda_error("ipc_handles", static_cast<int>(cudaErrorNotSupported),
+                     fmt::format("CUDA device {} cannot export physical memory as POSIX file "
+                                 "descriptors (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_"
+                                 "DESCRIPTOR_SUPPORTED is 0); use ipc_handles:False",
+                                 device_));
+  }
+  export_fd_.store(true, std::memory_order_relaxed);
+}
+
+segment_ipc_handle cuda_backend::segment_export(void* base) {
+  const detail::device_guard guard(device_);
+  cudaIpcMemHandle_t h{};
+  detail::check_runtime(cudaIpcGetMemHandle(&h, base), "cudaIpcGetMemHandle");
+  static_assert(sizeof(h) == sizeof(segment_ipc_handle::bytes));
+  segment_ipc_handle out;
+  std::memcpy(out.bytes, &h, sizeof(h));
+  return out;
+}
+
+void* cuda_backend::segment_import(const segment_ipc_handle& handle) {
+  const detail::device_guard guard(device_);
+  cudaIpcMemHandle_t h{};
+  std::memcpy(&h, handle.bytes, sizeof(h));
+  void* ptr = nullptr;
+  detail::check_runtime(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess),
+                        "cudaIpcOpenMemHandle");
+  return ptr;
+}
+
+void cuda_backend::segment_close(void* base) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle");
+}
+
+int cuda_backend::phys_export_fd(phys_handle handle) {
+  require_vmm("cuMemExportToShareableHandle");
+  const detail::device_guard guard(device_);
+  int fd = -1;
+  detail::check_driver(detail::driver().mem_export_to_shareable_handle(
+                           &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                       "cuMemExportToShareableHandle");
+  return fd;
+}
+
+phys_handle cuda_backend::phys_import_fd(int fd) {
+  require_vmm("cuMemImportFromShareableHandle");
+  const detail::device_guard guard(device_);
+  CUmemGenericAllocationHandle h = 0;
+  // The driver takes the descriptor's value itself, cast to a pointer.
+  detail::check_driver(detail::driver().mem_import_from_shareable_handle(
+                           &h, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)),
+                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                       "cuMemImportFromShareableHandle");
+  return phys_handle{h};
 }
 
 // --- Events and streams --------------------------------------------------------------------------

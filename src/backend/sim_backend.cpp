@@ -8,7 +8,11 @@
 
 #include <fmt/format.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -42,6 +46,47 @@ const char* to_string(capture_mode mode) noexcept {
   }
   return "unknown";
 }
+
+constexpr int k_sim_not_supported = 801;         // cudaErrorNotSupported
+constexpr int k_sim_peer_unsupported = 217;      // cudaErrorPeerAccessUnsupported
+constexpr std::uint64_t k_sim_ipc_magic = 0x6370692d6d6973ULL;  // "sim-ipc"
+
+// What the sim's IPC handles name, for every sim_backend of the process (sim_backend.hpp).
+struct sim_export {
+  std::shared_ptr<std::byte[]> host;
+  std::size_t bytes = 0;
+  int device = 0;
+};
+std::mutex g_exports_mu;
+std::unordered_map<std::uint64_t, sim_export> g_exports;  // under g_exports_mu
+std::uint64_t g_next_export = 1;                          // under g_exports_mu
+
+std::uint64_t add_export(sim_export e) {
+  std::lock_guard lock(g_exports_mu);
+  const std::uint64_t id = g_next_export++;
+  g_exports.emplace(id, std::move(e));
+  return id;
+}
+void drop_export(std::uint64_t id) {
+  if (id == 0) return;
+  std::lock_guard lock(g_exports_mu);
+  g_exports.erase(id);
+}
+std::optional<sim_export> find_export(std::uint64_t id) {
+  std::lock_guard lock(g_exports_mu);
+  auto it = g_exports.find(id);
+  if (it == g_exports.end()) return std::nullopt;
+  return it->second;
+}
+
+// The layout of a sim segment handle's bytes and of a phys descriptor's file.
+struct sim_ipc_record {
+  std::uint64_t magic;
+  std::uint64_t id;
+  std::uint64_t bytes;
+  std::int64_t device;
+};
+static_assert(sizeof(sim_ipc_record) <= sizeof(segment_ipc_handle::bytes));
 
 std::size_t round_up(std::size_t n, std::size_t m) {
   return (n + m - 1) / m * m;
@@ -93,6 +138,16 @@ const char* to_string(sim_call call) noexcept {
       return "capture_status";
     case sim_call::exchange_capture_mode:
       return "exchange_capture_mode";
+    case sim_call::segment_export:
+      return "segment_export";
+    case sim_call::segment_import:
+      return "segment_import";
+    case sim_call::segment_close:
+      return "segment_close";
+    case sim_call::phys_export_fd:
+      return "phys_export_fd";
+    case sim_call::phys_import_fd:
+      return "phys_import_fd";
     case sim_call::count_:
       break;
   }
@@ -231,7 +286,7 @@ void* sim_backend::segment_malloc(std::size_t bytes) {
   const std::uintptr_t addr = take_address(charged, options_.malloc_page_bytes);
   if (addr == 0) return nullptr;
   segment_rec rec{charged, nullptr};
-  if (options_.host_memory) rec.host = std::make_unique<std::byte[]>(charged);
+  if (options_.host_memory) rec.host = std::make_shared<std::byte[]>(charged);
   segments_.emplace(addr, std::move(rec));
   used_ += charged;
   return reinterpret_cast<void*>(addr);
@@ -248,6 +303,8 @@ void sim_backend::segment_free(void* ptr) {
   }
   used_ -= it->second.bytes;
   give_address(addr, it->second.bytes);
+  // Its handle names nothing from now on: a later open fails, opened ones keep their memory.
+  drop_export(it->second.export_id);
   segments_.erase(it);
   // Like cudaFree, freeing a segment synchronizes the device.
   for (auto& [id, ev] : events_) {
@@ -309,7 +366,7 @@ std::optional<phys_handle> sim_backend::phys_create(std::size_t bytes) {
     return std::nullopt;
   }
   handle_rec rec{bytes, 0, nullptr};
-  if (options_.host_memory) rec.host = std::make_unique<std::byte[]>(bytes);
+  if (options_.host_memory) rec.host = std::make_shared<std::byte[]>(bytes);
   const phys_handle h = next_handle_++;
   handles_.emplace(h, std::move(rec));
   used_ += bytes;
@@ -328,7 +385,8 @@ void sim_backend::phys_release(phys_handle handle) {
     fail(sim_call::phys_release, fmt::format("handle {} is still mapped", handle),
          k_sim_invalid_value);
   }
-  used_ -= it->second.bytes;
+  if (!it->second.imported) used_ -= it->second.bytes;
+  drop_export(it->second.export_id);
   handles_.erase(it);
 }
 
@@ -362,7 +420,7 @@ void sim_backend::map(void* va, std::size_t bytes, phys_handle handle) {
            k_sim_invalid_value);
     }
   }
-  mappings_.emplace(addr, mapping_rec{bytes, handle, false});
+  mappings_.emplace(addr, mapping_rec{bytes, handle, 0});
   ++h->second.map_count;
 }
 
@@ -387,7 +445,9 @@ void sim_backend::set_access(void* va, std::size_t bytes) {
   const auto addr = reinterpret_cast<std::uintptr_t>(va);
   // The driver's rule (cuMemSetAccess): the range must be fully mapped and made of whole
   // mappings -- it may span several adjacent ones, but neither begin nor end inside one. Nothing
-  // changes when the range is refused.
+  // changes when the range is refused. Granted to this device and its access devices (peer_access).
+  std::uint64_t access = std::uint64_t{1} << options_.device;
+  for (const int d : access_devices_) access |= std::uint64_t{1} << d;
   auto m = mappings_.find(addr);
   std::uintptr_t cursor = addr;
   for (auto it = m; it != mappings_.end() && it->first == cursor && cursor < addr + bytes; ++it) {
@@ -398,7 +458,146 @@ void sim_backend::set_access(void* va, std::size_t bytes) {
          fmt::format("{} (+{}) is not a fully mapped range of whole mappings", va, bytes),
          k_sim_invalid_value);
   }
-  for (; m != mappings_.end() && m->first < addr + bytes; ++m) m->second.accessible = true;
+  for (; m != mappings_.end() && m->first < addr + bytes; ++m) m->second.access = access;
+}
+
+void sim_backend::configure_peer_access(peer_access_mode mode) {
+  std::lock_guard lock(mu_);
+  std::vector<int> devices{options_.device};
+  if (mode != peer_access_mode::none) {
+    for (int d = 0; d < options_.device_count && d < k_max_devices; ++d) {
+      if (d == options_.device) continue;
+      const bool can = ((options_.peer_mask >> d) & 1U) != 0;
+      if (can) {
+        devices.push_back(d);
+      } else if (mode == peer_access_mode::all) {
+        throw cuda_error("sim configure_peer_access", k_sim_peer_unsupported,
+                         fmt::format("peer_access:all: device {} cannot access device {} "
+                                     "(cudaDeviceCanAccessPeer is 0); use peer_access:auto",
+                                     d, options_.device));
+      }
+    }
+  }
+  access_devices_ = std::move(devices);
+}
+
+std::vector<int> sim_backend::access_devices() {
+  std::lock_guard lock(mu_);
+  if (access_devices_.empty()) return {options_.device};
+  return access_devices_;
+}
+
+void sim_backend::enable_phys_export() {
+  std::lock_guard lock(mu_);
+  if (options_.granularity_bytes == 0) {
+    throw cuda_error("sim enable_phys_export", k_sim_not_supported,
+                     fmt::format("device {} has no virtual memory management, so no physical "
+                                 "handle to export",
+                                 options_.device));
+  }
+  phys_export_ = true;
+}
+
+segment_ipc_handle sim_backend::segment_export(void* base) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::segment_export)) fail(sim_call::segment_export, "injected failure");
+  auto it = segments_.find(reinterpret_cast<std::uintptr_t>(base));
+  if (it == segments_.end()) {
+    fail(sim_call::segment_export, fmt::format("{} is not the base of a live segment", base),
+         k_sim_invalid_value);
+  }
+  // As the driver, the same handle every time for one allocation.
+  if (it->second.export_id == 0) {
+    it->second.export_id = add_export({it->second.host, it->second.bytes, options_.device});
+  }
+  const sim_ipc_record rec{k_sim_ipc_magic, it->second.export_id, it->second.bytes,
+                           options_.device};
+  segment_ipc_handle h;
+  std::memcpy(h.bytes, &rec, sizeof(rec));
+  return h;
+}
+
+void* sim_backend::segment_import(const segment_ipc_handle& handle) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::segment_import)) fail(sim_call::segment_import, "injected failure");
+  sim_ipc_record rec{};
+  std::memcpy(&rec, handle.bytes, sizeof(rec));
+  if (rec.magic != k_sim_ipc_magic) {
+    fail(sim_call::segment_import, "not a segment handle of the simulated device",
+         k_sim_invalid_resource_handle);
+  }
+  const std::optional<sim_export> e = find_export(rec.id);
+  if (!e) {
+    fail(sim_call::segment_import,
+         "the handle's segment was freed by its exporter (the handle names no memory)",
+         k_sim_invalid_resource_handle);
+  }
+  const std::uintptr_t addr = take_address(e->bytes, options_.malloc_page_bytes);
+  if (addr == 0) fail(sim_call::segment_import, "address space exhausted", 2);
+  imports_.emplace(addr, import_rec{e->bytes, e->host});
+  return reinterpret_cast<void*>(addr);
+}
+
+void sim_backend::segment_close(void* base) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::segment_close)) fail(sim_call::segment_close, "injected failure");
+  auto it = imports_.find(reinterpret_cast<std::uintptr_t>(base));
+  if (it == imports_.end()) {
+    fail(sim_call::segment_close, fmt::format("{} is not an open imported segment", base),
+         k_sim_invalid_value);
+  }
+  give_address(it->first, it->second.bytes);
+  imports_.erase(it);
+}
+
+int sim_backend::phys_export_fd(phys_handle handle) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::phys_export_fd)) fail(sim_call::phys_export_fd, "injected failure");
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) {
+    fail(sim_call::phys_export_fd, fmt::format("handle {} is not live", handle),
+         k_sim_invalid_value);
+  }
+  if (!phys_export_) {
+    fail(sim_call::phys_export_fd,
+         fmt::format("handle {} was not created exportable (enable_phys_export)", handle),
+         k_sim_not_supported);
+  }
+  if (it->second.export_id == 0) {
+    it->second.export_id = add_export({it->second.host, it->second.bytes, options_.device});
+  }
+  const int fd = ::memfd_create("cucache-sim-phys", MFD_CLOEXEC);
+  if (fd < 0) fail(sim_call::phys_export_fd, fmt::format("memfd_create: {}", std::strerror(errno)));
+  const sim_ipc_record rec{k_sim_ipc_magic, it->second.export_id, it->second.bytes,
+                           options_.device};
+  if (::pwrite(fd, &rec, sizeof(rec), 0) != static_cast<ssize_t>(sizeof(rec))) {
+    ::close(fd);
+    fail(sim_call::phys_export_fd, "cannot write the descriptor's record");
+  }
+  return fd;
+}
+
+phys_handle sim_backend::phys_import_fd(int fd) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::phys_import_fd)) fail(sim_call::phys_import_fd, "injected failure");
+  sim_ipc_record rec{};
+  if (::pread(fd, &rec, sizeof(rec), 0) != static_cast<ssize_t>(sizeof(rec)) ||
+      rec.magic != k_sim_ipc_magic) {
+    fail(sim_call::phys_import_fd,
+         fmt::format("file descriptor {} is not one of the simulated device's exported handles",
+                     fd),
+         k_sim_invalid_value);
+  }
+  const std::optional<sim_export> e = find_export(rec.id);
+  if (!e) {
+    fail(sim_call::phys_import_fd, "the exporter released the handle the descriptor names",
+         k_sim_invalid_resource_handle);
+  }
+  handle_rec h{e->bytes, 0, e->host};
+  h.imported = true;
+  const phys_handle id = next_handle_++;
+  handles_.emplace(id, std::move(h));
+  return id;
 }
 
 event_handle sim_backend::event_create() {
@@ -721,7 +920,7 @@ std::size_t sim_backend::live_mappings() const {
 std::size_t sim_backend::inaccessible_mappings() const {
   std::lock_guard lock(mu_);
   return static_cast<std::size_t>(std::count_if(
-      mappings_.begin(), mappings_.end(), [](const auto& m) { return !m.second.accessible; }));
+      mappings_.begin(), mappings_.end(), [](const auto& m) { return m.second.access == 0; }));
 }
 bool sim_backend::accessible(const void* va, std::size_t bytes) const {
   std::lock_guard lock(mu_);
@@ -731,9 +930,38 @@ bool sim_backend::accessible(const void* va, std::size_t bytes) const {
   --m;
   std::uintptr_t cursor = addr;
   for (; m != mappings_.end() && cursor < addr + bytes; ++m) {
-    if (m->first > cursor || m->first + m->second.bytes <= cursor || !m->second.accessible) {
+    if (m->first > cursor || m->first + m->second.bytes <= cursor || m->second.access == 0) {
       return false;
     }
+    cursor = m->first + m->second.bytes;
+  }
+  return cursor >= addr + bytes;
+}
+
+std::size_t sim_backend::live_imports() const {
+  std::lock_guard lock(mu_);
+  return imports_.size();
+}
+
+bool sim_backend::device_can_access(int device, const void* ptr, std::size_t bytes) const {
+  std::lock_guard lock(mu_);
+  if (device < 0 || device >= k_max_devices || bytes == 0) return false;
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  const auto within = [&](const auto& map) {
+    auto it = map.upper_bound(addr);
+    if (it == map.begin()) return false;
+    --it;
+    return addr + bytes <= it->first + it->second.bytes;
+  };
+  if (within(segments_) || within(imports_)) return device == options_.device;
+  // Mappings: every byte covered, each by a mapping granted to `device`.
+  std::uintptr_t cursor = addr;
+  auto m = mappings_.upper_bound(addr);
+  if (m != mappings_.begin()) --m;
+  for (; m != mappings_.end() && m->first < addr + bytes; ++m) {
+    if (m->first + m->second.bytes <= cursor) continue;
+    if (m->first > cursor) break;
+    if (((m->second.access >> device) & 1U) == 0) return false;
     cursor = m->first + m->second.bytes;
   }
   return cursor >= addr + bytes;
@@ -753,6 +981,13 @@ std::byte* sim_backend::host_view(const void* dev_ptr, std::size_t bytes) {
     --m;
     if (addr + bytes <= m->first + m->second.bytes) {
       return handles_.at(m->second.handle).host.get() + (addr - m->first);
+    }
+  }
+  auto i = imports_.upper_bound(addr);
+  if (i != imports_.begin()) {
+    --i;
+    if (addr + bytes <= i->first + i->second.bytes && i->second.host) {
+      return i->second.host.get() + (addr - i->first);
     }
   }
   return nullptr;

@@ -18,6 +18,12 @@ static size_t (*const k_summary)(int, char*, size_t) = cucacheMemorySummary;
 static const char* (*const k_message)(void) = cucacheGetLastErrorMessage;
 static cudaError_t (*const k_capture_ended)(unsigned long long) = cucacheGraphCaptureEnded;
 static cudaError_t (*const k_pool_release)(unsigned long long) = cucacheGraphPoolRelease;
+static cudaError_t (*const k_ipc_get)(cucacheIpcHandle*, void*) = cucacheIpcGetHandle;
+static cudaError_t (*const k_ipc_open)(void**, const cucacheIpcHandle*) = cucacheIpcOpenHandle;
+static cudaError_t (*const k_ipc_close)(void*) = cucacheIpcCloseHandle;
+static cudaError_t (*const k_ipc_send)(int, const cucacheIpcHandle*) = cucacheIpcSendHandle;
+static cudaError_t (*const k_ipc_recv)(int, cucacheIpcHandle*) = cucacheIpcRecvHandle;
+static cudaError_t (*const k_ipc_release)(cucacheIpcHandle*) = cucacheIpcReleaseFds;
 
 /* Returns 0 when every step behaves, else the number of the first step that did not. */
 int cucache_c_header_check(void) {
@@ -28,6 +34,8 @@ int cucache_c_header_check(void) {
   cucacheStats stats;
   char text[64];
   cudaStream_t stream = (cudaStream_t)(void*)0x100;
+  cucacheIpcHandle ipc;
+  void* r = NULL;
 
   if (k_malloc(&p, 1000) != cudaSuccess || p == NULL) return 1;
   if (k_malloc_async(&q, 2000, stream) != cudaSuccess || q == NULL) return 2;
@@ -37,6 +45,15 @@ int cucache_c_header_check(void) {
   memset(&stats, 0, sizeof stats);
   if (k_stats(0, &stats) != cudaSuccess) return 6;
   if (stats.allocationCount != 2 || stats.requestedBytes != 3000) return 7;
+  memset(&ipc, 0, sizeof ipc);
+  if (k_ipc_get(&ipc, p) != cudaSuccess || ipc.kind != cucacheIpcKindSegment) return 19;
+  if (ipc.offset != 0 || ipc.size != 1024) return 20;
+  if (k_ipc_open(&r, &ipc) != cudaSuccess || r == NULL || r == p) return 21;
+  if (k_ipc_close(r) != cudaSuccess) return 22;
+  if (k_ipc_close(r) != cudaErrorInvalidValue) return 23; /* closed twice */
+  if (k_ipc_send(-1, &ipc) != cudaErrorUnknown) return 24; /* not a socket */
+  if (k_ipc_recv(-1, &ipc) != cudaErrorUnknown) return 25;
+  if (k_ipc_release(&ipc) != cudaSuccess) return 26;
   if (k_free(p) != cudaSuccess) return 8;
   if (k_free_async(q, stream) != cudaSuccess) return 9;
   if (k_free(p) != cudaErrorInvalidValue) return 10; /* double free */

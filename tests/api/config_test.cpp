@@ -279,7 +279,7 @@ TEST(ConfigParse, StructuralErrors) {
   for (const char* key :
        {"max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
         "garbage_collection_threshold", "expandable_segments", "memory_fraction",
-        "per_process_memory_fraction", "memory_limit", "trace"}) {
+        "per_process_memory_fraction", "memory_limit", "trace", "peer_access", "ipc_handles"}) {
     EXPECT_NE(unknown.find(key), std::string::npos) << key;
   }
   expect_error("bogus", "bogus", "unknown key");

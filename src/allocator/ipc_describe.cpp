@@ -1,0 +1,55 @@
+// device_allocator::ipc_describe: where a live block lies, for sharing it with another process
+// (docs/design.md, "IPC"). Read-only: it walks the segments and, for an expandable segment, the
+// page table under every pool lock, and changes nothing.
+#include <cstdint>
+#include <optional>
+
+#include "allocator/allocator_impl.hpp"
+#include "core/vm_range.hpp"
+
+namespace cucache {
+
+std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const void* ptr) const {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto all = impl_->lock_all();
+  for (const auto& p : impl_->pools) {
+    for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
+      if (addr < s->base || addr >= s->base + s->size) continue;
+      const detail::block* b = s->first;
+      while (b != nullptr && !(addr >= b->addr && addr < b->addr + b->size)) b = b->next;
+      if (b == nullptr || b->addr != addr || b->state != detail::block_state::allocated) {
+        return std::nullopt;
+      }
+      ipc_block out;
+      out.size = b->size;
+      if (s->vm == nullptr) {
+        out.base = s->base;
+        out.span = s->size;
+        out.offset = addr - s->base;
+        return out;
+      }
+      // Expandable: every page of a live block is mapped; the mappings under it are contiguous.
+      const detail::vm_range& r = *s->vm;
+      out.expandable = true;
+      std::size_t pg = r.page_of(addr);
+      const std::size_t last = r.page_of(addr + b->size - 1);
+      bool first = true;
+      while (pg <= last) {
+        const detail::vm_mapping* m = r.page_map[pg];
+        if (m == nullptr) return std::nullopt;  // not reachable for a live block
+        if (first) {
+          out.base = r.page_addr(m->first_page);
+          first = false;
+        }
+        out.pieces.push_back({m->handle, m->pages * r.page_bytes});
+        out.span += m->pages * r.page_bytes;
+        pg = m->first_page + m->pages;
+      }
+      out.offset = addr - out.base;
+      return out;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace cucache

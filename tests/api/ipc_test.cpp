@@ -1,0 +1,380 @@
+// Inter-process sharing (cucacheIpc* in cucache.h, src/api/ipc.cpp) and peer access of
+// expandable mappings, on the simulated device. The sim has no second process: it opens a handle
+// as another process would, at an address of its own with the same (host) memory behind it
+// (sim_backend.hpp), so offsets, contents, refusals and the close rules are checked exactly here;
+// tests/gpu/ipc_gpu_test.cu does the same across two real processes.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "api/registry.hpp"
+#include "cucache/cucache.h"
+#include "cucache/cucache.hpp"
+#include "cucache/device_allocator.hpp"
+#include "cucache/sim_backend.hpp"
+
+namespace cucache {
+namespace {
+
+constexpr std::size_t k_mib = std::size_t{1} << 20;
+
+void fresh(const char* conf, const char* devices = "1") {
+  ::setenv("CUCACHE_BACKEND", "sim", 1);
+  ::setenv("CUCACHE_SIM_HOST_MEMORY", "1", 1);
+  ::setenv("CUCACHE_SIM_DEVICES", devices, 1);
+  if (conf != nullptr) {
+    ::setenv("CUCACHE_CONF", conf, 1);
+  } else {
+    ::unsetenv("CUCACHE_CONF");
+  }
+  detail::reset_for_testing();
+}
+
+class Ipc : public ::testing::Test {
+ protected:
+  void SetUp() override { fresh(nullptr); }
+  void TearDown() override {
+    fresh(nullptr);
+    ::unsetenv("CUCACHE_SIM_HOST_MEMORY");
+    ::unsetenv("CUCACHE_SIM_DEVICES");
+  }
+  static sim_backend& sim(int d = 0) { return dynamic_cast<sim_backend&>(get(d).backend()); }
+  static std::string last() { return cucacheGetLastErrorMessage(); }
+};
+
+void* alloc(std::size_t n) {
+  void* p = nullptr;
+  EXPECT_EQ(cucacheMalloc(&p, n), cudaSuccess) << cucacheGetLastErrorMessage();
+  return p;
+}
+
+TEST_F(Ipc, ADefaultModeHandleIsTheSegmentHandlePlusTheBlocksOffset) {
+  // Three 4 MiB blocks carve one 20 MiB segment: b lies in its middle, 4 MiB from the base.
+  char* a = static_cast<char*>(alloc(4 * k_mib));
+  char* b = static_cast<char*>(alloc(4 * k_mib));
+  char* c = static_cast<char*>(alloc(4 * k_mib));
+  ASSERT_EQ(b, a + 4 * k_mib);
+  ASSERT_EQ(c, b + 4 * k_mib);
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << last();
+  EXPECT_EQ(h.magic, CUCACHE_IPC_MAGIC);
+  EXPECT_EQ(h.version, CUCACHE_IPC_VERSION);
+  EXPECT_EQ(h.kind, cucacheIpcKindSegment);
+  EXPECT_EQ(h.device, 0);
+  EXPECT_EQ(h.pid, static_cast<std::int64_t>(::getpid()));
+  EXPECT_EQ(h.offset, 4 * k_mib);
+  EXPECT_EQ(h.size, 4 * k_mib);
+  EXPECT_EQ(h.span, 20 * k_mib);
+  EXPECT_EQ(h.pieceCount, 0);
+  for (int fd : h.fds) EXPECT_EQ(fd, -1);
+
+  std::memset(sim().host_view(b, 4 * k_mib), 0x5a, 4 * k_mib);
+  void* q = nullptr;
+  ASSERT_EQ(cucacheIpcOpenHandle(&q, &h), cudaSuccess) << last();
+  ASSERT_NE(q, nullptr);
+  EXPECT_NE(q, static_cast<void*>(b)) << "opened as another process would: a mapping of its own";
+  EXPECT_EQ(sim().live_imports(), 1u);
+  std::byte* seen = sim().host_view(q, 4 * k_mib);
+  ASSERT_NE(seen, nullptr);
+  EXPECT_EQ(seen[0], std::byte{0x5a});
+  EXPECT_EQ(seen[4 * k_mib - 1], std::byte{0x5a});
+  seen[7] = std::byte{0x11};  // the importer writes; the exporter sees it
+  EXPECT_EQ(sim().host_view(b, 8)[7], std::byte{0x11});
+
+  // Another block of the same segment shares the one mapping, at its own offset.
+  cucacheIpcHandle ha{};
+  ASSERT_EQ(cucacheIpcGetHandle(&ha, a), cudaSuccess) << last();
+  EXPECT_EQ(ha.offset, 0u);
+  EXPECT_EQ(std::memcmp(ha.segmentHandle, h.segmentHandle, sizeof(h.segmentHandle)), 0);
+  void* qa = nullptr;
+  ASSERT_EQ(cucacheIpcOpenHandle(&qa, &ha), cudaSuccess) << last();
+  EXPECT_EQ(static_cast<char*>(qa) + 4 * k_mib, q);
+  EXPECT_EQ(sim().live_imports(), 1u);
+
+  EXPECT_EQ(cucacheIpcCloseHandle(qa), cudaSuccess) << last();
+  EXPECT_EQ(sim().live_imports(), 1u) << "b is still open";
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
+  EXPECT_EQ(sim().live_imports(), 0u);
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("not an address ipc_open_handle returned and still open"),
+            std::string::npos)
+      << last();
+  for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(c)}) {
+    EXPECT_EQ(cucacheFree(p), cudaSuccess);
+  }
+  get().check_invariants();
+}
+
+TEST_F(Ipc, OpeningOneBlockTwiceNeedsTwoCloses) {
+  void* p = alloc(1000);
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
+  EXPECT_EQ(h.offset, 0u);
+  EXPECT_EQ(h.size, 1024u);
+  EXPECT_EQ(h.span, 2 * k_mib);
+  void* q1 = nullptr;
+  void* q2 = nullptr;
+  ASSERT_EQ(cucacheIpcOpenHandle(&q1, &h), cudaSuccess) << last();
+  ASSERT_EQ(cucacheIpcOpenHandle(&q2, &h), cudaSuccess) << last();
+  EXPECT_EQ(q1, q2);
+  EXPECT_EQ(cucacheIpcCloseHandle(q1), cudaSuccess) << last();
+  EXPECT_EQ(sim().live_imports(), 1u);
+  EXPECT_EQ(cucacheIpcCloseHandle(q2), cudaSuccess) << last();
+  EXPECT_EQ(sim().live_imports(), 0u);
+  EXPECT_EQ(cucacheIpcCloseHandle(q2), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+}
+
+TEST_F(Ipc, APointerCucacheDoesNotHandOutIsRefusedByName) {
+  cucacheIpcHandle h{};
+  int local = 0;
+  // Nothing allocated yet: no registry, nothing can be ours.
+  EXPECT_EQ(cucacheIpcGetHandle(&h, &local), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("not the start of a live cucache allocation"), std::string::npos)
+      << last();
+  char* p = static_cast<char*>(alloc(4 * k_mib));
+  EXPECT_EQ(cucacheIpcGetHandle(&h, &local), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheIpcGetHandle(&h, p + 16), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("points 16 bytes into the live allocation"), std::string::npos) << last();
+  EXPECT_EQ(cucacheIpcGetHandle(nullptr, p), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("handle is NULL"), std::string::npos) << last();
+  EXPECT_EQ(cucacheIpcGetHandle(&h, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(h.magic, 0u) << "nothing is written on failure";
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+  EXPECT_EQ(cucacheIpcGetHandle(&h, p), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("already freed"), std::string::npos) << last();
+  EXPECT_EQ(cucacheIpcCloseHandle(&local), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheIpcCloseHandle(nullptr), cudaErrorInvalidValue);
+}
+
+TEST_F(Ipc, AMalformedHandleIsRefusedBeforeAnythingIsOpened) {
+  void* p = alloc(4 * k_mib);
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
+  void* q = reinterpret_cast<void*>(1);
+  cucacheIpcHandle bad = h;
+  bad.magic = 0x1234;
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, &bad), cudaErrorInvalidValue);
+  EXPECT_EQ(q, nullptr);
+  EXPECT_NE(last().find("not a cucache IPC handle"), std::string::npos) << last();
+  bad = h;
+  bad.offset = h.span;  // the block would lie past its segment
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, &bad), cudaErrorInvalidValue);
+  bad = h;
+  bad.kind = 7;
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, &bad), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("unknown kind 7"), std::string::npos) << last();
+  bad = h;
+  bad.segmentHandle[0] ^= 0xff;  // names no segment of the sim
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, &bad), 400);
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(sim().live_imports(), 0u);
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+}
+
+TEST_F(Ipc, TheExporterMayFreeAndAReleasedSegmentsHandleNamesNothing) {
+  void* p = alloc(4 * k_mib);
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
+  void* q = nullptr;
+  ASSERT_EQ(cucacheIpcOpenHandle(&q, &h), cudaSuccess) << last();
+  // Legal: the exporter frees (the importer should have closed first: the memory is the cache's
+  // again). The segment is wholly free, so empty_cache gives it back to the device.
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+  EXPECT_EQ(cucacheEmptyCache(), cudaSuccess);
+  EXPECT_EQ(sim().live_segments(), 0u);
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
+  // The handle now names nothing: opening it fails instead of mapping other memory.
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, &h), 400);
+  EXPECT_NE(last().find("freed by its exporter"), std::string::npos) << last();
+  EXPECT_EQ(q, nullptr);
+}
+
+TEST_F(Ipc, ALiveExportedBlockKeepsItsSegmentThroughEmptyCache) {
+  void* p = alloc(4 * k_mib);
+  void* other = alloc(30 * k_mib);  // a segment of its own
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
+  EXPECT_EQ(cucacheFree(other), cudaSuccess);
+  EXPECT_EQ(cucacheEmptyCache(), cudaSuccess);
+  EXPECT_EQ(sim().live_segments(), 1u);
+  void* q = nullptr;
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, &h), cudaSuccess) << last();
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+}
+
+TEST_F(Ipc, ExpandableSegmentsAreRefusedWithoutIpcHandles) {
+  fresh("expandable_segments:True");
+  void* p = alloc(4 * k_mib);
+  cucacheIpcHandle h{};
+  h.magic = 0xdeadbeef;
+  EXPECT_EQ(cucacheIpcGetHandle(&h, p), cudaErrorNotSupported);
+  EXPECT_NE(last().find("expandable segment"), std::string::npos) << last();
+  EXPECT_NE(last().find("ipc_handles:True"), std::string::npos) << last();
+  EXPECT_EQ(h.magic, 0xdeadbeefu) << "nothing is written on failure";
+  EXPECT_EQ(sim().calls(sim_call::phys_export_fd), 0u);
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+}
+
+TEST_F(Ipc, ExpandableBlocksTravelAsFileDescriptorsOverAUnixSocket) {
+  fresh("expandable_segments:True,ipc_handles:True");
+  char* a = static_cast<char*>(alloc(4 * k_mib));
+  char* b = static_cast<char*>(alloc(4 * k_mib));
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << last();
+  EXPECT_EQ(h.kind, cucacheIpcKindFileDescriptors);
+  EXPECT_EQ(h.size, 4 * k_mib);
+  // b follows a in the range; its two 2 MiB pages were backed by one new 4 MiB handle.
+  EXPECT_EQ(b, a + 4 * k_mib);
+  ASSERT_EQ(h.pieceCount, 1);
+  EXPECT_EQ(h.offset, 0u);
+  EXPECT_EQ(h.span, 4 * k_mib);
+  std::uint64_t total = 0;
+  for (int i = 0; i < h.pieceCount; ++i) {
+    EXPECT_GE(h.fds[i], 0);
+    EXPECT_EQ(h.pieceBytes[i] % (2 * k_mib), 0u);
+    total += h.pieceBytes[i];
+  }
+  EXPECT_EQ(total, h.span);
+  EXPECT_LE(h.offset + h.size, h.span);
+  EXPECT_EQ(sim().calls(sim_call::phys_export_fd), static_cast<std::uint64_t>(h.pieceCount));
+  std::memset(sim().host_view(b, 4 * k_mib), 0x3c, 4 * k_mib);
+
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  ASSERT_EQ(cucacheIpcSendHandle(sv[0], &h), cudaSuccess) << last();
+  ASSERT_EQ(cucacheIpcReleaseFds(&h), cudaSuccess);  // the exporter's copies
+  for (int i = 0; i < h.pieceCount; ++i) EXPECT_EQ(h.fds[i], -1);
+  cucacheIpcHandle r{};
+  ASSERT_EQ(cucacheIpcRecvHandle(sv[1], &r), cudaSuccess) << last();
+  EXPECT_EQ(r.pieceCount, h.pieceCount);
+  EXPECT_EQ(r.offset, h.offset);
+  for (int i = 0; i < r.pieceCount; ++i) EXPECT_GE(r.fds[i], 0);
+
+  const std::size_t mappings = sim().live_mappings();
+  void* q = nullptr;
+  ASSERT_EQ(cucacheIpcOpenHandle(&q, &r), cudaSuccess) << last();
+  EXPECT_EQ(cucacheIpcReleaseFds(&r), cudaSuccess);  // the mapping keeps the memory
+  EXPECT_NE(q, static_cast<void*>(b));
+  EXPECT_EQ(sim().live_mappings(), mappings + 1);
+  std::byte* seen = sim().host_view(q, 4 * k_mib);
+  ASSERT_NE(seen, nullptr);
+  EXPECT_EQ(seen[0], std::byte{0x3c});
+  EXPECT_EQ(seen[4 * k_mib - 1], std::byte{0x3c});
+  seen[9] = std::byte{0x77};
+  EXPECT_EQ(sim().host_view(b, 16)[9], std::byte{0x77});
+  EXPECT_TRUE(sim().device_can_access(0, q, 4 * k_mib));
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
+  EXPECT_EQ(sim().live_mappings(), mappings);
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaErrorInvalidValue);
+  ::close(sv[0]);
+  ::close(sv[1]);
+  EXPECT_EQ(cucacheFree(a), cudaSuccess);
+  EXPECT_EQ(cucacheFree(b), cudaSuccess);
+  get().check_invariants();
+}
+
+TEST_F(Ipc, ARecvOfSomethingElseIsRefusedAndLeaksNoDescriptor) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  const char junk[sizeof(cucacheIpcHandle)] = {1, 2, 3};
+  ASSERT_EQ(::write(sv[0], junk, sizeof(junk)), static_cast<ssize_t>(sizeof(junk)));
+  cucacheIpcHandle r{};
+  EXPECT_EQ(cucacheIpcRecvHandle(sv[1], &r), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("not a cucache IPC handle"), std::string::npos) << last();
+  ::close(sv[0]);
+  EXPECT_EQ(cucacheIpcRecvHandle(sv[1], &r), cudaErrorUnknown);  // end of stream
+  EXPECT_NE(last().find("recvmsg"), std::string::npos) << last();
+  ::close(sv[1]);
+}
+
+// --- peer access of expandable mappings (config key peer_access) --------------------------------
+
+TEST_F(Ipc, ExpandableMappingsAreAccessibleToEveryPeerByDefault) {
+  fresh("expandable_segments:True", "2");
+  void* p = get(0).allocate(4 * k_mib);
+  void* q = get(1).allocate(4 * k_mib);
+  EXPECT_EQ(sim(0).access_devices(), (std::vector<int>{0, 1}));
+  EXPECT_EQ(sim(1).access_devices(), (std::vector<int>{1, 0}));
+  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * k_mib));
+  EXPECT_TRUE(sim(0).device_can_access(1, p, 4 * k_mib));
+  EXPECT_TRUE(sim(1).device_can_access(0, q, 4 * k_mib));
+  EXPECT_TRUE(sim(1).device_can_access(1, q, 4 * k_mib));
+  EXPECT_FALSE(sim(0).device_can_access(2, p, 4 * k_mib));
+  get(0).deallocate(p);
+  get(1).deallocate(q);
+}
+
+TEST_F(Ipc, PeerAccessNoneKeepsMappingsToTheirDevice) {
+  fresh("expandable_segments:True,peer_access:none", "2");
+  void* p = get(0).allocate(4 * k_mib);
+  EXPECT_EQ(sim(0).access_devices(), (std::vector<int>{0}));
+  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * k_mib));
+  EXPECT_FALSE(sim(0).device_can_access(1, p, 4 * k_mib));
+  get(0).deallocate(p);
+}
+
+TEST_F(Ipc, DefaultModeSegmentsAreNotMappingsAndStayTheirDevices) {
+  fresh(nullptr, "2");
+  void* p = get(0).allocate(4 * k_mib);
+  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * k_mib));
+  EXPECT_FALSE(sim(0).device_can_access(1, p, 4 * k_mib))
+      << "cudaMalloc memory follows cudaDeviceEnablePeerAccess, which the sim does not model";
+  EXPECT_EQ(sim(0).calls(sim_call::set_access), 0u);
+  get(0).deallocate(p);
+}
+
+TEST(PeerAccess, AutoSkipsADeviceThatCannotAccessAndAllRefusesIt) {
+  sim_options o;
+  o.device = 0;
+  o.device_count = 3;
+  o.peer_mask = ~std::uint64_t{0} & ~(std::uint64_t{1} << 1);  // device 1 cannot reach device 0
+  config cfg;
+  cfg.expandable_segments = true;
+  {
+    auto b = std::make_shared<sim_backend>(o);
+    device_allocator a(b, cfg);
+    EXPECT_EQ(b->access_devices(), (std::vector<int>{0, 2}));
+    void* p = a.allocate(4 * k_mib);
+    EXPECT_TRUE(b->device_can_access(0, p, 4 * k_mib));
+    EXPECT_FALSE(b->device_can_access(1, p, 4 * k_mib));
+    EXPECT_TRUE(b->device_can_access(2, p, 4 * k_mib));
+    // Not a byte more than is mapped.
+    EXPECT_FALSE(b->device_can_access(0, static_cast<char*>(p) - 1, 4 * k_mib));
+    a.deallocate(p);
+  }
+  cfg.peer_access = peer_access_mode::all;
+  auto b = std::make_shared<sim_backend>(o);
+  try {
+    device_allocator a(b, cfg);
+    ADD_FAILURE() << "peer_access:all accepted a device that cannot access device 0";
+  } catch (const cuda_error& e) {
+    EXPECT_EQ(e.code(), 217);
+    EXPECT_NE(std::string(e.what()).find("device 1 cannot access device 0"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(b->live_reservations(), 0u);
+}
+
+TEST(PeerAccess, ConfigKeysParseAndRenderBack) {
+  EXPECT_EQ(parse_config("peer_access:none").peer_access, peer_access_mode::none);
+  EXPECT_EQ(parse_config("peer_access:all").peer_access, peer_access_mode::all);
+  EXPECT_EQ(parse_config("peer_access:auto").peer_access, peer_access_mode::automatic);
+  EXPECT_TRUE(parse_config("ipc_handles:True").ipc_handles);
+  EXPECT_THROW((void)parse_config("peer_access:some"), invalid_argument);
+  EXPECT_THROW((void)parse_config("ipc_handles:maybe"), invalid_argument);
+  config c;
+  c.peer_access = peer_access_mode::none;
+  c.ipc_handles = true;
+  EXPECT_EQ(to_string(c), "peer_access:none,ipc_handles:True");
+  EXPECT_EQ(parse_config(to_string(c)), c);
+}
+
+}  // namespace
+}  // namespace cucache
