@@ -109,6 +109,11 @@ class device_allocator {
   ~device_allocator();
   device_allocator(const device_allocator&) = delete;
   device_allocator& operator=(const device_allocator&) = delete;
+  /// Attaches an observer to an allocator created without one (the registry does so when the
+  /// program first sets a tag): it is told of the allocations and frees made from then on -- a
+  /// free of a block allocated before is reported like any other. Safe while other threads
+  /// allocate. Throws invalid_argument when `observer` is null or one is already attached.
+  void attach_observer(std::shared_ptr<allocation_observer> observer);
 
   /// Allocates `bytes` for use on `stream`. bytes == 0 returns nullptr (as cudaMalloc does).
   /// Throws out_of_memory when the device refuses after the whole out-of-memory ladder, and

@@ -226,7 +226,11 @@ struct device_allocator::impl {
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called
   config cfg;
-  std::shared_ptr<allocation_observer> observer;  // null: nobody listens
+  /// Who listens (null: nobody). Published once -- at construction or by attach_observer -- and
+  /// read without a lock on every allocation and free: one load, as cheap as a plain pointer.
+  std::atomic<allocation_observer*> observer{nullptr};
+  std::shared_ptr<allocation_observer> observer_owner;  // keeps *observer alive
+  std::mutex observer_mu_;                              // serializes attach_observer
   detail::size_policy policy;
   std::uint64_t id;  // unique per allocator instance, for the thread-local pool cache
   std::size_t device_total = 0;

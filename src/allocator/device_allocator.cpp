@@ -38,7 +38,8 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
     : raw(std::move(b)),
       backend(raw ? std::make_shared<detail::capture_safe_backend>(raw) : nullptr),
       cfg(std::move(c)),
-      observer(std::move(o)),
+      observer(o.get()),
+      observer_owner(std::move(o)),
       policy(cfg),
       id(g_allocator_ids.fetch_add(1)) {
   if (!raw) throw invalid_argument("device_allocator: backend is null");
@@ -307,8 +308,9 @@ segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std
   b->state = block_state::free;
   s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
-  if (observer != nullptr && vm == nullptr) [[unlikely]]
-    observer->on_segment_alloc(base, bytes, p.stream);
+  if (allocation_observer* o = observer.load(std::memory_order_acquire); o != nullptr && vm == nullptr)
+      [[unlikely]]
+    o->on_segment_alloc(base, bytes, p.stream);
   return s;
 }
 
@@ -337,8 +339,8 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
     reserved -= s->size;
   }
   device_free_count.fetch_add(1, std::memory_order_relaxed);
-  if (observer != nullptr) [[unlikely]]
-    observer->on_segment_free(s->base, s->size, p.stream);
+  if (allocation_observer* o = observer.load(std::memory_order_acquire)) [[unlikely]]
+    o->on_segment_free(s->base, s->size, p.stream);
   p.index_of(s->kind).erase(s->first);
   p.stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
   p.stats.segment_count.dec(s->kind, 1);
@@ -750,7 +752,8 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   std::lock_guard lk(p.mu);
   // The common free: no capture known, nobody observing, the block used on its own stream only.
   // It is deallocate_locked's path for that case, step for step, without its tests.
-  if (captures_n.load(std::memory_order_acquire) != 0 || observer != nullptr ||
+  if (captures_n.load(std::memory_order_acquire) != 0 ||
+      observer.load(std::memory_order_acquire) != nullptr ||
       b->uses != nullptr || (ordered && !names_pool_stream(p, stream))) [[unlikely]] {
     return deallocate_locked(p, b, ptr, stream, ordered);
   }
@@ -785,8 +788,8 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
   }
   // Before the block can be reused: a trace then lists this free before the next allocation of
   // the same address.
-  if (observer != nullptr) [[unlikely]]
-    observer->on_free(ptr, b->requested, ordered ? stream : p.stream);
+  if (allocation_observer* o = observer.load(std::memory_order_acquire)) [[unlikely]]
+    o->on_free(ptr, b->requested, ordered ? stream : p.stream);
   const pool_kind kind = b->seg->kind;
   p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
                   static_cast<std::int64_t>(b->requested));
@@ -998,16 +1001,17 @@ device_allocator::device_allocator(std::shared_ptr<device_backend> backend, conf
 device_allocator::~device_allocator() = default;
 
 void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {
-  if (impl_->observer == nullptr) [[likely]]
+  allocation_observer* const o = impl_->observer.load(std::memory_order_acquire);
+  if (o == nullptr) [[likely]]
     return impl_->allocate(bytes, stream);
   void* ptr = nullptr;
   try {
     ptr = impl_->allocate(bytes, stream);
   } catch (...) {
-    impl_->observer->on_failure(bytes, stream);
+    o->on_failure(bytes, stream);
     throw;
   }
-  if (ptr != nullptr) impl_->observer->on_allocate(ptr, bytes, stream);
+  if (ptr != nullptr) o->on_allocate(ptr, bytes, stream);
   return ptr;
 }
 void device_allocator::deallocate(void* ptr) {
@@ -1063,6 +1067,16 @@ detail::block* device_allocator::impl::find_free_outline(const detail::stream_po
                                                         detail::pool_kind kind,
                                                         std::size_t rounded) const {
   return find_free(p, kind, rounded);
+}
+
+void device_allocator::attach_observer(std::shared_ptr<allocation_observer> observer) {
+  if (observer == nullptr) throw invalid_argument("cucache: attach_observer: no observer given");
+  std::lock_guard lock(impl_->observer_mu_);
+  if (impl_->observer.load(std::memory_order_acquire) != nullptr) {
+    throw invalid_argument("cucache: attach_observer: this allocator already has an observer");
+  }
+  impl_->observer_owner = std::move(observer);
+  impl_->observer.store(impl_->observer_owner.get(), std::memory_order_release);
 }
 
 }  // namespace cucache

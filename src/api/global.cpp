@@ -120,7 +120,9 @@ std::string leak_report_json(std::uint64_t steps) {
 }
 
 void push_tag(std::string_view tag) {
-  detail::push_tag_id(detail::tag_id(tag));
+  const std::uint32_t id = detail::tag_id(tag);
+  registry::instance().activate_observers();  // allocators pay for observing only from now on
+  detail::push_tag_id(id);
 }
 
 void pop_tag() {

@@ -143,6 +143,21 @@ registry::registry() {
   }
   hub_ = std::make_shared<observe_hub>(cfg_, trace_ != nullptr ? make_trace_observer(trace_) : nullptr,
                                        census_.count);
+  observing_.store(trace_ != nullptr || hub_->history_on() || hub_->leak_on() ||
+                       hub_->always_record(),
+                   std::memory_order_release);
+}
+
+void registry::activate_observers() {
+  if (observing_.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(create_mu_);
+  if (observing_.load(std::memory_order_relaxed)) return;
+  for (int d = 0; d < census_.count; ++d) {
+    if (device_allocator* a = slots_[static_cast<std::size_t>(d)].load(std::memory_order_acquire)) {
+      a->attach_observer(hub_->observer_for(d));
+    }
+  }
+  observing_.store(true, std::memory_order_release);
 }
 
 registry::~registry() {
@@ -250,7 +265,9 @@ device_allocator& registry::create(int device) {
   auto backend = make_backend(kind_, device, sim);
   device_allocator* a = nullptr;
   try {
-    a = new device_allocator(std::move(backend), std::move(cfg), hub_->observer_for(device));
+    a = new device_allocator(std::move(backend), std::move(cfg),
+                             observing_.load(std::memory_order_acquire) ? hub_->observer_for(device)
+                                                                        : nullptr);
   } catch (const invalid_argument& e) {
     // The only caller-supplied input here is the config, so the fault is CUCACHE_CONF's.
     throw environment_error(fmt::format("environment variable CUCACHE_CONF: {}", e.what()));

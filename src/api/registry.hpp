@@ -92,6 +92,10 @@ class registry {
   /// The observer every allocator of this registry reports to: device traces, live records, tags
   /// and step markers (observe/observe_hub.hpp).
   [[nodiscard]] observe_hub& hub() const noexcept { return *hub_; }
+  /// Gives every device allocator the observe hub's observer, now and at creation, once the
+  /// program uses a feature that needs it while none configured one (a tag): until then the
+  /// allocators have no observer and pay nothing for it. Idempotent, thread-safe.
+  void activate_observers();
   /// PyTorch's snapshot of every created allocator (cucache::snapshot).
   [[nodiscard]] std::string torch_snapshot() const;
   /// The backend of a created allocator, else nullptr.
@@ -119,6 +123,9 @@ class registry {
   config cfg_;
   std::shared_ptr<trace_recorder> trace_;
   std::shared_ptr<observe_hub> hub_;  // outlives the allocators (deleted in ~registry first)
+  /// Allocators get hub_'s observer (at creation, under create_mu_): from the start when the
+  /// config asks for tracing, history, leak hunting or call stacks; else from the first tag.
+  std::atomic<bool> observing_{false};
   std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
   std::mutex create_mu_;
   std::vector<double> fractions_;  // per device, under create_mu_; 0 = the config's
