@@ -8,9 +8,17 @@
 #include <optional>
 #include <vector>
 
-#include "cucache/config.hpp"
-
 namespace cucache {
+
+/// Which devices get read/write access to expandable-segment mappings (cuMemSetAccess), besides
+/// the owning device (docs/config.md, peer_access). cudaMalloc'd segments are not concerned:
+/// their peer access follows cudaDeviceEnablePeerAccess.
+enum class peer_access_mode : std::uint8_t {
+  automatic,  ///< "auto": every other device that cudaDeviceCanAccessPeer says can access it
+  all,        ///< every other device; one that cannot access the owner is an error
+  none,       ///< the owning device only
+};
+
 
 /// A stream as the runtime knows it (cudaStream_t). nullptr is the legacy default stream.
 using stream_handle = void*;

@@ -9,16 +9,9 @@
 #include <string_view>
 #include <vector>
 
-namespace cucache {
+#include "cucache/backend.hpp"  // peer_access_mode
 
-/// Which devices get read/write access to expandable-segment mappings (cuMemSetAccess), besides
-/// the owning device (docs/config.md, peer_access). cudaMalloc'd segments are not concerned:
-/// their peer access follows cudaDeviceEnablePeerAccess.
-enum class peer_access_mode : std::uint8_t {
-  automatic,  ///< "auto": every other device that cudaDeviceCanAccessPeer says can access it
-  all,        ///< every other device; one that cannot access the owner is an error
-  none,       ///< the owning device only
-};
+namespace cucache {
 
 /// Tuning of one device allocator. Every field has the documented default (docs/config.md).
 struct config {
