@@ -102,7 +102,9 @@ int main(int argc, char** argv) {
   // A pointer the driver allocated, freed through the interposed cuMemFree: the driver's.
   const cu_deviceptr foreign = raw_alloc(256);
   expect(mem_free(foreign) == 0 && count(c_free) == n + 1, "a foreign free reaches the driver");
-  expect(ipc_get(handle, raw_alloc(256)) == 0, "IPC on foreign memory is the driver's");
+  const cu_deviceptr foreign2 = raw_alloc(256);
+  expect(ipc_get(handle, foreign2) == 0, "IPC on foreign memory is the driver's");
+  expect(mem_free(foreign2) == 0, "the second foreign block goes back to the driver");
   // An old ABI is not replaced: the fake's own 32-bit cuMemAlloc.
   expect(old_alloc == dlsym(h, "cuMemAlloc"), "cuMemAlloc at ABI 3000 is the driver's");
   // Direct dlsym of an interposed symbol gives the shim's when preloaded.
