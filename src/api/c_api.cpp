@@ -12,6 +12,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "api/c_boundary.hpp"
 #include "api/registry.hpp"
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
@@ -19,28 +20,8 @@
 
 namespace {
 
-using cucache::detail::error_code_of_current_exception;
-using cucache::detail::set_last_error;
-
-// Runs f, translating every exception into the runtime's vocabulary (registry.hpp).
-template <class F>
-cudaError_t guarded(const char* function, F&& f) noexcept {
-  try {
-    f();
-    return cudaSuccess;
-  } catch (...) {
-    return static_cast<cudaError_t>(error_code_of_current_exception(function));
-  }
-}
-
-cudaError_t null_argument(const char* function, const char* name) noexcept {
-  try {
-    set_last_error(std::string(function) + ": " + name + " is NULL");
-  } catch (...) {
-    set_last_error("");
-  }
-  return cudaErrorInvalidValue;
-}
+using cucache::detail::guarded;
+using cucache::detail::null_argument;
 
 cudaError_t allocate(const char* function, void** devPtr, size_t size,
                      cudaStream_t stream) noexcept {

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/c_boundary.hpp"
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
@@ -416,30 +417,8 @@ void ipc_release_fds(cucacheIpcHandle& handle) noexcept {
 
 }  // namespace cucache
 
-namespace {
-
-using cucache::detail::error_code_of_current_exception;
-
-template <class F>
-cudaError_t guarded(const char* function, F&& f) noexcept {
-  try {
-    f();
-    return cudaSuccess;
-  } catch (...) {
-    return static_cast<cudaError_t>(error_code_of_current_exception(function));
-  }
-}
-
-cudaError_t null_argument(const char* function, const char* name) noexcept {
-  try {
-    cucache::detail::set_last_error(std::string(function) + ": " + name + " is NULL");
-  } catch (...) {
-    cucache::detail::set_last_error("");
-  }
-  return cudaErrorInvalidValue;
-}
-
-}  // namespace
+using cucache::detail::guarded;
+using cucache::detail::null_argument;
 
 extern "C" {
 

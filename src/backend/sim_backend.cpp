@@ -730,10 +730,13 @@ void sim_backend::destroy_stream(stream_handle stream) {
 
 std::uint64_t sim_backend::stream_id(stream_handle stream) {
   const auto v = reinterpret_cast<std::uintptr_t>(stream);
-  // Handles the sim never created need no lookup (the benchmarks' and most tests' streams).
-  if ((v < k_stream_base || v >= next_stream_.load(std::memory_order_acquire)) &&
-      capturing_.load(std::memory_order_acquire) == 0 && query_fast(sim_call::stream_id)) {
-    return stream == nullptr ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
+  // Handles the sim never created need no lookup (the benchmarks' and most tests' streams), and
+  // have the id (1 << 62) | value -- unless a capture might be asked about.
+  const bool created = v >= k_stream_base && v < next_stream_.load(std::memory_order_acquire);
+  const std::uint64_t fake = stream == nullptr ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
+  if (!created && capturing_.load(std::memory_order_acquire) == 0 &&
+      query_fast(sim_call::stream_id)) {
+    return fake;
   }
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::stream_id)) fail(sim_call::stream_id, "injected failure");
@@ -746,9 +749,7 @@ std::uint64_t sim_backend::stream_id(stream_handle stream) {
                                   "(capture {} is invalidated)",
                                   fmt::ptr(stream), it->second.id));
   }
-  if (v < k_stream_base || v >= next_stream_.load(std::memory_order_acquire)) {
-    return stream == nullptr ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
-  }
+  if (!created) return fake;
   require_live_stream(sim_call::stream_id, stream);
   return id_of_locked(stream);
 }

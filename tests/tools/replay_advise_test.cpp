@@ -12,31 +12,17 @@
 
 #include "advisor.hpp"
 #include "replay_engine.hpp"
+#include "tools/replay_test_support.hpp"
 
 namespace cucache::replay {
 namespace {
 
+using test::cli_run;
+using test::run;
+
 const std::filesystem::path k_resnet =
     std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "resnet50_train.csv.gz";
 
-struct cli_run {
-  int status = 0;
-  std::string out;
-  std::string err;
-};
-
-cli_run run(std::vector<std::string> args) {
-  args.insert(args.begin(), "cucache-replay");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  std::ostringstream out;
-  std::ostringstream err;
-  cli_run r;
-  r.status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
-  r.out = out.str();
-  r.err = err.str();
-  return r;
-}
 
 TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_resnet50) {
   const cli_run r = run({"--advise", "--backend", "sim", k_resnet.string()});

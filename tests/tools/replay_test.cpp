@@ -20,9 +20,15 @@
 #include "cucache/stats.hpp"
 #include "cucache/trace.hpp"
 #include "replay_engine.hpp"
+#include "tools/replay_test_support.hpp"
 
 namespace cucache::replay {
 namespace {
+
+using test::cli_run;
+using test::json_lines;
+using test::run;
+using test::trace_builder;
 
 constexpr std::size_t k_mib = std::size_t{1} << 20;
 const std::filesystem::path k_resnet =
@@ -44,31 +50,6 @@ class temp_file {
   std::filesystem::path path_;
 };
 
-// Builds trace text row by row; times are irrelevant to the replay.
-class trace_builder {
- public:
-  trace_builder& alloc(std::uintptr_t ptr, std::size_t size, std::uintptr_t stream = 0) {
-    return row("allocate", ptr, size, stream);
-  }
-  trace_builder& free(std::uintptr_t ptr, std::size_t size, std::uintptr_t stream = 0) {
-    return row("free", ptr, size, stream);
-  }
-  [[nodiscard]] std::string text() const {
-    return std::string(k_trace_header) + "\n" + rows_.str();
-  }
-
- private:
-  trace_builder& row(const char* action, std::uintptr_t ptr, std::size_t size,
-                     std::uintptr_t stream) {
-    ++n_;
-    rows_ << "1,00:00:00." << std::setw(6) << std::setfill('0') << n_ << ',' << action << ",0x"
-          << std::hex << ptr << std::dec << ',' << size << ",0x" << std::hex << stream << std::dec
-          << '\n';
-    return *this;
-  }
-  std::ostringstream rows_;
-  unsigned n_ = 0;
-};
 
 options sim_options_for_tests() {
   options o;
@@ -76,31 +57,7 @@ options sim_options_for_tests() {
   return o;
 }
 
-struct cli_run {
-  int status = 0;
-  std::string out;
-  std::string err;
-};
 
-cli_run run(std::vector<std::string> args) {
-  args.insert(args.begin(), "cucache-replay");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  std::ostringstream out;
-  std::ostringstream err;
-  cli_run r;
-  r.status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
-  r.out = out.str();
-  r.err = err.str();
-  return r;
-}
-
-std::vector<nlohmann::json> json_lines(const std::string& text) {
-  std::vector<nlohmann::json> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
 
 // Every step's expectation follows PyTorch's rules, which cucache shares: requests up to 1 MiB
 // come from 2 MiB small segments; a large request under 10 MiB gets a 20 MiB segment; a larger one

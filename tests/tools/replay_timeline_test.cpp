@@ -25,37 +25,18 @@
 #include "progress.hpp"
 #include "replay_engine.hpp"
 #include "timeline.hpp"
+#include "tools/replay_test_support.hpp"
 
 namespace cucache::replay {
 namespace {
+
+using test::trace_builder;
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 constexpr std::int64_t k_mib = std::int64_t{1} << 20;
 const fs::path k_resnet = fs::path(CUCACHE_SOURCE_DIR) / "traces" / "resnet50_train.csv.gz";
 
-class trace_builder {
- public:
-  trace_builder& alloc(std::uintptr_t ptr, std::size_t size, std::uintptr_t stream = 0) {
-    return row("allocate", ptr, size, stream);
-  }
-  trace_builder& free(std::uintptr_t ptr, std::size_t size, std::uintptr_t stream = 0) {
-    return row("free", ptr, size, stream);
-  }
-  [[nodiscard]] std::string text() const { return std::string(k_trace_header) + "\n" + rows_.str(); }
-
- private:
-  trace_builder& row(const char* action, std::uintptr_t ptr, std::size_t size,
-                     std::uintptr_t stream) {
-    ++n_;
-    rows_ << "7,00:00:01." << std::setw(6) << std::setfill('0') << n_ << ',' << action << ",0x"
-          << std::hex << ptr << std::dec << ',' << size << ",0x" << std::hex << stream << std::dec
-          << '\n';
-    return *this;
-  }
-  std::ostringstream rows_;
-  unsigned n_ = 0;
-};
 
 options sim() {
   options o;
@@ -121,7 +102,7 @@ const json* mark(const json& data, const std::string& name) {
 TEST(replay_timeline, two_streams_by_hand) {
   // One small 2 MiB segment per stream (each stream has its own pool); the free on the other
   // stream returns the block to stream 0x10's pool; sizes round to 512 bytes.
-  trace_builder t;
+  trace_builder t{7, "00:00:01"};
   t.alloc(0x1000, 4000, 0x10).alloc(0x2000, 4096, 0x20).free(0x1000, 4000, 0x20);
   const std::vector<trace_event> events = parse_trace(t.text(), "two");
   const prepared_trace trace = prepare(events, "two");
@@ -170,7 +151,7 @@ TEST(replay_timeline, two_streams_by_hand) {
 
 TEST(replay_timeline, buckets_keep_the_peak) {
   // 20 MiB segment for a 5 MiB request, an 18 MiB one for 16 MiB + 1, freed and reused.
-  trace_builder t;
+  trace_builder t{7, "00:00:01"};
   t.alloc(0x1000, 5 * k_mib).alloc(0x2000, 16 * k_mib + 1).free(0x2000, 0).free(0x1000, 0);
   t.alloc(0x3000, 1000).free(0x3000, 0);
   const prepared_trace trace = prepare(parse_trace(t.text(), "b"), "b");
@@ -191,7 +172,7 @@ TEST(replay_timeline, buckets_keep_the_peak) {
 }
 
 TEST(replay_timeline, out_of_memory_is_a_mark) {
-  trace_builder t;
+  trace_builder t{7, "00:00:01"};
   t.alloc(0x1000, 4 * k_mib).alloc(0x2000, 8 * k_mib).free(0x1000, 0);
   options o = sim();
   o.cfg = parse_config("expandable_segments:True");
@@ -245,7 +226,7 @@ INSTANTIATE_TEST_SUITE_P(modes, replay_timeline_resnet,
                          ::testing::Values("", "expandable_segments:True"));
 
 TEST(replay_timeline, page_is_self_contained) {
-  trace_builder t;
+  trace_builder t{7, "00:00:01"};
   t.alloc(0x1000, 4096).free(0x1000, 4096);
   json d = timeline_data(prepare(parse_trace(t.text()), "a</script>b"), nullptr, sim());
   const std::string html = timeline_html(d);

@@ -17,8 +17,44 @@
 #include "peers.hpp"
 #include "progress.hpp"
 #include "replay_loop.hpp"
+#include "replay_setup.hpp"
 
 namespace cucache::replay {
+
+// --- shared with the other passes over a trace (replay_setup.hpp) --------------------------------
+
+std::shared_ptr<device_backend> backend_for(const options& opts) {
+  sim_options so;
+  so.capacity_bytes = opts.capacity_bytes.value_or(k_unbounded_sim_capacity);
+  // A replay has no kernels: the device is never busy, so cross-stream frees complete at once.
+  so.events_complete_immediately = true;
+  return make_backend(opts.backend, 0, so);
+}
+
+config effective_config(const options& opts) {
+  config cfg = opts.cfg;
+  if (opts.backend == backend_kind::cuda && opts.capacity_bytes) {
+    cfg.memory_limit_bytes = cfg.memory_limit_bytes == 0
+                                 ? *opts.capacity_bytes
+                                 : std::min(cfg.memory_limit_bytes, *opts.capacity_bytes);
+  }
+  return cfg;
+}
+
+replay_streams::replay_streams(const prepared_trace& trace, backend_kind kind) {
+  if (kind == backend_kind::sim) {
+    for (const std::uintptr_t id : trace.stream_ids) {
+      sim_.push_back(reinterpret_cast<stream_handle>(id));
+    }
+  } else {
+    cuda_.emplace(trace.stream_ids);
+  }
+}
+
+std::span<const stream_handle> replay_streams::handles() const noexcept {
+  return cuda_ ? cuda_->handles() : std::span<const stream_handle>(sim_);
+}
+
 namespace {
 
 // --- preparation ------------------------------------------------------------------------------
@@ -156,48 +192,6 @@ class counting_backend final : public device_backend {
   std::uint64_t growths_ = 0;
   vm_call_model model_;
   std::unordered_map<phys_handle, std::size_t> handle_bytes_;
-};
-
-/// The backend of one replay, on device 0: the simulated device with --capacity-gib as its
-/// capacity, or the GPU.
-std::shared_ptr<device_backend> backend_for(const options& opts) {
-  sim_options so;
-  so.capacity_bytes = opts.capacity_bytes.value_or(k_unbounded_sim_capacity);
-  // A replay has no kernels: the device is never busy, so cross-stream frees complete at once.
-  so.events_complete_immediately = true;
-  return make_backend(opts.backend, 0, so);
-}
-
-config effective_config(const options& opts) {
-  config cfg = opts.cfg;
-  if (opts.backend == backend_kind::cuda && opts.capacity_bytes) {
-    cfg.memory_limit_bytes = cfg.memory_limit_bytes == 0
-                                 ? *opts.capacity_bytes
-                                 : std::min(cfg.memory_limit_bytes, *opts.capacity_bytes);
-  }
-  return cfg;
-}
-
-/// The streams of one trace's replays: on the simulated device the trace's own ids (it takes any
-/// handle, and distinct ids keep the pools apart), on a GPU one CUDA stream per id.
-class replay_streams {
- public:
-  replay_streams(const prepared_trace& trace, backend_kind kind) {
-    if (kind == backend_kind::sim) {
-      for (const std::uintptr_t id : trace.stream_ids) {
-        sim_.push_back(reinterpret_cast<stream_handle>(id));
-      }
-    } else {
-      cuda_.emplace(trace.stream_ids);
-    }
-  }
-  [[nodiscard]] std::span<const stream_handle> handles() const noexcept {
-    return cuda_ ? cuda_->handles() : std::span<const stream_handle>(sim_);
-  }
-
- private:
-  std::optional<cuda_stream_table> cuda_;
-  std::vector<stream_handle> sim_;
 };
 
 memory_figures figures_of(const device_stats& s) {

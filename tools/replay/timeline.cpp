@@ -23,6 +23,7 @@
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
 #include "peers.hpp"
+#include "replay_setup.hpp"
 #include "timeline_resources.hpp"  // generated: k_timeline_html, k_timeline_css, k_timeline_js
 
 namespace cucache::replay {
@@ -194,40 +195,6 @@ class recording_backend final : public device_backend {
   std::map<std::uintptr_t, owner> ranges_;            // expandable virtual ranges, by base
 };
 
-/// The streams of the replay, as replay_trace makes them: the trace's own ids on the simulated
-/// device, CUDA streams on a GPU.
-struct stream_set {
-  std::optional<cuda_stream_table> cuda;
-  std::vector<stream_handle> sim;
-  stream_set(const prepared_trace& t, backend_kind kind) {
-    if (kind == backend_kind::sim) {
-      for (const std::uintptr_t id : t.stream_ids) sim.push_back(reinterpret_cast<stream_handle>(id));
-    } else {
-      cuda.emplace(t.stream_ids);
-    }
-  }
-  [[nodiscard]] std::span<const stream_handle> handles() const {
-    return cuda ? cuda->handles() : std::span<const stream_handle>(sim);
-  }
-};
-
-std::shared_ptr<device_backend> base_backend(const options& opts) {
-  sim_options so;
-  so.capacity_bytes = opts.capacity_bytes.value_or(k_unbounded_sim_capacity);
-  so.events_complete_immediately = true;  // as replay_trace: a replay runs no kernels
-  return make_backend(opts.backend, 0, so);
-}
-
-config replay_config(const options& opts) {
-  config cfg = opts.cfg;
-  if (opts.backend == backend_kind::cuda && opts.capacity_bytes) {
-    cfg.memory_limit_bytes = cfg.memory_limit_bytes == 0
-                                 ? *opts.capacity_bytes
-                                 : std::min(cfg.memory_limit_bytes, *opts.capacity_bytes);
-  }
-  return cfg;
-}
-
 /// Min/max envelopes of every series over runs of consecutive events ("buckets"): bucket b holds
 /// events [b*n/B, (b+1)*n/B). Every value a series takes -- after each event, and in between
 /// when a device call changes reserved memory -- lands in its bucket's envelope.
@@ -344,13 +311,13 @@ class timeline_replay final : public recording_backend::watcher {
 };
 
 device_stats timeline_replay::pass(std::size_t stop, bool record, nlohmann::json* snapshot) {
-  const stream_set streams(t_, opts_.backend);
+  const replay_streams streams(t_, opts_.backend);
   const std::span<const stream_handle> handles = streams.handles();
-  auto rec = std::make_shared<recording_backend>(base_backend(opts_), t_.stream_ids.size());
+  auto rec = std::make_shared<recording_backend>(backend_for(opts_), t_.stream_ids.size());
   rec->w = this;
   rec_ = rec.get();
   recording_ = record;
-  device_allocator a(rec, replay_config(opts_));
+  device_allocator a(rec, effective_config(opts_));
   slots_.assign(t_.ops.size(), nullptr);
   live_.assign(t_.ops.size(), {});
   req_total_ = alloc_total_ = 0;
