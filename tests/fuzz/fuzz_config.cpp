@@ -2,7 +2,8 @@
 // cucache::invalid_argument (any other exception, a crash or a sanitizer report is a bug). What
 // parses must round-trip through to_string (when to_string can express it) and must either build
 // a device_allocator over the simulated device that serves and frees a few requests with its
-// invariants intact, or be refused by the allocator with invalid_argument.
+// invariants intact, or be refused by the allocator: invalid_argument, or out_of_memory when a
+// reserve_mb does not fit the device (docs/config.md), leaving nothing allocated.
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -17,10 +18,20 @@
 
 namespace {
 
-enum count : std::size_t { inputs, rejected, accepted, roundtrip, unexpressible, built, refused };
-cucache::fuzz::counters<7> g_counts({"inputs", "rejected (invalid_argument)", "accepted",
+enum count : std::size_t {
+  inputs,
+  rejected,
+  accepted,
+  roundtrip,
+  unexpressible,
+  built,
+  refused,
+  reserve_refused
+};
+cucache::fuzz::counters<8> g_counts({"inputs", "rejected (invalid_argument)", "accepted",
                                      "round-trip checked", "to_string unexpressible",
-                                     "allocator built", "allocator refused"});
+                                     "allocator built", "allocator refused",
+                                     "reserve over the device refused"});
 
 void exercise(const cucache::config& cfg) {
   cucache::sim_options o;
@@ -33,6 +44,12 @@ void exercise(const cucache::config& cfg) {
     a = std::make_unique<cucache::device_allocator>(sim, c);
   } catch (const cucache::invalid_argument&) {
     g_counts.add(refused);
+    return;
+  } catch (const cucache::out_of_memory&) {
+    // Only a reserve the device (or a limit) cannot hold may refuse creation, and cleanly.
+    CUCACHE_FUZZ_CHECK(c.reserve_bytes != 0);
+    CUCACHE_FUZZ_CHECK(sim->used_bytes() == 0);
+    g_counts.add(reserve_refused);
     return;
   }
   g_counts.add(built);
