@@ -31,7 +31,7 @@ enum count : std::size_t {
 cucache::fuzz::counters<8> g_counts({"inputs", "rejected (invalid_argument)", "accepted",
                                      "round-trip checked", "to_string unexpressible",
                                      "allocator built", "allocator refused",
-                                     "reserve over the device refused"});
+                                     "reserve refused (OOM)"});
 
 void exercise(const cucache::config& cfg) {
   cucache::sim_options o;
