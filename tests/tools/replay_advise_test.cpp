@@ -3,7 +3,10 @@
 // capacity equal to what --fit finds for that setting, --capacity-gib, --json and bad input.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -29,8 +32,7 @@ TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"), std::string::npos)
       << r.out;
-  EXPECT_NE(r.out.find("PYTORCH_CUDA_ALLOC_CONF: not available on the simulated device"),
-            std::string::npos);
+  EXPECT_NE(r.out.find("PYTORCH_CUDA_ALLOC_CONF: not measured"), std::string::npos) << r.out;
   const prepared_trace trace = load_trace(k_resnet);
   EXPECT_EQ(advice_candidates(trace).size(), 13u);
 }
@@ -116,6 +118,152 @@ TEST(replay_advise, bad_input_is_a_clear_error_naming_the_file_or_flag) {
   r = run({"--advise", "--backend", "sim", "--capacity-gib", "-1", k_resnet.string()});
   EXPECT_NE(r.status, 0);
   EXPECT_NE((r.err + r.out).find("--capacity-gib"), std::string::npos);
+}
+
+// --- PyTorch's allocator under each setting (--peers c10): the ranking, with a stand-in fitter --
+
+/// A stand-in for PyTorch's allocator: a minimum capacity over the trace's peak requested bytes
+/// per setting, one that fails, and every setting it was asked about, in order.
+struct scripted_pytorch {
+  std::map<std::string, double> over_requested;
+  std::optional<std::string> failing;
+  std::vector<std::string> asked;
+  advice_row operator()(const prepared_trace& trace, const std::string& conf,
+                        const fit_options& /*fit*/) {
+    asked.push_back(conf);
+    advice_row row;
+    if (conf == failing) {
+      row.error = "scripted failure";
+      return row;
+    }
+    const double over = over_requested.contains(conf) ? over_requested.at(conf) : 1.20;
+    row.ok = true;
+    row.min_capacity_bytes =
+        static_cast<std::size_t>(over * static_cast<double>(trace.summary.peak_requested_bytes));
+    row.peak_reserved_bytes = row.min_capacity_bytes + (std::size_t{1} << 20);
+    row.device_calls = conf.size();  // distinct, to see them carried through
+    return row;
+  }
+};
+
+TEST(replay_advise, pytorch_settings_are_fitted_in_pytorchs_spelling_and_ranked) {
+  const prepared_trace trace = load_trace(k_resnet);
+  scripted_pytorch script;
+  script.over_requested = {{"", 1.10},
+                           {"expandable_segments:True", 1.01},
+                           {"max_split_size_mb:256", 1.05}};
+  script.failing = "roundup_power2_divisions:2";
+  options o;
+  o.backend = backend_kind::sim;
+  const advice a = advise_trace(trace, o, fit_options{}, std::nullopt, std::ref(script));
+  // The 11 candidates without reserve_mb (a cucache-only key), PyTorch's defaults first.
+  const std::vector<std::string> expected = {"",
+                                             "expandable_segments:True",
+                                             "max_split_size_mb:64",
+                                             "max_split_size_mb:128",
+                                             "max_split_size_mb:256",
+                                             "max_split_size_mb:512",
+                                             "garbage_collection_threshold:0.6",
+                                             "garbage_collection_threshold:0.8",
+                                             "roundup_power2_divisions:2",
+                                             "roundup_power2_divisions:4",
+                                             "roundup_power2_divisions:8"};
+  EXPECT_EQ(script.asked, expected);
+  ASSERT_EQ(a.pytorch_rows.size(), expected.size());
+  EXPECT_EQ(a.pytorch_rows[0].conf, "expandable_segments:True");
+  EXPECT_EQ(a.pytorch_rows[1].conf, "max_split_size_mb:256");
+  EXPECT_EQ(a.pytorch_rows[2].conf, "");
+  EXPECT_EQ(a.pytorch_rows[0].device_calls, std::string("expandable_segments:True").size());
+  EXPECT_FALSE(a.pytorch_rows.back().ok);  // the failure ranks last, with its reason
+  EXPECT_EQ(a.pytorch_rows.back().conf, "roundup_power2_divisions:2");
+  EXPECT_EQ(a.pytorch_rows.back().error, "scripted failure");
+  EXPECT_TRUE(a.pytorch_found);
+  EXPECT_EQ(a.pytorch_conf, "expandable_segments:True");
+  // cucache's own ranking is untouched by PyTorch's.
+  EXPECT_EQ(a.recommended_conf, "expandable_segments:True");
+  EXPECT_EQ(a.rows.size(), 13u);
+
+  const nlohmann::json j = to_json(a);
+  EXPECT_EQ(j["pytorch_cuda_alloc_conf"], "expandable_segments:True");
+  ASSERT_EQ(j["pytorch_rows"].size(), expected.size());
+  EXPECT_EQ(j["pytorch_rows"][0]["min_capacity_bytes"].get<std::size_t>(),
+            a.pytorch_rows[0].min_capacity_bytes);
+  EXPECT_EQ(j["pytorch_rows"].back()["error"], "scripted failure");
+  const std::string text = format_advice(a);
+  EXPECT_NE(text.find("recommended for PyTorch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("setting (PYTORCH_CUDA_ALLOC_CONF)"), std::string::npos);
+}
+
+TEST(replay_advise, pytorch_with_a_capacity_ranks_what_fits_and_can_find_none) {
+  const prepared_trace trace = load_trace(k_resnet);
+  const auto req = static_cast<double>(trace.summary.peak_requested_bytes);
+  options o;
+  o.backend = backend_kind::sim;
+  scripted_pytorch script;
+  script.over_requested = {{"", 1.10}, {"max_split_size_mb:512", 1.02}};
+  const auto card = static_cast<std::size_t>(1.03 * req);
+  advice a = advise_trace(trace, o, fit_options{}, card, std::ref(script));
+  ASSERT_TRUE(a.pytorch_found);
+  EXPECT_EQ(a.pytorch_conf, "max_split_size_mb:512");
+  EXPECT_TRUE(a.pytorch_rows[0].fits.value());
+  EXPECT_FALSE(a.pytorch_rows[1].fits.value());
+
+  scripted_pytorch none;  // every setting needs 1.20 x the requested peak
+  a = advise_trace(trace, o, fit_options{}, card, std::ref(none));
+  EXPECT_FALSE(a.pytorch_found);
+  EXPECT_NE(a.pytorch_note.find("no PyTorch setting fits"), std::string::npos) << a.pytorch_note;
+  EXPECT_TRUE(to_json(a)["pytorch_cuda_alloc_conf"].is_null());
+}
+
+TEST(replay_advise, pytorch_defaults_that_cannot_be_replayed_stop_the_rest) {
+  const prepared_trace trace = load_trace(k_resnet);
+  options o;
+  o.backend = backend_kind::sim;
+  scripted_pytorch script;
+  script.failing = "";
+  const advice a = advise_trace(trace, o, fit_options{}, std::nullopt, std::ref(script));
+  EXPECT_EQ(script.asked, std::vector<std::string>{""});  // asked once, not eleven times
+  ASSERT_EQ(a.pytorch_rows.size(), 11u);
+  for (const advice_row& r : a.pytorch_rows) EXPECT_FALSE(r.ok) << r.conf;
+  EXPECT_EQ(a.pytorch_rows[1].error, "not tried: scripted failure");
+  EXPECT_FALSE(a.pytorch_found);
+  EXPECT_EQ(a.pytorch_note, "PyTorch's allocator could not be replayed: scripted failure");
+}
+
+// The real fitter forks a child per setting; without the c10 shim the child says why, and the
+// advice still comes (cucache's rows are on the simulated device).
+TEST(replay_advise, peers_c10_without_the_shim_is_a_clear_note_from_the_child) {
+  const char* old = std::getenv("CUCACHE_C10_PEER");
+  const std::string saved = old != nullptr ? old : "";
+  ::setenv("CUCACHE_C10_PEER", "/nonexistent/libcucache_c10_peer.so", 1);
+  const cli_run r = run({"--advise", "--json", "--peers", "c10", k_resnet.string()});
+  if (old != nullptr) {
+    ::setenv("CUCACHE_C10_PEER", saved.c_str(), 1);
+  } else {
+    ::unsetenv("CUCACHE_C10_PEER");
+  }
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
+  EXPECT_TRUE(j["pytorch_cuda_alloc_conf"].is_null());
+  ASSERT_EQ(j["pytorch_rows"].size(), 11u);
+  const std::string note = j["pytorch_note"];
+  EXPECT_NE(note.find("c10 peer: /nonexistent/libcucache_c10_peer.so not found"),
+            std::string::npos)
+      << note;
+
+  const cli_run bad = run({"--advise", "--peers", "cudaMallocAsync", k_resnet.string()});
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.err.find("--advise --peers cudaMallocAsync: the advisor takes one peer, c10"),
+            std::string::npos)
+      << bad.err;
+  const cli_run gpu = run({"--advise", "--backend", "cuda", k_resnet.string()});
+  EXPECT_EQ(gpu.status, 1);
+  EXPECT_NE(gpu.err.find("--advise: cucache's candidates replay on the simulated device only"),
+            std::string::npos)
+      << gpu.err;
 }
 
 }  // namespace

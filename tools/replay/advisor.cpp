@@ -3,11 +3,18 @@
 #include "advisor.hpp"
 
 #include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <numeric>
+#include <sstream>
 
 #include "cucache/errors.hpp"
+#include "peers.hpp"
+#include "replay_setup.hpp"
 
 namespace cucache::replay {
 namespace {
@@ -78,7 +85,7 @@ std::vector<std::string> advice_candidates(const prepared_trace& trace) {
 }
 
 advice advise_trace(const prepared_trace& trace, const options& base, const fit_options& fit,
-                    std::optional<std::size_t> capacity) {
+                    std::optional<std::size_t> capacity, const pytorch_fitter& pytorch) {
   if (base.backend != backend_kind::sim) {
     throw invalid_argument(
         "--advise replays on the simulated device only (--backend sim): ranking PyTorch's own "
@@ -127,23 +134,153 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   const auto torch_best = std::find_if(a.rows.begin(), a.rows.end(), [&](const advice_row& r) {
     return r.ok && r.pytorch_option && (!capacity || r.fits.value_or(false));
   });
-  a.pytorch_note =
-      "not available on the simulated device: the best PYTORCH_CUDA_ALLOC_CONF needs PyTorch's "
-      "own allocator (the c10 peer) replayed under each setting on a GPU, which the advisor does "
-      "not do";
-  if (torch_best != a.rows.end()) {
-    a.pytorch_note += fmt::format(
-        "; cucache's best among the keys PyTorch shares is '{}' (cucache's figures, not "
-        "PyTorch's)",
-        torch_best->conf.empty() ? std::string("(defaults)") : torch_best->conf);
+  const std::string cucache_best =
+      torch_best == a.rows.end()
+          ? std::string()
+          : fmt::format("cucache's best among the keys PyTorch shares is '{}' (cucache's figures, "
+                        "not PyTorch's)",
+                        torch_best->conf.empty() ? std::string("(defaults)") : torch_best->conf);
+  if (!pytorch) {
+    a.pytorch_note =
+        "not measured: the best PYTORCH_CUDA_ALLOC_CONF needs PyTorch's own allocator replayed "
+        "under each setting on a GPU (--peers c10)";
+    if (!cucache_best.empty()) a.pytorch_note += "; " + cucache_best;
+    return a;
+  }
+  // PyTorch's allocator under the same candidates, in PyTorch's spelling (c10_settings drops
+  // nothing here: every candidate marked pytorch_option uses shared keys only).
+  for (const std::string& conf : advice_candidates(trace)) {
+    if (conf.find("reserve_mb") != std::string::npos) continue;
+    const std::string torch_conf = c10_settings(parse_config(conf));
+    advice_row row;
+    if (!a.pytorch_rows.empty() && !a.pytorch_rows.front().ok) {
+      // PyTorch's defaults (the first candidate) could not be replayed: neither can the rest.
+      row.error = "not tried: " + a.pytorch_rows.front().error;
+    } else {
+      row = pytorch(trace, torch_conf, fit);
+    }
+    row.conf = torch_conf;
+    row.pytorch_option = true;
+    if (row.ok && capacity) row.fits = row.min_capacity_bytes <= *capacity;
+    a.pytorch_rows.push_back(std::move(row));
+  }
+  rank(a.pytorch_rows, capacity.has_value());
+  const advice_row& torch_top = a.pytorch_rows.front();
+  if (torch_top.ok && (!capacity || torch_top.fits.value_or(false))) {
+    a.pytorch_found = true;
+    a.pytorch_conf = torch_top.conf;
+    a.pytorch_note = "PyTorch's own allocator (c10) replayed on the GPU under each setting";
+  } else if (!torch_top.ok) {
+    a.pytorch_note = fmt::format("PyTorch's allocator could not be replayed: {}", torch_top.error);
+  } else {
+    a.pytorch_note = fmt::format("no PyTorch setting fits {} (PyTorch's allocator, replayed)",
+                                 gib(*capacity));
   }
   return a;
 }
 
-nlohmann::json to_json(const advice& a) {
+// --- PyTorch's allocator in a child process ---------------------------------------------------
+
+namespace {
+
+/// Runs in the forked child: the c10 peer under `pytorch_conf`, fitted and replayed once more
+/// without a limit; the row as JSON.
+nlohmann::json c10_child(const prepared_trace& trace, const std::string& pytorch_conf,
+                         const fit_options& fit) {
+  try {
+    options o;
+    o.backend = backend_kind::cuda;
+    o.cfg = parse_config(pytorch_conf);
+    o.peers = {"c10"};
+    std::ostringstream notes;
+    const auto peers = make_peers(o.peers, /*requested=*/true, o, notes);
+    const replay_streams streams(trace, backend_kind::cuda);
+    std::vector<void*> slots(trace.ops.size(), nullptr);
+    const capacity_fit f = fit_peer(trace, streams.handles(), slots, *peers.front(), fit);
+    const peer_run free_run = peers.front()->run(trace, streams.handles(), slots, false);
+    return {{"ok", true},
+            {"min_capacity_bytes", f.min_capacity_bytes},
+            {"peak_reserved_bytes", free_run.peak_reserved_bytes},
+            {"device_calls", free_run.device_calls}};
+  } catch (const std::exception& e) {
+    return {{"ok", false}, {"error", e.what()}};
+  }
+}
+
+}  // namespace
+
+advice_row fit_c10_in_child(const prepared_trace& trace, const std::string& pytorch_conf,
+                            const fit_options& fit) {
+  advice_row row;
+  row.conf = pytorch_conf;
+  int fds[2];
+  if (::pipe(fds) != 0) {
+    row.error = fmt::format("pipe: {}", std::strerror(errno));
+    return row;
+  }
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    row.error = fmt::format("fork: {}", std::strerror(errno));
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return row;
+  }
+  if (pid == 0) {  // the child: no return, no atexit handlers, no flush of the parent's buffers
+    ::close(fds[0]);
+    const std::string text = c10_child(trace, pytorch_conf, fit).dump();
+    std::size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = ::write(fds[1], text.data() + done, text.size() - done);
+      if (n <= 0 && errno != EINTR) ::_exit(3);
+      if (n > 0) done += static_cast<std::size_t>(n);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string text;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n > 0) {
+      text.append(buf, static_cast<std::size_t>(n));
+    } else if (n == 0 || errno != EINTR) {
+      break;
+    }
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFSIGNALED(status)) {
+    row.error = fmt::format("the c10 child process died of signal {}", WTERMSIG(status));
+    return row;
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    row.error = fmt::format("the c10 child process exited with status {}", WEXITSTATUS(status));
+    return row;
+  }
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("ok")) {
+    row.error = "the c10 child process answered no result";
+    return row;
+  }
+  row.ok = j.at("ok").get<bool>();
+  if (!row.ok) {
+    row.error = j.value("error", std::string("no message"));
+    return row;
+  }
+  row.min_capacity_bytes = j.at("min_capacity_bytes").get<std::size_t>();
+  row.peak_reserved_bytes = j.at("peak_reserved_bytes").get<std::size_t>();
+  row.device_calls = j.at("device_calls").get<std::uint64_t>();
+  return row;
+}
+
+namespace {
+
+nlohmann::json rows_json(const std::vector<advice_row>& rows_in) {
   nlohmann::json rows = nlohmann::json::array();
-  for (std::size_t i = 0; i < a.rows.size(); ++i) {
-    const advice_row& r = a.rows[i];
+  for (std::size_t i = 0; i < rows_in.size(); ++i) {
+    const advice_row& r = rows_in[i];
     nlohmann::json j = {
         {"rank", i + 1}, {"conf", r.conf}, {"pytorch_option", r.pytorch_option}, {"ok", r.ok}};
     if (r.ok) {
@@ -157,15 +294,23 @@ nlohmann::json to_json(const advice& a) {
     }
     rows.push_back(std::move(j));
   }
+  return rows;
+}
+
+}  // namespace
+
+nlohmann::json to_json(const advice& a) {
   nlohmann::json out = {{"trace", a.trace},
                         {"backend", a.backend},
                         {"advise", true},
                         {"events", a.events},
                         {"peak_requested_bytes", a.peak_requested_bytes},
                         {"resolution_bytes", a.resolution_bytes},
-                        {"rows", std::move(rows)},
+                        {"rows", rows_json(a.rows)},
                         {"pytorch_cuda_alloc_conf", nullptr},
                         {"pytorch_note", a.pytorch_note}};
+  if (!a.pytorch_rows.empty()) out["pytorch_rows"] = rows_json(a.pytorch_rows);
+  if (a.pytorch_found) out["pytorch_cuda_alloc_conf"] = a.pytorch_conf;
   if (a.capacity_bytes) out["capacity_bytes"] = *a.capacity_bytes;
   if (a.no_fit) {
     out["recommended_conf"] = nullptr;
@@ -175,19 +320,18 @@ nlohmann::json to_json(const advice& a) {
   return out;
 }
 
-std::string format_advice(const advice& a) {
-  std::string s = fmt::format(
-      "cucache-replay --advise: {} ({} events, peak requested {}) on the simulated device; "
-      "minimum capacity by bisection at {} MiB{}\n",
-      a.trace, a.events, gib(a.peak_requested_bytes),
-      static_cast<double>(a.resolution_bytes) / static_cast<double>(k_mib),
-      a.capacity_bytes ? fmt::format("; card: {}", gib(*a.capacity_bytes)) : std::string());
-  s += fmt::format("{:>4}  {:<52} {:>13} {:>8} {:>14} {:>13} {:>9}{}\n", "rank",
-                   "setting (CUCACHE_CONF)", "min capacity", "min/req", "peak reserved",
-                   "device calls", "VM calls", a.capacity_bytes ? "  fits" : "");
+namespace {
+
+/// The ranked table of `rows`; `heading` names the setting column, `vm` whether VM calls are
+/// known.
+std::string rows_table(const advice& a, const std::vector<advice_row>& rows, const char* heading,
+                       bool vm) {
+  std::string s = fmt::format("{:>4}  {:<52} {:>13} {:>8} {:>14} {:>13} {:>9}{}\n", "rank",
+                              heading, "min capacity", "min/req", "peak reserved",
+                              "device calls", "VM calls", a.capacity_bytes ? "  fits" : "");
   const auto req = static_cast<double>(a.peak_requested_bytes);
-  for (std::size_t i = 0; i < a.rows.size(); ++i) {
-    const advice_row& r = a.rows[i];
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const advice_row& r = rows[i];
     const std::string name = r.conf.empty() ? "(defaults)" : r.conf;
     if (!r.ok) {
       s += fmt::format("{:>4}  {:<52} error: {}\n", i + 1, name, r.error);
@@ -196,9 +340,23 @@ std::string format_advice(const advice& a) {
     s += fmt::format("{:>4}  {:<52} {:>13} {:>8.4f} {:>14} {:>13} {:>9}{}\n", i + 1, name,
                      gib(r.min_capacity_bytes),
                      req == 0.0 ? 0.0 : static_cast<double>(r.min_capacity_bytes) / req,
-                     gib(r.peak_reserved_bytes), r.device_calls, r.vm_calls,
+                     gib(r.peak_reserved_bytes), r.device_calls,
+                     vm ? fmt::format("{}", r.vm_calls) : std::string("-"),
                      r.fits ? (*r.fits ? "  yes" : "  no") : "");
   }
+  return s;
+}
+
+}  // namespace
+
+std::string format_advice(const advice& a) {
+  std::string s = fmt::format(
+      "cucache-replay --advise: {} ({} events, peak requested {}) on the simulated device; "
+      "minimum capacity by bisection at {} MiB{}\n",
+      a.trace, a.events, gib(a.peak_requested_bytes),
+      static_cast<double>(a.resolution_bytes) / static_cast<double>(k_mib),
+      a.capacity_bytes ? fmt::format("; card: {}", gib(*a.capacity_bytes)) : std::string());
+  s += rows_table(a, a.rows, "setting (CUCACHE_CONF)", true);
   if (a.no_fit) {
     s += fmt::format("recommended: none: no setting fits {}\n",
                      a.capacity_bytes ? gib(*a.capacity_bytes) : std::string("the device"));
@@ -207,7 +365,17 @@ std::string format_advice(const advice& a) {
                      a.recommended_conf.empty() ? "\"\"" : a.recommended_conf,
                      a.recommended_conf.empty() ? " (the defaults)" : "");
   }
-  s += fmt::format("PYTORCH_CUDA_ALLOC_CONF: {}\n", a.pytorch_note);
+  if (!a.pytorch_rows.empty()) {
+    s += "PyTorch's allocator (c10, on the GPU) under the settings PyTorch shares:\n";
+    s += rows_table(a, a.pytorch_rows, "setting (PYTORCH_CUDA_ALLOC_CONF)", false);
+  }
+  if (a.pytorch_found) {
+    s += fmt::format("recommended for PyTorch: PYTORCH_CUDA_ALLOC_CONF={}{} ({})\n",
+                     a.pytorch_conf.empty() ? "\"\"" : a.pytorch_conf,
+                     a.pytorch_conf.empty() ? " (the defaults)" : "", a.pytorch_note);
+  } else {
+    s += fmt::format("PYTORCH_CUDA_ALLOC_CONF: {}\n", a.pytorch_note);
+  }
   return s;
 }
 

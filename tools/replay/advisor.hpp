@@ -1,6 +1,8 @@
 // The config advisor of cucache-replay (--advise): replays a trace on the simulated device under
 // candidate settings, finds each one's minimum capacity with the --fit bisection (fit_trace),
 // measures its peak reserved memory and device calls in a replay (replay_trace), and ranks them.
+// With --peers c10 on a GPU it also fits PyTorch's own allocator (the c10 peer) under each
+// candidate that PyTorch shares, and ranks those for the PYTORCH_CUDA_ALLOC_CONF line.
 // docs/replay.md ("--advise") and docs/advisor.md.
 #pragma once
 
@@ -8,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,7 +21,7 @@ namespace cucache::replay {
 
 /// One candidate setting and what it did on the trace.
 struct advice_row {
-  std::string conf;            ///< CUCACHE_CONF text ("" = the defaults)
+  std::string conf;  ///< CUCACHE_CONF text ("" = the defaults); PYTORCH_CUDA_ALLOC_CONF in pytorch_rows
   bool pytorch_option = true;  ///< only keys PyTorch's allocator has too (not reserve_mb)
   bool ok = false;             ///< replayed and fitted; else `error` says why
   std::string error;
@@ -42,20 +45,43 @@ struct advice {
   bool no_fit = false;
   /// PYTORCH_CUDA_ALLOC_CONF: what the advisor can say about it (see advise_trace).
   std::string pytorch_note;
+  /// With a PyTorch fitter: PyTorch's own allocator under each candidate PyTorch shares, ranked
+  /// as `rows` are (device_calls: c10's segment allocations and frees; vm_calls: not known, 0).
+  std::vector<advice_row> pytorch_rows;
+  /// The best pytorch_rows entry's PYTORCH_CUDA_ALLOC_CONF ("" = PyTorch's defaults), when
+  /// pytorch_found.
+  std::string pytorch_conf;
+  bool pytorch_found = false;
 };
+
+/// Fits PyTorch's allocator on one trace under `pytorch_conf` (PYTORCH_CUDA_ALLOC_CONF text):
+/// its minimum capacity (the --fit bisection), and the peak reserved bytes and device calls of an
+/// unconstrained replay. Returns a row with ok false and `error` set when it cannot.
+using pytorch_fitter = std::function<advice_row(
+    const prepared_trace& trace, const std::string& pytorch_conf, const fit_options& fit)>;
+
+/// The fitter --advise --peers c10 uses: the c10 peer (libcucache_c10_peer.so, PyTorch's caching
+/// allocator) on GPU 0, in a child process per setting, because c10 takes its settings once per
+/// process and cannot be set back to its defaults. The child is forked: the calling process must
+/// not have initialized CUDA (a forked child cannot use a CUDA context its parent made).
+[[nodiscard]] advice_row fit_c10_in_child(const prepared_trace& trace,
+                                          const std::string& pytorch_conf, const fit_options& fit);
 
 /// The candidate settings for a trace: the defaults, expandable segments, max_split_size_mb 64,
 /// 128, 256 and 512, garbage_collection_threshold 0.6 and 0.8, roundup_power2_divisions 2, 4 and
 /// 8, and reserve_mb (90% of the trace's peak requested bytes) in both modes.
 [[nodiscard]] std::vector<std::string> advice_candidates(const prepared_trace& trace);
 
-/// Advises on one trace. `base.backend` must be sim (a GPU run of the advisor would replay c10
-/// under each candidate, which it does not do: refused with invalid_argument); `capacity` turns
+/// Advises on one trace. `base.backend` must be sim (cucache's rows are replayed on the simulated
+/// device; refused with invalid_argument otherwise); `capacity` turns
 /// the ranking into "which settings fit on a card of that many bytes". Each candidate's replay
 /// and fit run on a fresh simulated device; a candidate that fails (no limit passes, a reserve
-/// that does not fit) is kept as a row with its error, ranked last.
+/// that does not fit) is kept as a row with its error, ranked last. With `pytorch`, each
+/// candidate PyTorch shares is also fitted on PyTorch's allocator, in its PYTORCH_CUDA_ALLOC_CONF
+/// spelling (c10_settings), and ranked into pytorch_rows.
 [[nodiscard]] advice advise_trace(const prepared_trace& trace, const options& base,
-                                  const fit_options& fit, std::optional<std::size_t> capacity);
+                                  const fit_options& fit, std::optional<std::size_t> capacity,
+                                  const pytorch_fitter& pytorch = {});
 
 [[nodiscard]] nlohmann::json to_json(const advice& a);
 [[nodiscard]] std::string format_advice(const advice& a);

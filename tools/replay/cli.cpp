@@ -215,7 +215,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       "config advisor: replay each trace on the simulated device under candidate settings, rank "
       "them (minimum capacity by the --fit bisection, peak reserved, device and VM calls) and "
       "print the recommended CUCACHE_CONF; with --capacity-gib N, which settings fit an N GiB "
-      "card (docs/replay.md)");
+      "card; with --peers c10 (GPU), also PyTorch's allocator under each setting PyTorch shares "
+      "and the recommended PYTORCH_CUDA_ALLOC_CONF (docs/replay.md)");
   advise_opt->excludes(fit_opt);
   advise_opt->excludes(repeat_opt);
   fit_opt->excludes(warm_opt);
@@ -231,8 +232,17 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   try {
     if (timeline_opt->count() > 0) check_timeline_output(timeline_path, traces.size());
     options opts;
-    const bool have_gpu = count_devices(backend_kind::cuda).count > 0;
-    if (backend_name.empty()) {
+    // The advisor replays cucache on the simulated device and PyTorch's allocator in forked
+    // children: this process must not initialize CUDA (advisor.hpp, fit_c10_in_child).
+    const bool have_gpu = !advise && count_devices(backend_kind::cuda).count > 0;
+    if (advise) {
+      if (!backend_name.empty() && parse_backend_kind(backend_name, "--backend") != backend_kind::sim) {
+        throw invalid_argument(
+            "--advise: cucache's candidates replay on the simulated device only (--backend sim); "
+            "PyTorch's allocator is replayed on the GPU with --peers c10");
+      }
+      opts.backend = backend_kind::sim;
+    } else if (backend_name.empty()) {
       opts.backend = have_gpu ? backend_kind::cuda : backend_kind::sim;
       if (!have_gpu) {
         err << "cucache-replay: no GPU: " << cuda_unavailable_reason()
@@ -254,15 +264,12 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
             "--advise: --config is not taken (the advisor tries its own "
             "candidate settings)");
       }
-      if (peers_opt->count() > 0) {
-        throw invalid_argument(
-            "--advise: --peers is not taken (the advisor replays on the "
-            "simulated device)");
+      if (peers_opt->count() > 0 && split_list(peers_text) != std::vector<std::string>{"c10"}) {
+        throw invalid_argument(fmt::format(
+            "--advise --peers {}: the advisor takes one peer, c10 (PyTorch's allocator, replayed "
+            "on the GPU under each PYTORCH_CUDA_ALLOC_CONF candidate)",
+            peers_text));
       }
-      if (!backend_name.empty() && opts.backend != backend_kind::sim) {
-        throw invalid_argument("--advise: replays on the simulated device only (--backend sim)");
-      }
-      opts.backend = backend_kind::sim;
     }
     fit_options fit_opts;
     if (fit_resolution_opt->count() > 0) {
@@ -298,7 +305,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       const std::optional<std::size_t> card = opts.capacity_bytes;
       opts.capacity_bytes.reset();
       for (const prepared_trace& trace : loaded) {
-        const advice a = advise_trace(trace, opts, fit_opts, card);
+        const advice a = advise_trace(trace, opts, fit_opts, card,
+                                      peers_opt->count() > 0 ? pytorch_fitter(fit_c10_in_child)
+                                                             : pytorch_fitter());
         if (progress_line) progress_line->clear();
         out << (json ? to_json(a).dump() + "\n" : format_advice(a)) << std::flush;
       }

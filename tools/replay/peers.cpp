@@ -213,7 +213,8 @@ class c10_peer final : public peer {
     });
     return {ns_per_op(r, trace), r.failed_allocations,
             static_cast<std::size_t>(last_stats_.peak_reserved_bytes),
-            warm ? ns_per_op(w, trace) : 0.0};
+            warm ? ns_per_op(w, trace) : 0.0,
+            static_cast<std::uint64_t>(last_stats_.num_device_alloc + last_stats_.num_device_free)};
   }
 
   bool fits(const prepared_trace& trace, std::span<const stream_handle> streams,

@@ -22,6 +22,8 @@ struct peer_run {
   std::uint64_t oom_count = 0;
   std::size_t peak_reserved_bytes = 0;
   double warm_ns_per_op = 0.0;  // warm runs only
+  /// Device allocation and free calls of the (cold) run, where the peer counts them (c10).
+  std::uint64_t device_calls = 0;
 };
 
 /// A peer allocator. Each run starts from an empty cache and ends with everything freed. A warm

@@ -519,20 +519,57 @@ void check_fit(const options& opts, const fit_options& fit) {
   }
 }
 
+namespace {
+
+void require_limitable(const peer& p) {
+  if (!p.limitable()) {
+    throw invalid_argument(
+        fmt::format("--fit: the peer {} cannot be held to a memory limit (--peers with --fit: "
+                    "cudaMallocAsync, c10)",
+                    p.name()));
+  }
+}
+
+}  // namespace
+
+capacity_fit fit_peer(const prepared_trace& trace, std::span<const stream_handle> streams,
+                      std::span<void*> slots, peer& p, const fit_options& fit,
+                      progress* progress_line) {
+  if (fit.resolution_bytes == 0) {
+    throw invalid_argument("--fit-resolution-mib: the resolution must be positive");
+  }
+  require_limitable(p);
+  if (trace.summary.peak_requested_bytes == 0) {
+    throw invalid_argument(fmt::format("--fit: {} requests no memory", trace.name));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  p.begin_trace();
+  const peer_run free_run = p.run(trace, streams, slots, /*warm=*/false);
+  if (free_run.oom_count != 0) {
+    throw error(
+        fmt::format("--fit: {} runs out of memory without a limit ({})", trace.name, p.name()));
+  }
+  unsigned tried = 0;
+  auto passes = [&](std::size_t limit) {
+    report(progress_line, fmt::format("{}: fit of {}, replay {} under {}", trace.name, p.name(),
+                                      ++tried, gib(limit)));
+    return p.fits(trace, streams, slots, limit);
+  };
+  capacity_fit f = bisect(trace.summary.peak_requested_bytes, free_run.peak_reserved_bytes,
+                          fit.resolution_bytes, passes,
+                          fmt::format("{} ({})", trace.name, p.name()));
+  f.unconstrained_peak_reserved_bytes = free_run.peak_reserved_bytes;
+  f.seconds = seconds_since(start);
+  return f;
+}
+
 fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit_options& fit,
                      std::span<peer* const> peers) {
   check_fit(opts, fit);
   if (trace.summary.peak_requested_bytes == 0) {
     throw invalid_argument(fmt::format("--fit: {} requests no memory", trace.name));
   }
-  for (const peer* p : peers) {
-    if (!p->limitable()) {
-      throw invalid_argument(
-          fmt::format("--fit: the peer {} cannot be held to a memory limit (--peers with --fit: "
-                      "cudaMallocAsync, c10)",
-                      p->name()));
-    }
-  }
+  for (const peer* p : peers) require_limitable(*p);  // before cucache's fit, not after it
   fit_result r;
   r.trace = trace.name;
   r.backend = to_string(opts.backend);
@@ -579,26 +616,7 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
   }
 
   for (peer* p : peers) {
-    const auto start = std::chrono::steady_clock::now();
-    p->begin_trace();
-    const peer_run free_run = p->run(trace, streams, slots, /*warm=*/false);
-    if (free_run.oom_count != 0) {
-      throw error(
-          fmt::format("--fit: {} runs out of memory without a limit ({})", trace.name, p->name()));
-    }
-    unsigned tried = 0;
-    auto passes = [&](std::size_t limit) {
-      report(opts.progress_line, fmt::format("{}: fit of {}, replay {} under {}", trace.name,
-                                             p->name(), ++tried, gib(limit)));
-      return p->fits(trace, streams, slots, limit);
-    };
-    peer_fit pf;
-    pf.name = p->name();
-    pf.fit = bisect(r.peak_requested_bytes, free_run.peak_reserved_bytes, fit.resolution_bytes,
-                    passes, fmt::format("{} ({})", trace.name, p->name()));
-    pf.fit.unconstrained_peak_reserved_bytes = free_run.peak_reserved_bytes;
-    pf.fit.seconds = seconds_since(start);
-    r.peers.push_back(std::move(pf));
+    r.peers.push_back({p->name(), fit_peer(trace, streams, slots, *p, fit, opts.progress_line)});
   }
   return r;
 }

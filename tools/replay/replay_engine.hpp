@@ -252,6 +252,16 @@ void check_fit(const options& opts, const fit_options& fit);
 [[nodiscard]] fit_result fit_trace(const prepared_trace& trace, const options& opts,
                                    const fit_options& fit, std::span<peer* const> peers = {});
 
+/// fit_trace's bisection for one peer alone, on the CUDA streams `streams` (one per trace stream
+/// id) with `slots` (one per trace op) as scratch: an unconstrained run for the upper bound, then
+/// limits applied by peer::fits. Throws cucache::invalid_argument for a peer that cannot be
+/// limited, a zero resolution or a trace that requests no memory; cucache::error when no limit
+/// passes.
+[[nodiscard]] capacity_fit fit_peer(const prepared_trace& trace,
+                                    std::span<const stream_handle> streams, std::span<void*> slots,
+                                    peer& p, const fit_options& fit,
+                                    progress* progress_line = nullptr);
+
 /// The JSON object of one result (one line of --json output).
 [[nodiscard]] nlohmann::json to_json(const trace_result& result);
 /// The human table of several results.
