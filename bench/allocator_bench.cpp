@@ -14,18 +14,24 @@
 #include <cstdlib>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "api/registry.hpp"
 #include "churn_plan.hpp"
 #include "common/c10_loader.hpp"
 #include "common/cuda_check.hpp"
 #include "common/device_peers.hpp"
 #include "cucache/backend_factory.hpp"
+#include "cucache/cucache.hpp"
 #include "cucache/cuda_backend.hpp"
 #include "cucache/device_allocator.hpp"
+#include "cucache/observe.hpp"
 #include "cucache/stats.hpp"
+#include "observe/backtrace.hpp"
 
 namespace cucache::bench {
 namespace {
@@ -413,6 +419,71 @@ void register_stream_queries() {
   benchmark::RegisterBenchmark("stream_query/cucache_cuda/capture_status", bm_stream_query, true);
 }
 
+// --- observe: what tags and call stacks cost a pair (global API, simulated device) ---------------
+
+/// The state the global API is in for one observe case.
+enum class observe_case {
+  off,         ///< no tag ever set, nothing observed: the allocator has no observer at all
+  tag_popped,  ///< a tag was set and ended before: the observe hub listens, no tag is current
+  tagged,      ///< inside a scoped_tag: every allocation is recorded under the tag
+  backtraces,  ///< record_backtraces:True: every allocation's call stack is captured
+};
+
+/// 64 KiB pairs through cucache::malloc/free on stream 0 of the simulated device, in a process
+/// registry made for the case (CUCACHE_CONF, then detail::reset_for_testing, as the tests do).
+/// pair/cucache_sim/64KiB is the same pair on a bare device_allocator: the ratio of `off` to it
+/// is what the global API with every observing feature off costs over no front end at all.
+void bm_observe(benchmark::State& state, observe_case c) {
+  try {
+    ::setenv("CUCACHE_BACKEND", "sim", 1);
+    if (c == observe_case::backtraces) {
+      if (!detail::backtraces_available()) {
+        state.SkipWithError(("no call stacks here: " + detail::backtraces_unavailable_reason()).c_str());
+        return;
+      }
+      ::setenv("CUCACHE_CONF", "record_backtraces:True", 1);
+    } else {
+      ::unsetenv("CUCACHE_CONF");
+    }
+    detail::reset_for_testing();
+    if (c == observe_case::tag_popped) {
+      push_tag("bench");
+      pop_tag();
+    }
+    std::optional<scoped_tag> tag;
+    if (c == observe_case::tagged) tag.emplace("bench");
+    const stream_handle stream = sim_stream(0);
+    const std::size_t bytes = k_thread_pair_bytes;
+    cucache::free(cucache::malloc(bytes, stream));
+    const std::int64_t start = now_ns();
+    for (auto _ : state) {
+      void* ptr = cucache::malloc(bytes, stream);
+      benchmark::DoNotOptimize(ptr);
+      cucache::free(ptr);
+    }
+    const std::int64_t stop = now_ns();
+    state.counters["bytes"] = static_cast<double>(bytes);
+    state.counters["ns_per_pair"] = per(stop - start, static_cast<double>(state.iterations()));
+    tag.reset();
+    detail::reset_for_testing();
+    ::unsetenv("CUCACHE_CONF");
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+void register_observe() {
+  constexpr std::array<std::pair<observe_case, const char*>, 4> cases{
+      {{observe_case::off, "off"},
+       {observe_case::tag_popped, "tag_popped"},
+       {observe_case::tagged, "tagged"},
+       {observe_case::backtraces, "backtraces"}}};
+  for (const auto& [c, label] : cases) {
+    const std::string name = std::string("observe/global_sim/") + label;
+    benchmark::RegisterBenchmark(name.c_str(), bm_observe, c);
+  }
+}
+
 // --- registration -------------------------------------------------------------------------------
 
 template <class A>
@@ -499,6 +570,7 @@ int run(int argc, char** argv) {
   for (const auto& a : allocators) a.churn();
   for (const auto& a : allocators) a.threads();
   register_pending();
+  register_observe();
 
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
