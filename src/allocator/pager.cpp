@@ -221,16 +221,18 @@ void pager::release_idle(stream_pool& q, vm_mapping* m) {
 }
 
 vm_mapping* pager::record_mapping(stream_pool& p, vm_range& r, std::size_t first_page,
-                                  std::size_t pages, phys_handle h) {
-  // REQUIRES: [first_page, first_page + pages) lies inside the span of the carved block being
-  // backed, so every page of it is touched.
+                                  std::size_t pages, phys_handle h, mapping_use use) {
+  // REQUIRES, for mapping_use::touched: [first_page, first_page + pages) lies inside the span of
+  // the carved block being backed, so every page of it is touched; for mapping_use::idle: no
+  // block touches any of them.
   vm_mapping* m = p.maps.make();
   *m = vm_mapping{};
   m->range = &r;
   m->first_page = first_page;
   m->pages = pages;
   m->handle = h;
-  m->used_pages = pages;
+  m->used_pages = use == mapping_use::touched ? pages : 0;
+  if (use == mapping_use::idle) idle_link(p, m);
   for (std::size_t i = 0; i < pages; ++i) r.page_map[first_page + i] = m;
   if (r.mapped_pages == 0) p.stats.segment_count.inc(r.kind, 1);  // a range holding memory
   r.mapped_pages += pages;
@@ -239,7 +241,7 @@ vm_mapping* pager::record_mapping(stream_pool& p, vm_range& r, std::size_t first
 }
 
 void pager::map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc,
-                std::vector<vm_mapping*>& batch) {
+                std::vector<vm_mapping*>& batch, mapping_use use) {
   void* va = reinterpret_cast<void*>(r.page_addr(first_page));
   const std::size_t pages = pc.bytes / page_bytes_;
   try {
@@ -251,7 +253,7 @@ void pager::map(stream_pool& p, vm_range& r, std::size_t first_page, const piece
   counters.map.fetch_add(1, std::memory_order_relaxed);
   if (pc.moved) counters.stitched_pages.fetch_add(pages, std::memory_order_relaxed);
   // Not accessible yet: grant_access sets access over the whole batch of back() at once.
-  batch.push_back(record_mapping(p, r, first_page, pages, pc.handle));
+  batch.push_back(record_mapping(p, r, first_page, pages, pc.handle, use));
 }
 
 void pager::grant_access(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
@@ -646,10 +648,7 @@ bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std
         ok = false;
         break;
       }
-      map(p, r, pg, *pc, batch);
-      vm_mapping* m = batch.back();  // no block touches it: an idle page (record_mapping
-      m->used_pages = 0;             // counts the pages of a block being backed)
-      idle_link(p, m);
+      map(p, r, pg, *pc, batch, mapping_use::idle);  // no block touches it
     }
   } catch (...) {
     revoke(p, batch);

@@ -229,11 +229,14 @@ class pager {
   void idle_link(stream_pool& p, vm_mapping* m);
   void idle_unlink(stream_pool& p, vm_mapping* m);
   phys_handle unmap(stream_pool& p, vm_mapping* m);
+  /// What a new mapping's pages are to the blocks: touched by the carved block being backed
+  /// (back), or by none (map_idle_pages: the mapping starts idle).
+  enum class mapping_use : bool { touched, idle };
   /// Maps pc at first_page (no access yet) and adds the mapping to `batch`.
   void map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc,
-           std::vector<vm_mapping*>& batch);
+           std::vector<vm_mapping*>& batch, mapping_use use = mapping_use::touched);
   vm_mapping* record_mapping(stream_pool& p, vm_range& r, std::size_t first_page, std::size_t pages,
-                             phys_handle h);
+                             phys_handle h, mapping_use use);
   void keep(phys_handle h, std::size_t bytes);
   void keep_locked(phys_handle h, std::size_t bytes);  // REQUIRES budget.mu
   void release(phys_handle h, std::size_t bytes);
