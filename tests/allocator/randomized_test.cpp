@@ -39,7 +39,7 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   std::vector<live_block> live;
-  std::map<std::uintptr_t, std::size_t> by_addr;  // shadow model: live ranges
+  shadow_blocks by_addr;  // shadow model: live ranges (requested sizes)
   const stream_handle streams[] = {nullptr, stream(0x10), stream(0x20), stream(0x30)};
   std::size_t ooms = 0, allocs = 0, injected = 0;
 
@@ -50,7 +50,7 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   };
   auto pick_stream = [&] { return streams[rng() % 4]; };
   auto remove_live = [&](std::size_t i) {
-    by_addr.erase(live[i].addr);
+    by_addr.remove(live[i].addr);
     live[i] = live.back();
     live.pop_back();
   };
@@ -74,20 +74,12 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
           const std::size_t got = a.alloc.allocation_size(p);
           ASSERT_GE(got, size);
           // No overlap with any live block (shadow model).
-          auto next = by_addr.lower_bound(ad);
-          if (next != by_addr.end()) {
-            ASSERT_LE(ad + size, next->first) << "overlaps next";
-          }
-          if (next != by_addr.begin()) {
-            auto prev = std::prev(next);
-            ASSERT_LE(prev->first + prev->second, ad) << "overlaps previous";
-          }
+          ASSERT_TRUE(by_addr.add(ad, size));
           // Expandable mode: every page of the block is mapped and has access (the sim knows
           // which mappings a set-access covered).
           if (cfg.expandable_segments) {
             ASSERT_TRUE(a.sim->accessible(p, size));
           }
-          by_addr.emplace(ad, size);
           live.push_back({ad, size, s});
         }
       } else if (r < 0.85) {

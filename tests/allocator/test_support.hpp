@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <iterator>
+#include <map>
 #include <memory>
 
 #include "cucache/config.hpp"
@@ -37,6 +39,34 @@ struct sim_allocator {
   [[nodiscard]] std::int64_t allocated() const { return stats().allocated_bytes[0].current; }
   [[nodiscard]] std::uint64_t mallocs() const { return sim->calls(sim_call::segment_malloc); }
   [[nodiscard]] std::uint64_t frees() const { return sim->calls(sim_call::segment_free); }
+};
+
+/// The randomized tests' shadow model of the live blocks: address -> requested size. add() is an
+/// assertion that a newly served block overlaps no live one.
+class shadow_blocks {
+ public:
+  [[nodiscard]] ::testing::AssertionResult add(std::uintptr_t addr, std::size_t size) {
+    const auto next = live_.lower_bound(addr);
+    if (next != live_.end() && addr + size > next->first) {
+      return ::testing::AssertionFailure() << "block at " << addr << " (" << size
+                                           << " bytes) overlaps the next live one at "
+                                           << next->first;
+    }
+    if (next != live_.begin()) {
+      const auto prev = std::prev(next);
+      if (prev->first + prev->second > addr) {
+        return ::testing::AssertionFailure() << "block at " << addr
+                                             << " overlaps the previous live one at "
+                                             << prev->first << " (" << prev->second << " bytes)";
+      }
+    }
+    live_.emplace(addr, size);
+    return ::testing::AssertionSuccess();
+  }
+  void remove(std::uintptr_t addr) { live_.erase(addr); }
+
+ private:
+  std::map<std::uintptr_t, std::size_t> live_;
 };
 
 }  // namespace cucache::test

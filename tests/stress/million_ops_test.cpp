@@ -133,7 +133,7 @@ TEST_P(million_ops, InvariantsHoldAfterEveryOperation) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   std::vector<live_block> live;
-  std::map<std::uintptr_t, std::size_t> by_addr;  // shadow: live ranges (requested sizes)
+  shadow_blocks by_addr;  // shadow model: live ranges (requested sizes)
   std::int64_t allocated_bytes = 0;               // shadow: sum of live block sizes
   std::int64_t requested_bytes = 0;               // shadow: sum of live requests
   // Two fake streams and two the sim created (destroyed and replaced now and then, with blocks
@@ -161,7 +161,7 @@ TEST_P(million_ops, InvariantsHoldAfterEveryOperation) {
   };
   auto pick_stream = [&] { return streams[rng() % streams.size()]; };
   auto remove_live = [&](std::size_t i) {
-    by_addr.erase(live[i].addr);
+    by_addr.remove(live[i].addr);
     allocated_bytes -= static_cast<std::int64_t>(live[i].block);
     requested_bytes -= static_cast<std::int64_t>(live[i].requested);
     live[i] = live.back();
@@ -209,15 +209,7 @@ TEST_P(million_ops, InvariantsHoldAfterEveryOperation) {
           ASSERT_EQ(ad % 512, 0u);
           const std::size_t got = a.alloc.allocation_size(p);
           ASSERT_GE(got, size);
-          auto next = by_addr.lower_bound(ad);
-          if (next != by_addr.end()) {
-            ASSERT_LE(ad + size, next->first) << "overlaps next";
-          }
-          if (next != by_addr.begin()) {
-            auto prev = std::prev(next);
-            ASSERT_LE(prev->first + prev->second, ad) << "overlaps previous";
-          }
-          by_addr.emplace(ad, size);
+          ASSERT_TRUE(by_addr.add(ad, size));
           live.push_back({ad, size, got});
           allocated_bytes += static_cast<std::int64_t>(got);
           requested_bytes += static_cast<std::int64_t>(size);
