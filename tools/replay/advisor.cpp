@@ -14,6 +14,7 @@
 
 #include "cucache/errors.hpp"
 #include "peers.hpp"
+#include "progress.hpp"
 #include "replay_setup.hpp"
 
 namespace cucache::replay {
@@ -58,6 +59,11 @@ void rank(std::vector<advice_row>& rows, bool with_capacity) {
   });
 }
 
+/// Whether PyTorch's allocator has every key of candidate `conf` (reserve_mb is cucache's own).
+bool pytorch_shares(const std::string& conf) {
+  return conf.find("reserve_mb") == std::string::npos;
+}
+
 }  // namespace
 
 std::vector<std::string> advice_candidates(const prepared_trace& trace) {
@@ -88,9 +94,8 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
                     std::optional<std::size_t> capacity, const pytorch_fitter& pytorch) {
   if (base.backend != backend_kind::sim) {
     throw invalid_argument(
-        "--advise replays on the simulated device only (--backend sim): ranking PyTorch's own "
-        "allocator under each setting would need the c10 peer on a GPU, which the advisor does "
-        "not replay");
+        "--advise: cucache's candidates replay on the simulated device only (--backend sim); "
+        "PyTorch's allocator is replayed on the GPU with --peers c10");
   }
   advice a;
   a.trace = trace.name;
@@ -102,7 +107,7 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   for (const std::string& conf : advice_candidates(trace)) {
     advice_row row;
     row.conf = conf;
-    row.pytorch_option = conf.find("reserve_mb") == std::string::npos;
+    row.pytorch_option = pytorch_shares(conf);
     try {
       options opts = base;
       opts.cfg = parse_config(conf);
@@ -150,13 +155,16 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   // PyTorch's allocator under the same candidates, in PyTorch's spelling (c10_settings drops
   // nothing here: every candidate marked pytorch_option uses shared keys only).
   for (const std::string& conf : advice_candidates(trace)) {
-    if (conf.find("reserve_mb") != std::string::npos) continue;
+    if (!pytorch_shares(conf)) continue;
     const std::string torch_conf = c10_settings(parse_config(conf));
     advice_row row;
     if (!a.pytorch_rows.empty() && !a.pytorch_rows.front().ok) {
       // PyTorch's defaults (the first candidate) could not be replayed: neither can the rest.
       row.error = "not tried: " + a.pytorch_rows.front().error;
     } else {
+      report(base.progress_line,
+             fmt::format("{}: PyTorch's allocator under '{}'", trace.name,
+                         torch_conf.empty() ? std::string("(defaults)") : torch_conf));
       row = pytorch(trace, torch_conf, fit);
     }
     row.conf = torch_conf;
