@@ -3,15 +3,12 @@
 #include "advisor.hpp"
 
 #include <fmt/format.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <numeric>
 #include <sstream>
 
+#include "common/child_process.hpp"
 #include "cucache/errors.hpp"
 #include "peers.hpp"
 #include "progress.hpp"
@@ -189,13 +186,10 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
 
 // --- PyTorch's allocator in a child process ---------------------------------------------------
 
-namespace {
-
-/// Runs in the forked child: the c10 peer under `pytorch_conf`, fitted and replayed once more
-/// without a limit; the row as JSON.
-nlohmann::json c10_child(const prepared_trace& trace, const std::string& pytorch_conf,
-                         const fit_options& fit) {
-  try {
+advice_row fit_c10_in_child(const prepared_trace& trace, const std::string& pytorch_conf,
+                            const fit_options& fit) {
+  // The child: the c10 peer under `pytorch_conf`, fitted, and replayed once more without a limit.
+  const tools::child_answer answer = tools::run_in_child([&] {
     options o;
     o.backend = backend_kind::cuda;
     o.cfg = parse_config(pytorch_conf);
@@ -206,77 +200,23 @@ nlohmann::json c10_child(const prepared_trace& trace, const std::string& pytorch
     std::vector<void*> slots(trace.ops.size(), nullptr);
     const capacity_fit f = fit_peer(trace, streams.handles(), slots, *peers.front(), fit);
     const peer_run free_run = peers.front()->run(trace, streams.handles(), slots, false);
-    return {{"ok", true},
-            {"min_capacity_bytes", f.min_capacity_bytes},
-            {"peak_reserved_bytes", free_run.peak_reserved_bytes},
-            {"device_calls", free_run.device_calls}};
-  } catch (const std::exception& e) {
-    return {{"ok", false}, {"error", e.what()}};
-  }
-}
-
-}  // namespace
-
-advice_row fit_c10_in_child(const prepared_trace& trace, const std::string& pytorch_conf,
-                            const fit_options& fit) {
+    return nlohmann::json{{"min_capacity_bytes", f.min_capacity_bytes},
+                          {"peak_reserved_bytes", free_run.peak_reserved_bytes},
+                          {"device_calls", free_run.device_calls}}
+        .dump();
+  });
   advice_row row;
   row.conf = pytorch_conf;
-  int fds[2];
-  if (::pipe(fds) != 0) {
-    row.error = fmt::format("pipe: {}", std::strerror(errno));
+  if (!answer.ok) {
+    row.error = answer.error;
     return row;
   }
-  const pid_t pid = ::fork();
-  if (pid < 0) {
-    row.error = fmt::format("fork: {}", std::strerror(errno));
-    ::close(fds[0]);
-    ::close(fds[1]);
-    return row;
-  }
-  if (pid == 0) {  // the child: no return, no atexit handlers, no flush of the parent's buffers
-    ::close(fds[0]);
-    const std::string text = c10_child(trace, pytorch_conf, fit).dump();
-    std::size_t done = 0;
-    while (done < text.size()) {
-      const ssize_t n = ::write(fds[1], text.data() + done, text.size() - done);
-      if (n <= 0 && errno != EINTR) ::_exit(3);
-      if (n > 0) done += static_cast<std::size_t>(n);
-    }
-    ::_exit(0);
-  }
-  ::close(fds[1]);
-  std::string text;
-  char buf[4096];
-  for (;;) {
-    const ssize_t n = ::read(fds[0], buf, sizeof buf);
-    if (n > 0) {
-      text.append(buf, static_cast<std::size_t>(n));
-    } else if (n == 0 || errno != EINTR) {
-      break;
-    }
-  }
-  ::close(fds[0]);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  if (WIFSIGNALED(status)) {
-    row.error = fmt::format("the c10 child process died of signal {}", WTERMSIG(status));
-    return row;
-  }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    row.error = fmt::format("the c10 child process exited with status {}", WEXITSTATUS(status));
-    return row;
-  }
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("ok")) {
+  const nlohmann::json j = nlohmann::json::parse(answer.text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
     row.error = "the c10 child process answered no result";
     return row;
   }
-  row.ok = j.at("ok").get<bool>();
-  if (!row.ok) {
-    row.error = j.value("error", std::string("no message"));
-    return row;
-  }
+  row.ok = true;
   row.min_capacity_bytes = j.at("min_capacity_bytes").get<std::size_t>();
   row.peak_reserved_bytes = j.at("peak_reserved_bytes").get<std::size_t>();
   row.device_calls = j.at("device_calls").get<std::uint64_t>();
