@@ -2,6 +2,7 @@
 // peer loader against stand-in shims (fake_c10_peer.c): search path, interface version, the
 // settings it hands to c10, and the reasons it gives when it cannot load.
 #include <cuda_runtime_api.h>
+#include <signal.h>
 #include <stdlib.h>
 
 #include <string>
@@ -9,11 +10,40 @@
 #include <gtest/gtest.h>
 
 #include "common/c10_loader.hpp"
+#include "common/child_process.hpp"
 #include "common/cuda_check.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache::tools {
 namespace {
+
+TEST(child_process, returns_the_answer_of_the_child_and_leaves_the_parent_untouched) {
+  int in_parent = 1;
+  const cucache::tools::child_answer a = cucache::tools::run_in_child([&] {
+    in_parent = 2;  // the child's copy
+    return std::string(100000, 'x') + "end";  // larger than a pipe's buffer
+  });
+  ASSERT_TRUE(a.ok) << a.error;
+  EXPECT_EQ(a.text.size(), 100003u);
+  EXPECT_EQ(a.text.substr(a.text.size() - 3), "end");
+  EXPECT_EQ(in_parent, 1);
+  const cucache::tools::child_answer empty = cucache::tools::run_in_child([] { return std::string(); });
+  EXPECT_TRUE(empty.ok) << empty.error;
+  EXPECT_TRUE(empty.text.empty());
+}
+
+TEST(child_process, says_what_the_child_threw_or_died_of) {
+  const cucache::tools::child_answer thrown =
+      cucache::tools::run_in_child([]() -> std::string { throw cucache::error("no such peer"); });
+  EXPECT_FALSE(thrown.ok);
+  EXPECT_EQ(thrown.error, "no such peer");
+  const cucache::tools::child_answer killed = cucache::tools::run_in_child([]() -> std::string {
+    ::raise(SIGKILL);
+    return "unreachable";
+  });
+  EXPECT_FALSE(killed.ok);
+  EXPECT_NE(killed.error.find("died of signal 9"), std::string::npos) << killed.error;
+}
 
 TEST(cuda_check, success_passes_and_a_failure_names_the_call_and_code) {
   EXPECT_NO_THROW(check_cuda(cudaSuccess, "cudaFree"));
