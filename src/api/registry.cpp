@@ -24,8 +24,9 @@ namespace {
 
 // Never deleted (except by reset_for_testing): destroying allocators at static destruction time
 // would call into a CUDA runtime that may already be torn down.
-constinit std::atomic<registry*> g_abandoned_registry{nullptr};  // a forked child's copy of the parent's
-std::atomic<registry*> g_registry{nullptr};
+constinit std::atomic<registry*> g_registry{nullptr};
+// A forked child's copy of the parent's registry (after_fork_in_child), never destroyed.
+constinit std::atomic<registry*> g_abandoned_registry{nullptr};
 constinit std::mutex g_init_mu;
 bool g_atexit_registered = false;  // under g_init_mu
 bool g_atfork_registered = false;  // under g_init_mu
@@ -62,7 +63,8 @@ void after_fork_in_child() noexcept {
     // The parent's registry is abandoned, never destroyed (its destructor would free the parent's
     // memory through the child's copy of the device state). Kept reachable from a global so that
     // leak checkers see it as the deliberate copy it is, not as a leak.
-    g_abandoned_registry.store(g_registry.load(std::memory_order_relaxed), std::memory_order_release);
+    g_abandoned_registry.store(g_registry.load(std::memory_order_relaxed),
+                               std::memory_order_release);
     g_registry.store(nullptr, std::memory_order_release);
   }
   g_error_mu.unlock();

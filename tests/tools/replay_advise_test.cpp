@@ -177,8 +177,8 @@ TEST(replay_advise, pytorch_settings_are_fitted_in_pytorchs_spelling_and_ranked)
   EXPECT_FALSE(a.pytorch_rows.back().ok);  // the failure ranks last, with its reason
   EXPECT_EQ(a.pytorch_rows.back().conf, "roundup_power2_divisions:2");
   EXPECT_EQ(a.pytorch_rows.back().error, "scripted failure");
-  EXPECT_TRUE(a.pytorch_found);
-  EXPECT_EQ(a.pytorch_conf, "expandable_segments:True");
+  ASSERT_TRUE(a.pytorch_conf.has_value());
+  EXPECT_EQ(*a.pytorch_conf, "expandable_segments:True");
   // cucache's own ranking is untouched by PyTorch's.
   EXPECT_EQ(a.recommended_conf, "expandable_segments:True");
   EXPECT_EQ(a.rows.size(), 13u);
@@ -205,14 +205,14 @@ TEST(replay_advise, pytorch_with_a_capacity_ranks_what_fits_and_can_find_none) {
   script.over_requested = {{"", 1.10}, {"max_split_size_mb:512", 1.02}};
   const auto card = static_cast<std::size_t>(1.03 * req);
   advice a = advise_trace(trace, o, fit_options{}, card, std::ref(script));
-  ASSERT_TRUE(a.pytorch_found);
-  EXPECT_EQ(a.pytorch_conf, "max_split_size_mb:512");
+  ASSERT_TRUE(a.pytorch_conf.has_value());
+  EXPECT_EQ(*a.pytorch_conf, "max_split_size_mb:512");
   EXPECT_TRUE(a.pytorch_rows[0].fits.value());
   EXPECT_FALSE(a.pytorch_rows[1].fits.value());
 
   scripted_pytorch none;  // every setting needs 1.20 x the requested peak
   a = advise_trace(trace, o, fit_options{}, card, std::ref(none));
-  EXPECT_FALSE(a.pytorch_found);
+  EXPECT_FALSE(a.pytorch_conf.has_value());
   EXPECT_NE(a.pytorch_note.find("no PyTorch setting fits"), std::string::npos) << a.pytorch_note;
   EXPECT_TRUE(to_json(a)["pytorch_cuda_alloc_conf"].is_null());
 }
@@ -228,7 +228,7 @@ TEST(replay_advise, pytorch_defaults_that_cannot_be_replayed_stop_the_rest) {
   ASSERT_EQ(a.pytorch_rows.size(), 11u);
   for (const advice_row& r : a.pytorch_rows) EXPECT_FALSE(r.ok) << r.conf;
   EXPECT_EQ(a.pytorch_rows[1].error, "not tried: scripted failure");
-  EXPECT_FALSE(a.pytorch_found);
+  EXPECT_FALSE(a.pytorch_conf.has_value());
   EXPECT_EQ(a.pytorch_note, "PyTorch's allocator could not be replayed: scripted failure");
 }
 

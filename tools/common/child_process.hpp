@@ -11,9 +11,9 @@ namespace cucache::tools {
 
 /// What a child answered.
 struct child_answer {
-  bool ok = false;     ///< the child ran `work` to its end and exited 0
-  std::string text;    ///< what `work` returned, when ok
-  std::string error;   ///< why not, when !ok: the exception's message, a signal, an exit status
+  bool ok = false;    ///< the child ran `work` to its end and exited 0
+  std::string text;   ///< what `work` returned, when ok
+  std::string error;  ///< why not, when !ok: the exception's message, a signal, an exit status
 };
 
 /// Forks; the child runs `work` and sends back what it returns (or the message of what it

@@ -87,13 +87,28 @@ std::vector<std::string> advice_candidates(const prepared_trace& trace) {
   return c;
 }
 
-advice advise_trace(const prepared_trace& trace, const options& base, const fit_options& fit,
-                    std::optional<std::size_t> capacity, const pytorch_fitter& pytorch) {
+void check_advise(const options& base) {
   if (base.backend != backend_kind::sim) {
     throw invalid_argument(
         "--advise: cucache's candidates replay on the simulated device only (--backend sim); "
         "PyTorch's allocator is replayed on the GPU with --peers c10");
   }
+}
+
+namespace {
+
+/// The first row of ranked `rows` when it was measured and, with a capacity, fits it.
+const advice_row* best_row(const std::vector<advice_row>& rows,
+                           std::optional<std::size_t> capacity) {
+  const advice_row& top = rows.front();
+  return top.ok && (!capacity || top.fits.value_or(false)) ? &top : nullptr;
+}
+
+}  // namespace
+
+advice advise_trace(const prepared_trace& trace, const options& base, const fit_options& fit,
+                    std::optional<std::size_t> capacity, const pytorch_fitter& pytorch) {
+  check_advise(base);
   advice a;
   a.trace = trace.name;
   a.backend = to_string(base.backend);
@@ -101,7 +116,8 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   a.peak_requested_bytes = trace.summary.peak_requested_bytes;
   a.resolution_bytes = fit.resolution_bytes;
   a.capacity_bytes = capacity;
-  for (const std::string& conf : advice_candidates(trace)) {
+  const std::vector<std::string> candidates = advice_candidates(trace);
+  for (const std::string& conf : candidates) {
     advice_row row;
     row.conf = conf;
     row.pytorch_option = pytorch_shares(conf);
@@ -127,31 +143,29 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
     a.rows.push_back(std::move(row));
   }
   rank(a.rows, capacity.has_value());
-  const advice_row& best = a.rows.front();
-  if (best.ok && (!capacity || best.fits.value_or(false))) {
-    a.recommended_conf = best.conf;
+  if (const advice_row* best = best_row(a.rows, capacity)) {
+    a.recommended_conf = best->conf;
   } else {
     a.no_fit = true;
   }
-  const auto torch_best = std::find_if(a.rows.begin(), a.rows.end(), [&](const advice_row& r) {
-    return r.ok && r.pytorch_option && (!capacity || r.fits.value_or(false));
-  });
-  const std::string cucache_best =
-      torch_best == a.rows.end()
-          ? std::string()
-          : fmt::format("cucache's best among the keys PyTorch shares is '{}' (cucache's figures, "
-                        "not PyTorch's)",
-                        torch_best->conf.empty() ? std::string("(defaults)") : torch_best->conf);
   if (!pytorch) {
     a.pytorch_note =
         "not measured: the best PYTORCH_CUDA_ALLOC_CONF needs PyTorch's own allocator replayed "
         "under each setting on a GPU (--peers c10)";
-    if (!cucache_best.empty()) a.pytorch_note += "; " + cucache_best;
+    const auto shared = std::find_if(a.rows.begin(), a.rows.end(), [&](const advice_row& r) {
+      return r.ok && r.pytorch_option && (!capacity || r.fits.value_or(false));
+    });
+    if (shared != a.rows.end()) {
+      a.pytorch_note += fmt::format(
+          "; cucache's best among the keys PyTorch shares is '{}' (cucache's figures, not "
+          "PyTorch's)",
+          shared->conf.empty() ? std::string("(defaults)") : shared->conf);
+    }
     return a;
   }
   // PyTorch's allocator under the same candidates, in PyTorch's spelling (c10_settings drops
-  // nothing here: every candidate marked pytorch_option uses shared keys only).
-  for (const std::string& conf : advice_candidates(trace)) {
+  // nothing here: every candidate PyTorch shares uses shared keys only).
+  for (const std::string& conf : candidates) {
     if (!pytorch_shares(conf)) continue;
     const std::string torch_conf = c10_settings(parse_config(conf));
     advice_row row;
@@ -170,16 +184,15 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
     a.pytorch_rows.push_back(std::move(row));
   }
   rank(a.pytorch_rows, capacity.has_value());
-  const advice_row& torch_top = a.pytorch_rows.front();
-  if (torch_top.ok && (!capacity || torch_top.fits.value_or(false))) {
-    a.pytorch_found = true;
-    a.pytorch_conf = torch_top.conf;
+  if (const advice_row* best = best_row(a.pytorch_rows, capacity)) {
+    a.pytorch_conf = best->conf;
     a.pytorch_note = "PyTorch's own allocator (c10) replayed on the GPU under each setting";
-  } else if (!torch_top.ok) {
-    a.pytorch_note = fmt::format("PyTorch's allocator could not be replayed: {}", torch_top.error);
+  } else if (!a.pytorch_rows.front().ok) {
+    a.pytorch_note =
+        fmt::format("PyTorch's allocator could not be replayed: {}", a.pytorch_rows.front().error);
   } else {
-    a.pytorch_note = fmt::format("no PyTorch setting fits {} (PyTorch's allocator, replayed)",
-                                 gib(*capacity));
+    a.pytorch_note =
+        fmt::format("no PyTorch setting fits {} (PyTorch's allocator, replayed)", gib(*capacity));
   }
   return a;
 }
@@ -258,7 +271,7 @@ nlohmann::json to_json(const advice& a) {
                         {"pytorch_cuda_alloc_conf", nullptr},
                         {"pytorch_note", a.pytorch_note}};
   if (!a.pytorch_rows.empty()) out["pytorch_rows"] = rows_json(a.pytorch_rows);
-  if (a.pytorch_found) out["pytorch_cuda_alloc_conf"] = a.pytorch_conf;
+  if (a.pytorch_conf) out["pytorch_cuda_alloc_conf"] = *a.pytorch_conf;
   if (a.capacity_bytes) out["capacity_bytes"] = *a.capacity_bytes;
   if (a.no_fit) {
     out["recommended_conf"] = nullptr;
@@ -274,9 +287,9 @@ namespace {
 /// known.
 std::string rows_table(const advice& a, const std::vector<advice_row>& rows, const char* heading,
                        bool vm) {
-  std::string s = fmt::format("{:>4}  {:<52} {:>13} {:>8} {:>14} {:>13} {:>9}{}\n", "rank",
-                              heading, "min capacity", "min/req", "peak reserved",
-                              "device calls", "VM calls", a.capacity_bytes ? "  fits" : "");
+  std::string s = fmt::format("{:>4}  {:<52} {:>13} {:>8} {:>14} {:>13} {:>9}{}\n", "rank", heading,
+                              "min capacity", "min/req", "peak reserved", "device calls",
+                              "VM calls", a.capacity_bytes ? "  fits" : "");
   const auto req = static_cast<double>(a.peak_requested_bytes);
   for (std::size_t i = 0; i < rows.size(); ++i) {
     const advice_row& r = rows[i];
@@ -317,10 +330,10 @@ std::string format_advice(const advice& a) {
     s += "PyTorch's allocator (c10, on the GPU) under the settings PyTorch shares:\n";
     s += rows_table(a, a.pytorch_rows, "setting (PYTORCH_CUDA_ALLOC_CONF)", false);
   }
-  if (a.pytorch_found) {
+  if (a.pytorch_conf) {
     s += fmt::format("recommended for PyTorch: PYTORCH_CUDA_ALLOC_CONF={}{} ({})\n",
-                     a.pytorch_conf.empty() ? "\"\"" : a.pytorch_conf,
-                     a.pytorch_conf.empty() ? " (the defaults)" : "", a.pytorch_note);
+                     a.pytorch_conf->empty() ? "\"\"" : *a.pytorch_conf,
+                     a.pytorch_conf->empty() ? " (the defaults)" : "", a.pytorch_note);
   } else {
     s += fmt::format("PYTORCH_CUDA_ALLOC_CONF: {}\n", a.pytorch_note);
   }

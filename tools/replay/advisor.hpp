@@ -21,7 +21,8 @@ namespace cucache::replay {
 
 /// One candidate setting and what it did on the trace.
 struct advice_row {
-  std::string conf;  ///< CUCACHE_CONF text ("" = the defaults); PYTORCH_CUDA_ALLOC_CONF in pytorch_rows
+  /// CUCACHE_CONF text ("" = the defaults); in advice::pytorch_rows, PYTORCH_CUDA_ALLOC_CONF text.
+  std::string conf;
   bool pytorch_option = true;  ///< only keys PyTorch's allocator has too (not reserve_mb)
   bool ok = false;             ///< replayed and fitted; else `error` says why
   std::string error;
@@ -48,10 +49,9 @@ struct advice {
   /// With a PyTorch fitter: PyTorch's own allocator under each candidate PyTorch shares, ranked
   /// as `rows` are (device_calls: c10's segment allocations and frees; vm_calls: not known, 0).
   std::vector<advice_row> pytorch_rows;
-  /// The best pytorch_rows entry's PYTORCH_CUDA_ALLOC_CONF ("" = PyTorch's defaults), when
-  /// pytorch_found.
-  std::string pytorch_conf;
-  bool pytorch_found = false;
+  /// The best pytorch_rows entry's PYTORCH_CUDA_ALLOC_CONF ("" = PyTorch's defaults); none when
+  /// no PyTorch row was measured, or none fits the capacity.
+  std::optional<std::string> pytorch_conf;
 };
 
 /// Fits PyTorch's allocator on one trace under `pytorch_conf` (PYTORCH_CUDA_ALLOC_CONF text):
@@ -72,9 +72,12 @@ using pytorch_fitter = std::function<advice_row(
 /// 8, and reserve_mb (90% of the trace's peak requested bytes) in both modes.
 [[nodiscard]] std::vector<std::string> advice_candidates(const prepared_trace& trace);
 
-/// Advises on one trace. `base.backend` must be sim (cucache's rows are replayed on the simulated
-/// device; refused with invalid_argument otherwise); `capacity` turns
-/// the ranking into "which settings fit on a card of that many bytes". Each candidate's replay
+/// Throws invalid_argument unless `base` replays on the simulated device (--backend sim), where
+/// the advisor replays cucache's candidates. The CLI calls it before reading any trace.
+void check_advise(const options& base);
+
+/// Advises on one trace. `base.backend` must be sim (check_advise); `capacity` turns the ranking
+/// into "which settings fit on a card of that many bytes". Each candidate's replay
 /// and fit run on a fresh simulated device; a candidate that fails (no limit passes, a reserve
 /// that does not fit) is kept as a row with its error, ranked last. With `pytorch`, each
 /// candidate PyTorch shares is also fitted on PyTorch's allocator, in its PYTORCH_CUDA_ALLOC_CONF

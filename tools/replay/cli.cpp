@@ -236,12 +236,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     // children: this process must not initialize CUDA (advisor.hpp, fit_c10_in_child).
     const bool have_gpu = !advise && count_devices(backend_kind::cuda).count > 0;
     if (advise) {
-      if (!backend_name.empty() && parse_backend_kind(backend_name, "--backend") != backend_kind::sim) {
-        throw invalid_argument(
-            "--advise: cucache's candidates replay on the simulated device only (--backend sim); "
-            "PyTorch's allocator is replayed on the GPU with --peers c10");
-      }
-      opts.backend = backend_kind::sim;
+      opts.backend =
+          backend_name.empty() ? backend_kind::sim : parse_backend_kind(backend_name, "--backend");
+      check_advise(opts);
     } else if (backend_name.empty()) {
       opts.backend = have_gpu ? backend_kind::cuda : backend_kind::sim;
       if (!have_gpu) {

@@ -506,10 +506,26 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-void check_fit(const options& opts, const fit_options& fit) {
+namespace {
+
+void check_resolution(const fit_options& fit) {
   if (fit.resolution_bytes == 0) {
     throw invalid_argument("--fit-resolution-mib: the resolution must be positive");
   }
+}
+
+/// What every fit needs of its inputs, whoever fits: a resolution and a trace that requests memory.
+void check_fit_inputs(const prepared_trace& trace, const fit_options& fit) {
+  check_resolution(fit);
+  if (trace.summary.peak_requested_bytes == 0) {
+    throw invalid_argument(fmt::format("--fit: {} requests no memory", trace.name));
+  }
+}
+
+}  // namespace
+
+void check_fit(const options& opts, const fit_options& fit) {
+  check_resolution(fit);
   if (opts.capacity_bytes) {
     throw invalid_argument("--fit: sets the limit itself; give no --capacity-gib");
   }
@@ -535,13 +551,8 @@ void require_limitable(const peer& p) {
 capacity_fit fit_peer(const prepared_trace& trace, std::span<const stream_handle> streams,
                       std::span<void*> slots, peer& p, const fit_options& fit,
                       progress* progress_line) {
-  if (fit.resolution_bytes == 0) {
-    throw invalid_argument("--fit-resolution-mib: the resolution must be positive");
-  }
+  check_fit_inputs(trace, fit);
   require_limitable(p);
-  if (trace.summary.peak_requested_bytes == 0) {
-    throw invalid_argument(fmt::format("--fit: {} requests no memory", trace.name));
-  }
   const auto start = std::chrono::steady_clock::now();
   p.begin_trace();
   const peer_run free_run = p.run(trace, streams, slots, /*warm=*/false);
@@ -566,9 +577,7 @@ capacity_fit fit_peer(const prepared_trace& trace, std::span<const stream_handle
 fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit_options& fit,
                      std::span<peer* const> peers) {
   check_fit(opts, fit);
-  if (trace.summary.peak_requested_bytes == 0) {
-    throw invalid_argument(fmt::format("--fit: {} requests no memory", trace.name));
-  }
+  check_fit_inputs(trace, fit);
   for (const peer* p : peers) require_limitable(*p);  // before cucache's fit, not after it
   fit_result r;
   r.trace = trace.name;
