@@ -1,5 +1,7 @@
 // Allocator configuration: a plain struct, and a parser for the CUCACHE_CONF string, which accepts
-// PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax ("key:value,key:value") for the keys the two share.
+// the syntax of PyTorch's PYTORCH_ALLOC_CONF (and of its older name, PYTORCH_CUDA_ALLOC_CONF, which
+// PyTorch still reads), "key:value,key:value", for the keys the two share. Defined in the core
+// layer (src/core/config.cpp), below every layer that uses it.
 #pragma once
 
 #include <cstddef>
@@ -71,9 +73,10 @@ inline constexpr std::size_t k_roundup_power2_intervals = 64;
 /// max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold,
 /// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace,
 /// reserve_mb, nvtx, history, leak_steps, record_backtraces, peer_access, ipc_handles.
-/// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key, a
-/// PyTorch key cucache does not support, a duplicate key or a malformed value; never ignores
-/// anything silently. Empty or blank text returns base.
+/// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key (with
+/// the nearest accepted key when it looks like a typo: "did you mean 'expandable_segments'?"), a
+/// PyTorch key cucache does not support, a duplicate key, an empty entry or a malformed value;
+/// never ignores anything silently. Empty or blank text returns base.
 [[nodiscard]] config parse_config(std::string_view text, config base = {});
 
 /// Reads CUCACHE_CONF from the environment (empty or unset: defaults) and parses it.

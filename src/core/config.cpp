@@ -1,6 +1,9 @@
-// The CUCACHE_CONF parser: PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax ("key:value,...") for the keys
-// cucache shares with PyTorch plus its own, strict where PyTorch is lenient (every malformed or
-// unknown entry throws), and to_string, which writes a config back in the same syntax.
+// The CUCACHE_CONF parser: the syntax of PyTorch's PYTORCH_ALLOC_CONF (formerly, and still,
+// PYTORCH_CUDA_ALLOC_CONF), "key:value,...", for the keys cucache shares with PyTorch plus its own,
+// strict where PyTorch is lenient (every malformed or unknown entry throws, an unknown key with the
+// nearest accepted one), and to_string, which writes a config back in the same syntax. It lives in
+// the core, the lowest layer that uses `config` (size_policy), beside the size constants its rules
+// are made of (docs/design.md, "Layers").
 #include "cucache/config.hpp"
 
 #include <fmt/format.h>
@@ -11,6 +14,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <optional>
+#include <span>
 #include <system_error>
 #include <utility>
 
@@ -46,10 +50,12 @@ struct key_spec {
   void (*parse)(std::string_view key, std::string_view value, config& out);
 };
 
-const std::array<key_spec, 17>& key_specs();
+// Every accepted key, in the order messages list them. Defined below the parsers it points at;
+// its size is the number of entries written (std::to_array), never a number to keep in step.
+std::span<const key_spec> key_specs();
 
 // PyTorch allocator keys that cucache recognises only to say that it does not support them.
-constexpr std::array<std::string_view, 16> k_pytorch_only_keys = {
+constexpr auto k_pytorch_only_keys = std::to_array<std::string_view>({
     "backend",
     "release_lock_on_cudamalloc",
     "release_lock_on_hipmalloc",
@@ -66,7 +72,7 @@ constexpr std::array<std::string_view, 16> k_pytorch_only_keys = {
     "large_segment_size_mb",
     "expandable_segments_reserve",
     "expandable_segments_reserve_by_class",
-};
+});
 
 std::string accepted_keys() {
   std::string out;
@@ -82,6 +88,44 @@ const key_spec* find_spec(std::string_view key) {
     if (spec.name == key) return &spec;
   }
   return nullptr;
+}
+
+char lower(char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; }
+
+// Edit distance (insertions, deletions, substitutions and swaps of two neighbours, each 1) between
+// a and b, ignoring case: how far a typed key is from an accepted one.
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> before(b.size() + 1), prev(b.size() + 1), cur(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const bool same = lower(a[i - 1]) == lower(b[j - 1]);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (same ? 0 : 1)});
+      if (i > 1 && j > 1 && lower(a[i - 1]) == lower(b[j - 2]) &&
+          lower(a[i - 2]) == lower(b[j - 1])) {
+        cur[j] = std::min(cur[j], before[j - 2] + 1);
+      }
+    }
+    before.swap(prev);
+    prev.swap(cur);
+  }
+  return prev[b.size()];
+}
+
+// The accepted key nearest to an unknown one, if it is near enough to be a typo: at most 2 edits,
+// or a quarter of the key's length for long keys (max_split_size -> max_split_size_mb is 3).
+std::optional<std::string_view> nearest_key(std::string_view key) {
+  std::optional<std::string_view> best;
+  std::size_t best_distance = std::max<std::size_t>(2, key.size() / 4) + 1;
+  for (const auto& spec : key_specs()) {
+    const std::size_t d = edit_distance(key, spec.name);
+    if (d < best_distance) {
+      best_distance = d;
+      best = spec.name;
+    }
+  }
+  return best;
 }
 
 // Every parse error goes through here so that each message names the key and what it accepts.
@@ -254,10 +298,7 @@ void parse_memory_fraction(std::string_view key, std::string_view value, config&
 }
 
 bool iequals(std::string_view a, std::string_view b) {
-  return std::ranges::equal(a, b, [](char x, char y) {
-    const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? char(c - 'A' + 'a') : c; };
-    return lower(x) == lower(y);
-  });
+  return std::ranges::equal(a, b, [](char x, char y) { return lower(x) == lower(y); });
 }
 
 void parse_memory_limit(std::string_view key, std::string_view value, config& out) {
@@ -269,7 +310,7 @@ void parse_memory_limit(std::string_view key, std::string_view value, config& ou
     std::string_view name;
     unsigned shift;
   };
-  static constexpr std::array<unit_spec, 14> units = {{{"", 0},
+  static constexpr auto units = std::to_array<unit_spec>({{"", 0},
                                                        {"B", 0},
                                                        {"K", 10},
                                                        {"KB", 10},
@@ -282,7 +323,7 @@ void parse_memory_limit(std::string_view key, std::string_view value, config& ou
                                                        {"GiB", 30},
                                                        {"T", 40},
                                                        {"TB", 40},
-                                                       {"TiB", 40}}};
+                                                       {"TiB", 40}});
   std::optional<unsigned> shift;
   for (const auto& u : units) {
     if (iequals(u.name, unit)) shift = u.shift;
@@ -353,8 +394,8 @@ void parse_record_backtraces(std::string_view key, std::string_view value, confi
   }
 }
 
-const std::array<key_spec, 17>& key_specs() {
-  static const std::array<key_spec, 17> specs = {{
+std::span<const key_spec> key_specs() {
+  static constexpr auto specs = std::to_array<key_spec>({
       {"max_split_size_mb", "max_split_size_mb",
        "an integer number of MiB >= 20, e.g. max_split_size_mb:512", parse_max_split_size},
       {"max_non_split_rounding_mb", "max_non_split_rounding_mb",
@@ -406,7 +447,11 @@ const std::array<key_spec, 17>& key_specs() {
        "True, False, true, false, 1 or 0, e.g. ipc_handles:True (expandable segments: physical "
        "memory exportable as POSIX file descriptors)",
        parse_ipc_handles},
-  }};
+  });
+  static_assert(std::ranges::none_of(specs, [](const key_spec& k) {
+                  return k.name.empty() || k.field.empty() || k.forms.empty() || !k.parse;
+                }),
+                "every key has a name, a field, its accepted forms and a parser");
   return specs;
 }
 
@@ -447,7 +492,7 @@ config parse_config(std::string_view text, config base) {
   std::vector<std::pair<std::string_view, std::string_view>> seen;  // field, key given
   for (const std::string_view raw : split_entries(text)) {
     const std::string_view entry = trim(raw);
-    if (entry.empty()) fail("", "empty entry (stray ',')");
+    if (entry.empty()) fail("", fmt::format("empty entry (stray ',') in '{}'", trim(text)));
     const std::size_t colon = entry.find(':');
     const std::string_view key = trim(entry.substr(0, colon));
     if (key.empty()) fail("", fmt::format("empty key in '{}'", entry));
@@ -455,7 +500,10 @@ config parse_config(std::string_view text, config base) {
       fail(key, "a PyTorch key not supported by cucache");
     }
     const key_spec* spec = find_spec(key);
-    if (spec == nullptr) fail(key, "unknown key");
+    if (spec == nullptr) {
+      const auto near = nearest_key(key);
+      fail(key, near ? fmt::format("unknown key (did you mean '{}'?)", *near) : "unknown key");
+    }
     if (colon == std::string_view::npos) fail(key, "missing ':' and value");
     const std::string_view value = trim(entry.substr(colon + 1));
     if (value.empty()) fail(key, "missing value after ':'");
@@ -511,8 +559,8 @@ std::string render_roundup(const std::vector<std::uint32_t>& divs) {
 }
 
 std::string render_bytes(std::size_t bytes) {
-  static constexpr std::array<std::pair<unsigned, std::string_view>, 4> units = {
-      {{40, "TiB"}, {30, "GiB"}, {20, "MiB"}, {10, "KiB"}}};
+  static constexpr auto units = std::to_array<std::pair<unsigned, std::string_view>>(
+      {{40, "TiB"}, {30, "GiB"}, {20, "MiB"}, {10, "KiB"}});
   for (const auto& [shift, name] : units) {
     if (bytes % (std::size_t{1} << shift) == 0) return fmt::format("{}{}", bytes >> shift, name);
   }

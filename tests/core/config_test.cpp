@@ -1,6 +1,6 @@
-// Tests of the CUCACHE_CONF parser: exact values for every key, both roundup_power2_divisions
-// forms, every error path (the message must name the key), to_string round trips and the
-// environment variable.
+// Tests of the CUCACHE_CONF parser (src/core/config.cpp): exact values for every key, both
+// roundup_power2_divisions forms, every error path (the message must name the key), suggestions
+// for mistyped keys, to_string round trips and the environment variable.
 #include "cucache/config.hpp"
 
 #include <gtest/gtest.h>
@@ -294,6 +294,55 @@ TEST(ConfigParse, StructuralErrors) {
   EXPECT_NE(parse_error("expandable_segments:True,,trace:x").find("empty entry"),
             std::string::npos);
   expect_error("trace:/a]b", "trace", "']' without '['");
+}
+
+// A stray comma is reported as such, with the text it is in and the full list of accepted keys --
+// not as a key '' whose accepted forms are empty (a key table declared one entry longer than it
+// was filled held a blank entry that find_spec("") found).
+TEST(ConfigParse, StrayCommaNamesTheTextAndListsEveryKey) {
+  const std::string msg = parse_error("expandable_segments:True,");
+  EXPECT_EQ(msg,
+            "cucache config: empty entry (stray ',') in 'expandable_segments:True,'; accepted keys: "
+            "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "
+            "garbage_collection_threshold, expandable_segments, memory_fraction, "
+            "per_process_memory_fraction, memory_limit, trace, reserve_mb, nvtx, history, "
+            "leak_steps, record_backtraces, peer_access, ipc_handles");
+  EXPECT_EQ(msg.find("key ''"), std::string::npos) << msg;
+  const std::string empty_key = parse_error(":5");
+  EXPECT_NE(empty_key.find("accepted keys: max_split_size_mb,"), std::string::npos) << empty_key;
+}
+
+// A key one or two edits from an accepted one gets "did you mean"; a key far from all gets none.
+TEST(ConfigParse, MistypedKeySuggestsTheNearestOne) {
+  const std::string want =
+      "cucache config: key 'expandable_segment': unknown key (did you mean "
+      "'expandable_segments'?); accepted keys: max_split_size_mb, ";
+  EXPECT_EQ(parse_error("expandable_segment:True").substr(0, want.size()), want);
+  const struct {
+    const char* text;
+    const char* suggestion;
+  } cases[] = {
+      {"expandable_segmnets:True", "expandable_segments"},  // two letters swapped
+      {"Expandable_Segments:True", "expandable_segments"},  // keys are case-sensitive
+      {"max_split_size:64", "max_split_size_mb"},           // PyTorch's unit suffix left out
+      {"garbage_colection_threshold:0.5", "garbage_collection_threshold"},
+      {"peer_acess:none", "peer_access"},
+      {"ipc_handle:True", "ipc_handles"},
+      {"nvtxx:True", "nvtx"},
+      {"histroy:5", "history"},
+      {"per_process_memory_fractoin:0.5", "per_process_memory_fraction"},
+  };
+  for (const auto& c : cases) {
+    const std::string msg = parse_error(c.text);
+    EXPECT_NE(msg.find(std::string("(did you mean '") + c.suggestion + "'?)"), std::string::npos)
+        << c.text << " -> " << msg;
+    EXPECT_NE(msg.find("unknown key"), std::string::npos) << msg;
+  }
+  for (const char* far : {"bogus:1", "x:1", "segments:True", "expandable:True", "limit:1GiB"}) {
+    const std::string msg = parse_error(far);
+    EXPECT_EQ(msg.find("did you mean"), std::string::npos) << far << " -> " << msg;
+    EXPECT_NE(msg.find("unknown key; accepted keys: max_split_size_mb"), std::string::npos) << msg;
+  }
 }
 
 TEST(ConfigParse, PyTorchOnlyKeysAreRejectedByName) {
