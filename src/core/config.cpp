@@ -90,7 +90,9 @@ const key_spec* find_spec(std::string_view key) {
   return nullptr;
 }
 
-char lower(char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; }
+char lower(char c) {
+  return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c;
+}
 
 // Edit distance (insertions, deletions, substitutions and swaps of two neighbours, each 1) between
 // a and b, ignoring case: how far a typed key is from an accepted one.
@@ -311,19 +313,19 @@ void parse_memory_limit(std::string_view key, std::string_view value, config& ou
     unsigned shift;
   };
   static constexpr auto units = std::to_array<unit_spec>({{"", 0},
-                                                       {"B", 0},
-                                                       {"K", 10},
-                                                       {"KB", 10},
-                                                       {"KiB", 10},
-                                                       {"M", 20},
-                                                       {"MB", 20},
-                                                       {"MiB", 20},
-                                                       {"G", 30},
-                                                       {"GB", 30},
-                                                       {"GiB", 30},
-                                                       {"T", 40},
-                                                       {"TB", 40},
-                                                       {"TiB", 40}});
+                                                          {"B", 0},
+                                                          {"K", 10},
+                                                          {"KB", 10},
+                                                          {"KiB", 10},
+                                                          {"M", 20},
+                                                          {"MB", 20},
+                                                          {"MiB", 20},
+                                                          {"G", 30},
+                                                          {"GB", 30},
+                                                          {"GiB", 30},
+                                                          {"T", 40},
+                                                          {"TB", 40},
+                                                          {"TiB", 40}});
   std::optional<unsigned> shift;
   for (const auto& u : units) {
     if (iequals(u.name, unit)) shift = u.shift;
@@ -448,9 +450,11 @@ std::span<const key_spec> key_specs() {
        "memory exportable as POSIX file descriptors)",
        parse_ipc_handles},
   });
-  static_assert(std::ranges::none_of(specs, [](const key_spec& k) {
-                  return k.name.empty() || k.field.empty() || k.forms.empty() || !k.parse;
-                }),
+  static_assert(std::ranges::none_of(specs,
+                                     [](const key_spec& k) {
+                                       return k.name.empty() || k.field.empty() ||
+                                              k.forms.empty() || !k.parse;
+                                     }),
                 "every key has a name, a field, its accepted forms and a parser");
   return specs;
 }

@@ -301,12 +301,13 @@ TEST(ConfigParse, StructuralErrors) {
 // was filled held a blank entry that find_spec("") found).
 TEST(ConfigParse, StrayCommaNamesTheTextAndListsEveryKey) {
   const std::string msg = parse_error("expandable_segments:True,");
-  EXPECT_EQ(msg,
-            "cucache config: empty entry (stray ',') in 'expandable_segments:True,'; accepted keys: "
-            "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "
-            "garbage_collection_threshold, expandable_segments, memory_fraction, "
-            "per_process_memory_fraction, memory_limit, trace, reserve_mb, nvtx, history, "
-            "leak_steps, record_backtraces, peer_access, ipc_handles");
+  EXPECT_EQ(
+      msg,
+      "cucache config: empty entry (stray ',') in 'expandable_segments:True,'; accepted keys: "
+      "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "
+      "garbage_collection_threshold, expandable_segments, memory_fraction, "
+      "per_process_memory_fraction, memory_limit, trace, reserve_mb, nvtx, history, "
+      "leak_steps, record_backtraces, peer_access, ipc_handles");
   EXPECT_EQ(msg.find("key ''"), std::string::npos) << msg;
   const std::string empty_key = parse_error(":5");
   EXPECT_NE(empty_key.find("accepted keys: max_split_size_mb,"), std::string::npos) << empty_key;
