@@ -339,6 +339,40 @@ TEST(replay_engine, a_failed_allocation_may_hold_the_reserved_peak) {
   EXPECT_EQ(r.fragmentation_at_peak.reserved_bytes, 4 * k_mib);
 }
 
+// The replay wraps the device in counting and recording backends; both forward every call
+// (forwarding_backend), so the IPC and peer-access keys reach the simulated device in every mode:
+// before, ipc_handles:True failed with "cannot share memory between processes (code 801)" and
+// peer_access was dropped. The figures are those of the same run without the keys (the sim's
+// one device has no peers; exportable handles cost no memory).
+TEST(replay_cli, ipc_handles_and_peer_access_reach_the_simulated_device) {
+  const std::filesystem::path bert =
+      std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "bert_serve.csv.gz";
+  const auto peak_of = [&](const std::vector<std::string>& extra, const std::string& config) {
+    std::vector<std::string> args{"--backend", "sim", "--json", "--config", config};
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.push_back(bert.string());
+    const cli_run r = run(args);
+    EXPECT_EQ(r.status, 0) << config << ": " << r.err;
+    EXPECT_EQ(r.err.find("code 801"), std::string::npos) << r.err;
+    const auto lines = json_lines(r.out);
+    return lines.size() == 1 ? lines[0]["peak_reserved_bytes"].get<std::uint64_t>() : 0;
+  };
+  const std::filesystem::path page = std::filesystem::temp_directory_path() /
+                                     ("cucache_replay_ipc." + std::to_string(::getpid()) + ".html");
+  const std::vector<std::vector<std::string>> modes = {
+      {}, {"--warm"}, {"--timeline", page.string()}};
+  for (const auto& mode : modes) {
+    const std::uint64_t plain = peak_of(mode, "expandable_segments:True");
+    ASSERT_GT(plain, 0u);
+    for (const char* keys : {"ipc_handles:True", "peer_access:all", "peer_access:none",
+                             "ipc_handles:True,peer_access:auto"}) {
+      EXPECT_EQ(peak_of(mode, std::string("expandable_segments:True,") + keys), plain) << keys;
+    }
+    EXPECT_GT(peak_of(mode, "ipc_handles:True"), 0u);  // default mode: cudaMalloc'd segments
+  }
+  std::filesystem::remove(page);
+}
+
 TEST(replay_cli, table_by_default) {
   const cli_run r =
       run({"--backend", "sim", "--config", "max_split_size_mb:128", k_resnet.string()});

@@ -13,6 +13,7 @@
 
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
+#include "cucache/forwarding_backend.hpp"
 #include "cucache/sim_backend.hpp"
 #include "peers.hpp"
 #include "progress.hpp"
@@ -106,31 +107,25 @@ constexpr double k_us_release[3] = {15.7, 34.9, 115.6};
 constexpr double k_us_device_synchronize = 1.2;
 constexpr double k_us_mem_get_info = 6.6;
 
-/// Forwards every call and counts successful segment creations, so the sampling run can tell
-/// after which allocations reserved memory grew without taking the allocator's locks each time;
-/// and counts the VM calls by kind with their modelled H200 cost (vm_call_model). The replay is
-/// one thread, so plain counters do.
-class counting_backend final : public device_backend {
+/// Forwards every call (forwarding_backend) and counts successful segment creations, so the
+/// sampling run can tell after which allocations reserved memory grew without taking the
+/// allocator's locks each time; and counts the VM calls by kind with their modelled H200 cost
+/// (vm_call_model). The replay is one thread, so plain counters do.
+class counting_backend final : public forwarding_backend {
  public:
-  explicit counting_backend(std::shared_ptr<device_backend> inner) : inner_(std::move(inner)) {}
+  using forwarding_backend::forwarding_backend;
   [[nodiscard]] std::uint64_t growths() const noexcept { return growths_; }
   [[nodiscard]] const vm_call_model& model() const noexcept { return model_; }
 
-  [[nodiscard]] int device() const noexcept override { return inner_->device(); }
-  [[nodiscard]] const char* name() const noexcept override { return inner_->name(); }
   [[nodiscard]] void* segment_malloc(std::size_t bytes) override {
-    void* p = inner_->segment_malloc(bytes);
+    void* p = forwarding_backend::segment_malloc(bytes);
     if (p != nullptr) ++growths_;
     return p;
   }
-  void segment_free(void* ptr) override { inner_->segment_free(ptr); }
-  [[nodiscard]] std::size_t vm_granularity() override { return inner_->vm_granularity(); }
-  [[nodiscard]] void* va_reserve(std::size_t bytes) override { return inner_->va_reserve(bytes); }
-  void va_free(void* base, std::size_t bytes) override { inner_->va_free(base, bytes); }
   [[nodiscard]] std::optional<phys_handle> phys_create(std::size_t bytes) override {
     ++model_.create;
     model_.create_us += h200_us(k_us_create, bytes);
-    auto h = inner_->phys_create(bytes);
+    auto h = forwarding_backend::phys_create(bytes);
     if (h) {
       ++growths_;
       handle_bytes_[*h] = bytes;
@@ -141,54 +136,36 @@ class counting_backend final : public device_backend {
     ++model_.release;
     const auto it = handle_bytes_.find(handle);
     model_.release_us += h200_us(k_us_release, it == handle_bytes_.end() ? 0 : it->second);
-    inner_->phys_release(handle);
+    forwarding_backend::phys_release(handle);
     if (it != handle_bytes_.end()) handle_bytes_.erase(it);
   }
   void map(void* va, std::size_t bytes, phys_handle handle) override {
     ++model_.map;
     model_.map_us += h200_us(k_us_map, bytes);
-    inner_->map(va, bytes, handle);
+    forwarding_backend::map(va, bytes, handle);
   }
   void unmap(void* va, std::size_t bytes) override {
     ++model_.unmap;
     model_.unmap_us += h200_us(k_us_unmap, bytes);
-    inner_->unmap(va, bytes);
+    forwarding_backend::unmap(va, bytes);
   }
   void set_access(void* va, std::size_t bytes) override {
     ++model_.set_access;
     model_.set_access_us += h200_us(k_us_set_access, bytes);
-    inner_->set_access(va, bytes);
+    forwarding_backend::set_access(va, bytes);
   }
-  [[nodiscard]] event_handle event_create() override { return inner_->event_create(); }
-  void event_destroy(event_handle event) override { inner_->event_destroy(event); }
-  void event_record(event_handle event, stream_handle stream) override {
-    inner_->event_record(event, stream);
-  }
-  [[nodiscard]] bool event_query(event_handle event) override { return inner_->event_query(event); }
-  void event_synchronize(event_handle event) override { inner_->event_synchronize(event); }
-  void stream_synchronize(stream_handle stream) override { inner_->stream_synchronize(stream); }
   void device_synchronize() override {
     ++model_.device_synchronize;
     model_.device_synchronize_us += k_us_device_synchronize;
-    inner_->device_synchronize();
-  }
-  [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override {
-    return inner_->stream_id(stream);
-  }
-  [[nodiscard]] capture_info capture_status(stream_handle stream) override {
-    return inner_->capture_status(stream);
-  }
-  capture_mode exchange_capture_mode(capture_mode mode) override {
-    return inner_->exchange_capture_mode(mode);
+    forwarding_backend::device_synchronize();
   }
   [[nodiscard]] memory_info mem_get_info() override {
     ++model_.mem_get_info;
     model_.mem_get_info_us += k_us_mem_get_info;
-    return inner_->mem_get_info();
+    return forwarding_backend::mem_get_info();
   }
 
  private:
-  std::shared_ptr<device_backend> inner_;
   std::uint64_t growths_ = 0;
   vm_call_model model_;
   std::unordered_map<phys_handle, std::size_t> handle_bytes_;

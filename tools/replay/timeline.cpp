@@ -21,6 +21,7 @@
 #include "cucache/backend_factory.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
+#include "cucache/forwarding_backend.hpp"
 #include "cucache/sim_backend.hpp"
 #include "peers.hpp"
 #include "replay_setup.hpp"
@@ -71,16 +72,16 @@ struct reservations {
   }
 };
 
-/// Forwards every call to the real backend and tells `watcher` of each device call: which one,
-/// and how it changes reserved memory. Only a timeline replay installs it.
-class recording_backend final : public device_backend {
+/// Forwards every call to the real backend (forwarding_backend) and tells `watcher` of each device
+/// call: which one, and how it changes reserved memory. Only a timeline replay installs it.
+class recording_backend final : public forwarding_backend {
  public:
   struct watcher {
     virtual void device_call(mark_kind k) = 0;
     virtual void reserved_changed() = 0;
   };
   recording_backend(std::shared_ptr<device_backend> inner, std::size_t streams)
-      : inner_(std::move(inner)) {
+      : forwarding_backend(std::move(inner)) {
     res.by_stream.assign(streams, {});
   }
   reservations res;
@@ -89,10 +90,8 @@ class recording_backend final : public device_backend {
   std::size_t cur_stream = 0;
   std::size_t cur_kind = 0;
 
-  [[nodiscard]] int device() const noexcept override { return inner_->device(); }
-  [[nodiscard]] const char* name() const noexcept override { return inner_->name(); }
   [[nodiscard]] void* segment_malloc(std::size_t bytes) override {
-    void* p = inner_->segment_malloc(bytes);
+    void* p = forwarding_backend::segment_malloc(bytes);
     if (p == nullptr) {
       w->device_call(mk_malloc_refused);
       return p;
@@ -104,7 +103,7 @@ class recording_backend final : public device_backend {
     return p;
   }
   void segment_free(void* ptr) override {
-    inner_->segment_free(ptr);
+    forwarding_backend::segment_free(ptr);
     const auto it = owners_.find(reinterpret_cast<std::uintptr_t>(ptr));
     if (it != owners_.end()) {
       res.add(it->second.stream, it->second.kind, -static_cast<std::int64_t>(it->second.bytes));
@@ -113,64 +112,46 @@ class recording_backend final : public device_backend {
     w->device_call(mk_cuda_free);
     w->reserved_changed();
   }
-  [[nodiscard]] std::size_t vm_granularity() override { return inner_->vm_granularity(); }
   [[nodiscard]] void* va_reserve(std::size_t bytes) override {
-    void* va = inner_->va_reserve(bytes);
-    if (va != nullptr) ranges_[reinterpret_cast<std::uintptr_t>(va)] = {bytes, cur_stream, cur_kind};
+    void* va = forwarding_backend::va_reserve(bytes);
+    if (va != nullptr) {
+      ranges_[reinterpret_cast<std::uintptr_t>(va)] = {bytes, cur_stream, cur_kind};
+    }
     w->device_call(mk_va_reserve);
     return va;
   }
   void va_free(void* base, std::size_t bytes) override {
-    inner_->va_free(base, bytes);
+    forwarding_backend::va_free(base, bytes);
     ranges_.erase(reinterpret_cast<std::uintptr_t>(base));
     w->device_call(mk_va_free);
   }
   [[nodiscard]] std::optional<phys_handle> phys_create(std::size_t bytes) override {
-    auto h = inner_->phys_create(bytes);
+    auto h = forwarding_backend::phys_create(bytes);
     w->device_call(h ? mk_vm_create : mk_vm_create_refused);
     return h;
   }
   void phys_release(phys_handle handle) override {
-    inner_->phys_release(handle);
+    forwarding_backend::phys_release(handle);
     w->device_call(mk_vm_release);
   }
   void map(void* va, std::size_t bytes, phys_handle handle) override {
-    inner_->map(va, bytes, handle);
+    forwarding_backend::map(va, bytes, handle);
     const owner o = range_of(va);
     res.add(o.stream, o.kind, static_cast<std::int64_t>(bytes));
     w->device_call(mk_vm_map);
     w->reserved_changed();
   }
   void unmap(void* va, std::size_t bytes) override {
-    inner_->unmap(va, bytes);
+    forwarding_backend::unmap(va, bytes);
     const owner o = range_of(va);
     res.add(o.stream, o.kind, -static_cast<std::int64_t>(bytes));
     w->device_call(mk_vm_unmap);
     w->reserved_changed();
   }
-  void set_access(void* va, std::size_t bytes) override { inner_->set_access(va, bytes); }
-  [[nodiscard]] event_handle event_create() override { return inner_->event_create(); }
-  void event_destroy(event_handle event) override { inner_->event_destroy(event); }
-  void event_record(event_handle event, stream_handle stream) override {
-    inner_->event_record(event, stream);
-  }
-  [[nodiscard]] bool event_query(event_handle event) override { return inner_->event_query(event); }
-  void event_synchronize(event_handle event) override { inner_->event_synchronize(event); }
-  void stream_synchronize(stream_handle stream) override { inner_->stream_synchronize(stream); }
   void device_synchronize() override {
-    inner_->device_synchronize();
+    forwarding_backend::device_synchronize();
     w->device_call(mk_synchronize);
   }
-  [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override {
-    return inner_->stream_id(stream);
-  }
-  [[nodiscard]] capture_info capture_status(stream_handle stream) override {
-    return inner_->capture_status(stream);
-  }
-  capture_mode exchange_capture_mode(capture_mode mode) override {
-    return inner_->exchange_capture_mode(mode);
-  }
-  [[nodiscard]] memory_info mem_get_info() override { return inner_->mem_get_info(); }
 
  private:
   struct owner {
@@ -190,7 +171,6 @@ class recording_backend final : public device_backend {
     }
     return it->second;
   }
-  std::shared_ptr<device_backend> inner_;
   std::unordered_map<std::uintptr_t, owner> owners_;  // segments, by base
   std::map<std::uintptr_t, owner> ranges_;            // expandable virtual ranges, by base
 };
