@@ -19,6 +19,6 @@ torch_build_env include/c10/cuda/CUDACachingAllocator.h lib/libc10_cuda.so
 mkdir -p "$out_dir"
 set -x
 "$cxx" -std=c++20 -O2 -fPIC -shared -D_GLIBCXX_USE_CXX11_ABI="$abi" \
-  -I"$repo/bench/peers" -isystem "$torch_dir/include" "${cuda_flags[@]}" \
-  "$repo/bench/peers/c10_peer.cpp" -o "$out_dir/libcucache_c10_peer.so" \
+  -isystem "$torch_dir/include" "${cuda_flags[@]}" \
+  "$repo/tools/common/c10_peer.cpp" -o "$out_dir/libcucache_c10_peer.so" \
   -L"$torch_dir/lib" -lc10_cuda -lc10 -Wl,-rpath,"$torch_dir/lib"

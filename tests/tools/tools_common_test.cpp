@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <cstdlib>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -111,8 +112,11 @@ TEST(c10_loader, without_the_variable_looks_beside_the_executable) {
 
 TEST(c10_loader, loads_once_with_the_settings_asked_for) {
   ::setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64", 1);  // the caller's, replaced
+  ::setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128", 1);      // PyTorch's newer name, too
   const peer_path p(FAKE_C10_PEER);
   const c10_peer_library& lib = load_c10_peer("expandable_segments:True");
+  EXPECT_STREQ(std::getenv("PYTORCH_ALLOC_CONF"), "expandable_segments:True");
+  EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True");
   EXPECT_EQ(lib.path(), FAKE_C10_PEER);
   EXPECT_EQ(lib.conf(), "expandable_segments:True");
   EXPECT_EQ(lib.last_error(),
@@ -133,6 +137,7 @@ TEST(c10_loader, loads_once_with_the_settings_asked_for) {
   // c10's state is process-wide: a second load is refused.
   EXPECT_NE(load_error().find("already loaded"), std::string::npos);
   ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::unsetenv("PYTORCH_ALLOC_CONF");
 }
 
 }  // namespace

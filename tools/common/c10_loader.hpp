@@ -1,5 +1,5 @@
 // Loading libcucache_c10_peer.so, the shim over PyTorch's CUDA caching allocator
-// (bench/peers/c10_peer.h), for the replay and the benchmark: where it is looked for, the
+// (c10_peer.h, beside it), for the replay and the benchmark: where it is looked for, the
 // interface version it must have, and how PyTorch's settings reach it. The tools never link
 // PyTorch; the shim is built against it on a machine with torch.
 #pragma once
@@ -57,12 +57,13 @@ class c10_peer_library {
   cucache_peer_c10_last_error_fn last_error_ = nullptr;
 };
 
-/// Loads the shim at c10_peer_path() and initializes it with `conf` (PYTORCH_CUDA_ALLOC_CONF
-/// syntax). c10 reads PYTORCH_CUDA_ALLOC_CONF when it loads, so the variable is set to `conf`
-/// before the dlopen, or unset when `conf` is empty: the peer runs with the settings asked for,
-/// whatever the caller's environment says. The shim must export every function of c10_peer.h and
-/// report CUCACHE_C10_PEER_ABI. Throws cucache::error saying why not (not found, dlopen failed, a
-/// missing symbol, another interface version, init failed, or already loaded in this process).
+/// Loads the shim at c10_peer_path() and initializes it with `conf` (the syntax of
+/// PYTORCH_ALLOC_CONF, formerly PYTORCH_CUDA_ALLOC_CONF). c10 reads its settings from those
+/// variables when it loads, so both are set to `conf` before the dlopen, or unset when `conf` is
+/// empty: the peer runs with the settings asked for, whatever the caller's environment says. The
+/// shim must export every function of c10_peer.h and report CUCACHE_C10_PEER_ABI. Throws
+/// cucache::error saying why not (not found, dlopen failed, a missing symbol, another interface
+/// version, init failed, or already loaded in this process).
 [[nodiscard]] const c10_peer_library& load_c10_peer(const std::string& conf);
 
 }  // namespace cucache::tools

@@ -1,6 +1,6 @@
 // The allocators cucache-replay compares against on a real GPU: cudaMalloc/cudaFree, the
 // stream-ordered allocator (cudaMallocAsync on a dedicated pool) and PyTorch's caching allocator
-// through the dlopen'd shim of bench/peers/c10_peer.h (the device calls and the loader are
+// through the dlopen'd shim of tools/common/c10_peer.h (the device calls and the loader are
 // tools/common's, shared with cucache-bench). Also the table of CUDA streams a replay uses.
 #pragma once
 
