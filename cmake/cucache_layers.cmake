@@ -5,7 +5,12 @@
 # Each layer's private headers live in src/<layer>/ and are included as "<layer>/name.hpp". A
 # layer's include root (a folder in the build tree holding one link, <layer> -> src/<layer>) is
 # given only to the layer itself and to the layers above it, so an include from a lower layer
-# into a higher one does not compile. The public headers (include/cucache) are visible to all.
+# into a higher one does not compile. The public headers (include/cucache) are visible to all, so
+# the tests check the rest (tests/CMakeLists.txt): layering_upward_include / _downward_include (the
+# include roots), layering_symbols (no layer's archive uses a cucache symbol defined only above it,
+# cmake/check_layer_symbols.cmake), layering_config_in_core (the configuration and its parser are
+# the core's: a program linking the core alone parses a config), and
+# tools_include_only_public_headers (the tools' folders, cmake/check_tool_includes.cmake).
 #
 # DEPENDS are public (a layer below, or what the public headers need); PRIVATE_LIBS are linked
 # privately, and, the layers being static, still reach the link line of whoever links the layer
