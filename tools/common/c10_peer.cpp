@@ -44,7 +44,8 @@ int cucache_peer_c10_abi(void) {
 
 int cucache_peer_c10_init(const char* conf) {
   try {
-    // c10 reads PYTORCH_CUDA_ALLOC_CONF when the library loads; the replay sets it before dlopen.
+    // c10 reads PYTORCH_ALLOC_CONF (or its older name PYTORCH_CUDA_ALLOC_CONF) when the library
+    // loads; the replay sets both before dlopen.
     // Applying the string again covers a caller that did not.
     if (conf != nullptr && conf[0] != '\0') apply_settings(conf);
     // Python does this in torch.cuda's lazy init; from C++ nobody else will, and an allocator

@@ -38,7 +38,7 @@ typedef const char* (*cucache_peer_c10_last_error_fn)(void);
 
 /* CUCACHE_C10_PEER_ABI of the shim. */
 int cucache_peer_c10_abi(void);
-/* Applies `conf` (PYTORCH_CUDA_ALLOC_CONF syntax; NULL or "" = leave c10's settings alone) and
+/* Applies `conf` (PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF syntax; NULL or "" = leave c10's settings alone) and
  * initializes the allocator for every visible device. 0 on success. */
 int cucache_peer_c10_init(const char* conf);
 /* raw_alloc_with_stream on the current device (0). NULL on failure: out of memory (counted in
