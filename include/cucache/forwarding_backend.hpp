@@ -63,17 +63,15 @@ class forwarding_backend : public device_backend {
   /// REQUIRES: inner is not null.
   explicit forwarding_backend(std::shared_ptr<device_backend> inner) : inner_(std::move(inner)) {}
 
+  /// The wrapped backend.
+  [[nodiscard]] device_backend& inner() const noexcept { return *inner_; }
+
+// clang-format off
 #define CUCACHE_FORWARD_CALL(ret, fn, params, args, quals) \
-  ret fn params quals override {                           \
-    return inner_->fn args;                                \
-  }
+  ret fn params quals override { return inner_->fn args; }
   CUCACHE_DEVICE_BACKEND_CALLS(CUCACHE_FORWARD_CALL)
 #undef CUCACHE_FORWARD_CALL
-
-  /// The wrapped backend.
-  [[nodiscard]] device_backend& inner() const noexcept {
-    return *inner_;
-  }
+  // clang-format on
 
  private:
   std::shared_ptr<device_backend> inner_;
@@ -83,14 +81,15 @@ namespace detail {
 // Each entry of the table has device_backend's own signature: a pointer to the member, of the
 // type the table spells, must be device_backend's (an entry with a wrong parameter or qualifier
 // fails here, before any wrapper is compiled).
+// clang-format off
 #define CUCACHE_CHECK_CALL(ret, fn, params, args, quals)                                  \
   static_assert(                                                                          \
       std::is_same_v<decltype(&device_backend::fn), ret(device_backend::*) params quals>, \
-      "CUCACHE_DEVICE_BACKEND_CALLS: the entry " #fn                                      \
-      " does not have the "                                                               \
-      "signature of device_backend::" #fn);
+      "CUCACHE_DEVICE_BACKEND_CALLS: the entry " #fn " does not have the signature of "   \
+      "device_backend::" #fn);
 CUCACHE_DEVICE_BACKEND_CALLS(CUCACHE_CHECK_CALL)
 #undef CUCACHE_CHECK_CALL
+// clang-format on
 }  // namespace detail
 
 // A pure virtual of device_backend missing from the table leaves the base abstract.
