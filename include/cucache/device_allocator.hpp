@@ -72,6 +72,13 @@ struct block_view {
   state st = state::free;
 };
 
+/// One mapped run of an expandable segment: a physical handle mapped at `address`.
+struct mapping_view {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  bool idle = false;  ///< no block touches its pages (cached memory, reclaimable)
+};
+
 /// One segment (a cudaMalloc'd range, or an expandable segment's virtual range) and its blocks,
 /// which tile it in address order.
 struct segment_view {
@@ -81,8 +88,20 @@ struct segment_view {
   bool small = false;       ///< of the small pool (blocks <= 1 MiB)
   bool expandable = false;  ///< a virtual range (its unmapped pages are in free blocks)
   stream_handle stream = nullptr;
-  graph_pool_id pool{};     ///< the graph pool it belongs to; {0, 0} for ordinary memory
+  graph_pool_id pool{};  ///< the graph pool it belongs to; {0, 0} for ordinary memory
   std::vector<block_view> blocks;
+  /// Expandable segments only: the physical page size, and the range's mapped runs (one per
+  /// physical handle) in address order; the rest of the range is unmapped.
+  std::size_t page_bytes = 0;
+  std::vector<mapping_view> mappings;
+};
+
+/// The statistics and every segment, taken together under all locks (device_allocator::
+/// take_snapshot): what snapshot_json() writes.
+struct memory_snapshot {
+  device_stats stats;
+  /// By pool in creation order, each pool's segments newest first (segments() sorts by address).
+  std::vector<segment_view> segments;
 };
 
 /// What a graph pool holds now (device_allocator::graph_pool_state).
@@ -232,6 +251,8 @@ class device_allocator {
   /// Every segment and its blocks, taken consistently under all locks (what snapshots are made
   /// of: cucache::snapshot() writes them in PyTorch's memory-viewer schema).
   [[nodiscard]] std::vector<segment_view> segments() const;
+  /// The statistics and every segment under one set of locks (consistent with each other).
+  [[nodiscard]] memory_snapshot take_snapshot() const;
   /// Size of the block holding ptr (its rounded size) or 0 when ptr is not a live allocation.
   [[nodiscard]] std::size_t allocation_size(const void* ptr) const;
 

@@ -117,7 +117,7 @@ void check_pending_queues(const detail::stream_pool& p) {
 
 void device_allocator::check_invariants() const {
   const impl& m = *impl_;
-  auto all = m.lock_all();
+  auto all = m.pools.lock_all();
   std::size_t allocated_blocks = 0;
   std::size_t reserved_total = 0;
   std::size_t mapped_total = 0;
@@ -203,7 +203,7 @@ void device_allocator::check_invariants() const {
     }
     std::size_t idle_listed = 0, idle_listed_bytes = 0;
     const detail::vm_mapping* idle_last = nullptr;
-    for (const detail::vm_mapping* im = p.idle_head; im != nullptr; im = im->idle_next) {
+    for (const detail::vm_mapping* im = p.pages.idle_head; im != nullptr; im = im->idle_next) {
       if (im->idle_prev != idle_last) {
         violated(fmt::format("pool {}: idle list links are inconsistent", p.index));
       }
@@ -214,14 +214,14 @@ void device_allocator::check_invariants() const {
       ++idle_listed;
       idle_listed_bytes += im->pages * m.page_bytes;
     }
-    if (idle_last != p.idle_tail) {
+    if (idle_last != p.pages.idle_tail) {
       violated(fmt::format("pool {}: idle list tail is not its last mapping", p.index));
     }
-    if (idle_listed != idle_seen || idle_listed_bytes != p.idle_bytes) {
+    if (idle_listed != idle_seen || idle_listed_bytes != p.pages.idle_bytes) {
       violated(
           fmt::format("pool {}: idle list holds {} mappings / {} bytes, page tables show {} "
                       "idle mappings, pool says {} bytes",
-                      p.index, idle_listed, idle_listed_bytes, idle_seen, p.idle_bytes));
+                      p.index, idle_listed, idle_listed_bytes, idle_seen, p.pages.idle_bytes));
     }
     if (pending_blocks_events != p.pending.size() + p.retained) {
       violated(
@@ -271,45 +271,10 @@ void device_allocator::check_invariants() const {
   }
   // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
   // retention count is right; parts belong to their graph pool.
-  {
-    std::lock_guard lock(m.graph_mu_);
-    std::map<const detail::stream_pool*, std::size_t> retained;
-    auto check_retained = [&](const detail::graph_pool& g) {
-      for (const detail::retained_block& r : g.retained) {
-        if (r.b->state != block_state::pending || r.b->seg->owner != r.pool) {
-          violated(
-              fmt::format("graph pool ({:#x}, {:#x}) retains block {:#x}, which is not a "
-                          "pending block of pool {}",
-                          g.id.first, g.id.second, r.b->addr, r.pool->index));
-        }
-        ++retained[r.pool];
-      }
-    };
-    check_retained(m.sync_waiters);
-    for (const auto& [gid, g] : m.graph_pools) {
-      check_retained(*g);
-      for (const auto& [key, part] : g->parts) {
-        if (part->graph != g.get() || part->key != key) {
-          violated(fmt::format("graph pool ({:#x}, {:#x}): part {} is not its own", gid.first,
-                               gid.second, part->index));
-        }
-      }
-    }
-    for (const auto& pp : m.pools) {
-      const auto it = retained.find(pp.get());
-      const std::size_t n = it == retained.end() ? 0 : it->second;
-      if (n != pp->retained) {
-        violated(fmt::format("pool {}: {} retentions listed, count says {}", pp->index, n,
-                             pp->retained));
-      }
-    }
-    if (m.routes_n.load() != m.routes.size() || m.captures_n.load() != m.captures.size()) {
-      violated("graph capture: blocker counts disagree with the routes and captures");
-    }
-  }
+  m.graphs.check_invariants();
   std::size_t handle_bytes = 0;
   if (m.pager) {
-    std::lock_guard lock(m.grow_mu_);
+    std::lock_guard lock(m.budget.mu);
     for (const auto& [bytes, h] : m.pager->free_handles) handle_bytes += bytes;
     if (handle_bytes != m.pager->free_handle_bytes) {
       violated(fmt::format("unmapped handle list holds {} bytes, counter says {}", handle_bytes,
@@ -322,12 +287,12 @@ void device_allocator::check_invariants() const {
     violated(fmt::format("pointer map holds {} blocks, {} are allocated", m.blocks.size(),
                          allocated_blocks));
   }
-  std::lock_guard lock(m.grow_mu_);
-  if (m.reserved != reserved_total) {
-    violated(fmt::format("device reserved {} != sum of segments {}", m.reserved, reserved_total));
+  const std::size_t reserved = m.budget.reserved_bytes();
+  if (reserved != reserved_total) {
+    violated(fmt::format("device reserved {} != sum of segments {}", reserved, reserved_total));
   }
-  if (m.limit != 0 && m.reserved > m.limit) {
-    violated(fmt::format("reserved {} exceeds the memory limit {}", m.reserved, m.limit));
+  if (m.budget.limit != 0 && reserved > m.budget.limit) {
+    violated(fmt::format("reserved {} exceeds the memory limit {}", reserved, m.budget.limit));
   }
 }
 

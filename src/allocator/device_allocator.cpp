@@ -10,6 +10,7 @@
 
 #include "allocator/allocator_impl.hpp"
 #include "allocator/nvtx.hpp"
+#include "allocator/placement.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache {
@@ -19,17 +20,66 @@ using detail::block_state;
 using detail::pool_kind;
 using detail::segment;
 using detail::stream_pool;
+using detail::vm_range;
 
 namespace {
 
-std::atomic<std::uint64_t> g_allocator_ids{1};
+/// `fraction` of `base` bytes, rounded down, for config key `key`; throws invalid_argument naming
+/// the key and value when that is 0 bytes, which would mean `zero_means`.
+std::size_t bytes_of_fraction(const device_backend& backend, const char* key, double fraction,
+                              std::size_t base, const char* of_what, const char* zero_means) {
+  // REQUIRES: 0 < fraction <= 1 (the parser's range). Rounded down; at most base (a product
+  // that rounds up to 2^64 in double would not convert).
+  const double product = fraction * static_cast<double>(base);
+  const std::size_t bytes =
+      product >= static_cast<double>(base) ? base : static_cast<std::size_t>(product);
+  if (bytes == 0) {
+    // 0 bytes is the "off" value: taking it would silently drop the setting.
+    throw invalid_argument(fmt::format(
+        "cucache config: key '{}': invalid value '{}': {} x {} ({} bytes, device {} ({})) is 0 "
+        "bytes, which {}; use a larger value",
+        key, fraction, fraction, of_what, base, backend.device(), backend.name(), zero_means));
+  }
+  return bytes;
+}
 
-struct pool_cache_entry {
-  std::uint64_t owner = 0;
-  std::uint64_t key = 0;  // the stream's id: a reused handle value never hits a dead stream's pool
-  stream_pool* pool = nullptr;
-};
-thread_local pool_cache_entry t_pool_cache;
+/// The page size of expandable mode (0 otherwise), after the checks that come first: a backend,
+/// and one that supports virtual memory management when expandable segments are asked for.
+std::size_t checked_page_bytes(const std::shared_ptr<device_backend>& backend, const config& cfg) {
+  if (!backend) throw invalid_argument("device_allocator: backend is null");
+  if (!cfg.expandable_segments) return 0;
+  const std::size_t page_bytes = backend->vm_granularity();
+  if (page_bytes == 0) {
+    throw invalid_argument(fmt::format(
+        "expandable_segments:True needs virtual memory management, which device {} ({}) does "
+        "not support; use expandable_segments:False",
+        backend->device(), backend->name()));
+  }
+  return page_bytes;
+}
+
+/// The device budget's caps from the config: memory_fraction and memory_limit_mb (the lower
+/// wins), the garbage-collection threshold as a fraction of the limit, else of the device.
+detail::device_budget make_budget(device_backend& backend, const config& cfg) {
+  const std::size_t device_total = backend.mem_get_info().total_bytes;
+  std::size_t limit = 0;
+  if (cfg.memory_fraction > 0.0) {
+    limit = bytes_of_fraction(backend, "memory_fraction", cfg.memory_fraction, device_total,
+                              "the device's capacity", "would mean no limit");
+  }
+  if (cfg.memory_limit_bytes > 0) {
+    limit = limit == 0 ? cfg.memory_limit_bytes : std::min(limit, cfg.memory_limit_bytes);
+  }
+  std::size_t gc_bytes = 0;
+  if (cfg.garbage_collection_threshold > 0.0) {
+    const std::size_t base = limit != 0 ? limit : device_total;
+    gc_bytes =
+        bytes_of_fraction(backend, "garbage_collection_threshold", cfg.garbage_collection_threshold,
+                          base, limit != 0 ? "the memory limit" : "the device's capacity",
+                          "would turn garbage collection off");
+  }
+  return detail::device_budget(device_total, limit, gc_bytes);
+}
 
 }  // namespace
 
@@ -41,40 +91,15 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
       observer(o.get()),
       observer_owner(std::move(o)),
       policy(cfg),
-      id(g_allocator_ids.fetch_add(1)) {
-  if (!raw) throw invalid_argument("device_allocator: backend is null");
-  sync_waiters.released = true;
-  if (cfg.expandable_segments) {
-    page_bytes = backend->vm_granularity();
-    if (page_bytes == 0) {
-      throw invalid_argument(fmt::format(
-          "expandable_segments:True needs virtual memory management, which device {} ({}) does "
-          "not support; use expandable_segments:False",
-          backend->device(), backend->name()));
-    }
-  }
-  device_total = backend->mem_get_info().total_bytes;
-  if (cfg.memory_fraction > 0.0) {
-    limit = bytes_of_fraction("memory_fraction", cfg.memory_fraction, device_total,
-                              "the device's capacity", "would mean no limit");
-  }
-  if (cfg.memory_limit_bytes > 0) {
-    limit = limit == 0 ? cfg.memory_limit_bytes : std::min(limit, cfg.memory_limit_bytes);
-  }
-  if (cfg.garbage_collection_threshold > 0.0) {
-    const std::size_t base = limit != 0 ? limit : device_total;
-    gc_bytes = bytes_of_fraction("garbage_collection_threshold", cfg.garbage_collection_threshold,
-                                 base, limit != 0 ? "the memory limit" : "the device's capacity",
-                                 "would turn garbage collection off");
-  }
+      page_bytes(checked_page_bytes(backend, cfg)),
+      budget(make_budget(*backend, cfg)),
+      pools(*raw),
+      graphs(*raw, pools),
+      events(*backend) {
   if (cfg.expandable_segments) {
     // (The pager gets the capture-safe backend too, and may not move idle pages while a capture
     // is underway: unmapping waits for a device synchronization.)
-    pager = std::make_unique<detail::pager>(
-        *backend,
-        detail::device_budget{grow_mu_, reserved, reserved_peak, limit, gc_bytes,
-                              device_alloc_count, device_free_count},
-        page_bytes, device_total, pools_mu_, pools);
+    pager = std::make_unique<detail::pager>(*backend, budget, page_bytes, pools);
     pager->set_synchronization_gate([this] { return !sync_blocked(); });
     pager->nvtx = cfg.nvtx;
     // Which devices every mapping is made accessible to, and whether its physical memory can be
@@ -82,24 +107,6 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
     backend->configure_peer_access(cfg.peer_access);
     if (cfg.ipc_handles) backend->enable_phys_export();
   }
-}
-
-std::size_t device_allocator::impl::bytes_of_fraction(const char* key, double fraction,
-                                                      std::size_t base, const char* of_what,
-                                                      const char* zero_means) const {
-  // REQUIRES: 0 < fraction <= 1 (the parser's range). Rounded down; at most base (a product
-  // that rounds up to 2^64 in double would not convert).
-  const double product = fraction * static_cast<double>(base);
-  const std::size_t bytes =
-      product >= static_cast<double>(base) ? base : static_cast<std::size_t>(product);
-  if (bytes == 0) {
-    // 0 bytes is the "off" value: taking it would silently drop the setting.
-    throw invalid_argument(fmt::format(
-        "cucache config: key '{}': invalid value '{}': {} x {} ({} bytes, device {} ({})) is 0 "
-        "bytes, which {}; use a larger value",
-        key, fraction, fraction, of_what, base, backend->device(), backend->name(), zero_means));
-  }
-  return bytes;
 }
 
 device_allocator::impl::~impl() {
@@ -134,88 +141,9 @@ device_allocator::impl::~impl() {
       s = next;
     }
   }
-  for (event_handle e : free_events) {
-    try {
-      backend->event_destroy(e);
-    } catch (...) {
-    }
-  }
 }
 
-stream_pool& device_allocator::impl::pool_for(stream_handle stream) {
-  // By stream id, not handle: once the program destroys a stream, the runtime hands its handle
-  // value to the next stream it creates, while work queued on the dead one may still run. A pool
-  // keyed by the value would give the new stream blocks whose last use is that work.
-  const std::uint64_t key = stream_key(stream);
-  const pool_cache_entry& c = t_pool_cache;
-  if (c.owner == id && c.key == key) [[likely]]
-    return *c.pool;
-  return pool_for_key(stream, key);
-}
-
-stream_pool& device_allocator::impl::pool_for_key(stream_handle stream, std::uint64_t key) {
-  // pool_for's miss of the thread's one-entry cache: out of line, so that the hit stays small.
-  pool_cache_entry& c = t_pool_cache;
-  stream_pool* p = nullptr;
-  {
-    std::shared_lock lock(pools_mu_);
-    auto it = pool_by_stream.find(key);
-    if (it != pool_by_stream.end()) p = it->second;
-  }
-  if (p == nullptr) {
-    std::unique_lock lock(pools_mu_);
-    auto it = pool_by_stream.find(key);
-    if (it != pool_by_stream.end()) {
-      p = it->second;
-    } else {
-      pools.push_back(std::make_unique<stream_pool>(stream, key, pools.size()));
-      p = pools.back().get();
-      pool_by_stream.emplace(key, p);
-    }
-  }
-  c = pool_cache_entry{id, key, p};
-  return *p;
-}
-
-stream_pool& device_allocator::impl::new_pool(stream_handle stream, std::uint64_t key,
-                                              detail::graph_pool* g) {
-  // REQUIRES: pools_mu_ held exclusively.
-  pools.push_back(std::make_unique<stream_pool>(stream, key, pools.size(), g));
-  return *pools.back();
-}
-
-device_allocator::impl::all_locked device_allocator::impl::lock_all() const {
-  all_locked a{std::shared_lock(pools_mu_), {}};
-  a.locks.reserve(pools.size());
-  for (const auto& p : pools) a.locks.emplace_back(p->mu);
-  return a;
-}
-
-// --- events -----------------------------------------------------------------------------------
-
-event_handle device_allocator::impl::take_event() {
-  {
-    std::lock_guard lock(events_mu_);
-    if (!free_events.empty()) {
-      event_handle e = free_events.back();
-      free_events.pop_back();
-      return e;
-    }
-  }
-  return backend->event_create();
-}
-
-void device_allocator::impl::return_event(event_handle e) noexcept {
-  std::lock_guard lock(events_mu_);
-  try {
-    free_events.push_back(e);
-  } catch (...) {
-    try {
-      backend->event_destroy(e);
-    } catch (...) {
-    }
-  }
-}
+// --- pending frees -----------------------------------------------------------------------------
 
 void device_allocator::impl::poll_pending(stream_pool& p) {
   // Per recording stream, oldest first, up to the first event that has not completed: the later
@@ -232,7 +160,7 @@ void device_allocator::impl::poll_pending(stream_pool& p) {
       }
       if (!done) break;
       p.pending.pop_front(q);
-      return_event(pf.event);
+      events.give_back(pf.event);
       if (--pf.b->uses->pending_events == 0) release_to_free(p, pf.b);
     }
   }
@@ -250,7 +178,7 @@ void device_allocator::impl::sync_pending(stream_pool& p) {
         if (!first_error) first_error = std::current_exception();
         return true;
       }
-      return_event(pf.event);
+      events.give_back(pf.event);
       if (--pf.b->uses->pending_events == 0) release_to_free(p, pf.b);
       return false;
     });
@@ -263,23 +191,15 @@ void device_allocator::impl::sync_pending(stream_pool& p) {
 
 block* device_allocator::impl::find_free(const stream_pool& p, pool_kind kind,
                                          std::size_t rounded) const {
-  block* b = p.index_of(kind).best_fit(rounded);
-  if (b == nullptr || !policy.may_take(b->size, rounded)) return nullptr;
-  return b;
+  return detail::place_in_segments(p.index_of(kind), policy, rounded);
 }
 
 segment* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::size_t bytes) {
-  void* ptr = nullptr;
-  {
-    std::lock_guard lock(grow_mu_);
-    if (limit != 0 && reserved + bytes > limit) return nullptr;
+  void* ptr = budget.charge(bytes, [&] {
     const detail::nvtx_range range(cfg.nvtx, "cucache: cudaMalloc");
-    ptr = backend->segment_malloc(bytes);
-    if (ptr == nullptr) return nullptr;
-    reserved += bytes;
-    reserved_peak = std::max(reserved_peak, reserved);
-  }
-  device_alloc_count.fetch_add(1, std::memory_order_relaxed);
+    return backend->segment_malloc(bytes);
+  });
+  if (ptr == nullptr) return nullptr;
   segment* s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(ptr), bytes, nullptr);
   p.stats.reserved_bytes.inc(kind, static_cast<std::int64_t>(bytes));
   p.stats.segment_count.inc(kind, 1);
@@ -308,8 +228,8 @@ segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std
   b->state = block_state::free;
   s->free_tick = ++p.tick;
   p.index_of(kind).insert(b);
-  if (allocation_observer* o = observer.load(std::memory_order_acquire); o != nullptr && vm == nullptr)
-      [[unlikely]]
+  if (allocation_observer* o = observer.load(std::memory_order_acquire);
+      o != nullptr && vm == nullptr) [[unlikely]]
     o->on_segment_alloc(base, bytes, p.stream);
   return s;
 }
@@ -332,13 +252,10 @@ block* device_allocator::impl::split_off(stream_pool& p, block* b, std::size_t f
 void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   // REQUIRES: p.mu held, s whole and free. The device call comes first so that a failure leaves
   // every structure as it was.
-  {
-    std::lock_guard lock(grow_mu_);
+  budget.refund(s->size, [&] {
     const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
     backend->segment_free(reinterpret_cast<void*>(s->base));
-    reserved -= s->size;
-  }
-  device_free_count.fetch_add(1, std::memory_order_relaxed);
+  });
   if (allocation_observer* o = observer.load(std::memory_order_acquire)) [[unlikely]]
     o->on_segment_free(s->base, s->size, p.stream);
   p.index_of(s->kind).erase(s->first);
@@ -454,119 +371,19 @@ void device_allocator::impl::release_free_segments(std::size_t target_reserved, 
     });
   }
   for (auto [p, s] : victims) {
-    {
-      std::lock_guard lock(grow_mu_);
-      if (reserved <= target_reserved) break;
-    }
+    if (budget.reserved_bytes() <= target_reserved) break;
     release_segment(*p, s);
   }
 }
 
 void device_allocator::impl::collect_garbage(std::size_t incoming) {
   // REQUIRES: all pools locked.
+  const std::size_t gc_bytes = budget.gc_bytes;
   const std::size_t target = gc_bytes > incoming ? gc_bytes - incoming : 0;
   release_free_segments(target, /*oldest_first=*/true);
 }
 
-// --- graph capture ----------------------------------------------------------------------------
-
-detail::graph_pool* device_allocator::impl::find_graph_pool(graph_pool_id gid) const {
-  auto it = graph_pools.find(gid);
-  return it == graph_pools.end() ? nullptr : it->second.get();
-}
-
-void device_allocator::impl::update_blockers_locked() {
-  routes_n.store(static_cast<std::uint32_t>(routes.size()), std::memory_order_release);
-  captures_n.store(static_cast<std::uint32_t>(captures.size()), std::memory_order_release);
-}
-
-detail::graph_pool* device_allocator::impl::known_capture_locked(std::uint64_t key) const {
-  for (const detail::known_capture& c : captures) {
-    if (c.stream_key == key) return c.pool;
-  }
-  return nullptr;
-}
-
-detail::graph_pool* device_allocator::impl::capture_pool_locked(stream_handle stream,
-                                                                std::uint64_t key,
-                                                                capture_info cap) {
-  detail::graph_pool* g = nullptr;
-  for (detail::graph_route& r : routes) {
-    if (r.filter(stream)) {
-      g = r.pool;
-      break;
-    }
-  }
-  if (g == nullptr) {
-    const graph_pool_id gid = graph_pool_id::of_capture(cap.id);
-    g = find_graph_pool(gid);
-    if (g == nullptr) {
-      auto owned = std::make_unique<detail::graph_pool>();
-      owned->id = gid;
-      owned->uses = 1;  // the capture's graph; release_graph_pool(of_capture(id)) drops it
-      g = owned.get();
-      graph_pools.emplace(gid, std::move(owned));
-    }
-  }
-  // One entry per stream: an entry of an earlier capture on this stream has ended.
-  bool noted = false;
-  for (detail::known_capture& c : captures) {
-    if (c.stream_key == key) {
-      c.capture_id = cap.id;
-      c.pool = g;
-      noted = true;
-    }
-  }
-  if (!noted) captures.push_back({cap.id, key, g});
-  update_blockers_locked();
-  return g;
-}
-
-stream_pool* device_allocator::impl::graph_part_for(stream_handle stream, capture_info cap) {
-  if (cap.state == capture_state::invalidated) {
-    throw cuda_error(
-        "cucache::allocate", 901,  // cudaErrorStreamCaptureInvalidated
-        fmt::format("stream {} is in a CUDA graph capture that an illegal call invalidated; the "
-                    "graph can never run, and cucache allocates nothing for it (end the capture)",
-                    fmt::ptr(stream)));
-  }
-  // A capturing stream's part is keyed by its capture key (its id cannot be asked); a stream
-  // routed to a graph pool outside a capture by its id, as everywhere else.
-  const std::uint64_t ckey = capture_key(stream);
-  const std::uint64_t key = cap.state == capture_state::active ? ckey : stream_key(stream);
-  detail::graph_pool* g = nullptr;
-  {
-    std::lock_guard lock(graph_mu_);
-    if (cap.state == capture_state::active) {
-      g = capture_pool_locked(stream, ckey, cap);
-    } else {
-      for (detail::graph_route& r : routes) {
-        if (r.filter(stream)) {
-          g = r.pool;
-          break;
-        }
-      }
-      // Not capturing now: a capture cucache noted on this stream has ended.
-      if (std::erase_if(captures, [&](const auto& c) { return c.stream_key == ckey; }) != 0) {
-        update_blockers_locked();
-      }
-    }
-    if (g == nullptr) return nullptr;
-    if (g->released) {
-      throw invalid_argument(fmt::format(
-          "cucache: graph pool ({:#x}, {:#x}) on device {} was released while a capture still "
-          "allocates from it",
-          g->id.first, g->id.second, backend->device()));
-    }
-    if (auto it = g->parts.find(key); it != g->parts.end()) return it->second;
-  }
-  std::unique_lock list(pools_mu_);
-  std::lock_guard lock(graph_mu_);
-  if (auto it = g->parts.find(key); it != g->parts.end()) return it->second;
-  stream_pool& part = new_pool(stream, key, g);
-  g->parts.emplace(key, &part);
-  return &part;
-}
+// --- pending blocks and graph pools ---------------------------------------------------------
 
 void device_allocator::impl::mark_pending(stream_pool& p, block* b) {
   const pool_kind kind = b->seg->kind;
@@ -576,77 +393,20 @@ void device_allocator::impl::mark_pending(stream_pool& p, block* b) {
   p.stats.pending_bytes.inc(kind, static_cast<std::int64_t>(b->size));
 }
 
-void device_allocator::impl::retain(detail::graph_pool& g, stream_pool& p, block* b) {
-  {
-    std::lock_guard lock(graph_mu_);
-    g.retained.push_back({&p, b});
-  }
-  ++b->uses->pending_events;
-  ++p.retained;
-}
-
 void device_allocator::impl::settle_graph_pools() {
   // REQUIRES: all pools locked (no free can add a retention meanwhile), !sync_blocked().
-  std::vector<detail::graph_pool*> released;
-  bool wait = false;
-  {
-    std::lock_guard lock(graph_mu_);
-    for (auto& [gid, g] : graph_pools) {
-      if (!g->released) continue;
-      released.push_back(g.get());
-      wait = wait || !g->settled || !g->retained.empty();
-    }
-    wait = wait || !sync_waiters.retained.empty();
-  }
-  if (released.empty() && !wait) return;
-  // The last replay of a released graph may still run, on any stream: only a device-wide
-  // synchronization proves that its memory is idle. A failure changes nothing.
-  if (wait) backend->device_synchronize();
-  std::vector<detail::retained_block> back;
-  {
-    std::lock_guard lock(graph_mu_);
-    back.swap(sync_waiters.retained);
-    for (detail::graph_pool* g : released) {
-      back.insert(back.end(), g->retained.begin(), g->retained.end());
-      g->retained.clear();
-      g->settled = true;
-    }
-  }
-  for (auto [p, b] : back) {
+  const detail::graph_pools::settled back = graphs.settle(*backend);
+  for (auto [p, b] : back.blocks) {
     --p->retained;
     if (--b->uses->pending_events == 0) release_to_free(*p, b);
   }
-  for (detail::graph_pool* g : released) {
-    for (auto [key, part] : g->parts) {
-      std::vector<segment*> victims;
-      for (segment* s = part->segments; s != nullptr; s = s->next) {
-        if (s->whole_free()) victims.push_back(s);
-      }
-      for (segment* s : victims) release_segment(*part, s);
+  for (stream_pool* part : back.parts) {
+    std::vector<segment*> victims;
+    for (segment* s = part->segments; s != nullptr; s = s->next) {
+      if (s->whole_free()) victims.push_back(s);
     }
+    for (segment* s : victims) release_segment(*part, s);
   }
-}
-
-void device_allocator::impl::throw_capture_blocks(const char* what) const {
-  std::string who;
-  {
-    std::lock_guard lock(graph_mu_);
-    for (const detail::known_capture& c : captures) {
-      who += fmt::format("{}capture {} (stream id {:#x})", who.empty() ? "" : ", ", c.capture_id,
-                         c.stream_key);
-    }
-    for (const detail::graph_route& r : routes) {
-      who += fmt::format("{}the route to graph pool ({:#x}, {:#x})", who.empty() ? "" : ", ",
-                         r.pool->id.first, r.pool->id.second);
-    }
-  }
-  throw cuda_error(
-      fmt::format("cucache::{}", what), 900,  // cudaErrorStreamCaptureUnsupported
-      fmt::format("device {}: a CUDA graph capture may be underway ({}); returning memory to the "
-                  "device synchronizes it, which is illegal during a capture. End the capture "
-                  "and tell cucache (end_allocate_to_pool, release_graph_pool), or allocate on "
-                  "the stream again once its capture has ended",
-                  backend->device(), who));
 }
 
 // --- allocate ---------------------------------------------------------------------------------
@@ -654,7 +414,7 @@ void device_allocator::impl::throw_capture_blocks(const char* what) const {
 block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t rounded,
                                     std::unique_lock<detail::pool_mutex>& lk) {
   const std::size_t seg_bytes = policy.segment_size(rounded);
-  if (seg_bytes > device_total || (limit != 0 && seg_bytes > limit)) return nullptr;  // never fits
+  if (budget.never_fits(seg_bytes)) return nullptr;
 
   // While a capture is underway nothing may be given back (cudaFree synchronizes the device): a
   // miss can only take new memory.
@@ -663,16 +423,11 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
       policy.max_split_size() != std::numeric_limits<std::size_t>::max()) {
     release_oversize(p);
   }
-  if (gc_bytes != 0 && !blocked) {
-    bool over = false;
+  if (!blocked && budget.over_gc(seg_bytes)) {
     {
-      std::lock_guard lock(grow_mu_);
-      over = reserved + seg_bytes > gc_bytes;
-    }
-    if (over) {
       lk.unlock();
       {
-        auto all = lock_all();
+        auto all = pools.lock_all();
         if (!sync_blocked()) collect_garbage(seg_bytes);
       }
       lk.lock();
@@ -681,24 +436,88 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   }
   if (segment* s = new_segment(p, kind, seg_bytes)) return s->first;
 
-  // Out-of-memory ladder: wait for every pending free, release every whole free segment of every
-  // pool (and what released graph pools hold), and retry once.
-  retry_count.fetch_add(1, std::memory_order_relaxed);
-  const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
-  lk.unlock();
-  {
-    auto all = lock_all();
-    for (auto& q : pools) sync_pending(*q);
-    if (!sync_blocked()) {
-      settle_graph_pools();
-      release_free_segments(0, /*oldest_first=*/false);
-    }
-  }
-  lk.lock();
+  run_ladder(lk, ladder_release::free_segments);
   if (block* b = find_free(p, kind, rounded)) return b;
   segment* s = new_segment(p, kind, seg_bytes);
   return s != nullptr ? s->first : nullptr;
 }
+
+void device_allocator::impl::run_ladder(std::unique_lock<detail::pool_mutex>& lk,
+                                        ladder_release what) {
+  // Out-of-memory ladder: wait for every pending free, settle released graph pools, give back
+  // every whole free segment of every pool (default mode) or unmap every idle page of every pool
+  // into the reusable handle list (expandable mode); the caller retries once. Giving back
+  // synchronizes the device: not while a capture is underway.
+  budget.retry_count.fetch_add(1, std::memory_order_relaxed);
+  const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
+  lk.unlock();
+  {
+    auto all = pools.lock_all();
+    for (auto& q : pools) sync_pending(*q);
+    if (!sync_blocked()) {
+      settle_graph_pools();
+      if (what == ladder_release::free_segments) {
+        release_free_segments(0, /*oldest_first=*/false);
+      } else {
+        for (auto& q : pools) pager->unmap_idle(*q, /*release_handles=*/false);
+      }
+    }
+  }
+  lk.lock();
+}
+
+// --- expandable segments: a range per pool kind, placement, the pager backs the pages -------
+
+segment* device_allocator::impl::ensure_range(stream_pool& p, pool_kind kind) {
+  const int k = static_cast<int>(kind);
+  if (p.pages.ranges[k] != nullptr) return p.pages.ranges[k];
+  std::unique_ptr<vm_range> range = pager->reserve_range(kind);
+  segment* s = add_segment(p, kind, range->base, range->size, range.get());
+  range.release();  // owned by the segment from here (~impl destroys and deletes it)
+  p.pages.ranges[k] = s;
+  return s;
+}
+
+void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
+  const pool_kind kind = b->seg->kind;
+  p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
+                  static_cast<std::int64_t>(b->requested));
+  b->requested = 0;
+  release_to_free(p, b);
+}
+
+void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind,
+                                                  std::size_t rounded, std::size_t bytes,
+                                                  std::unique_lock<detail::pool_mutex>& lk) {
+  if (budget.never_fits(rounded)) return nullptr;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    ensure_range(p, kind);
+    block* b = detail::place_in_range(p.index_of(kind), rounded);
+    if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
+    // May throw (a failed unmap): before any block changes, so nothing is left half done.
+    pager->split_overhang(p, *b->seg->vm, b->addr, rounded);
+    b = carve(p, b, kind, rounded, bytes);
+    bool mapped = false;
+    try {
+      mapped = pager->back(p, b);
+    } catch (...) {
+      undo_carve(p, b);
+      throw;
+    }
+    if (mapped) {
+      blocks.insert(b->addr, b);
+      return reinterpret_cast<void*>(b->addr);
+    }
+    undo_carve(p, b);
+    if (attempt == 1) break;
+    // The pager found no room even among the idle pages of the pools it could lock without
+    // waiting: the ladder, and once more.
+    run_ladder(lk, ladder_release::idle_pages);
+  }
+  return nullptr;
+}
+
+// --- allocate: the entry ----------------------------------------------------------------------
 
 void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return nullptr;
@@ -712,12 +531,12 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   if (stream != nullptr) {
     const capture_info cap = raw->capture_status(stream);
     if (cap.state != capture_state::none || sync_blocked()) [[unlikely]] {
-      graph_part = graph_part_for(stream, cap);
+      graph_part = graphs.part_for(stream, cap);
     }
-  } else if (routes_n.load(std::memory_order_acquire) != 0) [[unlikely]] {
-    graph_part = graph_part_for(stream, {});
+  } else if (graphs.any_route()) [[unlikely]] {
+    graph_part = graphs.part_for(stream, {});
   }
-  stream_pool& p = graph_part != nullptr ? *graph_part : pool_for(stream);
+  stream_pool& p = graph_part != nullptr ? *graph_part : pools.pool_for(stream);
   std::unique_lock lk(p.mu);
   if (!p.pending.empty()) poll_pending(p);
   if (cfg.expandable_segments && p.graph == nullptr) {
@@ -752,9 +571,8 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   std::lock_guard lk(p.mu);
   // The common free: no capture known, nobody observing, the block used on its own stream only.
   // It is deallocate_locked's path for that case, step for step, without its tests.
-  if (captures_n.load(std::memory_order_acquire) != 0 ||
-      observer.load(std::memory_order_acquire) != nullptr ||
-      b->uses != nullptr || (ordered && !names_pool_stream(p, stream))) [[unlikely]] {
+  if (graphs.any_capture() || observer.load(std::memory_order_acquire) != nullptr ||
+      b->uses != nullptr || (ordered && !pools.names_pool_stream(p, stream))) [[unlikely]] {
     return deallocate_locked(p, b, ptr, stream, ordered);
   }
   p.stats.on_free(b->seg->kind, static_cast<std::int64_t>(b->size),
@@ -772,11 +590,10 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
   // A block of a stream pool freed while cucache knows that stream captures: the captured work
   // may use it at every replay, so it is held for that capture's graph pool, not reused.
   detail::graph_pool* own_capture = nullptr;
-  if (captures_n.load(std::memory_order_acquire) != 0 && p.graph == nullptr) [[unlikely]] {
-    std::lock_guard lock(graph_mu_);
+  if (graphs.any_capture() && p.graph == nullptr) [[unlikely]] {
     // By handle: captures are known by their streams' capture keys. A stale handle (p's stream
     // destroyed, its value now a capturing stream's) only retains a block longer than needed.
-    own_capture = known_capture_locked(capture_key(p.stream));
+    own_capture = graphs.capture_of(detail::pool_table::capture_key(p.stream));
     if (own_capture != nullptr && b->uses == nullptr) {
       try {
         b->uses = new detail::stream_uses;
@@ -795,7 +612,7 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
                   static_cast<std::int64_t>(b->requested));
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
-  if (ordered && !names_pool_stream(p, stream) &&
+  if (ordered && !pools.names_pool_stream(p, stream) &&
       (b->uses == nullptr || std::find(b->uses->streams.begin(), b->uses->streams.end(), stream) ==
                                  b->uses->streams.end())) {
     try {
@@ -811,7 +628,7 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
     return true;
   }
   mark_pending(p, b);
-  if (own_capture != nullptr) retain(*own_capture, p, b);
+  if (own_capture != nullptr) graphs.retain(*own_capture, p, b);
   if (cross) {
     // Used on other streams: reuse waits for an event on each of them -- or, for a stream being
     // captured, for the release of its capture's graph pool: an event recorded there would be a
@@ -821,22 +638,18 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
       std::uint64_t key = 0;
       try {
         cap = raw->capture_status(s);
-        if (cap.state != capture_state::none) key = capture_key(s);
+        if (cap.state != capture_state::none) key = detail::pool_table::capture_key(s);
       } catch (...) {
         cap = {};  // the stream is gone: the record below fails and the fallback waits
       }
       if (cap.state != capture_state::none) {
-        detail::graph_pool* g = nullptr;
-        {
-          std::lock_guard lock(graph_mu_);
-          g = capture_pool_locked(s, key, cap);
-        }
-        retain(*g, p, b);
+        detail::graph_pool* g = graphs.capture_pool(s, key, cap);
+        graphs.retain(*g, p, b);
         continue;
       }
       event_handle e = nullptr;
       try {
-        e = take_event();
+        e = events.take();
         backend->event_record(e, s);
         p.pending.push(s, b, e);
         ++b->uses->pending_events;
@@ -845,9 +658,9 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
         // itself may be why the record failed (destroyed since record_stream named it): wait
         // device-wide, which names no stream -- or, while a capture forbids that, hold the block
         // until the next device synchronization cucache makes.
-        if (e != nullptr) return_event(e);
+        if (e != nullptr) events.give_back(e);
         if (sync_blocked()) {
-          retain(sync_waiters, p, b);
+          graphs.retain_until_sync(p, b);
         } else {
           try {
             backend->device_synchronize();
@@ -864,7 +677,7 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
 bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   bool found = blocks.with(addr, [&](block* b) {
-    if (names_pool_stream(*b->seg->owner, stream)) return;
+    if (pools.names_pool_stream(*b->seg->owner, stream)) return;
     // Under the map's shard lock only: the block cannot be freed meanwhile, and nothing else
     // touches its uses while it is allocated.
     if (b->uses == nullptr) b->uses = new detail::stream_uses;
@@ -875,9 +688,9 @@ bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
 }
 
 void device_allocator::impl::empty_cache() {
-  auto all = lock_all();
+  auto all = pools.lock_all();
   for (auto& p : pools) sync_pending(*p);
-  if (sync_blocked()) throw_capture_blocks("empty_cache");
+  if (sync_blocked()) graphs.throw_capture_blocks("empty_cache");
   settle_graph_pools();
   if (cfg.expandable_segments) {
     for (auto& p : pools) pager->unmap_idle(*p, /*release_handles=*/true);
@@ -889,105 +702,26 @@ void device_allocator::impl::empty_cache() {
 // --- graph pools: the public calls --------------------------------------------------------------
 
 void device_allocator::impl::begin_allocate_to_pool(graph_pool_id gid, stream_filter filter) {
-  if (gid == graph_pool_id{}) {
-    throw invalid_argument("cucache::begin_allocate_to_pool: pool id (0, 0) names no pool");
-  }
-  if (!filter) throw invalid_argument("cucache::begin_allocate_to_pool: the filter is empty");
   // All pools locked too: release_free_segments reads `released` under the pool locks.
-  auto all = lock_all();
-  std::lock_guard lock(graph_mu_);
-  detail::graph_pool* g = find_graph_pool(gid);
-  if (g != nullptr && g->routed) {
-    throw invalid_argument(
-        fmt::format("cucache::begin_allocate_to_pool: graph pool ({:#x}, {:#x}) is routed already",
-                    gid.first, gid.second));
-  }
-  if (g != nullptr && g->released && !g->settled) {
-    throw invalid_argument(fmt::format(
-        "cucache::begin_allocate_to_pool: graph pool ({:#x}, {:#x}) was released and a replay "
-        "of its last graph may still run (no device synchronization since: a capture is "
-        "underway)",
-        gid.first, gid.second));
-  }
-  routes.reserve(routes.size() + 1);
-  if (g == nullptr) {
-    auto owned = std::make_unique<detail::graph_pool>();
-    owned->id = gid;
-    g = owned.get();
-    graph_pools.emplace(gid, std::move(owned));
-  }
-  ++g->uses;
-  g->released = false;
-  g->settled = false;
-  g->routed = true;
-  routes.push_back({g, std::move(filter)});
-  update_blockers_locked();
+  auto all = pools.lock_all();
+  graphs.begin_route(gid, std::move(filter));
 }
 
 void device_allocator::impl::end_allocate_to_pool(graph_pool_id gid) {
-  auto all = lock_all();
-  {
-    std::lock_guard lock(graph_mu_);
-    detail::graph_pool* g = find_graph_pool(gid);
-    bool found = false;
-    if (g != nullptr) {
-      found = std::erase_if(routes, [&](const auto& r) { return r.pool == g; }) != 0;
-      g->routed = false;
-      found = std::erase_if(captures, [&](const auto& c) { return c.pool == g; }) != 0 || found;
-      update_blockers_locked();
-    }
-    if (!found) {
-      throw invalid_argument(fmt::format(
-          "cucache::end_allocate_to_pool: nothing allocates to graph pool ({:#x}, {:#x})",
-          gid.first, gid.second));
-    }
-  }
+  auto all = pools.lock_all();
+  graphs.end_route(gid);
   if (!sync_blocked()) settle_graph_pools();
 }
 
 void device_allocator::impl::release_graph_pool(graph_pool_id gid) {
-  auto all = lock_all();
-  {
-    std::lock_guard lock(graph_mu_);
-    detail::graph_pool* g = find_graph_pool(gid);
-    if (g == nullptr || g->uses == 0) {
-      throw invalid_argument(fmt::format(
-          "cucache::release_graph_pool: graph pool ({:#x}, {:#x}) {}", gid.first, gid.second,
-          g == nullptr ? "does not exist" : "has no owner left (released already)"));
-    }
-    if (g->routed) {
-      throw invalid_argument(
-          fmt::format("cucache::release_graph_pool: graph pool ({:#x}, {:#x}) is still routed "
-                      "(end_allocate_to_pool first)",
-                      gid.first, gid.second));
-    }
-    if (--g->uses == 0) {
-      g->released = true;
-      g->settled = false;
-      // A graph that is released has been captured: its capture has ended.
-      std::erase_if(captures, [&](const auto& c) { return c.pool == g; });
-      update_blockers_locked();
-    }
-  }
+  auto all = pools.lock_all();
+  graphs.release(gid);
   if (!sync_blocked()) settle_graph_pools();
 }
 
 graph_pool_info device_allocator::impl::graph_pool_state(graph_pool_id gid) const {
-  auto all = lock_all();
-  std::lock_guard lock(graph_mu_);
-  graph_pool_info info;
-  const detail::graph_pool* g = find_graph_pool(gid);
-  if (g == nullptr) return info;
-  info.exists = true;
-  info.uses = g->uses;
-  info.routed = g->routed;
-  info.released = g->released;
-  info.retained_blocks = g->retained.size();
-  for (auto [key, part] : g->parts) {
-    info.reserved_bytes += static_cast<std::size_t>(part->stats.reserved_bytes[0].current);
-    info.allocated_bytes += static_cast<std::size_t>(part->stats.allocated_bytes[0].current);
-  }
-  return info;
+  auto all = pools.lock_all();
+  return graphs.state(gid);
 }
 
 // --- public shell -----------------------------------------------------------------------------
@@ -1060,12 +794,9 @@ std::size_t device_allocator::allocation_size(const void* ptr) const {
   return size;
 }
 
-detail::stream_pool& device_allocator::impl::pool_for_outline(stream_handle stream) {
-  return pool_for(stream);
-}
 detail::block* device_allocator::impl::find_free_outline(const detail::stream_pool& p,
-                                                        detail::pool_kind kind,
-                                                        std::size_t rounded) const {
+                                                         detail::pool_kind kind,
+                                                         std::size_t rounded) const {
   return find_free(p, kind, rounded);
 }
 

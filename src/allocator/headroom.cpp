@@ -12,6 +12,7 @@
 
 #include "allocator/allocator_impl.hpp"
 #include "allocator/nvtx.hpp"
+#include "allocator/placement.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache {
@@ -49,17 +50,15 @@ std::size_t device_allocator::impl::largest_request_within(std::size_t rounded) 
 
 std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   // The pool before the locks: pool_for may create it (under pools_mu_, which lock_all shares).
-  stream_pool& own = pool_for_outline(stream);
-  auto all = lock_all();
+  stream_pool& own = pools.pool_for(stream);
+  auto all = pools.lock_all();
   // The ladder's first step, taken now: pending frees become free blocks (and may coalesce).
   for (auto& q : pools) sync_pending(*q);
   const bool blocked = sync_blocked();  // the ladder then releases nothing
   const std::size_t device_free = backend->mem_get_info().free_bytes;
-  std::size_t reserved_now = 0;
-  {
-    std::lock_guard lock(grow_mu_);
-    reserved_now = reserved;
-  }
+  const std::size_t reserved_now = budget.reserved_bytes();
+  const std::size_t device_total = budget.device_total;
+  const std::size_t limit = budget.limit;
   std::size_t best = 0;
 
   if (!cfg.expandable_segments) {
@@ -173,7 +172,7 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
 
 void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return;
-  stream_pool& p = pool_for_outline(stream);
+  stream_pool& p = pools.pool_for(stream);
   std::unique_lock lk(p.mu);
   if (!cfg.expandable_segments) {
     // One large-pool segment, through the path a request that misses the cache takes.
@@ -182,7 +181,8 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
                                 : (bytes + detail::k_large_segment_round_bytes - 1) /
                                       detail::k_large_segment_round_bytes *
                                       detail::k_large_segment_round_bytes;
-    if (seg != 0 && seg <= device_total && new_segment(p, pool_kind::large, seg) != nullptr) {
+    if (seg != 0 && seg <= budget.device_total &&
+        new_segment(p, pool_kind::large, seg) != nullptr) {
       return;
     }
     lk.unlock();
@@ -198,19 +198,15 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   segment* range = ensure_range(p, pool_kind::large);
   const std::size_t want =
       bytes > range->size ? 0 : (bytes + page_bytes - 1) / page_bytes * page_bytes;
-  block* hole = want == 0 ? nullptr : p.index_of(pool_kind::large).best_fit(want);
+  block* hole = want == 0 ? nullptr : detail::place_in_range(p.index_of(pool_kind::large), want);
   bool room = hole != nullptr;
   if (room) {
     // Nothing partial: refuse before mapping anything when the device or the limit lacks room.
     const std::size_t device_free = backend->mem_get_info().free_bytes;
     const std::size_t reclaimable = pager->reclaimable_bytes(!sync_blocked());
-    std::size_t reserved_now = 0;
-    {
-      std::lock_guard lock(grow_mu_);
-      reserved_now = reserved;
-    }
+    const std::size_t reserved_now = budget.reserved_bytes();
     room = want <= device_free + reclaimable &&
-           (limit == 0 || reserved_now - reclaimable + want <= limit);
+           (budget.limit == 0 || reserved_now - reclaimable + want <= budget.limit);
   }
   if (room) {
     bool mapped = false;

@@ -11,7 +11,7 @@ namespace cucache {
 
 std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const void* ptr) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  auto all = impl_->lock_all();
+  auto all = impl_->pools.lock_all();
   for (const auto& p : impl_->pools) {
     for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
       if (addr < s->base || addr >= s->base + s->size) continue;

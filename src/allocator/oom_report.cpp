@@ -12,10 +12,10 @@ using detail::format_bytes;
 
 void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
                                        stream_handle stream) {
-  oom_count.fetch_add(1, std::memory_order_relaxed);
+  budget.oom_count.fetch_add(1, std::memory_order_relaxed);
   device_stats s;
   {
-    auto all = lock_all();
+    auto all = pools.lock_all();
     s = stats_locked();
   }
   std::string device_free = "unknown";
@@ -32,12 +32,12 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
       "overhead {:.1f}%.",
       backend->device(), backend->name(), format_bytes(static_cast<double>(bytes)), bytes,
       rounded == 0 ? std::string(", beyond any device") : fmt::format(", rounded to {}", rounded),
-      fmt::ptr(stream), format_bytes(static_cast<double>(device_total)), device_free,
+      fmt::ptr(stream), format_bytes(static_cast<double>(budget.device_total)), device_free,
       format_bytes(held), format_bytes(allocated), format_bytes(held - allocated),
       s.free_block_count, format_bytes(static_cast<double>(s.largest_free_block)),
       100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation());
-  if (limit != 0) {
-    msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(limit)));
+  if (budget.limit != 0) {
+    msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(budget.limit)));
   }
   if (sync_blocked()) {
     msg +=
@@ -55,7 +55,7 @@ std::string device_allocator::impl::explain_bad_pointer(const void* ptr, const c
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::string why = "it was not allocated by cucache on this device";
   {
-    auto all = lock_all();
+    auto all = pools.lock_all();
     for (const auto& p : pools) {
       for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
         if (addr < s->base || addr >= s->base + s->size) continue;
@@ -88,7 +88,7 @@ void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what
 device_allocator::address_info device_allocator::locate(const void* ptr) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   address_info info;
-  auto all = impl_->lock_all();
+  auto all = impl_->pools.lock_all();
   for (const auto& p : impl_->pools) {
     for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
       if (addr < s->base || addr >= s->base + s->size) continue;

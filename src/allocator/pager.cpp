@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "allocator/nvtx.hpp"
+#include "allocator/placement.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache::detail {
@@ -21,15 +22,14 @@ constexpr std::size_t k_max_handle_bytes = std::size_t{256} << 20;
 constexpr std::size_t k_idle_slack_divisor = 128;  // 0.8%
 }  // namespace
 
-pager::pager(device_backend& backend, device_budget budget, std::size_t page_bytes,
-             std::size_t device_total, std::shared_mutex& pools_mu,
-             const std::vector<std::unique_ptr<stream_pool>>& pools)
+pager::pager(device_backend& backend, device_budget& budget, std::size_t page_bytes,
+             const pool_table& pools)
     : backend_(backend),
       budget_(budget),
       page_bytes_(page_bytes),
-      device_total_(device_total),
-      pools_mu_(pools_mu),
-      pools_(pools) {}
+      device_total_(budget.device_total),
+      pools_mu_(pools.list_mutex()),
+      pools_(pools.list()) {}
 
 pager::~pager() {
   for (const auto& entry : free_handles) {
@@ -80,25 +80,25 @@ void pager::idle_link(stream_pool& p, vm_mapping* m) {
   m->idle = true;
   m->idle_epoch = syncs_started_.load(std::memory_order_seq_cst);
   m->idle_prev = nullptr;
-  m->idle_next = p.idle_head;
-  if (p.idle_head != nullptr) {
-    p.idle_head->idle_prev = m;
+  m->idle_next = p.pages.idle_head;
+  if (p.pages.idle_head != nullptr) {
+    p.pages.idle_head->idle_prev = m;
   } else {
-    p.idle_tail = m;
+    p.pages.idle_tail = m;
   }
-  p.idle_head = m;
-  p.idle_bytes += m->pages * page_bytes_;
+  p.pages.idle_head = m;
+  p.pages.idle_bytes += m->pages * page_bytes_;
   idle_total_.fetch_add(m->pages * page_bytes_, std::memory_order_relaxed);
 }
 
 void pager::idle_unlink(stream_pool& p, vm_mapping* m) {
   if (m->idle_prev != nullptr) m->idle_prev->idle_next = m->idle_next;
   if (m->idle_next != nullptr) m->idle_next->idle_prev = m->idle_prev;
-  if (p.idle_head == m) p.idle_head = m->idle_next;
-  if (p.idle_tail == m) p.idle_tail = m->idle_prev;
+  if (p.pages.idle_head == m) p.pages.idle_head = m->idle_next;
+  if (p.pages.idle_tail == m) p.pages.idle_tail = m->idle_prev;
   m->idle_prev = m->idle_next = nullptr;
   m->idle = false;
-  p.idle_bytes -= m->pages * page_bytes_;
+  p.pages.idle_bytes -= m->pages * page_bytes_;
   idle_total_.fetch_sub(m->pages * page_bytes_, std::memory_order_relaxed);
 }
 
@@ -210,7 +210,7 @@ phys_handle pager::unmap(stream_pool& p, vm_mapping* m) {
   p.stats.reserved_bytes.dec(r.kind, static_cast<std::int64_t>(bytes));
   if (r.mapped_pages == 0) p.stats.segment_count.dec(r.kind, 1);  // a range holding memory
   const phys_handle h = m->handle;
-  p.maps.recycle(m);
+  p.pages.maps.recycle(m);
   return h;
 }
 
@@ -225,7 +225,7 @@ vm_mapping* pager::record_mapping(stream_pool& p, vm_range& r, std::size_t first
   // REQUIRES, for mapping_use::touched: [first_page, first_page + pages) lies inside the span of
   // the carved block being backed, so every page of it is touched; for mapping_use::idle: no
   // block touches any of them.
-  vm_mapping* m = p.maps.make();
+  vm_mapping* m = p.pages.maps.make();
   *m = vm_mapping{};
   m->range = &r;
   m->first_page = first_page;
@@ -332,7 +332,8 @@ vm_mapping* pager::idle_within(const stream_pool& q, std::size_t want) const {
   vm_mapping* best = nullptr;
   bool best_synced = false;
   int seen = 0;
-  for (vm_mapping* m = q.idle_tail; m != nullptr && seen < k_idle_scan; m = m->idle_prev, ++seen) {
+  for (vm_mapping* m = q.pages.idle_tail; m != nullptr && seen < k_idle_scan;
+       m = m->idle_prev, ++seen) {
     if (m->pages * page_bytes_ > want) continue;
     const bool synced = done > m->idle_epoch;
     if (best == nullptr || (synced && !best_synced) ||
@@ -445,8 +446,8 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   }
   // Then idle mappings, least recently idle first: this pool's, then the other pools'.
   if (!may_synchronize_()) return false;
-  while (p.idle_tail != nullptr) {
-    release_idle(p, p.idle_tail);
+  while (p.pages.idle_tail != nullptr) {
+    release_idle(p, p.pages.idle_tail);
     if (fits(bytes)) return true;
   }
   std::shared_lock list(pools_mu_, std::try_to_lock);
@@ -455,8 +456,8 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
-    while (q->idle_tail != nullptr) {
-      release_idle(*q, q->idle_tail);
+    while (q->pages.idle_tail != nullptr) {
+      release_idle(*q, q->pages.idle_tail);
       if (fits(bytes)) return true;
     }
   }
@@ -481,8 +482,8 @@ void pager::make_room(stream_pool& p, std::size_t bytes) {
       release(pc->handle, pc->bytes);
       continue;
     }
-    if (p.idle_tail == nullptr) return;
-    release_idle(p, p.idle_tail);
+    if (p.pages.idle_tail == nullptr) return;
+    release_idle(p, p.pages.idle_tail);
   }
 }
 
@@ -659,8 +660,8 @@ bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std
 }
 
 void pager::unmap_idle(stream_pool& p, bool release_handles) {
-  while (p.idle_head != nullptr) {
-    vm_mapping* m = p.idle_head;
+  while (p.pages.idle_head != nullptr) {
+    vm_mapping* m = p.pages.idle_head;
     wait_until_unmappable(*m);
     const std::size_t bytes = m->pages * page_bytes_;
     const phys_handle h = unmap(p, m);
@@ -721,7 +722,7 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     const std::size_t r = policy.largest_rounded_within(std::min(bytes, hi));
     return r > lo && r > best ? r : 0;
   };
-  const segment* seg = p.ranges[static_cast<int>(kind)];
+  const segment* seg = p.pages.ranges[static_cast<int>(kind)];
   if (seg == nullptr) {
     // No range yet: the request reserves one (no device allocation) and backs it from handles.
     for (std::size_t pages = handle_bytes / page_bytes_; pages > 0 && best == 0; --pages) {
@@ -759,8 +760,8 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
       const std::size_t below = j == 0 ? 0 : range.page_addr(fp + j) - f->addr;
       for (std::size_t end : {std::min(boundary, f->size), std::min(boundary - 1, f->size)}) {
         const std::size_t r = consider(end);
-        if (r == 0 || r <= below) continue;  // none left ending on this page
-        if (index.best_fit(r) != f) continue;  // a request of r is placed elsewhere
+        if (r == 0 || r <= below) continue;           // none left ending on this page
+        if (place_in_range(index, r) != f) continue;  // a request of r is placed elsewhere
         const page_span span = span_of(range, f->addr, r);
         const vm_mapping* cut[2] = {nullptr, nullptr};  // idle mappings split_overhang releases
         std::size_t missing = unmapped_upto[j];

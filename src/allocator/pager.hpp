@@ -22,23 +22,13 @@
 #include <shared_mutex>
 #include <vector>
 
+#include "allocator/device_budget.hpp"
+#include "allocator/pool_table.hpp"
 #include "allocator/stream_pool.hpp"
 #include "core/vm_range.hpp"
 #include "cucache/backend.hpp"
 
 namespace cucache::detail {
-
-/// The device-wide reservation the pager charges physical memory to: owned by the allocator and
-/// shared with its cudaMalloc path. reserved and peak are under `mu`.
-struct device_budget {
-  std::mutex& mu;
-  std::size_t& reserved;
-  std::size_t& peak;
-  std::size_t limit = 0;     // cap on reserved bytes; 0 = none
-  std::size_t gc_bytes = 0;  // garbage-collection threshold on reserved bytes; 0 = off
-  std::atomic<std::uint64_t>& device_allocs;  // cuMemCreate calls that succeeded
-  std::atomic<std::uint64_t>& device_frees;   // cuMemRelease calls that succeeded
-};
 
 /// What the pager did, for stats (its cuMemCreate and cuMemRelease calls are the budget's
 /// device_allocs and device_frees). Relaxed counters.
@@ -80,9 +70,11 @@ decltype(auto) timed(std::atomic<std::uint64_t>& ns, F&& f) {
 
 class pager {
  public:
-  pager(device_backend& backend, device_budget budget, std::size_t page_bytes,
-        std::size_t device_total, std::shared_mutex& pools_mu,
-        const std::vector<std::unique_ptr<stream_pool>>& pools);
+  /// A pager over `backend`'s VM calls, charging physical memory to `budget`, backing the ranges
+  /// of the pools of `pools` (whose idle pages it may move between them) in pages of
+  /// `page_bytes`. `budget` and `pools` outlive the pager.
+  pager(device_backend& backend, device_budget& budget, std::size_t page_bytes,
+        const pool_table& pools);
   ~pager();  // releases the unmapped handles; ranges are destroyed by their owner first
   pager(const pager&) = delete;
   pager& operator=(const pager&) = delete;
@@ -248,9 +240,11 @@ class pager {
   bool fits(std::size_t bytes);
 
   device_backend& backend_;
-  device_budget budget_;
+  device_budget& budget_;
   const std::size_t page_bytes_;
   const std::size_t device_total_;
+  // The pool table's list and its lock, for the walks over other pools that must not wait
+  // (take_peer_idle, reclaim: try_lock only).
   std::shared_mutex& pools_mu_;
   const std::vector<std::unique_ptr<stream_pool>>& pools_;
   std::function<bool()> may_synchronize_ = [] { return true; };

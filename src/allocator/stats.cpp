@@ -1,5 +1,6 @@
 // Device-wide statistics: the per-stream pools' figures summed, plus what only a walk of the
-// blocks can tell (inactive split blocks, free blocks) and the largest request cached memory serves.
+// blocks can tell (inactive split blocks, free blocks) and the largest request cached memory
+// serves.
 #include <algorithm>
 #include <mutex>
 
@@ -68,11 +69,14 @@ device_stats device_allocator::impl::stats_locked() const {
   for (auto* arr : {&s.inactive_split_bytes, &s.inactive_split_count}) {
     for (auto& st : *arr) st.peak = st.allocated = st.current;
   }
+  std::size_t reserved = 0;
   {
-    std::lock_guard lock(grow_mu_);
-    // The device-wide reservation is exact, peak included: it changes only under grow_mu_.
+    std::lock_guard lock(budget.mu);
+    // The device-wide reservation is exact, peak included: it changes only under the budget's
+    // lock.
+    reserved = budget.reserved_bytes_locked();
     s.reserved_bytes[0].current = static_cast<std::int64_t>(reserved);
-    s.reserved_bytes[0].peak = static_cast<std::int64_t>(reserved_peak);
+    s.reserved_bytes[0].peak = static_cast<std::int64_t>(budget.peak_bytes_locked());
     if (pager) s.unmapped_handle_bytes = pager->free_handle_bytes;
   }
   if (cfg.expandable_segments) {
@@ -95,12 +99,12 @@ device_stats device_allocator::impl::stats_locked() const {
     s.vm_host_ns = c.vm_ns.load(relaxed);
     s.sync_host_ns = c.sync_ns.load(relaxed);
   }
-  s.device_alloc_count = device_alloc_count.load(std::memory_order_relaxed);
-  s.device_free_count = device_free_count.load(std::memory_order_relaxed);
-  s.oom_count = oom_count.load(std::memory_order_relaxed);
-  s.alloc_retry_count = retry_count.load(std::memory_order_relaxed);
-  s.memory_limit = limit;
-  s.device_total_bytes = device_total;
+  s.device_alloc_count = budget.device_allocs.load(std::memory_order_relaxed);
+  s.device_free_count = budget.device_frees.load(std::memory_order_relaxed);
+  s.oom_count = budget.oom_count.load(std::memory_order_relaxed);
+  s.alloc_retry_count = budget.retry_count.load(std::memory_order_relaxed);
+  s.memory_limit = budget.limit;
+  s.device_total_bytes = budget.device_total;
   return s;
 }
 
@@ -129,25 +133,21 @@ std::size_t device_allocator::impl::largest_cached_request() const {
 }
 
 device_stats device_allocator::stats() const {
-  auto all = impl_->lock_all();
+  auto all = impl_->pools.lock_all();
   return impl_->stats_locked();
 }
 
 void device_allocator::reset_peak_stats() {
-  auto all = impl_->lock_all();
+  auto all = impl_->pools.lock_all();
   for (auto& p : impl_->pools) p->stats.reset_peaks();
-  std::lock_guard lock(impl_->grow_mu_);
-  impl_->reserved_peak = impl_->reserved;
+  impl_->budget.reset_peak();
 }
 
 void device_allocator::reset_accumulated_stats() {
-  auto all = impl_->lock_all();
+  auto all = impl_->pools.lock_all();
   for (auto& p : impl_->pools) p->stats.reset_totals();
-  impl_->device_alloc_count = 0;
+  impl_->budget.reset_counters();
   if (impl_->pager) impl_->pager->counters.reset();
-  impl_->device_free_count = 0;
-  impl_->oom_count = 0;
-  impl_->retry_count = 0;
 }
 
 }  // namespace cucache

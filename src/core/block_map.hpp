@@ -101,7 +101,8 @@ inline block* block_map::shard::find(std::uintptr_t key) const noexcept {
   }
 }
 
-inline void block_map::shard::insert(std::uintptr_t key, block* value) {
+// always_inline (and insert below): a cache hit publishes its block here (cucache-pair-count).
+[[gnu::always_inline]] inline void block_map::shard::insert(std::uintptr_t key, block* value) {
   if (slots == nullptr || (used + 1) * 2 > mask + 1) grow();
   std::size_t i = block_map::slot_hash(key) & mask;
   while (slots[i].key != 0) i = (i + 1) & mask;
@@ -133,7 +134,7 @@ inline block* block_map::shard::take(std::uintptr_t key) noexcept {
   return value;
 }
 
-inline void block_map::insert(std::uintptr_t addr, block* b) {
+[[gnu::always_inline]] inline void block_map::insert(std::uintptr_t addr, block* b) {
   shard& s = shard_of(addr);
   std::lock_guard lock(s.mu);
   s.insert(addr, b);

@@ -192,7 +192,8 @@ inline block* free_index::first_above(std::uint32_t bin) const noexcept {
   return heads_[l * k_sub_bins + static_cast<unsigned>(std::countr_zero(sub_map_[l]))];
 }
 
-inline block* free_index::best_fit(std::size_t bytes) const noexcept {
+// always_inline: the placement of every allocation (cucache-pair-count).
+[[gnu::always_inline]] inline block* free_index::best_fit(std::size_t bytes) const noexcept {
   const std::uint32_t bin = bin_of(bytes);
   for (block* b = heads_[bin]; b != nullptr; b = b->free_next) {
     if (b->size >= bytes) return b;

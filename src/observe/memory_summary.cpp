@@ -5,8 +5,8 @@
 
 #include <string>
 
-#include "allocator/allocator_impl.hpp"
 #include "core/format_bytes.hpp"
+#include "cucache/device_allocator.hpp"
 
 namespace cucache {
 namespace {

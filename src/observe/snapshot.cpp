@@ -1,14 +1,16 @@
 // snapshot_json(): every segment and block of a device allocator as JSON, for tools that draw
-// memory maps or look for the source of fragmentation; and stats_json(), the statistics from the
-// field table (cucache/stats.hpp), which the snapshot and cucache-replay --json carry.
+// memory maps or look for the source of fragmentation, written from the allocator's public
+// take_snapshot(); and stats_json(), the statistics from the field table (cucache/stats.hpp),
+// which the snapshot and cucache-replay --json carry.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <vector>
 #include <string>
 #include <type_traits>
+#include <vector>
 
-#include "allocator/allocator_impl.hpp"
+#include "cucache/device_allocator.hpp"
+#include "cucache/stats.hpp"
 
 namespace cucache {
 
@@ -34,84 +36,46 @@ std::string stats_json(const device_stats& s) {
 
 std::string device_allocator::snapshot_json() const {
   using nlohmann::json;
-  auto all = impl_->lock_all();
-  const device_stats s = impl_->stats_locked();
+  const memory_snapshot snap = take_snapshot();
   json segments = json::array();
-  for (const auto& p : impl_->pools) {
-    for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
-      json blocks = json::array();
-      for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
-        const char* state = b->state == detail::block_state::allocated ? "allocated"
-                            : b->state == detail::block_state::pending ? "pending"
-                                                                       : "free";
-        blocks.push_back(
-            {{"address", b->addr},
-             {"size", b->size},
-             {"requested_size",
-              b->state == detail::block_state::allocated ? b->requested : std::size_t{0}},
-             {"state", state}});
-      }
-      json entry = {{"id", seg->id},
-                    {"address", seg->base},
-                    {"size", seg->size},
-                    {"pool", seg->kind == detail::pool_kind::small ? "small" : "large"},
-                    {"stream", reinterpret_cast<std::uintptr_t>(p->stream)},
-                    {"expandable", seg->vm != nullptr},
-                    {"blocks", std::move(blocks)}};
-      if (const detail::vm_range* r = seg->vm) {
-        // The virtual range's mapped runs, one per physical handle; the rest is unmapped.
-        json mappings = json::array();
-        for (std::size_t pg = 0; pg < r->page_map.size(); ++pg) {
-          const detail::vm_mapping* m = r->page_map[pg];
-          if (m == nullptr || m->first_page != pg) continue;
-          mappings.push_back({{"address", r->page_addr(pg)},
-                              {"size", m->pages * r->page_bytes},
-                              {"idle", m->idle}});
-        }
-        entry["page_bytes"] = r->page_bytes;
-        entry["mapped_bytes"] = r->mapped_pages * r->page_bytes;
-        entry["unmapped_bytes"] = r->size - r->mapped_pages * r->page_bytes;
-        entry["mappings"] = std::move(mappings);
-      }
-      segments.push_back(std::move(entry));
+  for (const segment_view& seg : snap.segments) {
+    json blocks = json::array();
+    for (const block_view& b : seg.blocks) {
+      const char* state = b.st == block_view::state::allocated ? "allocated"
+                          : b.st == block_view::state::pending ? "pending"
+                                                               : "free";
+      blocks.push_back({{"address", b.address},
+                        {"size", b.size},
+                        {"requested_size", b.requested},
+                        {"state", state}});
     }
+    json entry = {{"id", seg.id},
+                  {"address", seg.address},
+                  {"size", seg.size},
+                  {"pool", seg.small ? "small" : "large"},
+                  {"stream", reinterpret_cast<std::uintptr_t>(seg.stream)},
+                  {"expandable", seg.expandable},
+                  {"blocks", std::move(blocks)}};
+    if (seg.expandable) {
+      // The virtual range's mapped runs, one per physical handle; the rest is unmapped.
+      json mappings = json::array();
+      std::size_t mapped = 0;
+      for (const mapping_view& m : seg.mappings) {
+        mappings.push_back({{"address", m.address}, {"size", m.size}, {"idle", m.idle}});
+        mapped += m.size;
+      }
+      entry["page_bytes"] = seg.page_bytes;
+      entry["mapped_bytes"] = mapped;
+      entry["unmapped_bytes"] = seg.size - mapped;
+      entry["mappings"] = std::move(mappings);
+    }
+    segments.push_back(std::move(entry));
   }
-  json out = {{"device", impl_->backend->device()},
-              {"backend", impl_->backend->name()},
-              {"stats", json::parse(stats_json(s))},
+  json out = {{"device", device()},
+              {"backend", backend().name()},
+              {"stats", json::parse(stats_json(snap.stats))},
               {"segments", std::move(segments)}};
   return out.dump();
-}
-
-std::vector<segment_view> device_allocator::segments() const {
-  auto all = impl_->lock_all();
-  std::vector<segment_view> out;
-  for (const auto& p : impl_->pools) {
-    for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
-      segment_view v;
-      v.id = seg->id;
-      v.address = seg->base;
-      v.size = seg->size;
-      v.small = seg->kind == detail::pool_kind::small;
-      v.expandable = seg->vm != nullptr;
-      v.stream = p->stream;
-      if (p->graph != nullptr) v.pool = p->graph->id;
-      for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
-        block_view bv;
-        bv.address = b->addr;
-        bv.size = b->size;
-        bv.st = b->state == detail::block_state::allocated ? block_view::state::allocated
-                : b->state == detail::block_state::pending ? block_view::state::pending
-                                                           : block_view::state::free;
-        bv.requested = bv.st == block_view::state::allocated ? b->requested : 0;
-        v.blocks.push_back(bv);
-      }
-      out.push_back(std::move(v));
-    }
-  }
-  std::sort(out.begin(), out.end(),
-            [](const segment_view& a, const segment_view& b) { return a.address < b.address; });
-  return out;
 }
 
 }  // namespace cucache

@@ -1,6 +1,6 @@
 // Must compile: the allocator layer sees its own private headers and the core's below it. The
 // control for upward_include.cpp, so that its failure is known to come from the include alone.
-#include "allocator/allocator_impl.hpp"
+#include "allocator/pool_table.hpp"
 #include "core/size_policy.hpp"
 
 namespace cucache::layering_probe {

@@ -1,7 +1,7 @@
 // Statistics against a shadow model: every field (current, peak, allocated, freed) of the
 // allocated, active and requested figures, per slot (all, small, large), after every operation of
 // a random single-stream run with pending frees (record_stream), event completion and resets of
-// peaks and totals. Active figures are derived from allocated and pending ones (stream_pool.hpp);
+// peaks and totals. Active figures are derived from allocated and pending ones (pool_stats.hpp);
 // this pins them to their definition.
 #include <gtest/gtest.h>
 

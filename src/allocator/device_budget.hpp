@@ -1,0 +1,112 @@
+// device_budget: the device-wide reservation -- the bytes cucache holds from the device (segments,
+// or physical handles in expandable mode), their high-water mark, the caps on them (the memory
+// limit, the garbage-collection threshold, the device's capacity) and the counters of device
+// calls, out-of-memory errors and ladder retries. One per allocator, shared by its segment path
+// and the pager, the two that create and release device memory.
+//
+// Locking: `mu` guards reserved and peak, and is held across the device call that changes them,
+// so that the check against the limit and the charge are one step (and the pager's list of
+// unmapped handles, whose bytes count in reserved). The counters are relaxed atomics; the caps
+// are fixed at construction.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+
+namespace cucache::detail {
+
+class pager;
+
+class device_budget {
+ public:
+  device_budget(std::size_t total_bytes, std::size_t limit_bytes,
+                std::size_t gc_threshold_bytes) noexcept
+      : device_total(total_bytes), limit(limit_bytes), gc_bytes(gc_threshold_bytes) {}
+  device_budget(const device_budget&) = delete;
+  device_budget& operator=(const device_budget&) = delete;
+
+  const std::size_t device_total;  // the device's capacity
+  const std::size_t limit;         // cap on reserved bytes; 0 = none
+  const std::size_t gc_bytes;      // garbage-collection threshold on reserved bytes; 0 = off
+
+  /// A request of `bytes` can never be served: more than the device or the limit.
+  [[nodiscard]] bool never_fits(std::size_t bytes) const noexcept {
+    return bytes > device_total || (limit != 0 && bytes > limit);
+  }
+
+  /// Creates `bytes` of device memory with create() (which returns something testable, empty
+  /// when the device refuses) and charges it, unless it would pass the limit: then create is not
+  /// called and an empty result is returned.
+  template <class F>
+  auto charge(std::size_t bytes, F&& create) -> decltype(create()) {
+    decltype(create()) made{};
+    {
+      std::lock_guard lock(mu);
+      if (limit != 0 && reserved + bytes > limit) return made;
+      made = create();
+      if (!made) return made;
+      reserved += bytes;
+      peak = std::max(peak, reserved);
+    }
+    device_allocs.fetch_add(1, std::memory_order_relaxed);
+    return made;
+  }
+  /// Gives `bytes` back with release(), which may throw: then nothing is refunded.
+  template <class F>
+  void refund(std::size_t bytes, F&& release) {
+    {
+      std::lock_guard lock(mu);
+      release();
+      reserved -= bytes;
+    }
+    device_frees.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  [[nodiscard]] std::size_t reserved_bytes() const {
+    std::lock_guard lock(mu);
+    return reserved;
+  }
+  [[nodiscard]] std::size_t peak_bytes() const {
+    std::lock_guard lock(mu);
+    return peak;
+  }
+  /// reserved and peak for readers that hold `mu` (with the pager's handle list). REQUIRES: mu.
+  [[nodiscard]] std::size_t reserved_bytes_locked() const noexcept { return reserved; }
+  [[nodiscard]] std::size_t peak_bytes_locked() const noexcept { return peak; }
+  /// Would `extra` more bytes pass the garbage-collection threshold? (False when it is off.)
+  [[nodiscard]] bool over_gc(std::size_t extra) const {
+    if (gc_bytes == 0) return false;
+    std::lock_guard lock(mu);
+    return reserved + extra > gc_bytes;
+  }
+  void reset_peak() {
+    std::lock_guard lock(mu);
+    peak = reserved;
+  }
+  void reset_counters() noexcept {
+    for (auto* c : {&device_allocs, &device_frees, &oom_count, &retry_count}) {
+      c->store(0, std::memory_order_relaxed);
+    }
+  }
+
+  /// Held across a device call that changes reserved (and by the pager around its handle list).
+  mutable std::mutex mu;
+
+  // Relaxed counters.
+  std::atomic<std::uint64_t> device_allocs{0};  // cudaMalloc / cuMemCreate calls that succeeded
+  std::atomic<std::uint64_t> device_frees{0};   // cudaFree / cuMemRelease calls that succeeded
+  std::atomic<std::uint64_t> oom_count{0};      // out-of-memory errors thrown
+  std::atomic<std::uint64_t> retry_count{0};    // out-of-memory ladders run
+
+ private:
+  // The pager charges and refunds physical handles in steps of its own under `mu` (its handle
+  // list is under it too): it reads and writes these directly.
+  friend class pager;
+  std::size_t reserved = 0;  // guarded by mu
+  std::size_t peak = 0;      // guarded by mu
+};
+
+}  // namespace cucache::detail

@@ -1,0 +1,120 @@
+// pool_table: the stream pools of one allocator -- every pool in creation order, the map from a
+// stream's key to its pool, the thread-local one-entry cache in front of that map -- and the
+// keys streams are known by. Pools are created here (a stream's own pool on its first request, a
+// graph pool's part by graph_pools) and never destroyed before the allocator.
+//
+// Locking: `mu_` guards the list and the map (shared to look up or walk, exclusive to add). Pools
+// are locked in creation order (`index`); lock_all takes the list shared and every pool. A pool's
+// contents are under its own mutex (stream_pool::mu), never under mu_.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "allocator/hot.hpp"
+#include "allocator/stream_pool.hpp"
+#include "cucache/backend.hpp"
+
+namespace cucache::detail {
+
+/// The pool key of the legacy default stream (nullptr), which is never destroyed nor captured:
+/// no stream_id call for it. Real and simulated stream ids never take this value.
+inline constexpr std::uint64_t k_legacy_stream_key = ~std::uint64_t{0};
+
+/// The thread's last pool lookup: the table that made it, the stream key, the pool.
+struct pool_cache_entry {
+  std::uint64_t owner = 0;
+  std::uint64_t key = 0;  // the stream's id: a reused handle value never hits a dead stream's pool
+  stream_pool* pool = nullptr;
+};
+inline thread_local pool_cache_entry t_pool_cache;
+
+class pool_table {
+ public:
+  /// `streams` answers stream ids and capture states (the backend as given: no capture check).
+  explicit pool_table(device_backend& streams);
+  pool_table(const pool_table&) = delete;
+  pool_table& operator=(const pool_table&) = delete;
+
+  // --- keys -----------------------------------------------------------------------------------
+  /// The key of `stream`'s pool: its stream id.
+  [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
+    return stream == nullptr ? k_legacy_stream_key : streams_.stream_id(stream);
+  }
+  /// The key of a stream that is being captured. cudaStreamGetId is refused on a capturing stream
+  /// in every capture mode, relaxed included, and the refusal invalidates the capture (seen on the
+  /// H200), so a capturing stream is keyed by its handle, tagged so that it never equals an id
+  /// (ids are small counters). A stream cannot be destroyed while it is being captured, so the
+  /// handle names one stream for as long as the capture lasts; graph pools and the list of known
+  /// captures are the only places such keys go.
+  [[nodiscard]] static std::uint64_t capture_key(stream_handle stream) noexcept {
+    return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(stream)) | k_capture_key_tag;
+  }
+  static constexpr std::uint64_t k_capture_key_tag = std::uint64_t{1} << 63;
+  /// The key of any stream: its capture key while it is being captured, its id otherwise.
+  [[nodiscard]] std::uint64_t any_stream_key(stream_handle stream) const {
+    if (stream == nullptr) return k_legacy_stream_key;
+    return streams_.capture_status(stream).state != capture_state::none
+               ? capture_key(stream)
+               : streams_.stream_id(stream);
+  }
+  /// True when `stream`, named by the caller, is the stream p serves (handles equal, and for the
+  /// per-thread handle the ids too). A destroyed stream's pool is never confused with a live one
+  /// on the allocation path (keys differ); here equal handles of different streams can only mean
+  /// that p's stream was destroyed, and p's blocks are then reachable only through paths that
+  /// synchronize the device, so treating them as p's own stream is safe.
+  [[nodiscard]] bool names_pool_stream(const stream_pool& p, stream_handle stream) const {
+    return stream == p.stream && (stream != per_thread_stream() || any_stream_key(stream) == p.key);
+  }
+
+  // --- lookup and creation --------------------------------------------------------------------
+  /// The pool of `stream`, created on first use (thread-local one-entry cache in front of the
+  /// map).
+  CUCACHE_HOT stream_pool& pool_for(stream_handle stream) {
+    // By stream id, not handle: once the program destroys a stream, the runtime hands its handle
+    // value to the next stream it creates, while work queued on the dead one may still run. A
+    // pool keyed by the value would give the new stream blocks whose last use is that work.
+    const std::uint64_t key = stream_key(stream);
+    const pool_cache_entry& c = t_pool_cache;
+    if (c.owner == id_ && c.key == key) [[likely]]
+      return *c.pool;
+    return pool_for_key(stream, key);
+  }
+  /// pool_for's miss of the thread's cache: out of line, so that the hit stays small.
+  stream_pool& pool_for_key(stream_handle stream, std::uint64_t key);
+  /// The list lock, exclusive: for new_pool.
+  [[nodiscard]] std::unique_lock<std::shared_mutex> lock_list() { return std::unique_lock(mu_); }
+  /// A new pool outside the map (a graph pool's part). REQUIRES: lock_list() held.
+  stream_pool& new_pool(stream_handle stream, std::uint64_t key, graph_pool* g);
+
+  // --- device-wide work -----------------------------------------------------------------------
+  /// All pools, locked in index order, for device-wide work.
+  struct all_locked {
+    std::shared_lock<std::shared_mutex> list;
+    std::vector<std::unique_lock<pool_mutex>> locks;
+  };
+  [[nodiscard]] all_locked lock_all() const;
+
+  /// Every pool in creation order. REQUIRES: the list held (lock_all, or shared).
+  [[nodiscard]] auto begin() const noexcept { return pools_.begin(); }
+  [[nodiscard]] auto end() const noexcept { return pools_.end(); }
+  [[nodiscard]] std::size_t size() const noexcept { return pools_.size(); }
+  /// For walks that must not wait (the pager's, under try_lock): the list lock and the list.
+  [[nodiscard]] std::shared_mutex& list_mutex() const noexcept { return mu_; }
+  [[nodiscard]] const std::vector<std::unique_ptr<stream_pool>>& list() const noexcept {
+    return pools_;
+  }
+
+ private:
+  device_backend& streams_;
+  const std::uint64_t id_;  // unique per table, for the thread-local cache
+  mutable std::shared_mutex mu_;
+  std::vector<std::unique_ptr<stream_pool>> pools_;                 // guarded by mu_
+  std::unordered_map<std::uint64_t, stream_pool*> pool_by_stream_;  // guarded by mu_; by key
+};
+
+}  // namespace cucache::detail

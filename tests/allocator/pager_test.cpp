@@ -1,0 +1,241 @@
+// The pager on its own: a device budget, a pool table and a pager over the simulated device, with
+// blocks placed by hand in one pool's range (the allocator's part), so that every expectation is
+// about the pager alone -- which pages it maps with which handles, what goes idle, what it
+// releases, moves and reclaims, and what it charges to the budget.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "allocator/pager.hpp"
+#include "allocator/placement.hpp"
+#include "allocator/test_support.hpp"
+#include "core/size_policy.hpp"
+
+namespace cucache::test {
+namespace {
+
+using detail::block;
+using detail::block_state;
+using detail::pool_kind;
+
+/// One pool (the legacy stream's) with a large range of `capacity` x 2 (the pager's size for a
+/// large range), on a simulated device of `capacity` bytes under `limit` (0: none).
+struct pager_rig {
+  explicit pager_rig(std::size_t capacity = 64 * MiB, std::size_t limit = 0)
+      : sim(make_sim(capacity)),
+        budget(capacity, limit, 0),
+        pools(*sim),
+        pg(*sim, budget, 2 * MiB, pools),
+        pool(pools.pool_for(nullptr)),
+        range(pg.reserve_range(pool_kind::large)) {
+    seg.base = range->base;
+    seg.size = range->size;
+    seg.kind = pool_kind::large;
+    seg.owner = &pool;
+    seg.vm = range.get();
+  }
+  ~pager_rig() { pg.destroy_range(*range); }
+
+  static std::shared_ptr<sim_backend> make_sim(std::size_t capacity) {
+    sim_options o;
+    o.capacity_bytes = capacity;
+    return std::make_shared<sim_backend>(o);
+  }
+
+  /// A block carved at [offset, offset + bytes) of the range, its pages touched (as carve does).
+  block* carve(std::size_t offset, std::size_t bytes) {
+    auto b = std::make_unique<block>();
+    b->addr = range->base + offset;
+    b->size = bytes;
+    b->seg = &seg;
+    b->state = block_state::allocated;
+    b->uses = nullptr;
+    pool.stats.on_allocate(pool_kind::large, static_cast<std::int64_t>(bytes),
+                           static_cast<std::int64_t>(bytes));
+    pg.touch(pool, b.get(), +1);
+    blocks.push_back(std::move(b));
+    return blocks.back().get();
+  }
+  /// carve, then back its pages; the result of back().
+  bool carve_and_back(std::size_t offset, std::size_t bytes, block** out = nullptr) {
+    pg.split_overhang(pool, *range, range->base + offset, bytes);
+    block* b = carve(offset, bytes);
+    if (out != nullptr) *out = b;
+    return pg.back(pool, b);
+  }
+  /// The block freed: its pages untouched (as release_to_free does).
+  void free(block* b) {
+    pool.stats.on_free(pool_kind::large, static_cast<std::int64_t>(b->size),
+                       static_cast<std::int64_t>(b->size));
+    pg.touch(pool, b, -1);
+    b->state = block_state::free;
+  }
+
+  [[nodiscard]] std::size_t reserved() const { return budget.reserved_bytes(); }
+  [[nodiscard]] std::uint64_t calls(sim_call c) const { return sim->calls(c); }
+
+  std::shared_ptr<sim_backend> sim;
+  detail::device_budget budget;
+  detail::pool_table pools;
+  detail::pager pg;
+  detail::stream_pool& pool;
+  std::unique_ptr<detail::vm_range> range;
+  detail::segment seg;
+  std::vector<std::unique_ptr<block>> blocks;
+};
+
+TEST(Pager, BacksOnlyTheBlocksPagesAndGivesASharedLastPageAHandleOfItsOwn) {
+  pager_rig r;
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 3 * MiB, &b));  // pages 0-1; it ends inside page 1
+  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);  // page 0, and page 1 on its own
+  EXPECT_EQ(r.calls(sim_call::map), 2u);
+  EXPECT_EQ(r.calls(sim_call::set_access), 1u);  // both, in one call
+  EXPECT_TRUE(r.sim->accessible(reinterpret_cast<void*>(b->addr), 3 * MiB));
+  EXPECT_EQ(r.reserved(), 4 * MiB);
+  EXPECT_EQ(r.budget.peak_bytes(), 4 * MiB);
+  EXPECT_EQ(r.budget.device_allocs.load(), 2u);
+  EXPECT_EQ(r.range->mapped_pages, 2u);
+  EXPECT_EQ(r.pool.stats.reserved_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
+  EXPECT_EQ(r.pool.stats.segment_count[0].current, 1);  // the range holds memory
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+
+  // A block starting and ending on page boundaries shares no page: its run is one handle.
+  ASSERT_TRUE(r.carve_and_back(4 * MiB, 8 * MiB));  // pages 2-5
+  EXPECT_EQ(r.calls(sim_call::phys_create), 3u);
+  EXPECT_EQ(r.reserved(), 12 * MiB);
+}
+
+TEST(Pager, AFreedBlocksPagesGoIdleAndAreUsedInPlaceWithoutAnyCall) {
+  pager_rig r;
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));
+  r.free(b);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 8 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_head, r.pool.pages.idle_tail);  // one mapping
+  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 8 * MiB);
+  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/false), 0u);
+  const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create);
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB));  // the same pages
+  EXPECT_EQ(r.calls(sim_call::map) + r.calls(sim_call::phys_create), vm_calls);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  EXPECT_EQ(r.pool.pages.idle_head, nullptr);
+  EXPECT_EQ(r.reserved(), 8 * MiB);
+}
+
+TEST(Pager, AnIdleMappingABlockWouldUseInPartIsReleasedBeforeItIsCarved) {
+  pager_rig r;
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));  // one 4-page handle
+  r.free(b);
+  ASSERT_TRUE(r.carve_and_back(0, 2 * MiB));  // page 0 of it only
+  EXPECT_EQ(r.pg.counters.splits.load(), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_release), 1u);        // the 4-page handle, whole
+  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);         // and page 0 on its own
+  EXPECT_EQ(r.pg.counters.synchronizations.load(), 1u);  // before the unmap
+  EXPECT_EQ(r.reserved(), 2 * MiB);
+  EXPECT_EQ(r.budget.peak_bytes(), 8 * MiB);
+  EXPECT_EQ(r.budget.device_frees.load(), 1u);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+}
+
+TEST(Pager, NothingIsUnmappedWhileTheSynchronizationGateIsShut) {
+  pager_rig r;
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));
+  r.free(b);
+  r.pg.set_synchronization_gate([] { return false; });  // a capture is underway
+  ASSERT_TRUE(r.carve_and_back(0, 2 * MiB));            // uses the idle mapping in part, pinning it
+  EXPECT_EQ(r.pg.counters.splits.load(), 0u);
+  EXPECT_EQ(r.calls(sim_call::unmap), 0u);
+  EXPECT_EQ(r.calls(sim_call::device_synchronize), 0u);
+  EXPECT_EQ(r.reserved(), 8 * MiB);
+  // New pages are created, not moved, while the gate is shut.
+  ASSERT_TRUE(r.carve_and_back(16 * MiB, 4 * MiB));
+  EXPECT_EQ(r.calls(sim_call::unmap), 0u);
+  EXPECT_EQ(r.reserved(), 12 * MiB);
+}
+
+TEST(Pager, UnderTheLimitIdleMemoryIsGivenBackBeforeNewMemoryIsCreated) {
+  pager_rig r(64 * MiB, /*limit=*/8 * MiB);
+  block* a = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &a));  // the whole limit, one handle
+  r.free(a);
+  // 4 MiB elsewhere: the 8 MiB idle handle is too large to move there, so it is released first.
+  ASSERT_TRUE(r.carve_and_back(16 * MiB, 4 * MiB));
+  EXPECT_EQ(r.calls(sim_call::phys_release), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);
+  EXPECT_EQ(r.reserved(), 4 * MiB);
+  EXPECT_EQ(r.budget.peak_bytes(), 8 * MiB);
+  EXPECT_LE(r.budget.peak_bytes(), r.budget.limit);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  // More than the limit allows even with everything idle given back: refused, nothing leaks.
+  block* c = nullptr;
+  EXPECT_FALSE(r.carve_and_back(32 * MiB, 6 * MiB, &c));
+  EXPECT_LE(r.reserved(), 8 * MiB);
+  EXPECT_EQ(r.sim->used_bytes(), r.reserved());
+}
+
+TEST(Pager, UnmappedHandlesAreKeptReusedAndReleasedLargestFirst) {
+  pager_rig r;
+  block* a = nullptr;
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 4 * MiB, &a));        // a 2-page handle
+  ASSERT_TRUE(r.carve_and_back(4 * MiB, 2 * MiB, &b));  // a 1-page handle
+  r.free(a);
+  r.free(b);
+  r.pg.unmap_idle(r.pool, /*release_handles=*/false);
+  EXPECT_EQ(r.calls(sim_call::unmap), 2u);
+  EXPECT_EQ(r.pg.free_handle_bytes, 6 * MiB);
+  EXPECT_EQ(r.pg.free_handles.size(), 2u);
+  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/false), 6 * MiB);
+  EXPECT_EQ(r.reserved(), 6 * MiB);  // unmapped handles are still reserved
+  // A 1-page block elsewhere takes the 1-page handle: no new memory.
+  ASSERT_TRUE(r.carve_and_back(20 * MiB, 2 * MiB));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);
+  EXPECT_EQ(r.pg.free_handle_bytes, 4 * MiB);
+  // release_unmapped gives back handles, largest first, down to the target.
+  r.pg.release_unmapped(2 * MiB);
+  EXPECT_EQ(r.pg.free_handle_bytes, 0u);
+  EXPECT_EQ(r.reserved(), 2 * MiB);
+  EXPECT_EQ(r.budget.device_frees.load(), 1u);
+}
+
+TEST(Pager, MapIdlePagesMapsOnePageHandlesNoBlockTouches) {
+  pager_rig r;
+  ASSERT_TRUE(r.pg.map_idle_pages(r.pool, *r.range, r.range->base, 6 * MiB));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 3u);
+  EXPECT_EQ(r.calls(sim_call::set_access), 1u);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);
+  EXPECT_EQ(r.reserved(), 6 * MiB);
+  // A block over those pages uses them in place.
+  ASSERT_TRUE(r.carve_and_back(0, 6 * MiB));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 3u);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+}
+
+TEST(Pager, TheDryRunServesWhatIsMappedAndPlacesAsTheAllocatorDoes) {
+  pager_rig r;
+  const detail::size_policy policy{config{}};
+  // The whole range one free block, placed in the pool's index as the allocator would hold it.
+  block hole;
+  hole.addr = r.range->base;
+  hole.size = r.range->size;
+  hole.seg = &r.seg;
+  hole.state = block_state::free;
+  r.seg.first = &hole;
+  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = &r.seg;
+  r.pool.index_of(pool_kind::large).insert(&hole);
+  EXPECT_EQ(detail::place_in_range(r.pool.index_of(pool_kind::large), 8 * MiB), &hole);
+  EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 0u);  // nothing mapped
+  ASSERT_TRUE(r.pg.map_idle_pages(r.pool, *r.range, r.range->base, 8 * MiB));
+  // Pages 0-3 are mapped: a request of up to 8 MiB at the front of the hole needs nothing new.
+  EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 8 * MiB);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 4u);  // the dry run made no call
+  r.pool.index_of(pool_kind::large).erase(&hole);
+  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = nullptr;
+}
+
+}  // namespace
+}  // namespace cucache::test
