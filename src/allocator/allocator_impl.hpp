@@ -91,8 +91,10 @@ struct device_allocator::impl {
   void release_graph_pool(graph_pool_id pool);
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
 
-  /// The pool of `stream` (thread-local one-entry cache in front of pool_for_key).
-  CUCACHE_HOT detail::stream_pool& pool_for(stream_handle stream);
+  /// The pool of `stream`, whose key (stream_key) is `key`: a thread-local one-entry cache in
+  /// front of pool_for_key. The key comes from the caller, who asked the backend once for the
+  /// stream's capture and id (device_backend::identify).
+  CUCACHE_HOT detail::stream_pool& pool_for(stream_handle stream, std::uint64_t key);
   /// pool_for and find_free for the other translation units (headroom.cpp): out of line.
   detail::stream_pool& pool_for_outline(stream_handle stream);
   detail::block* find_free_outline(const detail::stream_pool& p, detail::pool_kind kind,

@@ -110,6 +110,9 @@ class capture_safe_backend final : public device_backend {
   [[nodiscard]] capture_info capture_status(stream_handle stream) override {
     return inner_->capture_status(stream);
   }
+  [[nodiscard]] stream_identity identify(stream_handle stream) override {
+    return inner_->identify(stream);
+  }
   capture_mode exchange_capture_mode(capture_mode mode) override {
     return inner_->exchange_capture_mode(mode);
   }

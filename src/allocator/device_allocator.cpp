@@ -142,11 +142,10 @@ device_allocator::impl::~impl() {
   }
 }
 
-stream_pool& device_allocator::impl::pool_for(stream_handle stream) {
+stream_pool& device_allocator::impl::pool_for(stream_handle stream, std::uint64_t key) {
   // By stream id, not handle: once the program destroys a stream, the runtime hands its handle
   // value to the next stream it creates, while work queued on the dead one may still run. A pool
   // keyed by the value would give the new stream blocks whose last use is that work.
-  const std::uint64_t key = stream_key(stream);
   const pool_cache_entry& c = t_pool_cache;
   if (c.owner == id && c.key == key) [[likely]]
     return *c.pool;
@@ -708,16 +707,21 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   const pool_kind kind = detail::size_policy::pool_for(rounded);
   // A stream that is being captured allocates from its capture's pool: the graph keeps using the
   // address at every replay, so nobody else may get it. (The legacy stream cannot be captured.)
+  // One backend call asks both what the capture check and the pool key need: the capture status
+  // first, and the stream id only when the stream is not being captured (asking the id of a
+  // capturing stream would invalidate its capture).
   stream_pool* graph_part = nullptr;
+  std::uint64_t key = detail::k_legacy_stream_key;
   if (stream != nullptr) {
-    const capture_info cap = raw->capture_status(stream);
-    if (cap.state != capture_state::none || sync_blocked()) [[unlikely]] {
-      graph_part = graph_part_for(stream, cap);
+    const stream_identity who = raw->identify(stream);
+    if (who.capture.state != capture_state::none || sync_blocked()) [[unlikely]] {
+      graph_part = graph_part_for(stream, who.capture);
     }
+    key = who.id;  // valid unless capturing, and then graph_part is set
   } else if (routes_n.load(std::memory_order_acquire) != 0) [[unlikely]] {
     graph_part = graph_part_for(stream, {});
   }
-  stream_pool& p = graph_part != nullptr ? *graph_part : pool_for(stream);
+  stream_pool& p = graph_part != nullptr ? *graph_part : pool_for(stream, key);
   std::unique_lock lk(p.mu);
   if (!p.pending.empty()) poll_pending(p);
   if (cfg.expandable_segments && p.graph == nullptr) {
@@ -1061,7 +1065,7 @@ std::size_t device_allocator::allocation_size(const void* ptr) const {
 }
 
 detail::stream_pool& device_allocator::impl::pool_for_outline(stream_handle stream) {
-  return pool_for(stream);
+  return pool_for(stream, stream_key(stream));
 }
 detail::block* device_allocator::impl::find_free_outline(const detail::stream_pool& p,
                                                         detail::pool_kind kind,
