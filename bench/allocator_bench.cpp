@@ -502,15 +502,16 @@ std::uint64_t stream_call_once(stream_call which, cudaStream_t s, device_backend
   return 0;
 }
 
-/// One call per iteration on this thread's GPU stream. ns_per_query: wall time per call, the mean
-/// over the threads (with several threads each makes its own calls at the same time).
-void bm_stream_query(benchmark::State& state, stream_call which) {
+/// One call per iteration on this thread's GPU stream (stream 0 for every thread when `shared`).
+/// ns_per_query: wall time per call, the mean over the threads (with several threads each makes
+/// its own calls at the same time).
+void bm_stream_query(benchmark::State& state, stream_call which, bool shared) {
   try {
     // One for every case and thread (a function-local static: made once, by whichever thread
     // comes first).
     static const std::shared_ptr<device_backend> backend = make_backend(backend_kind::cuda, 0);
     const driver_stream_calls& d = driver_calls();
-    const auto s = static_cast<cudaStream_t>(gpu_stream(state.thread_index()));
+    const auto s = static_cast<cudaStream_t>(gpu_stream(shared ? 0 : state.thread_index()));
     std::uint64_t sink = 0;
     std::int64_t start = 0;
     for (auto _ : state) {
@@ -544,10 +545,15 @@ void register_stream_queries() {
   }};
   for (const auto& [which, label] : calls) {
     const std::string name = std::string("stream_query/") + label;
-    benchmark::RegisterBenchmark(name.c_str(), bm_stream_query, which)
+    benchmark::RegisterBenchmark(name.c_str(), bm_stream_query, which, false)
         ->Threads(1)
         ->Threads(8)
         ->Threads(16)
+        ->UseRealTime();
+    // Every thread on stream 0, as threads_one_stream: does the driver serialize on a stream?
+    const std::string shared = std::string("stream_query_one_stream/") + label;
+    benchmark::RegisterBenchmark(shared.c_str(), bm_stream_query, which, true)
+        ->Threads(8)
         ->UseRealTime();
   }
 }
