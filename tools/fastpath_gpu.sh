@@ -4,7 +4,8 @@
 #   1. stream_query: each candidate stream query alone (runtime wrappers, driver entry points,
 #      cucache's backend calls), 1, 8 and 16 threads -- which calls the hot path should make;
 #   2. the pair, churn and threads tables of cucache (both modes, GPU and simulated device) against
-#      c10 and cudaMallocAsync, in one cucache-bench run (tables in report/report.md);
+#      c10 and cudaMallocAsync, in one cucache-bench run (report/report.md; threads.md with the
+#      one-stream case);
 #   3. cucache-fastpath: the simulated device's pair on this host, both modes (the allocator's own
 #      host cost, no stream query), and under callgrind where valgrind is installed;
 #   4. the safety tests: graph_capture_gpu_test and cuda_backend_gpu_test on the GPU,
@@ -49,7 +50,11 @@ run stream_query 120 "$bin/cucache-bench" '--benchmark_filter=^stream_query(_one
 python3 - "$out/stream_query.json" > "$out/stream_query.md" <<'EOF'
 import json, sys
 rows = {}
-for b in json.load(open(sys.argv[1]))["benchmarks"]:
+try:
+    benchmarks = json.load(open(sys.argv[1]))["benchmarks"]
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f"no stream_query results ({e}): no GPU?")
+for b in benchmarks:
     if b.get("aggregate_name") != "median":
         continue
     name, threads = b["run_name"].split("/real_time")[0], b.get("threads", 1)
@@ -71,6 +76,31 @@ run bench 240 "$bin/cucache-bench" \
   --benchmark_report_aggregates_only=true --benchmark_format=json "--benchmark_out=$out/bench.json"
 python3 "$repo/tools/bench_report.py" "$out/report" "$out/bench.json" > "$out/bench_report.log" 2>&1 \
   || { echo "bench_report.py failed" | tee -a "$out/summary.txt"; status=1; }
+# Threads, a stream per thread and one shared stream (bench_report.py charts the first only).
+python3 - "$out/bench.json" > "$out/threads.md" <<'EOF'
+import json, sys
+try:
+    benchmarks = json.load(open(sys.argv[1]))["benchmarks"]
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f"no bench results ({e})")
+rows = {}
+for b in benchmarks:
+    name = b["run_name"]
+    if b.get("aggregate_name") != "median" or not name.startswith("threads"):
+        continue
+    case, alloc = name.split("/")[:2]
+    rows.setdefault(alloc, {})[(case, b.get("threads", 1))] = b.get("ns_per_pair", float("nan"))
+counts = (1, 2, 4, 8, 16)
+print("Aggregate ns per pair (wall time / pairs), median of the repetitions:\n")
+print("| allocator | " + " | ".join(str(t) for t in counts) +
+      " | one stream: " + " | ".join(str(t) for t in counts) + " |")
+print("| --- |" + " --- |" * (2 * len(counts)))
+for alloc, r in rows.items():
+    cells = [r.get(("threads", t), float("nan")) for t in counts]
+    cells += [r.get(("threads_one_stream", t), float("nan")) for t in counts]
+    print(f"| {alloc} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+EOF
+cat "$out/threads.md"
 
 # 3. The allocator's own host cost: the simulated device's pair, no stream query.
 for mode in "" --expandable; do
