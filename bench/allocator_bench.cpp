@@ -3,6 +3,8 @@
 // runs for every allocator available here: cucache on the simulated device (host cost only),
 // cucache on the GPU, cudaMalloc, cudaMallocAsync and PyTorch's c10 allocator (dlopen'd shim).
 #include <benchmark/benchmark.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,8 +23,8 @@
 #include <vector>
 
 #include "churn_plan.hpp"
-#include "common/child_process.hpp"
 #include "common/c10_loader.hpp"
+#include "common/child_process.hpp"
 #include "common/cuda_check.hpp"
 #include "common/device_peers.hpp"
 #include "cucache/backend_factory.hpp"
@@ -390,32 +392,170 @@ void register_pending() {
   }
 }
 
-// --- stream queries: what an allocation on a stream asks the device (cucache_cuda only) ---------
+// --- stream queries: what an allocation on a stream asks the device (GPU only) ----------------
+//
+// Every allocation on a stream other than the legacy default one asks for the stream's capture
+// status and its id (docs/design.md, "Streams that die", "Graph capture"). These cases time each
+// candidate call alone, the runtime's wrapper and the driver's entry point (looked up the way
+// cuda_backend does, cudaGetDriverEntryPointByVersion), and the backend's combined query
+// (device_backend::identify), one thread and 8 and 16 threads each on a stream of its own: one
+// H200 run decides which calls the hot path should make. cuCtxGetCurrent is the floor: the
+// cheapest driver call there is (no stream to look at).
 
-/// One backend query per iteration on GPU stream 0: cudaStreamGetId (pools are keyed by the
-/// stream id, never reused) or cudaStreamGetCaptureInfo (captured allocations go to a graph
-/// pool). cucache makes both on every allocation on a stream other than the legacy default one;
-/// their sum is the hot-path price of issue 11 items 3 and 4 on a real device.
-void bm_stream_query(benchmark::State& state, bool capture) {
+enum class stream_call : std::uint8_t {
+  runtime_get_capture_info,  ///< cudaStreamGetCaptureInfo
+  runtime_is_capturing,      ///< cudaStreamIsCapturing
+  runtime_get_id,            ///< cudaStreamGetId
+  runtime_query,             ///< cudaStreamQuery
+  driver_get_capture_info,   ///< cuStreamGetCaptureInfo (ABI 12000: its second version)
+  driver_is_capturing,       ///< cuStreamIsCapturing
+  driver_get_id,             ///< cuStreamGetId
+  driver_query,              ///< cuStreamQuery
+  driver_ctx_get_current,    ///< cuCtxGetCurrent: the floor of a driver call
+  backend_capture_status,    ///< cuda_backend::capture_status
+  backend_stream_id,         ///< cuda_backend::stream_id
+  backend_identify,          ///< cuda_backend::identify: capture status + id, what allocate asks
+};
+
+struct driver_stream_calls {
+  PFN_cuStreamGetCaptureInfo_v11030 get_capture_info = nullptr;
+  PFN_cuStreamIsCapturing_v10000 is_capturing = nullptr;
+  PFN_cuStreamGetId_v12000 get_id = nullptr;
+  PFN_cuStreamQuery_v2000 query = nullptr;
+  PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
+};
+
+template <typename Fn>
+void resolve_driver(const char* symbol, Fn& fn) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  check_cuda(cudaGetDriverEntryPointByVersion(symbol, &address, 12000, cudaEnableDefault, &status),
+             symbol);
+  if (status != cudaDriverEntryPointSuccess || address == nullptr) {
+    throw std::runtime_error(std::string("the driver has no ") + symbol);
+  }
+  fn = reinterpret_cast<Fn>(address);
+}
+
+const driver_stream_calls& driver_calls() {
+  static const driver_stream_calls calls = [] {
+    driver_stream_calls c;
+    resolve_driver("cuStreamGetCaptureInfo", c.get_capture_info);
+    resolve_driver("cuStreamIsCapturing", c.is_capturing);
+    resolve_driver("cuStreamGetId", c.get_id);
+    resolve_driver("cuStreamQuery", c.query);
+    resolve_driver("cuCtxGetCurrent", c.ctx_get_current);
+    return c;
+  }();
+  return calls;
+}
+
+/// One call of `which` on `s`; returns something that depends on the answer.
+std::uint64_t stream_call_once(stream_call which, cudaStream_t s, device_backend& backend,
+                               const driver_stream_calls& d) {
+  const auto cu = static_cast<CUstream>(s);
+  switch (which) {
+    case stream_call::runtime_get_capture_info: {
+      cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+      unsigned long long id = 0;
+      return static_cast<std::uint64_t>(cudaStreamGetCaptureInfo(s, &st, &id)) + st + id;
+    }
+    case stream_call::runtime_is_capturing: {
+      cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+      return static_cast<std::uint64_t>(cudaStreamIsCapturing(s, &st)) + st;
+    }
+    case stream_call::runtime_get_id: {
+      unsigned long long id = 0;
+      return static_cast<std::uint64_t>(cudaStreamGetId(s, &id)) + id;
+    }
+    case stream_call::runtime_query:
+      return static_cast<std::uint64_t>(cudaStreamQuery(s));
+    case stream_call::driver_get_capture_info: {
+      CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+      cuuint64_t id = 0;
+      return static_cast<std::uint64_t>(
+                 d.get_capture_info(cu, &st, &id, nullptr, nullptr, nullptr)) +
+             st + id;
+    }
+    case stream_call::driver_is_capturing: {
+      CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+      return static_cast<std::uint64_t>(d.is_capturing(cu, &st)) + st;
+    }
+    case stream_call::driver_get_id: {
+      unsigned long long id = 0;
+      return static_cast<std::uint64_t>(d.get_id(cu, &id)) + id;
+    }
+    case stream_call::driver_query:
+      return static_cast<std::uint64_t>(d.query(cu));
+    case stream_call::driver_ctx_get_current: {
+      CUcontext ctx = nullptr;
+      return static_cast<std::uint64_t>(d.ctx_get_current(&ctx)) +
+             reinterpret_cast<std::uintptr_t>(ctx);
+    }
+    case stream_call::backend_capture_status:
+      return backend.capture_status(s).id;
+    case stream_call::backend_stream_id:
+      return backend.stream_id(s);
+    case stream_call::backend_identify:
+      return backend.identify(s).id;
+  }
+  return 0;
+}
+
+/// One call per iteration on this thread's GPU stream (stream 0 for every thread when `shared`).
+/// ns_per_query: wall time per call, the mean over the threads (with several threads each makes
+/// its own calls at the same time).
+void bm_stream_query(benchmark::State& state, stream_call which, bool shared) {
   try {
-    auto backend = make_backend(backend_kind::cuda, 0);
-    const stream_handle s = gpu_stream(0);
+    // One for every case and thread (a function-local static: made once, by whichever thread
+    // comes first).
+    static const std::shared_ptr<device_backend> backend = make_backend(backend_kind::cuda, 0);
+    const driver_stream_calls& d = driver_calls();
+    const auto s = static_cast<cudaStream_t>(gpu_stream(shared ? 0 : state.thread_index()));
     std::uint64_t sink = 0;
-    const std::int64_t start = now_ns();
+    std::int64_t start = 0;
     for (auto _ : state) {
-      sink += capture ? backend->capture_status(s).id : backend->stream_id(s);
+      if (start == 0) start = now_ns();  // after the threads' start barrier
+      sink += stream_call_once(which, s, *backend, d);
     }
     const std::int64_t stop = now_ns();
     benchmark::DoNotOptimize(sink);
-    state.counters["ns_per_query"] = per(stop - start, static_cast<double>(state.iterations()));
+    state.counters["ns_per_query"] =
+        benchmark::Counter(per(stop - start, static_cast<double>(state.iterations())),
+                           benchmark::Counter::kAvgThreads);
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
   }
 }
 
 void register_stream_queries() {
-  benchmark::RegisterBenchmark("stream_query/cucache_cuda/stream_id", bm_stream_query, false);
-  benchmark::RegisterBenchmark("stream_query/cucache_cuda/capture_status", bm_stream_query, true);
+  constexpr std::array<std::pair<stream_call, const char*>, 12> calls{{
+      {stream_call::runtime_get_capture_info, "runtime/cudaStreamGetCaptureInfo"},
+      {stream_call::runtime_is_capturing, "runtime/cudaStreamIsCapturing"},
+      {stream_call::runtime_get_id, "runtime/cudaStreamGetId"},
+      {stream_call::runtime_query, "runtime/cudaStreamQuery"},
+      {stream_call::driver_get_capture_info, "driver/cuStreamGetCaptureInfo"},
+      {stream_call::driver_is_capturing, "driver/cuStreamIsCapturing"},
+      {stream_call::driver_get_id, "driver/cuStreamGetId"},
+      {stream_call::driver_query, "driver/cuStreamQuery"},
+      {stream_call::driver_ctx_get_current, "driver/cuCtxGetCurrent"},
+      {stream_call::backend_capture_status, "cucache_cuda/capture_status"},
+      {stream_call::backend_stream_id, "cucache_cuda/stream_id"},
+      {stream_call::backend_identify, "cucache_cuda/identify"},
+  }};
+  for (const auto& [which, label] : calls) {
+    const std::string name = std::string("stream_query/") + label;
+    benchmark::RegisterBenchmark(name.c_str(), bm_stream_query, which, false)
+        ->Threads(1)
+        ->Threads(8)
+        ->Threads(16)
+        ->UseRealTime();
+    // Every thread on stream 0, as threads_one_stream: does the driver serialize on a stream?
+    const std::string shared = std::string("stream_query_one_stream/") + label;
+    benchmark::RegisterBenchmark(shared.c_str(), bm_stream_query, which, true)
+        ->Threads(8)
+        ->UseRealTime();
+  }
 }
 
 // --- observe: what tags and call stacks cost a pair (global API, simulated device) ---------------

@@ -19,7 +19,6 @@ enum class peer_access_mode : std::uint8_t {
   none,       ///< the owning device only
 };
 
-
 /// A stream as the runtime knows it (cudaStream_t). nullptr is the legacy default stream.
 using stream_handle = void*;
 /// An event as the runtime knows it (cudaEvent_t).
@@ -44,6 +43,15 @@ enum class capture_state : std::uint8_t {
 /// sequence, unique in the process.
 struct capture_info {
   capture_state state = capture_state::none;
+  std::uint64_t id = 0;
+};
+
+/// What an allocation asks about its stream (device_backend::identify): its capture and, only when
+/// it is not being captured, its id.
+struct stream_identity {
+  capture_info capture;
+  /// stream_id(stream) when capture.state is none; 0 otherwise (not asked: cudaStreamGetId is
+  /// refused on a capturing stream, and the refusal invalidates the capture).
   std::uint64_t id = 0;
 };
 
@@ -148,6 +156,15 @@ class device_backend {
   [[nodiscard]] virtual std::uint64_t stream_id(stream_handle stream) = 0;
   /// Whether `stream` is being captured (cudaStreamGetCaptureInfo). REQUIRES: stream is alive.
   [[nodiscard]] virtual capture_info capture_status(stream_handle stream) = 0;
+  /// capture_status(stream), then stream_id(stream) only if it is not being captured: what every
+  /// allocation on a stream other than the legacy default one asks, in one call, so that a backend
+  /// can answer both at its cheapest (cuda_backend: the driver's entry points, not the runtime's
+  /// wrappers). The default makes the two calls. REQUIRES: stream is alive and not nullptr.
+  [[nodiscard]] virtual stream_identity identify(stream_handle stream) {
+    const capture_info capture = capture_status(stream);
+    if (capture.state != capture_state::none) return {capture, 0};
+    return {capture, stream_id(stream)};
+  }
   /// Sets the calling thread's capture mode and returns the one it had
   /// (cudaThreadExchangeStreamCaptureMode).
   virtual capture_mode exchange_capture_mode(capture_mode mode) = 0;

@@ -3,8 +3,8 @@
 // runtime, so nothing links libcuda and every binary loads on a machine without a driver.
 #pragma once
 
-#include <cstddef>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -79,10 +79,13 @@ class cuda_backend final : public device_backend {
   void event_synchronize(event_handle event) override;
   void stream_synchronize(stream_handle stream) override;
   void device_synchronize() override;
-  /// cudaStreamGetId; nullptr (the legacy stream) included.
+  /// cuStreamGetId (the driver's entry point; cudaStreamGetId where the driver call fails);
+  /// nullptr (the legacy stream) included.
   [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override;
-  /// cudaStreamGetCaptureInfo.
+  /// cuStreamGetCaptureInfo (cudaStreamGetCaptureInfo where the driver call fails).
   [[nodiscard]] capture_info capture_status(stream_handle stream) override;
+  /// capture_status, then stream_id when not capturing: two driver calls.
+  [[nodiscard]] stream_identity identify(stream_handle stream) override;
   /// cudaThreadExchangeStreamCaptureMode.
   capture_mode exchange_capture_mode(capture_mode mode) override;
 

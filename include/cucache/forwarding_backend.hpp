@@ -50,6 +50,7 @@
   X(void, device_synchronize, (), (), )                                                  \
   X(std::uint64_t, stream_id, (stream_handle stream), (stream), )                        \
   X(capture_info, capture_status, (stream_handle stream), (stream), )                    \
+  X(stream_identity, identify, (stream_handle stream), (stream), )                       \
   X(capture_mode, exchange_capture_mode, (capture_mode mode), (mode), )                  \
   X(memory_info, mem_get_info, (), (), )
 

@@ -142,6 +142,9 @@ class sim_backend final : public device_backend {
   [[nodiscard]] memory_info mem_get_info() override;
   [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override;
   [[nodiscard]] capture_info capture_status(stream_handle stream) override;
+  /// capture_status then stream_id, counted as those two calls, with one test of the lock-free
+  /// case (a handle the sim did not create, no capture anywhere) for both.
+  [[nodiscard]] stream_identity identify(stream_handle stream) override;
   capture_mode exchange_capture_mode(capture_mode mode) override;
 
   // --- Streams ----------------------------------------------------------------------------------

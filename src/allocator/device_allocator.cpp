@@ -527,16 +527,21 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   const pool_kind kind = detail::size_policy::pool_for(rounded);
   // A stream that is being captured allocates from its capture's pool: the graph keeps using the
   // address at every replay, so nobody else may get it. (The legacy stream cannot be captured.)
+  // One backend call asks both what the capture check and the pool key need: the capture status
+  // first, and the stream id only when the stream is not being captured (asking the id of a
+  // capturing stream would invalidate its capture).
   stream_pool* graph_part = nullptr;
+  std::uint64_t key = detail::k_legacy_stream_key;
   if (stream != nullptr) {
-    const capture_info cap = raw->capture_status(stream);
-    if (cap.state != capture_state::none || sync_blocked()) [[unlikely]] {
-      graph_part = graphs.part_for(stream, cap);
+    const stream_identity who = raw->identify(stream);
+    if (who.capture.state != capture_state::none || sync_blocked()) [[unlikely]] {
+      graph_part = graphs.part_for(stream, who.capture);
     }
+    key = who.id;  // valid unless capturing, and then graph_part is set
   } else if (graphs.any_route()) [[unlikely]] {
     graph_part = graphs.part_for(stream, {});
   }
-  stream_pool& p = graph_part != nullptr ? *graph_part : pools.pool_for(stream);
+  stream_pool& p = graph_part != nullptr ? *graph_part : pools.pool_for(stream, key);
   std::unique_lock lk(p.mu);
   if (!p.pending.empty()) poll_pending(p);
   if (cfg.expandable_segments && p.graph == nullptr) {

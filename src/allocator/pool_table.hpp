@@ -75,10 +75,14 @@ class pool_table {
   /// The pool of `stream`, created on first use (thread-local one-entry cache in front of the
   /// map).
   CUCACHE_HOT stream_pool& pool_for(stream_handle stream) {
+    return pool_for(stream, stream_key(stream));
+  }
+  /// pool_for when the caller already knows the stream's key (stream_key): the allocation path
+  /// asks the backend once for a stream's capture and id (device_backend::identify).
+  CUCACHE_HOT stream_pool& pool_for(stream_handle stream, std::uint64_t key) {
     // By stream id, not handle: once the program destroys a stream, the runtime hands its handle
     // value to the next stream it creates, while work queued on the dead one may still run. A
     // pool keyed by the value would give the new stream blocks whose last use is that work.
-    const std::uint64_t key = stream_key(stream);
     const pool_cache_entry& c = t_pool_cache;
     if (c.owner == id_ && c.key == key) [[likely]]
       return *c.pool;

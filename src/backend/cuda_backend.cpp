@@ -41,6 +41,11 @@ struct driver_api {
   PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
   PFN_cuMemExportToShareableHandle_v10020 mem_export_to_shareable_handle = nullptr;
   PFN_cuMemImportFromShareableHandle_v10020 mem_import_from_shareable_handle = nullptr;
+  // The stream queries every allocation makes (identify). Optional: where the driver lacks one,
+  // the runtime's wrapper answers. Asked at ABI 12000, cuStreamGetCaptureInfo is its second
+  // version (CUDA 11.3's signature: the graph and dependency outputs may be null).
+  PFN_cuStreamGetCaptureInfo_v11030 stream_get_capture_info = nullptr;
+  PFN_cuStreamGetId_v12000 stream_get_id = nullptr;
 };
 
 template <typename Fn>
@@ -59,6 +64,18 @@ void resolve(const char* symbol, Fn& fn) {
   fn = std::bit_cast<Fn>(address);
 }
 
+/// resolve(), but a symbol the driver does not have leaves fn null instead of throwing.
+template <typename Fn>
+void resolve_optional(const char* symbol, Fn& fn) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t code = cudaGetDriverEntryPointByVersion(symbol, &address, driver_abi_version,
+                                                            cudaEnableDefault, &status);
+  if (code != cudaSuccess) clear_expected_error(code);
+  fn = code == cudaSuccess && status == cudaDriverEntryPointSuccess ? std::bit_cast<Fn>(address)
+                                                                    : nullptr;
+}
+
 driver_api load_driver_api() {
   driver_api api;
   resolve("cuGetErrorString", api.get_error_string);
@@ -74,6 +91,8 @@ driver_api load_driver_api() {
   resolve("cuMemSetAccess", api.mem_set_access);
   resolve("cuMemExportToShareableHandle", api.mem_export_to_shareable_handle);
   resolve("cuMemImportFromShareableHandle", api.mem_import_from_shareable_handle);
+  resolve_optional("cuStreamGetCaptureInfo", api.stream_get_capture_info);
+  resolve_optional("cuStreamGetId", api.stream_get_id);
   return api;
 }
 
@@ -299,7 +318,8 @@ void cuda_backend::configure_peer_access(peer_access_mode mode) {
       detail::check_runtime(cudaDeviceCanAccessPeer(&can, d, device_), "cudaDeviceCanAccessPeer");
       if (can == 0) {
         if (mode == peer_access_mode::all) {
-          throw cuda_error("cudaDeviceCanAccessPeer", static_cast<int>(cudaErrorPeerAccessUnsupported),
+          throw cuda_error("cudaDeviceCanAccessPeer",
+                           static_cast<int>(cudaErrorPeerAccessUnsupported),
                            fmt::format("peer_access:all: CUDA device {} cannot access device {}; "
                                        "use peer_access:auto",
                                        d, device_));
@@ -437,17 +457,66 @@ void cuda_backend::device_synchronize() {
 }
 
 // Stream identity and capture state belong to the stream, not to the current device: no guard.
-std::uint64_t cuda_backend::stream_id(stream_handle stream) {
+//
+// Every allocation on a stream asks both (identify), so they go to the driver's entry points
+// directly: the runtime's wrappers cost 74 ns (cudaStreamGetId) and 90 ns
+// (cudaStreamGetCaptureInfo) on the H200 (docs/benchmarks.md). Where a driver call fails, the
+// runtime's wrapper is asked instead and its answer (or error) stands: it makes the device's
+// primary context current on a thread that has none -- the driver refuses the special handles
+// (cudaStreamPerThread, cudaStreamLegacy) without a current context -- and reports errors with
+// the runtime's codes. A failed driver call changes no state (the runtime's last error included).
+namespace detail {
+namespace {
+
+CUstream as_cu_stream(stream_handle stream) {
+  return static_cast<CUstream>(stream);
+}
+
+/// The capture of `stream` from the driver; false when the driver cannot answer.
+bool driver_capture_info(stream_handle stream, capture_info& out) {
+  const driver_api& api = driver();
+  if (api.stream_get_capture_info == nullptr) return false;
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  cuuint64_t id = 0;
+  if (api.stream_get_capture_info(as_cu_stream(stream), &status, &id, nullptr, nullptr, nullptr) !=
+      CUDA_SUCCESS) {
+    return false;
+  }
+  switch (status) {
+    case CU_STREAM_CAPTURE_STATUS_ACTIVE:
+      out = {capture_state::active, id};
+      break;
+    case CU_STREAM_CAPTURE_STATUS_INVALIDATED:
+      out = {capture_state::invalidated, id};
+      break;
+    default:
+      out = {};
+  }
+  return true;
+}
+
+/// The id of `stream` from the driver; false when the driver cannot answer. REQUIRES: stream is
+/// not being captured (the driver refuses, and the refusal invalidates the capture).
+bool driver_stream_id(stream_handle stream, std::uint64_t& out) {
+  const driver_api& api = driver();
+  if (api.stream_get_id == nullptr) return false;
   unsigned long long id = 0;
-  detail::check_runtime(cudaStreamGetId(detail::as_stream(stream), &id), "cudaStreamGetId");
+  if (api.stream_get_id(as_cu_stream(stream), &id) != CUDA_SUCCESS) return false;
+  out = id;
+  return true;
+}
+
+std::uint64_t runtime_stream_id(stream_handle stream) {
+  unsigned long long id = 0;
+  check_runtime(cudaStreamGetId(as_stream(stream), &id), "cudaStreamGetId");
   return id;
 }
 
-capture_info cuda_backend::capture_status(stream_handle stream) {
+capture_info runtime_capture_info(stream_handle stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
-  detail::check_runtime(cudaStreamGetCaptureInfo(detail::as_stream(stream), &status, &id),
-                        "cudaStreamGetCaptureInfo");
+  check_runtime(cudaStreamGetCaptureInfo(as_stream(stream), &status, &id),
+                "cudaStreamGetCaptureInfo");
   switch (status) {
     case cudaStreamCaptureStatusActive:
       return {capture_state::active, id};
@@ -456,6 +525,34 @@ capture_info cuda_backend::capture_status(stream_handle stream) {
     default:
       return {};
   }
+}
+
+}  // namespace
+}  // namespace detail
+
+std::uint64_t cuda_backend::stream_id(stream_handle stream) {
+  std::uint64_t id = 0;
+  if (detail::driver_stream_id(stream, id)) [[likely]]
+    return id;
+  return detail::runtime_stream_id(stream);
+}
+
+capture_info cuda_backend::capture_status(stream_handle stream) {
+  capture_info info;
+  if (detail::driver_capture_info(stream, info)) [[likely]]
+    return info;
+  return detail::runtime_capture_info(stream);
+}
+
+stream_identity cuda_backend::identify(stream_handle stream) {
+  capture_info capture;
+  if (!detail::driver_capture_info(stream, capture)) [[unlikely]]
+    capture = detail::runtime_capture_info(stream);
+  if (capture.state != capture_state::none) return {capture, 0};
+  std::uint64_t id = 0;
+  if (!detail::driver_stream_id(stream, id)) [[unlikely]]
+    id = detail::runtime_stream_id(stream);
+  return {capture, id};
 }
 
 capture_mode cuda_backend::exchange_capture_mode(capture_mode mode) {

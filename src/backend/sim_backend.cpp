@@ -47,8 +47,8 @@ const char* to_string(capture_mode mode) noexcept {
   return "unknown";
 }
 
-constexpr int k_sim_not_supported = 801;         // cudaErrorNotSupported
-constexpr int k_sim_peer_unsupported = 217;      // cudaErrorPeerAccessUnsupported
+constexpr int k_sim_not_supported = 801;                        // cudaErrorNotSupported
+constexpr int k_sim_peer_unsupported = 217;                     // cudaErrorPeerAccessUnsupported
 constexpr std::uint64_t k_sim_ipc_magic = 0x6370692d6d6973ULL;  // "sim-ipc"
 
 // What the sim's IPC handles name, for every sim_backend of the process (sim_backend.hpp).
@@ -583,10 +583,10 @@ phys_handle sim_backend::phys_import_fd(int fd) {
   sim_ipc_record rec{};
   if (::pread(fd, &rec, sizeof(rec), 0) != static_cast<ssize_t>(sizeof(rec)) ||
       rec.magic != k_sim_ipc_magic) {
-    fail(sim_call::phys_import_fd,
-         fmt::format("file descriptor {} is not one of the simulated device's exported handles",
-                     fd),
-         k_sim_invalid_value);
+    fail(
+        sim_call::phys_import_fd,
+        fmt::format("file descriptor {} is not one of the simulated device's exported handles", fd),
+        k_sim_invalid_value);
   }
   const std::optional<sim_export> e = find_export(rec.id);
   if (!e) {
@@ -768,6 +768,16 @@ capture_info sim_backend::capture_status(stream_handle stream) {
   if (it == captures_.end()) return {};
   return {it->second.invalidated ? capture_state::invalidated : capture_state::active,
           it->second.id};
+}
+
+stream_identity sim_backend::identify(stream_handle stream) {
+  const auto v = reinterpret_cast<std::uintptr_t>(stream);
+  const bool created = v >= k_stream_base && v < next_stream_.load(std::memory_order_acquire);
+  if (!created && stream != nullptr && capturing_.load(std::memory_order_acquire) == 0 &&
+      query_fast(sim_call::capture_status) && query_fast(sim_call::stream_id)) {
+    return {{}, k_fake_stream_id_tag | v};
+  }
+  return device_backend::identify(stream);
 }
 
 capture_mode sim_backend::exchange_capture_mode(capture_mode mode) {

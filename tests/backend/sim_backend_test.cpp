@@ -169,7 +169,7 @@ TEST(SimBackend, DestroyedStreamsAreRejectedAsTheDriverDoes) {
   expect_400([&] { s.destroy_stream(a); });                                   // twice
   expect_400([&] { s.destroy_stream(reinterpret_cast<stream_handle>(1)); });  // never created
   EXPECT_EQ(s.destroyed_stream_calls(), 2u);  // stream_synchronize, event_record
-  s.device_synchronize();  // names no stream: completes the dead stream's work
+  s.device_synchronize();                     // names no stream: completes the dead stream's work
   EXPECT_TRUE(s.event_query(e));
   // Handles the sim never created -- the default stream, tests' fake values -- are alive.
   for (stream_handle fake :
@@ -265,6 +265,44 @@ TEST(SimStreams, IdsAreNeverReusedThoughHandlesAre) {
   const stream_handle x = t.create_stream();
   t.destroy_stream(x);
   EXPECT_NE(t.create_stream(), x);
+}
+
+TEST(SimStreams, IdentifyAsksTheIdOnlyOutsideACapture) {
+  // identify is what every allocation asks: the capture first, the id only when there is none --
+  // asking the id of a capturing stream would invalidate its capture. The sim's override and the
+  // interface's default (what hand-written wrappers inherit) must agree.
+  sim_backend s;
+  const stream_handle a = s.create_stream();
+  const auto check_outside = [&](const stream_identity& who) {
+    EXPECT_EQ(who.capture.state, capture_state::none);
+    EXPECT_EQ(who.id, s.stream_id(a));
+  };
+  check_outside(s.identify(a));
+  check_outside(s.device_backend::identify(a));
+  const auto fake = reinterpret_cast<stream_handle>(0x5000);
+  EXPECT_EQ(s.identify(fake).id, s.stream_id(fake));
+  EXPECT_EQ(s.identify(fake).capture.state, capture_state::none);
+
+  const std::uint64_t capture = s.begin_capture(a);
+  for (bool base : {false, true}) {
+    SCOPED_TRACE(base ? "device_backend::identify" : "sim_backend::identify");
+    const std::uint64_t ids = s.calls(sim_call::stream_id);
+    const stream_identity who = base ? s.device_backend::identify(a) : s.identify(a);
+    EXPECT_EQ(who.capture.state, capture_state::active);
+    EXPECT_EQ(who.capture.id, capture);
+    EXPECT_EQ(who.id, 0u);
+    EXPECT_EQ(s.calls(sim_call::stream_id), ids);  // not asked
+  }
+  EXPECT_EQ(s.capture_violations(), 0u);
+  EXPECT_EQ(s.end_capture(a), capture);  // not invalidated
+
+  // A destroyed stream's handle, reused: a new id.
+  const std::uint64_t old_id = s.identify(a).id;
+  s.destroy_stream(a);
+  const stream_handle b = s.create_stream();
+  ASSERT_EQ(b, a);
+  EXPECT_NE(s.identify(b).id, old_id);
+  EXPECT_EQ(s.identify(b).id, s.stream_id(b));
 }
 
 TEST(SimCapture, GlobalModeRefusesUnsafeCallsFromEveryThreadAndInvalidates) {

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "cucache/cuda_backend.hpp"
@@ -69,6 +70,49 @@ TEST(CudaBackendGpu, ConstructsAndReportsDevice) {
   EXPECT_EQ(backend.device(), 0);
   EXPECT_STREQ(backend.name(), "cuda");
   EXPECT_TRUE(cucache::cuda_unavailable_reason().empty());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// The stream queries go to the driver's entry points, with the runtime's wrappers as fallback: the
+// answers must be the runtime's, for user streams, the special handles, a thread that has never
+// called CUDA (no current context: the driver refuses the special handles there) and a capturing
+// stream (its id is never asked: that would invalidate the capture).
+TEST(CudaBackendGpu, StreamQueriesAgreeWithTheRuntime) {
+  CUCACHE_REQUIRE_GPU();
+  cucache::cuda_backend backend(0);
+  CUDA_OK(cudaSetDevice(0));
+  cudaStream_t s = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  unsigned long long id = 0;
+  CUDA_OK(cudaStreamGetId(s, &id));
+  EXPECT_EQ(backend.stream_id(s), id);
+  cucache::stream_identity who = backend.identify(s);
+  EXPECT_EQ(who.capture.state, cucache::capture_state::none);
+  EXPECT_EQ(who.id, id);
+  for (cudaStream_t special : {cudaStreamPerThread, cudaStreamLegacy}) {
+    CUDA_OK(cudaStreamGetId(special, &id));
+    EXPECT_EQ(backend.identify(special).id, id);
+  }
+  // A fresh thread with no current context, asking the backend first.
+  unsigned long long backend_id = 0;
+  unsigned long long runtime_id = 1;
+  std::thread([&] {
+    backend_id = backend.identify(cudaStreamPerThread).id;
+    static_cast<void>(cudaStreamGetId(cudaStreamPerThread, &runtime_id));
+  }).join();
+  EXPECT_EQ(backend_id, runtime_id);
+
+  // Capturing: the capture is reported, its id is not asked, and the capture stays valid.
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  who = backend.identify(s);
+  EXPECT_EQ(who.capture.state, cucache::capture_state::active);
+  EXPECT_NE(who.capture.id, 0u);
+  EXPECT_EQ(who.id, 0u);
+  EXPECT_EQ(backend.capture_status(s).state, cucache::capture_state::active);
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamEndCapture(s, &graph));  // fails if the capture was invalidated
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(s));
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
