@@ -32,6 +32,15 @@ rm -f "$work"/pid_report.*
 LD_LIBRARY_PATH="$fake_dir" LD_PRELOAD="$shim" CUCACHE_BACKEND=sim \
   CUCACHE_REPORT="$work/pid_report.%p" "$check" preloaded > /dev/null
 ls "$work"/pid_report.[0-9]* > /dev/null 2>&1 || { echo "preload_e2e: no pid_report.<pid>"; exit 1; }
+# CUCACHE_PRELOAD_TRACE=1: the lookups the shim answers, and who asked.
+trace=$(LD_LIBRARY_PATH="$fake_dir" LD_PRELOAD="$shim" CUCACHE_BACKEND=sim CUCACHE_PRELOAD_TRACE=1 \
+  "$check" preloaded 2>&1 > /dev/null)
+for want in "cuGetProcAddress_v2(cuMemAlloc, 12000) from .*preload_e2e_check -> cucache" \
+  "cuGetProcAddress_v2(cuMemAlloc, 3000) from .*preload_e2e_check -> driver" \
+  "dlsym(cuMemAlloc_v2, 0) from .*preload_e2e_check -> cucache"; do
+  grep -q "cucache preload trace: $want" <<< "$trace" \
+    || { echo "preload_e2e: no trace line '$want' in:"; echo "$trace"; exit 1; }
+done
 # CUCACHE_REPORT=stderr, and a program that never touches CUDA.
 out=$(LD_PRELOAD="$shim" CUCACHE_REPORT=stderr /bin/echo unaffected 2>&1)
 [[ $out == *unaffected* ]] || { echo "preload_e2e: /bin/echo under the shim: $out"; exit 1; }
