@@ -198,8 +198,8 @@ void cucache_torch_free(void* ptr, size_t /*size*/, int device, cucache_torch_st
     registry* r = registry::if_built();
     if (r != nullptr && r->release(ptr, stream, release_kind::ordered, device)) return;
     plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
-    if (device_allocator* a = r != nullptr ? r->find(device) : nullptr) {
-      report("cucache_torch: " + a->explain_bad_pointer(ptr, "free"));
+    if (r != nullptr && r->find(device) != nullptr) {
+      report("cucache_torch: " + r->explain_bad_pointer(ptr, "free", device));
       return;
     }
     char text[160];
