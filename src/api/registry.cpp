@@ -378,21 +378,21 @@ std::string registry::explain_bad_pointer(const void* ptr, const char* what, int
     return a->explain_bad_pointer(ptr, what) + " nor on any other device";
   }
   return fmt::format(
-      "cucache: {}({}): it was not allocated by cucache on any device (unknown pointer)", what,
-      ptr);
+      "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
+      "pointer or already freed)",
+      what, ptr);
 }
 
 void throw_not_ours(const void* ptr, release_kind kind, int hint) {
   // In a forked child the pointer may well be the parent's: say why nothing can release it.
   registry::require_not_forked();
   const char* what = kind == release_kind::record ? "record_stream" : "free";
-  if (registry* r = registry::if_built(); r != nullptr && r->device_count() > 0) {
+  if (registry* r = registry::if_built())
     throw invalid_argument(r->explain_bad_pointer(ptr, what, hint));
-  }
   throw invalid_argument(fmt::format(
       "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
       "pointer or already freed)",
-      kind == release_kind::record ? "record_stream" : "free", ptr));
+      what, ptr));
 }
 
 // --- errors ------------------------------------------------------------------------------------
