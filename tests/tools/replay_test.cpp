@@ -373,6 +373,16 @@ TEST(replay_cli, rejects_what_it_cannot_do) {
   EXPECT_EQ(run({"--backend", "sim", "--peers", "none", k_resnet.string()}).status, 0);
 }
 
+TEST(replay_cli, a_file_that_is_not_a_trace_fails_at_once) {
+  // /dev/zero never ends: the reader stops at its first line, 4096 bytes in.
+  if (!std::filesystem::exists("/dev/zero")) GTEST_SKIP() << "no /dev/zero";
+  const cli_run r = run({"--backend", "sim", "/dev/zero"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("cucache-replay: error: /dev/zero:1: expected header"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("not an RMM-format CSV trace"), std::string::npos) << r.err;
+}
+
 TEST(replay_cli, bad_option_values_are_named_in_words) {
   // Each bad value gets one line that names the option, the value and what is wrong with it.
   const auto says = [](std::vector<std::string> args, const std::string& want) {
