@@ -282,6 +282,18 @@ def _ready(device: int) -> int:
     raise RuntimeError(f"cucache: {why}")
 
 
+_configured_ok = False
+
+
+def _configured() -> None:
+    """Reads the environment's configuration once (ValueError naming the bad key, at the first
+    use of a call that takes no device); the calls with a device check it in _ready."""
+    global _configured_ok
+    if not _configured_ok:
+        canonical_conf()
+        _configured_ok = True
+
+
 def canonical_conf(conf: Optional[str] = None) -> str:
     """The canonical form of a CUCACHE_CONF text (what differs from the defaults, in a fixed
     order; ValueError naming the key when it is not valid), or with conf None that of the
@@ -358,6 +370,7 @@ def snapshot() -> dict[str, Any]:
     """Every device's segments and blocks, and (CUCACHE_CONF history:N) its last N events, in the
     structure of torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...]]}
     (docs/python.md). dump_snapshot() writes it as the pickle PyTorch's memory viewer reads."""
+    _configured()
     with tempfile.TemporaryDirectory(prefix="cucache-snapshot-") as folder:
         path = os.path.join(folder, "snapshot.json")
         _check(library().cucache_torch_write_snapshot(path.encode()), "snapshot")
@@ -414,6 +427,7 @@ def load_snapshot(path: "os.PathLike[str] | str") -> dict[str, Any]:
 
 def mark_step() -> None:
     """Ends a step of the program's loop, for leak hunting (CUCACHE_CONF leak_steps:K)."""
+    _configured()
     _check(library().cucache_torch_mark_step(), "mark_step")
 
 
@@ -421,6 +435,7 @@ def leak_report(steps: int = 0) -> dict[str, Any]:
     """{"step": S, "steps": K, "candidates": [{device, address, size, stream, tag, step,
     steps_alive, frames}]}: allocations alive for more than K steps (K = steps, or leak_steps)
     while their device's live total grew, largest first."""
+    _configured()
     return json.loads(_text(lambda _d, b, n: library().cucache_torch_leak_report(steps, b, n), 0,
                             "leak_report"))
 
@@ -431,6 +446,7 @@ def push_tag(name: str) -> None:
         raise TypeError(f"cucache: a tag is a str, not {type(name).__name__}")
     if "\0" in name:
         raise ValueError(f"cucache: tag {name!r} contains a NUL character")
+    _configured()
     _check(library().cucache_torch_push_tag(name.encode()), "push_tag")
 
 
@@ -504,6 +520,7 @@ def snapshot_json(device: Any = None) -> str:
 
 def empty_cache() -> None:
     """Returns every wholly free cached segment of every device to the driver."""
+    _configured()
     _check(library().cucache_torch_empty_cache(), "empty_cache")
 
 

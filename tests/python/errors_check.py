@@ -201,6 +201,9 @@ def case_env_conf() -> None:
     expect(ValueError, cucache.alloc, MIB, 0, match="bogus")
     expect(ValueError, cucache.memory_stats, match="bogus")
     expect(ValueError, cucache.reserve, MIB, match="configuration error")
+    for fn in (cucache.empty_cache, cucache.snapshot, cucache.mark_step, cucache.leak_report):
+        expect(ValueError, fn, match="bogus")
+    expect(ValueError, cucache.push_tag, "t", match="bogus")
     install_fake_torch()
     import cucache.torch as ct
 
