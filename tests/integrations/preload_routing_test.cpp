@@ -246,9 +246,9 @@ TEST_F(PreloadRouting, IpcOnCucacheMemoryIsRefused) {
   EXPECT_EQ(g_calls.ipc, 1);
 }
 
-TEST_F(PreloadRouting, AddressRangeOfCucacheMemoryIsTheAllocationsOwn) {
-  // Two allocations carved from one segment: each answers its own start and size, as the driver
-  // does for its own allocations, never the segment's.
+// Two allocations carved from one segment (or one expandable range): each answers its own start
+// and size, as the driver does for its own allocations, never the segment's.
+void check_address_ranges(const real_driver& real) {
   cu_deviceptr a = 0;
   cu_deviceptr b = 0;
   ASSERT_EQ(mem_alloc(real, &a, 8192, nullptr), k_success);
@@ -283,6 +283,16 @@ TEST_F(PreloadRouting, AddressRangeOfCucacheMemoryIsTheAllocationsOwn) {
   EXPECT_EQ(mem_get_address_range(real, &base, &size, 0x7000'0000'0000ULL), k_success);
   EXPECT_EQ(g_calls.range, 1);
   ASSERT_EQ(mem_free(real, a, free_mode::stream), k_success);
+}
+
+TEST_F(PreloadRouting, AddressRangeOfCucacheMemoryIsTheAllocationsOwn) {
+  for (const char* conf : {"", "expandable_segments:True"}) {
+    SCOPED_TRACE(conf);
+    ::setenv("CUCACHE_CONF", conf, 1);
+    cucache::detail::reset_for_testing();
+    g_calls = {};
+    check_address_ranges(real);
+  }
 }
 
 TEST_F(PreloadRouting, AllocationHandleOfCucacheMemoryIsRefusedAsNonVmmMemory) {
