@@ -253,7 +253,8 @@ def _in_range(value: Any, what: str, top: int) -> int:
     return v
 
 
-_CHECK_DEVICE = (READY, CONFIG_ERROR, NO_CUDA, INVALID_DEVICE, OTHER_ERROR) = range(5)
+# cucache_torch_check_device's answers (cucache_torch.h).
+_READY, _CONFIG_ERROR, _NO_CUDA, _INVALID_DEVICE = 0, 1, 2, 3
 _ready_devices: set[int] = set()
 
 
@@ -265,15 +266,19 @@ def _ready(device: int) -> int:
     if device in _ready_devices:
         return device
     rc = library().cucache_torch_check_device(device)
-    if rc == READY:
+    if rc == _READY:
         _ready_devices.add(device)
         return device
-    why = last_error()
-    if rc == CONFIG_ERROR:
+    why = _why()
+    if rc == _CONFIG_ERROR:
         raise ValueError(f"cucache: configuration error: {why}")
-    if rc == INVALID_DEVICE:
-        raise ValueError(f"cucache: device {device} does not exist: {why}")
-    if rc == NO_CUDA:
+    if rc == _INVALID_DEVICE:
+        n = library().cucache_torch_device_count()
+        raise ValueError(
+            f"cucache: device {device} does not exist: this process has {n} {backend()} "
+            f"device{'' if n == 1 else 's'}" + (f" (0 to {n - 1})" if n > 1 else "")
+        )
+    if rc == _NO_CUDA:
         raise RuntimeError(
             f"cucache: no usable CUDA driver or device: {why}. The NVIDIA driver (libcuda.so.1) "
             "must be installed and as new as the CUDA runtime cucache was built with; "
@@ -283,6 +288,15 @@ def _ready(device: int) -> int:
 
 
 _configured_ok = False
+
+
+def _why() -> str:
+    """The latest error's text without the prefixes of the C layers it went through."""
+    why = last_error()
+    for prefix in ("cucache_torch: configuration: ", "cucache: "):
+        if why.startswith(prefix):
+            why = why[len(prefix):]
+    return why
 
 
 def _configured() -> None:
@@ -303,8 +317,9 @@ def canonical_conf(conf: Optional[str] = None) -> str:
     arg = conf.encode() if conf is not None else None
     try:
         return _text(lambda _d, b, n: library().cucache_torch_canonical_conf(arg, b, n), 0, "configuration")
-    except RuntimeError as e:
-        raise ValueError(str(e)) from None
+    except RuntimeError:
+        where = f"configuration {conf!r}" if conf is not None else "configuration error"
+        raise ValueError(f"cucache: {where}: {_why()}") from None
 
 
 def backend() -> str:

@@ -90,7 +90,7 @@ def case_devices() -> None:
                cucache.reset_peak_memory_stats, cucache.tag_stats, cucache.max_allocatable):
         expect(ValueError, fn, 7, match="device 7 does not exist")
         expect(ValueError, fn, "cuda:5", match="device 5 does not exist")
-    expect(ValueError, cucache.reset_peak_memory_stats, 99, match="invalid device ordinal 99")
+    expect(ValueError, cucache.reset_peak_memory_stats, 99, match="device 99 does not exist: this process has 1 sim device")
     expect(ValueError, cucache.alloc, MIB, 1, match="device 1 does not exist")
     cucache.reset_peak_memory_stats(-1)  # every device
     # Values ctypes would truncate.
