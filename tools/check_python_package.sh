@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Python wheel (pyproject.toml, scikit-build-core), installs it into a scratch folder
 # (never into the interpreter's site-packages) and runs the package's tests against the installed
-# copy on the simulated device (tests/python/package_check.py, fake cupy and numba).
+# copy on the simulated device (tests/python/package_check.py, fake cupy and numba;
+# tests/python/errors_check.py, fake torch).
 #   tools/check_python_package.sh       (.ci/run calls it)
 set -euo pipefail
 src="$(cd "$(dirname "$0")/.." && pwd)"
@@ -32,4 +33,6 @@ echo "== package tests against the installed wheel"
 cd "$work"  # not the source tree: the installed package must be the one imported
 env -u CUCACHE_LIB -u CUCACHE_TORCH_LIB PYTHONPATH="$work/site" CUCACHE_EXPECT_INSTALLED=1 \
   PYTHONDONTWRITEBYTECODE=1 "$py" "$src/tests/python/package_check.py"
+env -u CUCACHE_LIB -u CUCACHE_TORCH_LIB -u CUCACHE_CONF PYTHONPATH="$work/site" \
+  PYTHONDONTWRITEBYTECODE=1 "$py" "$src/tests/python/errors_check.py"
 echo "check_python_package: OK"

@@ -53,7 +53,8 @@ run() {  # name, env..., -- args...
   [[ -n $allocs && $allocs -ge $want_allocs ]] || fail "$name: report shows '${allocs:-no}' allocations, want >= $want_allocs"
   grep -q -- "--- device 0 ---" "$report" || fail "$name: no memory_summary in the report"
   grep -q "1 bad frees refused" "$report" || fail "$name: the interior free was not refused by cucache"
-  grep -q "1 IPC/address-range calls refused" "$report" || fail "$name: cudaIpcGetMemHandle was not refused"
+  grep -q "1 IPC handles refused" "$report" || fail "$name: cudaIpcGetMemHandle was not refused"
+  grep -q "1 address ranges answered" "$report" || fail "$name: cuMemGetAddressRange was not cucache's"
   grep -q "cuIpcGetMemHandle(.*) refused" "$out/$name.log" || fail "$name: no loud IPC refusal on stderr"
 }
 for variant in static shared; do

@@ -65,13 +65,16 @@ inline constexpr std::string_view k_trace_header = "Thread,Time,Action,Pointer,S
 /// legitimately return null. A free's size is not checked against its allocation's. Any
 /// violation throws cucache::invalid_argument as "<name>:<line>: <reason>".
 /// A file that cannot be opened or decompressed throws cucache::invalid_argument naming it.
+/// The file is read in chunks and parsed as it arrives, so memory follows the events, not the
+/// file: an error is reported when the reader reaches it, and a line longer than 4096 bytes (no
+/// row is; binary data, /dev/zero) fails at the line it starts on.
 [[nodiscard]] std::vector<trace_event> read_trace(const std::filesystem::path& path);
 
 /// Parses trace text already in memory (plain CSV; LF or CRLF line endings). `name` stands for
 /// the file in error messages.
 [[nodiscard]] std::vector<trace_event> parse_trace(std::string_view text,
                                                    std::string_view name = "<trace>");
-/// Reads the whole stream, then parses it as parse_trace(std::string_view, ...) does.
+/// Parses the stream as it is read, in chunks, as read_trace does a file.
 [[nodiscard]] std::vector<trace_event> parse_trace(std::istream& in,
                                                    std::string_view name = "<trace>");
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import operator
 import os
 import pickle
 import tempfile
@@ -122,6 +123,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_last_error": (ctypes.c_char_p, []),
         "cucache_torch_bad_free_count": (u64, []),
         "cucache_torch_backend_name": (ctypes.c_char_p, []),
+        "cucache_torch_check_device": (i, [i]),
+        "cucache_torch_device_count": (i, []),
+        "cucache_torch_canonical_conf": (i64, [ctypes.c_char_p, ctypes.c_char_p, sz]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -195,19 +199,127 @@ def set_current_device_function(fn: Any) -> None:
     _current_device = fn
 
 
+_INT_MAX = 2**31 - 1  # the C API's `int device`
+_SIZE_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_size_t)) - 1
+_PTR_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_void_p)) - 1
+
+
+def _current() -> int:
+    return int(_current_device()) if _current_device is not None else 0
+
+
 def _device(device: Any) -> int:
+    """The device index of `device`, as torch.cuda reads one: None or 'cuda' (the current
+    device), an int, 'cuda:N', a torch.device of type 'cuda', or an object with an int `id`
+    (cupy.cuda.Device, Numba's device). ValueError for a device that is not a CUDA one or an
+    index outside the C API's range; TypeError for anything else."""
     if device is None:
-        return int(_current_device()) if _current_device is not None else 0
-    if isinstance(device, int):
+        index = _current()
+    elif isinstance(device, str):
+        text = device.strip()
+        if text == "cuda":
+            index = _current()
+        elif text.startswith("cuda:") and text[5:].isdigit():
+            index = int(text[5:])
+        else:
+            raise ValueError(f"cucache: {device!r} is not a CUDA device (expected 'cuda' or 'cuda:N')")
+    elif isinstance(device, bool):
+        raise TypeError(f"cucache: device {device!r} is a bool, not a device")
+    elif isinstance(getattr(device, "type", None), str):  # torch.device
+        if device.type != "cuda":
+            raise ValueError(f"cucache: {device!r} is not a CUDA device")
+        index = _current() if device.index is None else int(device.index)
+    elif hasattr(type(device), "__index__"):  # int, numpy integers
+        index = operator.index(device)
+    elif isinstance(getattr(device, "id", None), int):  # cupy.cuda.Device, Numba's device
+        index = int(device.id)
+    else:
+        raise TypeError(
+            f"cucache: cannot read a device from {device!r} ({type(device).__name__}); expected "
+            "an int, 'cuda', 'cuda:N' or a torch.device"
+        )
+    if not 0 <= index <= _INT_MAX:
+        raise ValueError(f"cucache: device {index} is out of range (0 to {_INT_MAX})")
+    return index
+
+
+def _in_range(value: Any, what: str, top: int) -> int:
+    """`value` as an int in [0, top]: ctypes would truncate a larger one silently."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"cucache: {what} must be an int, not {type(value).__name__}")
+    v = operator.index(value)
+    if not 0 <= v <= top:
+        raise ValueError(f"cucache: {what} {v} is out of range (0 to {top})")
+    return v
+
+
+# cucache_torch_check_device's answers (cucache_torch.h).
+_READY, _CONFIG_ERROR, _NO_CUDA, _INVALID_DEVICE = 0, 1, 2, 3
+_ready_devices: set[int] = set()
+
+
+def _ready(device: int) -> int:
+    """`device` once cucache can serve it (checked once per device, building the registry from the
+    environment at the first call). ValueError for a configuration error (CUCACHE_CONF,
+    CUCACHE_BACKEND, CUCACHE_SIM_DEVICES) or a device that does not exist, RuntimeError when no
+    CUDA driver or device is usable."""
+    if device in _ready_devices:
         return device
-    index = getattr(device, "index", None)
-    if index is None:
-        index = getattr(device, "id", None)  # cupy.cuda.Device, numba's device
-    if index is not None:
-        return int(index)
-    if isinstance(device, str) and ":" in device:
-        return int(device.split(":", 1)[1])
-    return 0
+    rc = library().cucache_torch_check_device(device)
+    if rc == _READY:
+        _ready_devices.add(device)
+        return device
+    why = _why()
+    if rc == _CONFIG_ERROR:
+        raise ValueError(f"cucache: configuration error: {why}")
+    if rc == _INVALID_DEVICE:
+        n = library().cucache_torch_device_count()
+        raise ValueError(
+            f"cucache: device {device} does not exist: this process has {n} {backend()} "
+            f"device{'' if n == 1 else 's'}" + (f" (0 to {n - 1})" if n > 1 else "")
+        )
+    if rc == _NO_CUDA:
+        raise RuntimeError(
+            f"cucache: no usable CUDA driver or device: {why}. The NVIDIA driver (libcuda.so.1) "
+            "must be installed and as new as the CUDA runtime cucache was built with; "
+            "CUCACHE_BACKEND=sim runs on the simulated device instead"
+        )
+    raise RuntimeError(f"cucache: {why}")
+
+
+_configured_ok = False
+
+
+def _why() -> str:
+    """The latest error's text without the prefixes of the C layers it went through."""
+    why = last_error()
+    for prefix in ("cucache_torch: configuration: ", "cucache: "):
+        if why.startswith(prefix):
+            why = why[len(prefix):]
+    return why
+
+
+def _configured() -> None:
+    """Reads the environment's configuration once (ValueError naming the bad key, at the first
+    use of a call that takes no device); the calls with a device check it in _ready."""
+    global _configured_ok
+    if not _configured_ok:
+        canonical_conf()
+        _configured_ok = True
+
+
+def canonical_conf(conf: Optional[str] = None) -> str:
+    """The canonical form of a CUCACHE_CONF text (what differs from the defaults, in a fixed
+    order; ValueError naming the key when it is not valid), or with conf None that of the
+    configuration this process's allocators use (read from the environment at the first use)."""
+    if conf is not None and ("\0" in conf):
+        raise ValueError("cucache: a configuration cannot contain a NUL character")
+    arg = conf.encode() if conf is not None else None
+    try:
+        return _text(lambda _d, b, n: library().cucache_torch_canonical_conf(arg, b, n), 0, "configuration")
+    except RuntimeError:
+        where = f"configuration {conf!r}" if conf is not None else "configuration error"
+        raise ValueError(f"cucache: {where}: {_why()}") from None
 
 
 def backend() -> str:
@@ -215,27 +327,65 @@ def backend() -> str:
     return (library().cucache_torch_backend_name() or b"").decode()
 
 
-def alloc(size: int, device: int, stream: int = 0) -> int:
+def configure(conf: Optional[str], who: str, lib_path: Optional[str] = None) -> None:
+    """What every install(conf=...) does: loads the library, checks `conf` (ValueError naming the
+    key), sets CUCACHE_CONF to it and reads the environment now (ValueError for a bad
+    CUCACHE_CONF, CUCACHE_BACKEND or CUCACHE_SIM_DEVICES), so that no configuration error waits
+    for the first allocation. The configuration is the process's from its first use on: a `conf`
+    that differs from it raises RuntimeError, and the environment is left as it was."""
+    library(lib_path)
+    want = canonical_conf(conf) if conf is not None else None
+    previous = os.environ.get("CUCACHE_CONF")
+    if conf is not None:
+        os.environ["CUCACHE_CONF"] = conf
+    try:
+        active = canonical_conf()
+        if want is not None and want != active:
+            raise RuntimeError(
+                f"{who}(conf={conf!r}): cucache runs with the configuration {active!r} already "
+                "(from an earlier install(), an earlier cucache call or CUCACHE_CONF), and it "
+                "cannot change in a running process; pass the configuration once, to the first "
+                "install() or in CUCACHE_CONF"
+            )
+    except BaseException:
+        if conf is not None:
+            if previous is None:
+                os.environ.pop("CUCACHE_CONF", None)
+            else:
+                os.environ["CUCACHE_CONF"] = previous
+        raise
+
+
+def alloc(size: int, device: Any = None, stream: int = 0) -> int:
     """size bytes on device for use on stream (a cudaStream_t as an int); 0 for size 0. Raises
-    MemoryError (with cucache's message) when cucache cannot allocate."""
+    MemoryError (with cucache's message) when cucache cannot allocate, ValueError for a size,
+    device or stream out of range or a configuration error, RuntimeError when CUDA is unusable."""
+    size = _in_range(size, "alloc: size", _SIZE_MAX)
+    stream = _in_range(stream, "alloc: stream", _PTR_MAX)
+    d = _ready(_device(device))
     if size == 0:
         return 0
-    p = library().cucache_torch_alloc(size, device, ctypes.c_void_p(stream or None))
+    p = library().cucache_torch_alloc(size, d, ctypes.c_void_p(stream or None))
     if not p:
-        raise MemoryError(f"cucache: cannot allocate {size} bytes on device {device}: {last_error()}")
+        raise MemoryError(f"cucache: cannot allocate {size} bytes on device {d}: {last_error()}")
     return int(p)
 
 
-def free(ptr: int, size: int, device: int, stream: int = 0) -> None:
+def free(ptr: int, size: int, device: Any = None, stream: int = 0) -> None:
     """Returns memory from alloc(). A stream other than the allocation's orders the free on it."""
+    ptr = _in_range(ptr, "free: pointer", _PTR_MAX)
+    size = _in_range(size, "free: size", _SIZE_MAX)
+    stream = _in_range(stream, "free: stream", _PTR_MAX)
+    d = _device(device)
     if ptr:
-        library().cucache_torch_free(ctypes.c_void_p(ptr), size, device, ctypes.c_void_p(stream or None))
+        library().cucache_torch_free(ctypes.c_void_p(ptr), size, d, ctypes.c_void_p(stream or None))
 
 
 def snapshot() -> dict[str, Any]:
     """Every device's segments and blocks, and (CUCACHE_CONF history:N) its last N events, in the
     structure of torch.cuda.memory._snapshot(): {"segments": [...], "device_traces": [[...]]}
     (docs/python.md). dump_snapshot() writes it as the pickle PyTorch's memory viewer reads."""
+    _configured()
     with tempfile.TemporaryDirectory(prefix="cucache-snapshot-") as folder:
         path = os.path.join(folder, "snapshot.json")
         _check(library().cucache_torch_write_snapshot(path.encode()), "snapshot")
@@ -292,6 +442,7 @@ def load_snapshot(path: "os.PathLike[str] | str") -> dict[str, Any]:
 
 def mark_step() -> None:
     """Ends a step of the program's loop, for leak hunting (CUCACHE_CONF leak_steps:K)."""
+    _configured()
     _check(library().cucache_torch_mark_step(), "mark_step")
 
 
@@ -299,12 +450,18 @@ def leak_report(steps: int = 0) -> dict[str, Any]:
     """{"step": S, "steps": K, "candidates": [{device, address, size, stream, tag, step,
     steps_alive, frames}]}: allocations alive for more than K steps (K = steps, or leak_steps)
     while their device's live total grew, largest first."""
+    _configured()
     return json.loads(_text(lambda _d, b, n: library().cucache_torch_leak_report(steps, b, n), 0,
                             "leak_report"))
 
 
 def push_tag(name: str) -> None:
     """Makes `name` the calling thread's current tag (tags nest); see tag()."""
+    if not isinstance(name, str):
+        raise TypeError(f"cucache: a tag is a str, not {type(name).__name__}")
+    if "\0" in name:
+        raise ValueError(f"cucache: tag {name!r} contains a NUL character")
+    _configured()
     _check(library().cucache_torch_push_tag(name.encode()), "push_tag")
 
 
@@ -327,7 +484,7 @@ def tag(name: str) -> Iterator[None]:
 def tag_stats(device: Any = None) -> dict[str, dict[str, int]]:
     """Per tag on one device: {"kv_cache": {"current_bytes", "peak_bytes", "allocations",
     "total_allocations"}} (requested bytes of live allocations)."""
-    d = _device(device)
+    d = _ready(_device(device))
     rows = json.loads(_text(library().cucache_torch_tag_stats, d, "tag_stats"))
     return {r.pop("tag"): r for r in rows}
 
@@ -337,7 +494,7 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
     ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak", ...) plus cucache's own
     ("fragmentation.external", "fragmentation.overhead", "largest_free_block", ...)."""
     s = _Stats()
-    _check(library().cucache_torch_get_stats(_device(device), ctypes.byref(s)), "get_stats")
+    _check(library().cucache_torch_get_stats(_ready(_device(device)), ctypes.byref(s)), "get_stats")
     out: dict[str, Any] = {}
     for name in _STAT_ARRAYS:
         arr = getattr(s, name)
@@ -352,31 +509,33 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
 
 
 def _text(fn: Any, device: int, what: str) -> str:
-    for _ in range(8):  # the text can grow between the two calls; retry until it fits
-        n = fn(device, None, 0)
+    # The text can grow between the size query and the copy (other threads allocate): each retry
+    # takes the size the last call reported, with room to spare, so it fits unless the text grows
+    # by more than a quarter between two consecutive calls sixteen times in a row.
+    n = fn(device, None, 0)
+    for _ in range(16):
         if n < 0:
             _check(-1, what)
-        buf = ctypes.create_string_buffer(int(n) + 1)
-        m = fn(device, buf, len(buf))
-        if m < 0:
-            _check(-1, what)
-        if m < len(buf):
+        buf = ctypes.create_string_buffer(int(n) + int(n) // 4 + 4096)
+        n = fn(device, buf, len(buf))
+        if 0 <= n < len(buf):
             return buf.value.decode(errors="replace")
-    raise RuntimeError(f"cucache: {what}: the text kept growing")
+    raise RuntimeError(f"cucache: {what}: the text kept growing faster than it could be copied")
 
 
 def memory_summary(device: Any = None) -> str:
     """PyTorch-style table of the statistics of one device."""
-    return _text(library().cucache_torch_memory_summary, _device(device), "memory_summary")
+    return _text(library().cucache_torch_memory_summary, _ready(_device(device)), "memory_summary")
 
 
 def snapshot_json(device: Any = None) -> str:
     """Every segment and block of one device, as JSON."""
-    return _text(library().cucache_torch_snapshot_json, _device(device), "snapshot_json")
+    return _text(library().cucache_torch_snapshot_json, _ready(_device(device)), "snapshot_json")
 
 
 def empty_cache() -> None:
     """Returns every wholly free cached segment of every device to the driver."""
+    _configured()
     _check(library().cucache_torch_empty_cache(), "empty_cache")
 
 
@@ -385,21 +544,20 @@ def max_allocatable(device: Any = None) -> int:
     free block, or new memory once the out-of-memory path gave back what it may, under the
     device's free memory and the memory limit (exact on the simulated device)."""
     out = ctypes.c_size_t(0)
-    _check(library().cucache_torch_max_allocatable(_device(device), ctypes.byref(out)), "max_allocatable")
+    _check(library().cucache_torch_max_allocatable(_ready(_device(device)), ctypes.byref(out)), "max_allocatable")
     return int(out.value)
 
 
 def reserve(nbytes: int, device: Any = None) -> None:
     """Caches nbytes of free memory on one device now, so that the first allocations make no
     device call (CUCACHE_CONF reserve_mb:N does it when the allocator is created)."""
-    if nbytes < 0:
-        raise ValueError(f"cucache.reserve: nbytes must be >= 0, not {nbytes}")
-    _check(library().cucache_torch_reserve(_device(device), int(nbytes)), "reserve")
+    nbytes = _in_range(nbytes, "reserve: nbytes", _SIZE_MAX)
+    _check(library().cucache_torch_reserve(_ready(_device(device)), nbytes), "reserve")
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
     """Resets the peaks of one device (all devices with device=-1)."""
-    d = -1 if device == -1 else _device(device)
+    d = -1 if isinstance(device, int) and device == -1 else _ready(_device(device))
     _check(library().cucache_torch_reset_peak_stats(d), "reset_peak_stats")
 
 

@@ -63,18 +63,16 @@ def allocator(size: int) -> Any:
 
 
 def install(conf: Optional[str] = None, lib_path: Optional[str] = None) -> None:
-    """Makes cucache CuPy's allocator (for every device). conf: a CUCACHE_CONF string, read at
-    cucache's first allocation. Memory CuPy allocated before stays its pool's."""
+    """Makes cucache CuPy's allocator (for every device). conf: a CUCACHE_CONF string, checked
+    and applied here (ValueError when it is not valid, RuntimeError when cucache already runs with
+    another). Memory CuPy allocated before stays its pool's."""
     global _installed, _previous
     if _installed:
+        _lib.configure(conf, "cucache.cupy.install", lib_path)  # refuses another conf
         return
-    import os
-
     import cupy
 
-    if conf is not None:
-        os.environ["CUCACHE_CONF"] = conf
-    _lib.library(lib_path)
+    _lib.configure(conf, "cucache.cupy.install", lib_path)
     _previous = cupy.cuda.get_allocator() if hasattr(cupy.cuda, "get_allocator") else None
     cupy.cuda.set_allocator(allocator)
     _lib.set_current_device_function(lambda: int(cupy.cuda.runtime.getDevice()))

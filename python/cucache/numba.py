@@ -132,12 +132,10 @@ def __getattr__(name: str) -> Any:
 
 def install(conf: Optional[str] = None, lib_path: Optional[str] = None) -> None:
     """Makes cucache Numba's CUDA memory manager. Call before Numba creates its context (the
-    first cuda.* call that touches the GPU). conf: a CUCACHE_CONF string."""
-    import os
-
+    first cuda.* call that touches the GPU). conf: a CUCACHE_CONF string, checked and
+    applied here (ValueError when it is not valid, RuntimeError when cucache already runs with
+    another)."""
     from numba import cuda
 
-    if conf is not None:
-        os.environ["CUCACHE_CONF"] = conf
-    _lib.library(lib_path)
+    _lib.configure(conf, "cucache.numba.install", lib_path)
     cuda.set_memory_manager(__getattr__("_numba_memory_manager"))

@@ -61,13 +61,17 @@ def _cuda_used(torch: Any) -> bool:
 def install(lib_path: Optional[str] = None, conf: Optional[str] = None, hooks: Optional[bool] = None) -> None:
     """Makes cucache PyTorch's CUDA allocator. Call before anything allocates CUDA memory.
 
-    conf: a CUCACHE_CONF string (docs/config.md), set in the environment before the first
-    allocation reads it. hooks: use libcucache_torch_hooks.so (record_stream, empty_cache,
+    conf: a CUCACHE_CONF string (docs/config.md), checked here (ValueError naming the key when it
+    is not valid) and set in the environment; without it, CUCACHE_CONF from the environment is
+    checked the same way. The configuration is the process's from then on: a second install()
+    with another conf raises RuntimeError, as does a conf that differs from the one an earlier
+    cucache call already read. hooks: use libcucache_torch_hooks.so (record_stream, empty_cache,
     memory fraction, torch.cuda.memory_stats, OutOfMemoryError); None = when it is found beside
     the plug-in (or at $CUCACHE_TORCH_HOOKS_LIB).
     """
     global _installed, _hooks
     if _installed:
+        _lib.configure(conf, "cucache.torch.install", lib_path)  # refuses another conf
         return
     import torch
 
@@ -77,9 +81,7 @@ def install(lib_path: Optional[str] = None, conf: Optional[str] = None, hooks: O
             "already, and with it its own allocator, which cannot be swapped any more. Call "
             "install() first thing, before any .cuda() / device='cuda' / torch.cuda call."
         )
-    if conf is not None:
-        os.environ["CUCACHE_CONF"] = conf
-    library(lib_path)
+    _lib.configure(conf, "cucache.torch.install", lib_path)
     lib_file = _lib.library_path()
     hooks_path = Path(os.environ.get("CUCACHE_TORCH_HOOKS_LIB") or Path(lib_file or "").with_name(_HOOKS_NAME))
     use_hooks = hooks_path.is_file() if hooks is None else hooks
@@ -99,7 +101,8 @@ def install(lib_path: Optional[str] = None, conf: Optional[str] = None, hooks: O
 
 def installed() -> dict[str, Any]:
     """What install() did: whether it ran, the library, hooks or not, the backend."""
-    lib = library() if _lib.library_path() is not None or _installed else None
+    # The backend only once installed: asking earlier would read CUCACHE_CONF before install().
+    lib = library() if _installed else None
     return {
         "installed": _installed,
         "library": _lib.library_path(),

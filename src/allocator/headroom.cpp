@@ -186,6 +186,13 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
       return;
     }
     lk.unlock();
+    if (seg == 0) {
+      // Its rounding to a segment size would overflow: no device can hold it.
+      throw out_of_memory(fmt::format(
+          "cucache: reserve({} bytes) on device {} ({}): larger than any segment can be (the "
+          "largest request cucache accepts is {} bytes; the device has {} bytes)",
+          bytes, backend->device(), backend->name(), detail::k_max_request_bytes, device_total));
+    }
     throw out_of_memory(fmt::format(
         "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "
         "room for a segment of {} bytes",
@@ -220,6 +227,12 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
     pager->unmap_idle(p, /*release=*/true);
   }
   lk.unlock();
+  if (want == 0) {
+    throw out_of_memory(fmt::format(
+        "cucache: reserve({} bytes) on device {} ({}): larger than the device's address range "
+        "for expandable segments ({} bytes)",
+        bytes, backend->device(), backend->name(), range->size));
+  }
   throw out_of_memory(fmt::format(
       "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "
       "room for {} bytes of pages",

@@ -148,11 +148,11 @@ registry::registry() {
         "captured: {}",
         backtraces_unavailable_reason()));
   }
-  hub_ = std::make_shared<observe_hub>(cfg_, trace_ != nullptr ? make_trace_observer(trace_) : nullptr,
-                                       census_.count);
-  observing_.store(trace_ != nullptr || hub_->history_on() || hub_->leak_on() ||
-                       hub_->always_record(),
-                   std::memory_order_release);
+  hub_ = std::make_shared<observe_hub>(
+      cfg_, trace_ != nullptr ? make_trace_observer(trace_) : nullptr, census_.count);
+  observing_.store(
+      trace_ != nullptr || hub_->history_on() || hub_->leak_on() || hub_->always_record(),
+      std::memory_order_release);
 }
 
 void registry::activate_observers() {
@@ -272,9 +272,9 @@ device_allocator& registry::create(int device) {
   auto backend = make_backend(kind_, device, sim);
   device_allocator* a = nullptr;
   try {
-    a = new device_allocator(std::move(backend), std::move(cfg),
-                             observing_.load(std::memory_order_acquire) ? hub_->observer_for(device)
-                                                                        : nullptr);
+    a = new device_allocator(
+        std::move(backend), std::move(cfg),
+        observing_.load(std::memory_order_acquire) ? hub_->observer_for(device) : nullptr);
   } catch (const invalid_argument& e) {
     // The only caller-supplied input here is the config, so the fault is CUCACHE_CONF's.
     throw environment_error(fmt::format("environment variable CUCACHE_CONF: {}", e.what()));
@@ -361,18 +361,38 @@ void registry::flush_trace() {
   if (trace_ != nullptr) trace_->flush();
 }
 
+std::string registry::explain_bad_pointer(const void* ptr, const char* what, int hint) const {
+  // A pointer of another device (a double free after switching devices) is explained by the
+  // allocator whose segment holds it, which names its own device.
+  for (int d = 0; d < census_.count; ++d) {
+    const device_allocator* a = find(d);
+    if (a == nullptr || !a->locate(ptr).in_segment) continue;
+    std::string text = a->explain_bad_pointer(ptr, what);
+    if (hint >= 0 && hint != d) {
+      text +=
+          fmt::format(" (the address is device {}'s memory; the call was for device {})", d, hint);
+    }
+    return text;
+  }
+  if (const device_allocator* a = find(hint)) {
+    return a->explain_bad_pointer(ptr, what) + " nor on any other device";
+  }
+  return fmt::format(
+      "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
+      "pointer or already freed)",
+      what, ptr);
+}
+
 void throw_not_ours(const void* ptr, release_kind kind, int hint) {
   // In a forked child the pointer may well be the parent's: say why nothing can release it.
   registry::require_not_forked();
   const char* what = kind == release_kind::record ? "record_stream" : "free";
-  if (registry* r = registry::if_built()) {
-    if (device_allocator* a = r->find(hint))
-      throw invalid_argument(a->explain_bad_pointer(ptr, what));
-  }
+  if (registry* r = registry::if_built())
+    throw invalid_argument(r->explain_bad_pointer(ptr, what, hint));
   throw invalid_argument(fmt::format(
       "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
       "pointer or already freed)",
-      kind == release_kind::record ? "record_stream" : "free", ptr));
+      what, ptr));
 }
 
 // --- errors ------------------------------------------------------------------------------------

@@ -79,6 +79,10 @@ class registry {
   /// (any value; -1 for none). False, with nothing changed, when no allocator owns it. Throws
   /// what the allocator throws (a device error while recording an event).
   bool release(void* ptr, stream_handle stream, release_kind kind, int hint);
+  /// Why `what` (free, record_stream) cannot act on `ptr`, in the words of the allocator whose
+  /// memory holds it -- whichever device the caller named (`hint`, -1 for none) -- or, when none
+  /// does, of the hinted device's allocator. Never throws for a caller's mistake.
+  [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what, int hint) const;
 
   /// Caps `device`'s reserved memory at `fraction` of its capacity. Only before the device's
   /// first allocation (invalid_argument afterwards, or for a fraction outside (0, 1]).
@@ -128,7 +132,7 @@ class registry {
   std::atomic<bool> observing_{false};
   std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
   std::mutex create_mu_;
-  std::vector<double> fractions_;  // per device, under create_mu_; 0 = the config's
+  std::vector<double> fractions_;         // per device, under create_mu_; 0 = the config's
   std::shared_ptr<ipc_imports> imports_;  // under create_mu_ until set
 };
 
@@ -160,8 +164,8 @@ void write_file_replacing(const std::filesystem::path& path, std::string_view te
                           const char* function);
 
 /// Throws invalid_argument: `ptr` is not the start of a live cucache allocation. With a built
-/// registry, the allocator of device `hint` (when created) explains why (interior pointer, already
-/// freed...).
+/// registry, registry::explain_bad_pointer says why (interior pointer, already freed, another
+/// device's memory...).
 [[noreturn]] void throw_not_ours(const void* ptr, release_kind kind, int hint = -1);
 
 }  // namespace cucache::detail

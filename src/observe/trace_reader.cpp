@@ -1,6 +1,10 @@
-// Reads and validates RMM-format CSV traces. The whole (decompressed) file is read into memory and
-// parsed in place with std::from_chars: the largest real trace has close to a million rows, and
-// stream-based parsing per field would dominate the time of a replay.
+// Reads and validates RMM-format CSV traces. The (decompressed) file streams through a fixed buffer
+// in chunks, each split into lines parsed in place with std::from_chars: the largest real trace has
+// close to a million rows, and stream-based parsing per field would dominate the time of a replay,
+// while reading the whole file first would make memory follow the file instead of its events (a
+// trace bad at line 2 would be read whole before its error, /dev/zero would never end). A line is
+// at most k_max_line bytes, so the buffer holds any valid line whole and anything else -- binary
+// data, a file with no newline -- fails at the line it starts on.
 //
 // Column spellings (documented in trace.hpp and docs/replay.md): Pointer is what glibc's %p
 // prints -- 0x-prefixed hex, or a null spelling ("(nil)", "0x0", empty) -- so bare digits are
@@ -14,8 +18,8 @@
 #include <array>
 #include <charconv>
 #include <cstdio>
+#include <cstring>
 #include <istream>
-#include <iterator>
 #include <limits>
 #include <memory>
 #include <string>
@@ -33,12 +37,27 @@ namespace cucache {
 namespace {
 
 constexpr std::size_t k_fields = 6;
+// The longest line accepted. A row is about a hundred bytes at most (six fields, the longest a
+// 20-digit size), the header 50: anything longer is not a trace, and the reader's buffer holds
+// k_chunk + k_max_line bytes whatever the file.
+constexpr std::size_t k_max_line = 4096;
+constexpr std::size_t k_chunk = std::size_t{1} << 16;
 // Offending text is quoted in messages, but a corrupt file can have megabyte-long "lines".
 constexpr std::size_t k_max_quoted = 48;
 
-std::string quoted(std::string_view text) {
-  if (text.size() <= k_max_quoted) return fmt::format("'{}'", text);
-  return fmt::format("'{}...'", text.substr(0, k_max_quoted));
+// Control bytes (binary data read as a trace) are written as \xNN.
+std::string quoted(std::string_view text, std::size_t limit = k_max_quoted) {
+  std::string out = "'";
+  for (const char c : text.substr(0, limit)) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      out += fmt::format("\\x{:02x}", u);
+    } else {
+      out += c;
+    }
+  }
+  out += text.size() > limit ? "...'" : "'";
+  return out;
 }
 
 [[noreturn]] void fail(std::string_view name, std::size_t line, std::string_view reason) {
@@ -129,56 +148,201 @@ struct gz_closer {
   void operator()(gzFile f) const noexcept { gzclose(f); }
 };
 
-std::string read_plain(const std::filesystem::path& path) {
-  std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "rb"));
-  if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
-  std::string text;
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  if (!ec) text.reserve(static_cast<std::size_t>(size));
-  std::array<char, 1 << 16> chunk{};
-  for (;;) {
-    const std::size_t n = std::fread(chunk.data(), 1, chunk.size(), file.get());
-    text.append(chunk.data(), n);
-    if (n < chunk.size()) break;
+// The validating parser, fed one line at a time (without its '\n'). Holds the events and the live
+// allocations (pointer -> line and size of the allocate that made it live), nothing of the text.
+class line_parser {
+ public:
+  explicit line_parser(std::string_view name) : name_(name) {}
+
+  void line(std::string_view line);
+  /// A line that is still going after k_max_line bytes, `start` its first bytes.
+  [[noreturn]] void too_long(std::string_view start) const {
+    const std::size_t at = line_no_ + 1;
+    if (!have_header_) {
+      fail(name_, at,
+           fmt::format("expected header '{}', found a line longer than {} bytes starting {} (not "
+                       "an RMM-format CSV trace)",
+                       k_trace_header, k_max_line, quoted(start, 16)));
+    }
+    fail(name_, at,
+         fmt::format("line longer than {} bytes starting {} (a trace row is about a hundred)",
+                     k_max_line, quoted(start, 16)));
   }
-  if (std::ferror(file.get())) {
-    throw invalid_argument(fmt::format("error reading trace file '{}'", path.string()));
+  std::vector<trace_event> finish() {
+    if (!have_header_) {
+      fail(name_, 1, fmt::format("empty trace: expected header '{}'", k_trace_header));
+    }
+    return std::move(events_);
   }
-  return text;
+
+ private:
+  struct live_allocation {
+    std::size_t line;
+    std::size_t size;
+  };
+  std::string_view name_;
+  std::vector<trace_event> events_;
+  std::unordered_map<std::uintptr_t, live_allocation> live_;
+  std::size_t live_bytes_ = 0;  // requested bytes of the live allocations, checked for overflow
+  std::size_t line_no_ = 0;
+  bool have_header_ = false;
+};
+
+void line_parser::line(std::string_view line) {
+  ++line_no_;
+  const std::size_t line_no = line_no_;
+  const std::string_view name = name_;
+  if (line.size() > k_max_line) {
+    line_no_ = line_no - 1;
+    too_long(line.substr(0, k_max_quoted));
+  }
+  if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+
+  if (!have_header_) {
+    // Skip a UTF-8 byte-order mark that an editor may have added.
+    if (line.starts_with("\xEF\xBB\xBF")) line.remove_prefix(3);
+    if (line != k_trace_header) {
+      fail(name, line_no,
+           fmt::format("expected header '{}', found {}", k_trace_header, quoted(line)));
+    }
+    have_header_ = true;
+    return;
+  }
+  if (line.empty()) return;
+  // Fields are a few bytes long: a plain loop beats a memchr call per field.
+  std::array<std::string_view, k_fields> field;
+  std::size_t count = 0;
+  std::size_t start = 0;
+  for (std::size_t i = 0; i <= line.size(); ++i) {
+    if (i < line.size() && line[i] != ',') continue;
+    if (count < k_fields) field[count] = line.substr(start, i - start);
+    ++count;
+    start = i + 1;
+  }
+  if (count != k_fields) {
+    fail(name, line_no,
+         fmt::format("wrong field count: expected {}, found {} in {}", k_fields, count,
+                     quoted(line)));
+  }
+
+  trace_event ev;
+  ev.line = line_no;
+  if (!parse_uint(field[0], ev.thread)) {
+    fail(name, line_no, fmt::format("bad number in Thread: {}", quoted(field[0])));
+  }
+  if (!parse_time(field[1], ev.time_us)) {
+    fail(name, line_no, fmt::format("bad time {} (expected HH:MM:SS.ffffff)", quoted(field[1])));
+  }
+  if (!parse_action(field[2], ev.act)) {
+    fail(name, line_no,
+         fmt::format("unknown action {} (expected allocate, free or allocate failure)",
+                     quoted(field[2])));
+  }
+  if (!parse_pointer(field[3], ev.pointer)) {
+    fail(name, line_no, fmt::format("bad pointer {}", quoted(field[3])));
+  }
+  if (!parse_uint(field[4], ev.size)) {
+    fail(name, line_no, fmt::format("bad number in Size: {}", quoted(field[4])));
+  }
+  if (!parse_stream(field[5], ev.stream)) {
+    fail(name, line_no, fmt::format("bad number in Stream: {}", quoted(field[5])));
+  }
+
+  if (ev.act == trace_event::action::allocate_failure && ev.pointer != 0) {
+    fail(name, line_no,
+         fmt::format("allocate failure with pointer {:#x}: a failed allocation returns none "
+                     "(expected (nil), 0x0 or empty)",
+                     ev.pointer));
+  }
+  if (ev.pointer != 0) {
+    if (ev.act == trace_event::action::allocate) {
+      auto [it, inserted] = live_.try_emplace(ev.pointer, live_allocation{line_no, ev.size});
+      if (!inserted) {
+        fail(name, line_no,
+             fmt::format("allocate of {:#x}, which is already live (allocated at line {})",
+                         ev.pointer, it->second.line));
+      }
+      if (!add_bytes(live_bytes_, ev.size, live_bytes_)) {
+        fail(name, line_no,
+             fmt::format("allocate of {} bytes: live requested bytes overflow (more than {} "
+                         "live, which no process can hold)",
+                         ev.size, std::numeric_limits<std::size_t>::max()));
+      }
+    } else if (ev.act == trace_event::action::free) {
+      auto it = live_.find(ev.pointer);
+      if (it == live_.end()) {
+        fail(name, line_no,
+             fmt::format("free of {:#x}, which is not live (never allocated or already freed)",
+                         ev.pointer));
+      }
+      live_bytes_ -= it->second.size;
+      live_.erase(it);
+    }
+  }
+  events_.push_back(ev);
 }
 
-std::string read_gzip(const std::filesystem::path& path) {
+// Feeds `parser` the lines of the bytes `read(buffer, n)` returns (at most n; 0 at the end),
+// through one buffer of k_chunk + k_max_line bytes: a line split between reads is carried over,
+// and one that outgrows k_max_line fails at once, so memory never follows the file.
+template <typename Read>
+std::vector<trace_event> parse_chunks(line_parser& parser, Read&& read) {
+  std::unique_ptr<char[]> buf(new char[k_chunk + k_max_line + 1]);
+  std::size_t carry = 0;  // bytes of an unfinished line at the front of buf
+  for (;;) {
+    const std::size_t n = read(buf.get() + carry, k_chunk);
+    if (n == 0) break;
+    const std::string_view text(buf.get(), carry + n);
+    std::size_t start = 0;
+    for (std::size_t nl = text.find('\n'); nl != std::string_view::npos;
+         nl = text.find('\n', start)) {
+      parser.line(text.substr(start, nl - start));
+      start = nl + 1;
+    }
+    carry = text.size() - start;
+    if (carry > k_max_line) parser.too_long(text.substr(start, k_max_quoted));
+    std::memmove(buf.get(), text.data() + start, carry);
+  }
+  if (carry > 0) parser.line(std::string_view(buf.get(), carry));
+  return parser.finish();
+}
+
+std::vector<trace_event> read_plain(const std::filesystem::path& path, line_parser& parser) {
+  std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "rb"));
+  if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
+  return parse_chunks(parser, [&](char* to, std::size_t n) {
+    const std::size_t got = std::fread(to, 1, n, file.get());
+    if (got == 0 && std::ferror(file.get())) {
+      throw invalid_argument(fmt::format("error reading trace file '{}'", path.string()));
+    }
+    return got;
+  });
+}
+
+std::vector<trace_event> read_gzip(const std::filesystem::path& path, line_parser& parser) {
   std::unique_ptr<gzFile_s, gz_closer> file(gzopen(path.c_str(), "rb"));
   if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
   gzbuffer(file.get(), 1U << 18);
-  std::string text;
-  // Real traces inflate about tenfold; growing geometrically from there avoids most copies.
-  std::error_code ec;
-  const auto compressed = std::filesystem::file_size(path, ec);
-  text.reserve(ec ? std::size_t{1} << 20 : static_cast<std::size_t>(compressed) * 12);
-  constexpr unsigned k_chunk = 1U << 20;
-  for (;;) {
-    const std::size_t old = text.size();
-    text.resize(old + k_chunk);
-    const int n = gzread(file.get(), text.data() + old, k_chunk);
-    if (n < 0) {
+  return parse_chunks(parser, [&](char* to, std::size_t n) {
+    const int got = gzread(file.get(), to, static_cast<unsigned>(n));
+    if (got < 0) {
       int code = 0;
       const char* msg = gzerror(file.get(), &code);
       throw invalid_argument(
           fmt::format("cannot decompress trace file '{}': {}", path.string(), msg));
     }
-    text.resize(old + static_cast<std::size_t>(n));
-    if (n == 0) break;
-  }
-  // A truncated file ends the reads quietly; only the error state tells it apart from a whole one.
-  int code = Z_OK;
-  const char* msg = gzerror(file.get(), &code);
-  if (code != Z_OK) {
-    throw invalid_argument(
-        fmt::format("cannot decompress trace file '{}': {}", path.string(), msg));
-  }
-  return text;
+    if (got == 0) {
+      // A truncated file ends the reads quietly; only the error state tells it apart from a
+      // whole one.
+      int code = Z_OK;
+      const char* msg = gzerror(file.get(), &code);
+      if (code != Z_OK) {
+        throw invalid_argument(
+            fmt::format("cannot decompress trace file '{}': {}", path.string(), msg));
+      }
+    }
+    return static_cast<std::size_t>(got);
+  });
 }
 
 bool is_gzip(const std::filesystem::path& path) {
@@ -203,123 +367,28 @@ std::string_view to_string(trace_event::action act) noexcept {
 }
 
 std::vector<trace_event> parse_trace(std::string_view text, std::string_view name) {
-  // Skip a UTF-8 byte-order mark that an editor may have added.
-  if (text.starts_with("\xEF\xBB\xBF")) text.remove_prefix(3);
-
-  std::vector<trace_event> events;
-  events.reserve(static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')));
-  // Pointer -> line and size of the allocate that made it live.
-  struct live_allocation {
-    std::size_t line;
-    std::size_t size;
-  };
-  std::unordered_map<std::uintptr_t, live_allocation> live;
-  std::size_t live_bytes = 0;  // requested bytes of the live allocations, checked for overflow
-
-  std::size_t line_no = 0;
-  bool have_header = false;
+  line_parser parser(name);
   while (!text.empty()) {
     const std::size_t nl = text.find('\n');
-    std::string_view line = text.substr(0, nl);
+    parser.line(text.substr(0, nl));
     text.remove_prefix(nl == std::string_view::npos ? text.size() : nl + 1);
-    ++line_no;
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-
-    if (!have_header) {
-      if (line != k_trace_header) {
-        fail(name, line_no,
-             fmt::format("expected header '{}', found {}", k_trace_header, quoted(line)));
-      }
-      have_header = true;
-      continue;
-    }
-    if (line.empty()) continue;
-
-    // Fields are a few bytes long: a plain loop beats a memchr call per field.
-    std::array<std::string_view, k_fields> field;
-    std::size_t count = 0;
-    std::size_t start = 0;
-    for (std::size_t i = 0; i <= line.size(); ++i) {
-      if (i < line.size() && line[i] != ',') continue;
-      if (count < k_fields) field[count] = line.substr(start, i - start);
-      ++count;
-      start = i + 1;
-    }
-    if (count != k_fields) {
-      fail(name, line_no,
-           fmt::format("wrong field count: expected {}, found {} in {}", k_fields, count,
-                       quoted(line)));
-    }
-
-    trace_event ev;
-    ev.line = line_no;
-    if (!parse_uint(field[0], ev.thread)) {
-      fail(name, line_no, fmt::format("bad number in Thread: {}", quoted(field[0])));
-    }
-    if (!parse_time(field[1], ev.time_us)) {
-      fail(name, line_no, fmt::format("bad time {} (expected HH:MM:SS.ffffff)", quoted(field[1])));
-    }
-    if (!parse_action(field[2], ev.act)) {
-      fail(name, line_no,
-           fmt::format("unknown action {} (expected allocate, free or allocate failure)",
-                       quoted(field[2])));
-    }
-    if (!parse_pointer(field[3], ev.pointer)) {
-      fail(name, line_no, fmt::format("bad pointer {}", quoted(field[3])));
-    }
-    if (!parse_uint(field[4], ev.size)) {
-      fail(name, line_no, fmt::format("bad number in Size: {}", quoted(field[4])));
-    }
-    if (!parse_stream(field[5], ev.stream)) {
-      fail(name, line_no, fmt::format("bad number in Stream: {}", quoted(field[5])));
-    }
-
-    if (ev.act == trace_event::action::allocate_failure && ev.pointer != 0) {
-      fail(name, line_no,
-           fmt::format("allocate failure with pointer {:#x}: a failed allocation returns none "
-                       "(expected (nil), 0x0 or empty)",
-                       ev.pointer));
-    }
-    if (ev.pointer != 0) {
-      if (ev.act == trace_event::action::allocate) {
-        auto [it, inserted] = live.try_emplace(ev.pointer, live_allocation{line_no, ev.size});
-        if (!inserted) {
-          fail(name, line_no,
-               fmt::format("allocate of {:#x}, which is already live (allocated at line {})",
-                           ev.pointer, it->second.line));
-        }
-        if (!add_bytes(live_bytes, ev.size, live_bytes)) {
-          fail(name, line_no,
-               fmt::format("allocate of {} bytes: live requested bytes overflow (more than {} "
-                           "live, which no process can hold)",
-                           ev.size, std::numeric_limits<std::size_t>::max()));
-        }
-      } else if (ev.act == trace_event::action::free) {
-        auto it = live.find(ev.pointer);
-        if (it == live.end()) {
-          fail(name, line_no,
-               fmt::format("free of {:#x}, which is not live (never allocated or already freed)",
-                           ev.pointer));
-        }
-        live_bytes -= it->second.size;
-        live.erase(it);
-      }
-    }
-    events.push_back(ev);
   }
-  if (!have_header) fail(name, 1, fmt::format("empty trace: expected header '{}'", k_trace_header));
-  return events;
+  return parser.finish();
 }
 
 std::vector<trace_event> parse_trace(std::istream& in, std::string_view name) {
-  std::string text(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>{});
-  if (in.bad()) throw invalid_argument(fmt::format("error reading trace '{}'", name));
-  return parse_trace(std::string_view(text), name);
+  line_parser parser(name);
+  return parse_chunks(parser, [&](char* to, std::size_t n) {
+    in.read(to, static_cast<std::streamsize>(n));
+    if (in.bad()) throw invalid_argument(fmt::format("error reading trace '{}'", name));
+    return static_cast<std::size_t>(in.gcount());
+  });
 }
 
 std::vector<trace_event> read_trace(const std::filesystem::path& path) {
-  const std::string text = is_gzip(path) ? read_gzip(path) : read_plain(path);
-  return parse_trace(std::string_view(text), path.string());
+  const std::string name = path.string();
+  line_parser parser(name);
+  return is_gzip(path) ? read_gzip(path, parser) : read_plain(path, parser);
 }
 
 trace_summary summarize(const std::vector<trace_event>& events) {

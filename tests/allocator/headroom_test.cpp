@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "allocator/test_support.hpp"
@@ -217,6 +220,28 @@ TEST(Reserve, RefusedWhenTheDeviceOrTheLimitHasNoRoom) {
   EXPECT_THROW(
       { sim_allocator t(parse_config("expandable_segments:True,reserve_mb:2048"), capacity(GiB)); },
       out_of_memory);
+}
+
+TEST(Reserve, SizesWhoseRoundingOverflowsAreNamedNotCalledZero) {
+  // SIZE_MAX and its neighbours round past the top of size_t: the message says what is wrong
+  // instead of "no room for a segment of 0 bytes".
+  const std::size_t max = std::numeric_limits<std::size_t>::max();
+  for (const char* conf : {"", "expandable_segments:True"}) {
+    sim_allocator a(parse_config(conf), capacity(GiB));
+    for (const std::size_t bytes : {max, max - MiB, max / 2 * 2 - 1}) {
+      try {
+        a.alloc.reserve(bytes);
+        ADD_FAILURE() << conf << ": reserve(" << bytes << ") succeeded";
+      } catch (const out_of_memory& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("reserve(" + std::to_string(bytes) + " bytes)"), std::string::npos)
+            << what;
+        EXPECT_NE(what.find("larger than"), std::string::npos) << conf << ": " << what;
+        EXPECT_EQ(what.find(" 0 bytes"), std::string::npos) << conf << ": " << what;
+      }
+    }
+    EXPECT_EQ(a.reserved(), 0);
+  }
 }
 
 TEST(Reserve, ConfigRejectsBadValuesNamingTheKey) {

@@ -20,6 +20,7 @@
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
+#include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
 
 namespace cucache {
@@ -96,6 +97,35 @@ TEST_F(MultiDevice, RecordStreamAndFreeOfAnotherDevicesPointerThroughTheCApi) {
   EXPECT_EQ(s0.deviceAllocCount, 0u);
   get(0).check_invariants();
   get(1).check_invariants();
+}
+
+TEST_F(MultiDevice, ABadFreeOfAnotherDevicesPointerNamesThatDevice) {
+  // The current device is 0 (its allocator exists); the pointer is device 1's, already freed.
+  get(0).deallocate(get(0).allocate(k_mib));
+  void* p = get(1).allocate(4 * k_mib, fake_stream(1));
+  ASSERT_EQ(cucacheFree(p), cudaSuccess) << cucacheGetLastErrorMessage();
+  EXPECT_EQ(cucacheFree(p), cudaErrorInvalidValue);
+  std::string why = cucacheGetLastErrorMessage();
+  EXPECT_NE(why.find("on device 1: it was already freed"), std::string::npos) << why;
+  EXPECT_NE(why.find("device 1's memory"), std::string::npos) << why;
+  EXPECT_EQ(why.find("not allocated by cucache"), std::string::npos) << why;
+  // An interior pointer of device 1's live allocation, through the C++ API.
+  void* q = get(1).allocate(4 * k_mib, fake_stream(1));
+  try {
+    cucache::free(static_cast<char*>(q) + 256);
+    ADD_FAILURE() << "an interior free succeeded";
+  } catch (const invalid_argument& e) {
+    why = e.what();
+    EXPECT_NE(why.find("on device 1: it points 256 bytes into the live allocation"),
+              std::string::npos)
+        << why;
+  }
+  // Memory of no device: said so, not "on this device" alone.
+  int host = 0;
+  EXPECT_EQ(cucacheFree(&host), cudaErrorInvalidValue);
+  why = cucacheGetLastErrorMessage();
+  EXPECT_NE(why.find("nor on any other device"), std::string::npos) << why;
+  get(1).deallocate(q);
 }
 
 TEST_F(MultiDevice, StatsAndSummariesArePerDevice) {

@@ -1,7 +1,8 @@
 // A plain CUDA program that knows nothing of cucache, for tools/preload_check.sh: built twice
 // (nvcc's default static runtime, and -cudart shared) and run with and without
 // LD_PRELOAD=libcucache_preload.so. cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync on a
-// stream, cudaMallocPitch, cudaMemGetInfo, kernels, and a check of every result.
+// stream, cudaMallocPitch, cudaMemGetInfo, cuMemGetAddressRange, kernels, and a check of every
+// result.
 //   preload_program [--expect-ipc-refused] [--reset]
 // Exit 0: correct results; 1: a wrong result or an unexpected error; 77: no usable GPU.
 #include <cuda_runtime.h>
@@ -154,6 +155,31 @@ int main(int argc, char** argv) {
     return 1;
   }
   static_cast<void>(cudaGetLastError());  // a refused IPC call is not sticky
+
+  // 5b. cuMemGetAddressRange from inside an allocation, found as NCCL and CuPy find it (through
+  // the runtime's driver entry point lookup, i.e. cuGetProcAddress): the allocation's own start
+  // and at least its size -- the driver's answer for its own memory, and cucache's under the shim.
+  {
+    using range_fn = int (*)(unsigned long long*, size_t*, unsigned long long);
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                           &found));
+    if (fn == nullptr || found != cudaDriverEntryPointSuccess) {
+      std::fprintf(stderr, "preload_program: no cuMemGetAddressRange entry point\n");
+      return 1;
+    }
+    unsigned long long base = 0;
+    size_t size = 0;
+    const auto at = reinterpret_cast<unsigned long long>(m) + 100;
+    const int rc = reinterpret_cast<range_fn>(fn)(&base, &size, at);
+    std::printf("preload_program: cuMemGetAddressRange(m + 100): %d, base m%+lld, %zu bytes\n", rc,
+                static_cast<long long>(base - reinterpret_cast<unsigned long long>(m)), size);
+    if (rc != 0 || base != reinterpret_cast<unsigned long long>(m) || size < pitch * height) {
+      std::fprintf(stderr, "preload_program: cuMemGetAddressRange is not the allocation's own\n");
+      return 1;
+    }
+  }
   CHECK(cudaFree(m));
 
   // 6. A bad free gets the runtime's error, nothing else breaks.

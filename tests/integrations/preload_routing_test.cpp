@@ -1,14 +1,18 @@
 // Tests of libcucache_preload.so's routing (src/integrations/preload/preload.hpp) on the simulated
 // device, with a fake real driver that counts what it is given: cucache answers allocations,
 // foreign pointers reach the driver unchanged, a pointer inside cucache memory that is not a live
-// allocation never does, IPC and address-range queries on cucache memory are refused, and
+// allocation never does, IPC handles and VMM handles of cucache memory are refused, address ranges
+// are the allocation's own, a forked child's frees fail instead of reaching the driver, and
 // cuMemGetInfo answers with cucache's view. The exported symbols (dlsym, cuGetProcAddress) are
 // exercised end to end by preload_e2e (tests/integrations/preload_e2e.sh) over a fake libcuda.
 #include "preload.hpp"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -30,6 +34,7 @@ struct fake_calls {
   int ipc = 0;
   int range = 0;
   int sync = 0;
+  int retain = 0;
   cu_deviceptr last_ptr = 0;
   cu_stream last_stream = reinterpret_cast<cu_stream>(std::uintptr_t{0xdead});
 };
@@ -69,6 +74,11 @@ real_driver fake_driver() {
   };
   d.ctx_synchronize = []() -> cu_result {
     ++g_calls.sync;
+    return k_success;
+  };
+  d.mem_retain_allocation_handle = [](cu_mem_handle* h, void*) -> cu_result {
+    ++g_calls.retain;
+    *h = 1;
     return k_success;
   };
   return d;
@@ -219,27 +229,131 @@ TEST_F(PreloadRouting, BadConfigurationIsNotInitialized) {
   EXPECT_EQ(mem_alloc(real, &p, 16, nullptr), k_not_initialized);
 }
 
-TEST_F(PreloadRouting, IpcAndAddressRangeOnCucacheMemoryAreRefused) {
+TEST_F(PreloadRouting, IpcOnCucacheMemoryIsRefused) {
   cu_deviceptr p = 0;
   ASSERT_EQ(mem_alloc(real, &p, 8192, nullptr), k_success);
   unsigned char handle[64] = {};
-  cu_deviceptr base = 0;
-  std::size_t size = 0;
   const auto refused = stats().refused.load();
   EXPECT_EQ(ipc_get_mem_handle(real, handle, p), k_not_supported);
   EXPECT_EQ(ipc_get_mem_handle(real, handle, p + 100), k_not_supported);
-  EXPECT_EQ(mem_get_address_range(real, &base, &size, p), k_not_supported);
   EXPECT_EQ(g_calls.ipc, 0);
-  EXPECT_EQ(g_calls.range, 0);
-  EXPECT_EQ(stats().refused.load(), refused + 3);
+  EXPECT_EQ(stats().refused.load(), refused + 2);
   // Freed, the block stays in cucache's segment: still refused.
   ASSERT_EQ(mem_free(real, p, free_mode::stream), k_success);
   EXPECT_EQ(ipc_get_mem_handle(real, handle, p), k_not_supported);
   // Foreign memory is the driver's.
   EXPECT_EQ(ipc_get_mem_handle(real, handle, 0x7000'0000'0000ULL), k_success);
-  EXPECT_EQ(mem_get_address_range(real, &base, &size, 0x7000'0000'0000ULL), k_success);
   EXPECT_EQ(g_calls.ipc, 1);
+}
+
+// Two allocations carved from one segment (or one expandable range): each answers its own start
+// and size, as the driver does for its own allocations, never the segment's.
+void check_address_ranges(const real_driver& real) {
+  cu_deviceptr a = 0;
+  cu_deviceptr b = 0;
+  ASSERT_EQ(mem_alloc(real, &a, 8192, nullptr), k_success);
+  ASSERT_EQ(mem_alloc(real, &b, 3000, nullptr), k_success);
+  const std::size_t a_size = cucache::get(0).allocation_size(reinterpret_cast<void*>(a));
+  const std::size_t b_size = cucache::get(0).allocation_size(reinterpret_cast<void*>(b));
+  ASSERT_GE(a_size, 8192U);
+  ASSERT_GE(b_size, 3000U);
+  const auto answered = stats().address_ranges.load();
+  for (const cu_deviceptr inside : {a, a + 1, a + 8191}) {
+    cu_deviceptr base = 0;
+    std::size_t size = 0;
+    EXPECT_EQ(mem_get_address_range(real, &base, &size, inside), k_success);
+    EXPECT_EQ(base, a);
+    EXPECT_EQ(size, a_size);
+  }
+  cu_deviceptr base = 0;
+  std::size_t size = 0;
+  EXPECT_EQ(mem_get_address_range(real, &base, &size, b + 2999), k_success);
+  EXPECT_EQ(base, b);
+  EXPECT_EQ(size, b_size);
+  // Either output may be NULL, as with the driver.
+  EXPECT_EQ(mem_get_address_range(real, nullptr, &size, b), k_success);
+  EXPECT_EQ(mem_get_address_range(real, &base, nullptr, b), k_success);
+  EXPECT_EQ(stats().address_ranges.load(), answered + 6);
+  EXPECT_EQ(g_calls.range, 0);
+  // Freed, the address lies in no allocation: not found, as the driver says of freed memory.
+  ASSERT_EQ(mem_free(real, b, free_mode::stream), k_success);
+  EXPECT_EQ(mem_get_address_range(real, &base, &size, b), k_not_found);
+  EXPECT_EQ(g_calls.range, 0);
+  // Foreign memory is the driver's.
+  EXPECT_EQ(mem_get_address_range(real, &base, &size, 0x7000'0000'0000ULL), k_success);
   EXPECT_EQ(g_calls.range, 1);
+  ASSERT_EQ(mem_free(real, a, free_mode::stream), k_success);
+}
+
+TEST_F(PreloadRouting, AddressRangeOfCucacheMemoryIsTheAllocationsOwn) {
+  for (const char* conf : {"", "expandable_segments:True"}) {
+    SCOPED_TRACE(conf);
+    ::setenv("CUCACHE_CONF", conf, 1);
+    cucache::detail::reset_for_testing();
+    g_calls = {};
+    check_address_ranges(real);
+  }
+}
+
+TEST_F(PreloadRouting, AllocationHandleOfCucacheMemoryIsRefusedAsNonVmmMemory) {
+  for (const char* conf : {"", "expandable_segments:True"}) {
+    ::setenv("CUCACHE_CONF", conf, 1);
+    cucache::detail::reset_for_testing();
+    g_calls = {};
+    cu_deviceptr p = 0;
+    ASSERT_EQ(mem_alloc(real, &p, 3 * k_mib, nullptr), k_success);
+    cu_mem_handle handle = 0;
+    void* addr = reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+    EXPECT_EQ(mem_retain_allocation_handle(real, &handle, addr), k_invalid_value) << conf;
+    EXPECT_EQ(mem_retain_allocation_handle(real, &handle, static_cast<char*>(addr) + 4096),
+              k_invalid_value)
+        << conf;
+    EXPECT_EQ(g_calls.retain, 0) << conf;
+    ASSERT_EQ(mem_free(real, p, free_mode::stream), k_success);
+    EXPECT_EQ(mem_retain_allocation_handle(
+                  real, &handle, reinterpret_cast<void*>(std::uintptr_t{0x7000'0000'0000ULL})),
+              k_success);
+    EXPECT_EQ(g_calls.retain, 1) << conf;
+  }
+}
+
+TEST_F(PreloadRouting, ForkedChildFailsFreesOfTheParentsPointersInsteadOfForwardingThem) {
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, 8192, nullptr), k_success);
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Exit codes name the first failed expectation; the driver's counters are the child's copy.
+    int code = 0;
+    if (mem_free(real, p, free_mode::sync) != k_not_initialized) code = 10;
+    if (code == 0 && mem_free(real, p, free_mode::stream) != k_not_initialized) code = 11;
+    if (code == 0 && mem_free_async(real, p, nullptr, false) != k_not_initialized) code = 12;
+    if (code == 0 && mem_free(real, 0x7000'0000'0000ULL, free_mode::sync) != k_not_initialized)
+      code = 13;
+    if (code == 0 && (g_calls.mem_free != 0 || g_calls.mem_free_async != 0 || g_calls.sync != 0))
+      code = 14;
+    if (code == 0 &&
+        std::string(cucache::detail::thread_last_error()).find("forked") == std::string::npos)
+      code = 15;
+    cu_deviceptr q = 0;
+    if (code == 0 && mem_alloc(real, &q, 16, nullptr) != k_not_initialized) code = 16;
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's expectation " << WEXITSTATUS(status);
+  // The parent still owns and frees it.
+  EXPECT_EQ(mem_free(real, p, free_mode::stream), k_success);
+}
+
+TEST_F(PreloadRouting, ReportPathGivesEachProcessItsOwn) {
+  EXPECT_EQ(report_path("/tmp/r.txt", 42), "/tmp/r.txt");
+  EXPECT_EQ(report_path("/tmp/r.%p.txt", 42), "/tmp/r.42.txt");
+  EXPECT_EQ(report_path("%p-%p", 7), "7-7");
+  EXPECT_EQ(report_path("a%", 7), "a%");
+  EXPECT_EQ(report_path("stderr", 7), "stderr");
 }
 
 TEST_F(PreloadRouting, FreeModeFromEnvironment) {

@@ -104,8 +104,10 @@ TEST(TorchPlugin, SummaryAndSnapshotBufferContract) {
                          1);
   cucache_torch_snapshot_json(dev, json.data(), json.size());
   EXPECT_EQ(json[0], '{');
-  // A device with no allocator still answers.
-  EXPECT_GT(cucache_torch_memory_summary(50, nullptr, 0), 0);
+  // A device that exists but allocated nothing still answers; one that does not exist is refused
+  // (DevicesThatDoNotExistAreRefusedNotAnsweredWithZeros).
+  EXPECT_GT(cucache_torch_memory_summary(14, nullptr, 0), 0);
+  EXPECT_EQ(cucache_torch_memory_summary(50, nullptr, 0), -1);
   cucache_torch_free(p, 4096, dev, stream(0));
 }
 
@@ -196,6 +198,47 @@ TEST(TorchPlugin, FailuresReturnNullWithAMessage) {
   EXPECT_NE(err.find("invalid device ordinal -1 (16 sim devices)"), std::string::npos) << err;
   EXPECT_NE(err.find("invalid device ordinal 64 (16 sim devices)"), std::string::npos) << err;
   EXPECT_EQ(cucache_torch_get_stats(0, nullptr), -1);
+}
+
+TEST(TorchPlugin, DevicesThatDoNotExistAreRefusedNotAnsweredWithZeros) {
+  // Every per-device query names the device instead of answering an empty one (16 devices).
+  cucache_torch_stats s{};
+  char buf[256];
+  for (const int device : {16, 99}) {
+    EXPECT_EQ(cucache_torch_get_stats(device, &s), -1);
+    const std::string why = cucache_torch_last_error();
+    EXPECT_NE(why.find("invalid device ordinal " + std::to_string(device) + " (16 sim devices)"),
+              std::string::npos)
+        << why;
+    EXPECT_EQ(cucache_torch_memory_summary(device, buf, sizeof buf), -1);
+    EXPECT_EQ(cucache_torch_snapshot_json(device, buf, sizeof buf), -1);
+    EXPECT_EQ(cucache_torch_tag_stats(device, buf, sizeof buf), -1);
+    EXPECT_EQ(cucache_torch_reset_peak_stats(device), -1);
+    EXPECT_EQ(cucache_torch_reset_accumulated_stats(device), -1);
+    EXPECT_EQ(cucache_torch_check_device(device), CUCACHE_TORCH_INVALID_DEVICE);
+  }
+  EXPECT_EQ(cucache_torch_get_stats(-2, &s), -1);
+  // Negative: every device, for the resets.
+  EXPECT_EQ(cucache_torch_reset_peak_stats(-1), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_reset_accumulated_stats(-1), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_check_device(15), CUCACHE_TORCH_READY);
+  EXPECT_EQ(cucache_torch_check_device(-1), CUCACHE_TORCH_READY);
+  EXPECT_EQ(cucache_torch_device_count(), 16);
+}
+
+TEST(TorchPlugin, CanonicalConfigurationChecksTheText) {
+  char buf[256];
+  ASSERT_GE(cucache_torch_canonical_conf("max_split_size_mb:64", buf, sizeof buf), 0)
+      << cucache_torch_last_error();
+  EXPECT_STREQ(buf, "max_split_size_mb:64");
+  ASSERT_GE(cucache_torch_canonical_conf(" ", buf, sizeof buf), 0);
+  EXPECT_STREQ(buf, "");
+  EXPECT_EQ(cucache_torch_canonical_conf("expandable_segment:True", buf, sizeof buf), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("expandable_segment"), std::string::npos)
+      << cucache_torch_last_error();
+  // The process's own (CUCACHE_CONF unset: the defaults).
+  ASSERT_GE(cucache_torch_canonical_conf(nullptr, buf, sizeof buf), 0);
+  EXPECT_STREQ(buf, "");
 }
 
 TEST(TorchPlugin, MemoryFractionOnlyBeforeFirstUse) {

@@ -3,13 +3,16 @@
 #include <zlib.h>
 
 #include <unistd.h>
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
+#include <streambuf>
 #include <string>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "cucache/errors.hpp"
@@ -211,9 +214,122 @@ TEST(TraceReader, RejectsMissingOrWrongHeader) {
 
 TEST(TraceReader, QuotesOnlyAPrefixOfAHugeField) {
   const std::string msg =
-      rejection(with_header("1,00:00:00.000000,allocate,0x10,1," + std::string(10000, 'q') + "\n"));
+      rejection(with_header("1,00:00:00.000000,allocate,0x10,1," + std::string(3000, 'q') + "\n"));
   EXPECT_LT(msg.size(), 200U);
   EXPECT_NE(msg.find("t.csv:2: bad number in Stream"), std::string::npos);
+}
+
+TEST(TraceReader, LinesLongerThanAnyRowAreRefusedAtTheirStart) {
+  std::string msg =
+      rejection(with_header("1,00:00:00.000000,allocate,0x10,1," + std::string(10000, 'q') + "\n"));
+  EXPECT_LT(msg.size(), 200U) << msg;
+  EXPECT_NE(msg.find("t.csv:2: line longer than 4096 bytes starting '1,00:00:00"),
+            std::string::npos)
+      << msg;
+  msg = rejection(std::string(5000, '\0'));
+  EXPECT_NE(msg.find("t.csv:1: expected header"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("found a line longer than 4096 bytes starting '\\x00\\x00"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("not an RMM-format CSV trace"), std::string::npos) << msg;
+}
+
+// An input stream of `total` bytes made on the fly from a prefix and a repeated row, counting what
+// the reader took: nothing of it is ever held whole.
+class generated_buf : public std::streambuf {
+ public:
+  generated_buf(std::string prefix, std::string row, std::size_t total)
+      : prefix_(std::move(prefix)), row_(std::move(row)), total_(total) {}
+  [[nodiscard]] std::size_t served() const { return served_; }
+
+ protected:
+  int_type underflow() override {
+    if (served_ >= total_) return traits_type::eof();
+    chunk_.clear();
+    while (chunk_.size() < (1U << 16)) {
+      const std::size_t at = served_ + chunk_.size();
+      if (at < prefix_.size()) {
+        chunk_.append(prefix_, at, std::string::npos);
+      } else {
+        chunk_ += row_;
+      }
+    }
+    chunk_.resize(std::min(chunk_.size(), total_ - served_));
+    served_ += chunk_.size();
+    setg(chunk_.data(), chunk_.data(), chunk_.data() + chunk_.size());
+    return traits_type::to_int_type(chunk_[0]);
+  }
+
+ private:
+  std::string prefix_;
+  std::string row_;
+  std::size_t total_;
+  std::size_t served_ = 0;
+  std::string chunk_;
+};
+
+TEST(TraceReader, AnErrorAtLineTwoOfAHugeStreamIsReportedAfterReadingLittle) {
+  // 64 MiB of rows after a bad second line (a 10-million-row trace took 397 MB before its error).
+  generated_buf buf(with_header("1,00:00:00.000000,allocate,0x10,oops,0\n"),
+                    "1,00:00:00.000000,allocate,(nil),0,0\n", std::size_t{64} << 20);
+  std::istream in(&buf);
+  try {
+    (void)parse_trace(in, "big.csv");
+    ADD_FAILURE() << "accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("big.csv:2: bad number in Size: 'oops'"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LE(buf.served(), std::size_t{1} << 20) << "read before the error";
+}
+
+TEST(TraceReader, EndlessZerosFailFastAsNotATrace) {
+  // /dev/zero's shape: bytes without a newline, for 256 MiB (endless in the real file).
+  generated_buf buf("", std::string(4096, '\0'), std::size_t{256} << 20);
+  std::istream in(&buf);
+  try {
+    (void)parse_trace(in, "zeros");
+    ADD_FAILURE() << "accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("zeros:1: expected header"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("longer than 4096 bytes"), std::string::npos) << e.what();
+  }
+  EXPECT_LE(buf.served(), std::size_t{1} << 20) << "read before the error";
+  if (std::filesystem::exists("/dev/zero")) {
+    try {
+      (void)read_trace("/dev/zero");
+      ADD_FAILURE() << "/dev/zero accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("/dev/zero:1: expected header"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(TraceReader, AGzipBombOfZerosFailsAtItsFirstLine) {
+  // 64 MiB of zeros inflate from a few dozen KiB: read as lines, it fails within the first chunk.
+  temp_file gz("cucache_trace_zeros.csv");
+  gz.write_gzip(std::string(std::size_t{64} << 20, '\0'));
+  try {
+    (void)read_trace(gz.path());
+    ADD_FAILURE() << "accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(":1: expected header"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("longer than 4096 bytes"), std::string::npos) << e.what();
+  }
+  // A valid trace split across many reads, with rows straddling the chunk boundaries.
+  std::string text = std::string(k_trace_header) + "\n";
+  for (int i = 0; i < 20000; ++i) {
+    text += fmt::format("{},00:00:00.{:06},allocate,{:#x},{},{:x}\n", i % 7, i % 1000000,
+                        0x1000 + 16 * i, 1 + i % 4096, i % 3);
+  }
+  temp_file big("cucache_trace_big.csv");
+  big.write_gzip(text);
+  const auto events = read_trace(big.path());
+  ASSERT_EQ(events.size(), 20000U);
+  EXPECT_EQ(events, parse_trace(std::string_view(text), big.path().string()));
+  EXPECT_EQ(events.back().line, 20001U);
 }
 
 TEST(TraceReader, RejectsFreeOfAPointerNeverAllocated) {

@@ -50,14 +50,11 @@ class temp_file {
   std::filesystem::path path_;
 };
 
-
 options sim_options_for_tests() {
   options o;
   o.backend = backend_kind::sim;
   return o;
 }
-
-
 
 // Every step's expectation follows PyTorch's rules, which cucache shares: requests up to 1 MiB
 // come from 2 MiB small segments; a large request under 10 MiB gets a 20 MiB segment; a larger one
@@ -408,6 +405,43 @@ TEST(replay_cli, rejects_what_it_cannot_do) {
   EXPECT_NE(r.err.find("cucache-replay: error:"), std::string::npos) << r.err;
   // --peers none is always accepted.
   EXPECT_EQ(run({"--backend", "sim", "--peers", "none", k_resnet.string()}).status, 0);
+}
+
+TEST(replay_cli, a_file_that_is_not_a_trace_fails_at_once) {
+  // /dev/zero never ends: the reader stops at its first line, 4096 bytes in.
+  if (!std::filesystem::exists("/dev/zero")) GTEST_SKIP() << "no /dev/zero";
+  const cli_run r = run({"--backend", "sim", "/dev/zero"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("cucache-replay: error: /dev/zero:1: expected header"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("not an RMM-format CSV trace"), std::string::npos) << r.err;
+}
+
+TEST(replay_cli, bad_option_values_are_named_in_words) {
+  // Each bad value gets one line that names the option, the value and what is wrong with it.
+  const auto says = [](std::vector<std::string> args, const std::string& want) {
+    args.insert(args.begin(), {"--backend", "sim"});
+    args.push_back(k_resnet.string());
+    const cli_run r = run(args);
+    EXPECT_EQ(r.status, 1) << want;
+    EXPECT_NE(r.err.find("cucache-replay: error: " + want), std::string::npos) << r.err;
+    EXPECT_LT(r.err.size(), 200U) << "a one-line message, not " << r.err.size() << " bytes";
+  };
+  says({"--capacity-gib", "0"}, "--capacity-gib 0: must be a positive number of GiB");
+  says({"--capacity-gib", "-3"}, "--capacity-gib -3: must be a positive number of GiB");
+  says({"--capacity-gib", "1e-12"}, "--capacity-gib 1e-12: smaller than one byte");
+  says({"--capacity-gib", "1e12"}, "--capacity-gib 1000000000000: too large (at most");
+  says({"--fit", "--fit-resolution-mib", "1e12"},
+       "--fit-resolution-mib 1000000000000: too large (at most");
+  says({"--fit", "--fit-resolution-mib", "0"},
+       "--fit-resolution-mib 0: must be a positive number of MiB");
+  says({"--fit", "--fit-resolution-mib", "1e-9"},
+       "--fit-resolution-mib 1e-09: smaller than one byte");
+  // An unknown peer is named, with the valid ones, before where the peers may run is considered.
+  says({"--peers", "bogus"},
+       "--peers: unknown peer 'bogus' (valid: cudaMalloc, cudaMallocAsync, c10, or none alone)");
+  says({"--peers", "c10,bogus"}, "--peers: unknown peer 'bogus'");
+  says({"--peers", "none,c10"}, "--peers: unknown peer 'none'");
 }
 
 // --- --fit -----------------------------------------------------------------------------------

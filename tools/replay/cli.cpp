@@ -1,8 +1,10 @@
 // The command line of cucache-replay: parses the options with CLI11, picks the backend, replays
 // each trace and prints a table or JSON Lines. In the engine library so tests run it in-process.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
+#include <string_view>
 
 #include "advisor.hpp"
 #include "cucache/backend_factory.hpp"
@@ -33,6 +36,36 @@ std::vector<std::string> split_list(const std::string& text) {
     items.push_back(item.substr(first, last - first + 1));
   }
   return items;
+}
+
+/// A size option (`value` in `unit`s, `bytes` its rounded byte count): at least one byte, at most
+/// 1e18 (no device comes near; larger counts lose their exactness as doubles).
+void check_bytes_option(const char* option, const char* unit, double value, double bytes) {
+  if (!(value > 0.0)) {
+    throw invalid_argument(
+        fmt::format("{} {}: must be a positive number of {}", option, value, unit));
+  }
+  if (!(bytes >= 1.0)) {
+    throw invalid_argument(fmt::format("{} {}: smaller than one byte", option, value));
+  }
+  if (bytes > 1e18) {
+    const double top =
+        1e18 / static_cast<double>(std::string_view(unit) == "GiB" ? 1ULL << 30 : 1ULL << 20);
+    throw invalid_argument(
+        fmt::format("{} {}: too large (at most {:.0f} {}, 1e18 bytes)", option, value, top, unit));
+  }
+}
+
+/// --peers: every name one of k_peer_names, or "none" alone.
+void check_peer_names(const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    if (name == "none" && names.size() == 1) continue;
+    if (std::find(std::begin(k_peer_names), std::end(k_peer_names), name) ==
+        std::end(k_peer_names)) {
+      throw invalid_argument(fmt::format("--peers: unknown peer '{}' (valid: {}, or none alone)",
+                                         name, fmt::join(k_peer_names, ", ")));
+    }
+  }
 }
 
 /// PyTorch's figures for the same traces, when a reference.json sits beside them (as in
@@ -127,7 +160,8 @@ prepared_trace load_trace_keeping(const std::string& path, std::vector<trace_eve
   events = read_trace(path);
   std::string name = std::filesystem::path(path).filename().string();
   for (const std::string_view suffix : {".gz", ".csv"}) {  // as load_trace names traces
-    if (name.size() > suffix.size() && name.ends_with(suffix)) name.resize(name.size() - suffix.size());
+    if (name.size() > suffix.size() && name.ends_with(suffix))
+      name.resize(name.size() - suffix.size());
   }
   return prepare(events, std::move(name));
 }
@@ -139,9 +173,10 @@ void write_timeline(const std::string& out, const prepared_trace& trace,
   const nlohmann::json data = timeline_data(trace, &events, opts);
   const auto peak = data["peak"]["reserved_bytes"].get<std::size_t>();
   if (opts.backend == backend_kind::sim && peak != r.figures.peak_reserved_bytes) {
-    throw error(fmt::format("--timeline: {}: the timeline's reserved peak {} differs from the "
-                            "replay's {}",
-                            trace.name, peak, r.figures.peak_reserved_bytes));
+    throw error(
+        fmt::format("--timeline: {}: the timeline's reserved peak {} differs from the "
+                    "replay's {}",
+                    trace.name, peak, r.figures.peak_reserved_bytes));
   }
   const std::string html = timeline_html(data);
   write_file_atomically(out, html);
@@ -172,8 +207,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   auto* capacity_opt =
       app.add_option("--capacity-gib", capacity_gib,
                      "device capacity (sim) or memory limit (cuda) in GiB; reports whether the "
-                     "trace fits")
-          ->check(CLI::PositiveNumber);
+                     "trace fits");
   auto* repeat_opt = app.add_option("--repeat", repeat,
                                     "timed replays per trace, each with a fresh allocator; the "
                                     "median is reported")
@@ -272,11 +306,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     if (fit_resolution_opt->count() > 0) {
       const double bytes =
           std::round(fit_resolution_mib * static_cast<double>(std::size_t{1} << 20));
-      if (!(fit_resolution_mib > 0.0) || !(bytes >= 1.0) || bytes > 1e18) {
-        throw invalid_argument(fmt::format(
-            "--fit-resolution-mib {}: must be a positive number of MiB (at least one byte)",
-            fit_resolution_mib));
-      }
+      check_bytes_option("--fit-resolution-mib", "MiB", fit_resolution_mib, bytes);
       fit_opts.resolution_bytes = static_cast<std::size_t>(bytes);
     }
     if (fit) check_fit(opts, fit_opts);  // before any peer is made
@@ -285,9 +315,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     if (capacity_opt->count() > 0) {
       const double bytes = std::round(capacity_gib * static_cast<double>(std::size_t{1} << 30));
-      if (!(bytes >= 1.0) || bytes > 1e18) {
-        throw invalid_argument(fmt::format("--capacity-gib {}: out of range", capacity_gib));
-      }
+      check_bytes_option("--capacity-gib", "GiB", capacity_gib, bytes);
       opts.capacity_bytes = static_cast<std::size_t>(bytes);
     }
     opts.repeat = repeat;
@@ -302,9 +330,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       const std::optional<std::size_t> card = opts.capacity_bytes;
       opts.capacity_bytes.reset();
       for (const prepared_trace& trace : loaded) {
-        const advice a = advise_trace(trace, opts, fit_opts, card,
-                                      peers_opt->count() > 0 ? pytorch_fitter(fit_c10_in_child)
-                                                             : pytorch_fitter());
+        const advice a = advise_trace(
+            trace, opts, fit_opts, card,
+            peers_opt->count() > 0 ? pytorch_fitter(fit_c10_in_child) : pytorch_fitter());
         if (progress_line) progress_line->clear();
         out << (json ? to_json(a).dump() + "\n" : format_advice(a)) << std::flush;
       }
@@ -314,6 +342,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     bool requested = false;
     if (peers_opt->count() > 0) {
       opts.peers = split_list(peers_text);
+      check_peer_names(opts.peers);  // a wrong name is named before where the peers may run
       if (opts.peers.size() == 1 && opts.peers.front() == "none") opts.peers.clear();
       requested = true;
       if (!opts.peers.empty() && opts.backend == backend_kind::sim) {
@@ -356,8 +385,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     for (const std::string& path : traces) {
       report(progress_line.get(), fmt::format("reading {}", path));
       std::vector<trace_event> events;
-      const prepared_trace trace = timeline_path.empty() ? load_trace(path)
-                                                         : load_trace_keeping(path, events);
+      const prepared_trace trace =
+          timeline_path.empty() ? load_trace(path) : load_trace_keeping(path, events);
       trace_result r = replay_trace(trace, opts, peer_ptrs);
       if (!timeline_path.empty()) {
         write_timeline(timeline_path, trace, events, opts, r, progress_line.get(), err);

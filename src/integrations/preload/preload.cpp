@@ -11,6 +11,8 @@
 #include <string>
 #include <string_view>
 
+#include <unistd.h>
+
 #include "api/registry.hpp"
 #include "cucache/cucache.hpp"
 #include "cucache/device_allocator.hpp"
@@ -97,8 +99,22 @@ cu_result allocate(cu_deviceptr* dptr, std::size_t bytes, cu_stream stream,
   }
 }
 
+// In a child forked after the parent used cucache, every pointer the program frees may be the
+// parent's (docs/design.md, "Fork and process exit"): none reaches the driver, which would act on
+// the parent's memory, and the call fails as the C API's does. k_success in any other process.
+cu_result refuse_if_forked(const char* function) noexcept {
+  if (!registry::forked_child()) [[likely]]
+    return k_success;
+  try {
+    registry::require_not_forked();
+  } catch (...) {
+    return fail(function);
+  }
+  return k_not_initialized;
+}
+
 // Refuses a call on cucache memory that would give the caller a segment's view instead of its
-// allocation's (IPC handles, address ranges). k_success when `ptr` is not cucache's.
+// allocation's (IPC handles). k_success when `ptr` is not cucache's.
 cu_result refuse_if_ours(cu_deviceptr dptr, const char* function, const char* why) noexcept {
   const located l = locate(as_ptr(dptr));
   if (l.owner == nullptr) return k_success;
@@ -170,6 +186,7 @@ cu_result mem_alloc_pitch(const real_driver& /*real*/, cu_deviceptr* dptr, std::
 
 cu_result mem_free(const real_driver& real, cu_deviceptr dptr, free_mode mode) noexcept {
   if (dptr == 0) return k_success;
+  if (const cu_result rc = refuse_if_forked("cuMemFree"); rc != k_success) return rc;
   void* ptr = as_ptr(dptr);
   registry* r = registry::if_built();
   if (r != nullptr) {
@@ -203,6 +220,7 @@ cu_result mem_free(const real_driver& real, cu_deviceptr dptr, free_mode mode) n
 cu_result mem_free_async(const real_driver& real, cu_deviceptr dptr, cu_stream stream,
                          bool ptsz) noexcept {
   if (dptr == 0) return k_success;
+  if (const cu_result rc = refuse_if_forked("cuMemFreeAsync"); rc != k_success) return rc;
   void* ptr = as_ptr(dptr);
   const cu_stream s = ptsz && stream == nullptr ? k_stream_per_thread : stream;
   if (registry* r = registry::if_built()) {
@@ -265,23 +283,50 @@ cu_result ipc_get_mem_handle(const real_driver& real, void* handle, cu_deviceptr
 
 cu_result mem_get_address_range(const real_driver& real, cu_deviceptr* base, std::size_t* size,
                                 cu_deviceptr dptr) noexcept {
-  if (const cu_result rc = refuse_if_ours(dptr, "cuMemGetAddressRange",
-                                          "the driver would answer with the segment's range, not "
-                                          "this allocation's");
-      rc != k_success) {
-    return rc;
+  const located l = locate(as_ptr(dptr));
+  if (l.owner == nullptr) {
+    return real.mem_get_address_range != nullptr ? real.mem_get_address_range(base, size, dptr)
+                                                 : k_not_found;
   }
-  return real.mem_get_address_range != nullptr ? real.mem_get_address_range(base, size, dptr)
-                                               : k_not_found;
+  // What the driver answers for its own allocations: the one holding dptr, from its start, never
+  // the cucache segment around it; an address in no live allocation is not found. Either output
+  // may be NULL, as with the driver.
+  if (!l.info.live) return k_not_found;
+  if (base != nullptr) *base = static_cast<cu_deviceptr>(l.info.block);
+  if (size != nullptr) *size = l.info.block_size;
+  stats().address_ranges.fetch_add(1, std::memory_order_relaxed);
+  return k_success;
+}
+
+cu_result mem_retain_allocation_handle(const real_driver& real, cu_mem_handle* handle,
+                                       void* addr) noexcept {
+  if (locate(addr).owner != nullptr) return k_invalid_value;
+  return real.mem_retain_allocation_handle != nullptr
+             ? real.mem_retain_allocation_handle(handle, addr)
+             : k_not_found;
+}
+
+std::string report_path(std::string_view setting, long pid) {
+  std::string out;
+  for (std::size_t i = 0; i < setting.size(); ++i) {
+    if (setting[i] == '%' && i + 1 < setting.size() && setting[i + 1] == 'p') {
+      out += std::to_string(pid);
+      ++i;
+    } else {
+      out += setting[i];
+    }
+  }
+  return out;
 }
 
 std::string report_text() {
   const counters& c = stats();
   std::string out = fmt::format(
       "cucache preload report: {} allocations and {} frees by cucache, {} foreign frees forwarded "
-      "to the driver, {} bad frees refused, {} IPC/address-range calls refused\n",
+      "to the driver, {} bad frees refused, {} IPC handles refused, {} address ranges "
+      "answered\n",
       c.allocations.load(), c.frees.load(), c.forwarded_frees.load(), c.bad_frees.load(),
-      c.refused.load());
+      c.refused.load(), c.address_ranges.load());
   registry* r = registry::if_built();
   if (r == nullptr) return out + "cucache: no device was used\n";
   out += fmt::format("backend {}, CUCACHE_CONF='{}'\n", to_string(r->kind()),
@@ -298,12 +343,16 @@ std::string report_text() {
 namespace {
 void write_report_at_exit() noexcept {
   try {
-    const char* where = std::getenv("CUCACHE_REPORT");
-    if (where != nullptr && *where != '\0') {
+    // A child forked after the parent used cucache inherits this handler and the parent's
+    // counters, but used nothing of cucache's: it writes no report, so the parent's survives.
+    if (registry::forked_child()) return;
+    const char* env = std::getenv("CUCACHE_REPORT");
+    if (env != nullptr && *env != '\0') {
       const std::string text = report_text();
-      if (std::string_view(where) == "stderr") {
+      const std::string where = report_path(env, static_cast<long>(getpid()));
+      if (where == "stderr") {
         std::fputs(text.c_str(), stderr);
-      } else if (std::FILE* f = std::fopen(where, "w")) {
+      } else if (std::FILE* f = std::fopen(where.c_str(), "w")) {
         std::fputs(text.c_str(), f);
         std::fclose(f);
       } else {

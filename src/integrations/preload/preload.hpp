@@ -11,12 +11,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace cucache::preload {
 
-using cu_result = int;                    // CUresult
-using cu_deviceptr = unsigned long long;  // CUdeviceptr (v2)
-using cu_stream = struct CUstream_st*;    // CUstream
+using cu_result = int;                     // CUresult
+using cu_deviceptr = unsigned long long;   // CUdeviceptr (v2)
+using cu_stream = struct CUstream_st*;     // CUstream
+using cu_mem_handle = unsigned long long;  // CUmemGenericAllocationHandle
 
 inline constexpr cu_result k_success = 0;           // CUDA_SUCCESS
 inline constexpr cu_result k_invalid_value = 1;     // CUDA_ERROR_INVALID_VALUE
@@ -44,6 +46,7 @@ struct real_driver {
   cu_result (*ipc_get_mem_handle)(void*, cu_deviceptr) = nullptr;
   cu_result (*mem_get_address_range)(cu_deviceptr*, std::size_t*, cu_deviceptr) = nullptr;
   cu_result (*ctx_synchronize)() = nullptr;
+  cu_result (*mem_retain_allocation_handle)(cu_mem_handle*, void*) = nullptr;
 };
 
 /// What a plain free (cuMemFree, so cudaFree) does before the block is reused.
@@ -61,7 +64,8 @@ struct counters {
   std::atomic<std::uint64_t> frees{0};            ///< of cucache memory
   std::atomic<std::uint64_t> forwarded_frees{0};  ///< foreign pointers given to the driver
   std::atomic<std::uint64_t> bad_frees{0};        ///< refused: inside cucache memory, not live
-  std::atomic<std::uint64_t> refused{0};          ///< IPC / address range on cucache memory
+  std::atomic<std::uint64_t> refused{0};          ///< IPC handles of cucache memory
+  std::atomic<std::uint64_t> address_ranges{0};   ///< cuMemGetAddressRange on cucache memory
 };
 [[nodiscard]] counters& stats() noexcept;
 
@@ -74,13 +78,27 @@ cu_result mem_alloc(const real_driver& real, cu_deviceptr* dptr, std::size_t byt
                     cu_stream stream) noexcept;
 cu_result mem_alloc_pitch(const real_driver& real, cu_deviceptr* dptr, std::size_t* pitch,
                           std::size_t width, std::size_t height, unsigned int element) noexcept;
-/// cuMemFree. `mode` as free_mode_from_env() unless a test says otherwise.
+/// cuMemFree. `mode` as free_mode_from_env() unless a test says otherwise. In a child forked after
+/// the parent used cucache, every free (cuMemFreeAsync's too) fails with k_not_initialized and
+/// the fork named on stderr: never forwarded to the driver (docs/design.md, "Fork and process
+/// exit").
 cu_result mem_free(const real_driver& real, cu_deviceptr dptr, free_mode mode) noexcept;
 /// cuMemFreeAsync (`ptsz`: the _ptsz variant, whose stream 0 is the per-thread stream).
 cu_result mem_free_async(const real_driver& real, cu_deviceptr dptr, cu_stream stream,
                          bool ptsz) noexcept;
 cu_result mem_get_info(const real_driver& real, std::size_t* free, std::size_t* total) noexcept;
 cu_result ipc_get_mem_handle(const real_driver& real, void* handle, cu_deviceptr dptr) noexcept;
+/// cuMemRetainAllocationHandle: on cucache memory, CUDA_ERROR_INVALID_VALUE, the driver's answer
+/// for memory that no cuMemCreate mapping backs. In expandable mode cucache's pages are such
+/// mappings, and a caller holding the handle would unmap and release them under cucache (XLA's
+/// StreamExecutor asks it of every pointer it frees, to tell its own VMM memory from cuMemAlloc's).
+/// Anything else is the driver's.
+cu_result mem_retain_allocation_handle(const real_driver& real, cu_mem_handle* handle,
+                                       void* addr) noexcept;
+/// cuMemGetAddressRange: for an address inside a live cucache allocation, that allocation's start
+/// and size (its block, as rounded: at least the size asked for), as the driver answers for its
+/// own allocations; k_not_found inside cucache memory that is not a live allocation; anything
+/// else is the driver's.
 cu_result mem_get_address_range(const real_driver& real, cu_deviceptr* base, std::size_t* size,
                                 cu_deviceptr dptr) noexcept;
 
@@ -91,9 +109,12 @@ cu_result mem_get_address_range(const real_driver& real, cu_deviceptr* base, std
 
 /// The exit report (CUCACHE_REPORT=PATH|stderr): counters and every used device's memory_summary.
 [[nodiscard]] std::string report_text();
+/// Where CUCACHE_REPORT=`setting` puts the report of process `pid`: every "%p" becomes the pid
+/// (one report per process of a tree that inherits the variable), "stderr" stays.
+[[nodiscard]] std::string report_path(std::string_view setting, long pid);
 /// Registers, once, the exit handler that writes report_text() where CUCACHE_REPORT says and
-/// flushes the trace. Called after the registry is built, so it runs before the registry's own
-/// exit handler empties the cache.
+/// flushes the trace; a child forked after the handler was registered writes nothing. Called after
+/// the registry is built, so it runs before the registry's own exit handler empties the cache.
 void arm_exit_report() noexcept;
 
 }  // namespace cucache::preload

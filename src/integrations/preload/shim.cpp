@@ -96,11 +96,37 @@ const real_entry_points& real() noexcept {
     resolve(e.drv.ipc_get_mem_handle, "cuIpcGetMemHandle");
     resolve(e.drv.mem_get_address_range, "cuMemGetAddressRange_v2");
     resolve(e.drv.ctx_synchronize, "cuCtxSynchronize");
+    resolve(e.drv.mem_retain_allocation_handle, "cuMemRetainAllocationHandle");
     resolve(e.get_proc_address, "cuGetProcAddress");
     resolve(e.get_proc_address_v2, "cuGetProcAddress_v2");
     return e;
   }();
   return r;
+}
+
+// CUCACHE_PRELOAD_TRACE=1: every lookup of a memory entry point (cuMem*, cuIpc*, cuGetProcAddress)
+// that reaches the shim goes to stderr with the object that asked and whether cucache answers it,
+// so that a program whose allocations go around the shim shows which path they take
+// (docs/preload.md, "Diagnosing a program that goes around the shim").
+bool tracing() noexcept {
+  static const bool on = [] {
+    const char* env = std::getenv("CUCACHE_PRELOAD_TRACE");
+    return env != nullptr && env[0] == '1';
+  }();
+  return on;
+}
+
+void trace_lookup(const char* via, const char* name, int version, const void* caller,
+                  bool ours) noexcept {
+  if (!tracing() || name == nullptr || name[0] != 'c' || name[1] != 'u') return;
+  if (std::strncmp(name, "cuMem", 5) != 0 && std::strncmp(name, "cuIpc", 5) != 0 &&
+      std::strncmp(name, "cuGetProcAddress", 16) != 0) {
+    return;
+  }
+  Dl_info info{};
+  const char* who = dladdr(caller, &info) != 0 && info.dli_fname != nullptr ? info.dli_fname : "?";
+  std::fprintf(stderr, "cucache preload trace: %s(%s, %d) from %s -> %s\n", via, name, version, who,
+               ours ? "cucache" : "driver");
 }
 
 free_mode mode() noexcept {
@@ -216,6 +242,16 @@ CUCACHE_PRELOAD_API cu_result cuMemGetAddressRange_v2(cu_deviceptr* base, std::s
   return mem_get_address_range(r, base, size, dptr);
 }
 
+CUCACHE_PRELOAD_API cu_result cuMemRetainAllocationHandle(cu_mem_handle* handle, void* addr) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_retain_allocation_handle != nullptr ? r.mem_retain_allocation_handle(handle, addr)
+                                                     : k_not_found;
+  }
+  inside guard;
+  return mem_retain_allocation_handle(r, handle, addr);
+}
+
 CUCACHE_PRELOAD_API cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version,
                                                   std::uint64_t flags, int* status);
 CUCACHE_PRELOAD_API cu_result cuGetProcAddress(const char* symbol, void** pfn, int version,
@@ -249,6 +285,8 @@ void* replacement(const char* symbol, int version, std::uint64_t flags) noexcept
        reinterpret_cast<void*>(&cuMemAllocAsync_ptsz)},
       {"cuMemFreeAsync", 11020, reinterpret_cast<void*>(&cuMemFreeAsync),
        reinterpret_cast<void*>(&cuMemFreeAsync_ptsz)},
+      {"cuMemRetainAllocationHandle", 11000, reinterpret_cast<void*>(&cuMemRetainAllocationHandle),
+       nullptr},
   };
   if (std::strcmp(symbol, "cuGetProcAddress") == 0) {
     return version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
@@ -281,6 +319,7 @@ void* exported(const char* name) noexcept {
       {"cuMemGetInfo_v2", reinterpret_cast<void*>(&cuMemGetInfo_v2)},
       {"cuIpcGetMemHandle", reinterpret_cast<void*>(&cuIpcGetMemHandle)},
       {"cuMemGetAddressRange_v2", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},
+      {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&cuMemRetainAllocationHandle)},
   };
   if (name == nullptr || name[0] != 'c' || name[1] != 'u') return nullptr;
   for (const entry& e : table) {
@@ -304,7 +343,10 @@ cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version, std::
     rc = r.get_proc_address(symbol, pfn, version, flags);
   }
   if (rc == k_success && t_depth == 0 && symbol != nullptr && pfn != nullptr && *pfn != nullptr) {
-    if (void* mine = replacement(symbol, version, flags)) *pfn = mine;
+    void* mine = replacement(symbol, version, flags);
+    if (mine != nullptr) *pfn = mine;
+    trace_lookup("cuGetProcAddress_v2", symbol, version, __builtin_return_address(0),
+                 mine != nullptr);
   }
   return rc;
 }
@@ -318,7 +360,9 @@ cu_result cuGetProcAddress(const char* symbol, void** pfn, int version, std::uin
     rc = r.get_proc_address_v2(symbol, pfn, version, flags, nullptr);
   }
   if (rc == k_success && t_depth == 0 && symbol != nullptr && pfn != nullptr && *pfn != nullptr) {
-    if (void* mine = replacement(symbol, version, flags)) *pfn = mine;
+    void* mine = replacement(symbol, version, flags);
+    if (mine != nullptr) *pfn = mine;
+    trace_lookup("cuGetProcAddress", symbol, version, __builtin_return_address(0), mine != nullptr);
   }
   return rc;
 }
@@ -327,9 +371,11 @@ cu_result cuGetProcAddress(const char* symbol, void** pfn, int version, std::uin
 // driver symbols above gets this library's function (when the library has the symbol at all).
 CUCACHE_PRELOAD_API void* dlsym(void* __restrict handle, const char* __restrict name) noexcept {
   void* found = real_dlsym()(handle, name);
-  if (found == nullptr || t_depth > 0 || caller_is_self(__builtin_return_address(0))) return found;
-  if (void* mine = exported(name)) return mine;
-  return found;
+  const void* caller = __builtin_return_address(0);
+  if (found == nullptr || t_depth > 0 || caller_is_self(caller)) return found;
+  void* mine = exported(name);
+  trace_lookup("dlsym", name, 0, caller, mine != nullptr);
+  return mine != nullptr ? mine : found;
 }
 
 }  // extern "C"

@@ -116,7 +116,9 @@ CUCACHE_TORCH_API int cucache_torch_end_allocate_to_pool(int device, uint64_t fi
 /* releasePool: drops an owner; with the last, the pool's memory goes back after a device
  * synchronization (at once, or when no capture is underway). A pool cucache never saw: 0. */
 CUCACHE_TORCH_API int cucache_torch_release_pool(int device, uint64_t first, uint64_t second);
-/* Fills *out with the statistics of `device` (all zero for a device not used yet). 0, or -1. */
+/* Fills *out with the statistics of `device` (all zero for a device not used yet). 0, or -1 (a
+ * device that does not exist included: cudaErrorInvalidDevice). The text, snapshot, tag and reset
+ * functions below refuse such a device too (reset: a negative device means every device). */
 CUCACHE_TORCH_API int cucache_torch_get_stats(int device, cucache_torch_stats* out);
 /* sizeof(cucache_torch_stats), for bindings to check their copy of the layout. */
 CUCACHE_TORCH_API size_t cucache_torch_stats_size(void);
@@ -140,6 +142,24 @@ CUCACHE_TORCH_API int64_t cucache_torch_leak_report(uint64_t steps, char* buf, s
 CUCACHE_TORCH_API int cucache_torch_push_tag(const char* tag);
 CUCACHE_TORCH_API int cucache_torch_pop_tag(void);
 CUCACHE_TORCH_API int64_t cucache_torch_tag_stats(int device, char* buf, size_t len);
+/* Whether cucache can serve `device` (any device when negative), building the process registry
+ * from the environment if need be: CUCACHE_TORCH_READY, or the kind of failure, its message in
+ * cucache_torch_last_error(). The Python package turns these into ValueError (configuration,
+ * invalid device) and RuntimeError (no usable CUDA driver or device, a forked child). */
+enum {
+  CUCACHE_TORCH_READY = 0,
+  CUCACHE_TORCH_CONFIG_ERROR = 1,   /* CUCACHE_CONF, CUCACHE_BACKEND or CUCACHE_SIM_DEVICES */
+  CUCACHE_TORCH_NO_CUDA = 2,        /* no usable driver or device (cudaGetDeviceCount's reason) */
+  CUCACHE_TORCH_INVALID_DEVICE = 3, /* `device` is not one of the process's devices */
+  CUCACHE_TORCH_OTHER_ERROR = 4     /* anything else, e.g. a child forked after cucache was used */
+};
+CUCACHE_TORCH_API int cucache_torch_check_device(int device);
+/* The number of devices cucache sees (building the registry), or -1 with the reason stored. */
+CUCACHE_TORCH_API int cucache_torch_device_count(void);
+/* The canonical form of a CUCACHE_CONF text (only what differs from the defaults, in a fixed
+ * order), or with conf NULL that of the configuration the process's allocators use. Copies as
+ * memory_summary does; -1 when the text is not a valid configuration (the message names the key). */
+CUCACHE_TORCH_API int64_t cucache_torch_canonical_conf(const char* conf, char* buf, size_t len);
 /* The message of the latest failure in any thread ("" if none). Valid in the calling thread until
  * its next call of this function. */
 CUCACHE_TORCH_API const char* cucache_torch_last_error(void);

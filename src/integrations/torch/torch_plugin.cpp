@@ -137,6 +137,19 @@ std::int64_t copy_out(const std::string& text, char* buf, std::size_t len) {
   return static_cast<std::int64_t>(text.size());
 }
 
+constexpr int k_invalid_device = 101;  // cudaErrorInvalidDevice
+
+// Throws cuda_error when `device` is not one of the registry's devices: cudaErrorInvalidDevice,
+// or CUDA's own reason when it has no usable device at all (no driver). Builds the registry.
+void require_device(int device) {
+  registry& r = registry::instance();
+  if (device >= 0 && device < r.device_count()) [[likely]]
+    return;
+  static_cast<void>(r.allocator(device));  // throws for a device outside the census
+  throw cuda_error("cucache_torch", k_invalid_device,
+                   "invalid device ordinal " + std::to_string(device));
+}
+
 template <typename Fn>
 int guarded(const char* what, Fn&& fn) noexcept {
   try {
@@ -185,8 +198,8 @@ void cucache_torch_free(void* ptr, size_t /*size*/, int device, cucache_torch_st
     registry* r = registry::if_built();
     if (r != nullptr && r->release(ptr, stream, release_kind::ordered, device)) return;
     plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
-    if (device_allocator* a = r != nullptr ? r->find(device) : nullptr) {
-      report("cucache_torch: " + a->explain_bad_pointer(ptr, "free"));
+    if (r != nullptr && r->find(device) != nullptr) {
+      report("cucache_torch: " + r->explain_bad_pointer(ptr, "free", device));
       return;
     }
     char text[160];
@@ -233,6 +246,7 @@ int cucache_torch_reserve(int device, size_t bytes) {
 
 int cucache_torch_reset_peak_stats(int device) {
   return guarded("reset_peak_stats", [&] {
+    if (device >= 0) require_device(device);
     registry* r = registry::if_built();
     for (int d = 0; r != nullptr && d < r->device_count(); ++d) {
       device_allocator* a = r->find(d);
@@ -243,6 +257,7 @@ int cucache_torch_reset_peak_stats(int device) {
 
 int cucache_torch_reset_accumulated_stats(int device) {
   return guarded("reset_accumulated_stats", [&] {
+    if (device >= 0) require_device(device);
     registry* r = registry::if_built();
     for (int d = 0; r != nullptr && d < r->device_count(); ++d) {
       device_allocator* a = r->find(d);
@@ -293,6 +308,7 @@ int cucache_torch_get_stats(int device, cucache_torch_stats* out) {
   return guarded("get_stats", [&] {
     if (out == nullptr) throw invalid_argument("out is NULL");
     *out = cucache_torch_stats{};
+    require_device(device);
     device_allocator* a = existing(device);
     if (a == nullptr) return;  // an unused device: nothing reserved, nothing allocated
     *out = to_torch(a->stats());
@@ -318,6 +334,7 @@ const char* cucache_torch_stats_layout(void) {
 int64_t cucache_torch_memory_summary(int device, char* buf, size_t len) {
   std::int64_t n = -1;
   guarded("memory_summary", [&] {
+    require_device(device);
     device_allocator* a = existing(device);
     const std::string text =
         a != nullptr ? cucache::memory_summary(device)
@@ -330,6 +347,7 @@ int64_t cucache_torch_memory_summary(int device, char* buf, size_t len) {
 int64_t cucache_torch_snapshot_json(int device, char* buf, size_t len) {
   std::int64_t n = -1;
   guarded("snapshot_json", [&] {
+    require_device(device);
     device_allocator* a = existing(device);
     n = copy_out(a != nullptr ? a->snapshot_json() : std::string("{\"segments\":[]}"), buf, len);
   });
@@ -366,8 +384,56 @@ int cucache_torch_pop_tag(void) {
 
 int64_t cucache_torch_tag_stats(int device, char* buf, size_t len) {
   std::int64_t n = -1;
-  guarded("tag_stats",
-          [&] { n = copy_out(tag_stats_json(cucache::tag_stats(device)), buf, len); });
+  guarded("tag_stats", [&] {
+    require_device(device);
+    n = copy_out(tag_stats_json(cucache::tag_stats(device)), buf, len);
+  });
+  return n;
+}
+
+int cucache_torch_check_device(int device) {
+  try {
+    registry& r = registry::instance();
+    if (r.device_count() == 0) static_cast<void>(r.allocator(0));  // throws CUDA's reason
+    if (device >= 0) require_device(device);
+    return CUCACHE_TORCH_READY;
+  } catch (const environment_error&) {
+    static_cast<void>(error_code_of_current_exception("cucache"));
+    return CUCACHE_TORCH_CONFIG_ERROR;
+  } catch (const cuda_error& e) {
+    static_cast<void>(error_code_of_current_exception("cucache"));
+    if (e.code() == k_invalid_device) return CUCACHE_TORCH_INVALID_DEVICE;
+    if (registry::forked_child()) return CUCACHE_TORCH_OTHER_ERROR;
+    return CUCACHE_TORCH_NO_CUDA;
+  } catch (...) {
+    static_cast<void>(error_code_of_current_exception("cucache"));
+    return CUCACHE_TORCH_OTHER_ERROR;
+  }
+}
+
+int cucache_torch_device_count(void) {
+  try {
+    return registry::instance().device_count();
+  } catch (...) {
+    static_cast<void>(error_code_of_current_exception("cucache_torch: device_count"));
+    return -1;
+  }
+}
+
+int64_t cucache_torch_canonical_conf(const char* conf, char* buf, size_t len) {
+  std::int64_t n = -1;
+  guarded("configuration", [&] {
+    if (conf == nullptr) {
+      n = copy_out(to_string(registry::instance().settings()), buf, len);
+      return;
+    }
+    try {
+      n = copy_out(to_string(parse_config(conf)), buf, len);
+    } catch (const invalid_argument& e) {
+      // The caller's text: a configuration error as the registry reports one.
+      throw environment_error(e.what());
+    }
+  });
   return n;
 }
 

@@ -25,7 +25,8 @@ enum counter {
   ipc,
   range,
   sync,
-  v1_alloc
+  v1_alloc,
+  retain
 };
 cu_deviceptr host_alloc(std::size_t n) {
   return static_cast<cu_deviceptr>(reinterpret_cast<std::uintptr_t>(std::malloc(n)));
@@ -106,6 +107,12 @@ __attribute__((visibility("default"))) cu_result cuMemGetAddressRange_v2(cu_devi
   *s = 1;
   return 0;
 }
+__attribute__((visibility("default"))) cu_result cuMemRetainAllocationHandle(unsigned long long* h,
+                                                                             void*) {
+  ++g_counts[retain];
+  *h = 1;
+  return 0;
+}
 __attribute__((visibility("default"))) cu_result cuCtxSynchronize() {
   ++g_counts[sync];
   return 0;
@@ -141,6 +148,7 @@ cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version, std::
       {"cuIpcGetMemHandle", reinterpret_cast<void*>(&cuIpcGetMemHandle)},
       {"cuMemGetAddressRange", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},
       {"cuCtxSynchronize", reinterpret_cast<void*>(&cuCtxSynchronize)},
+      {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&cuMemRetainAllocationHandle)},
       {"cuGetProcAddress", version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
                                             : reinterpret_cast<void*>(&cuGetProcAddress)},
   };

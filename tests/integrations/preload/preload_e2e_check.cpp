@@ -3,10 +3,13 @@
 // libcucache_preload.so's dlsym and cuGetProcAddress interposition without a GPU.
 //   preload_e2e_check preloaded   (LD_PRELOAD=libcucache_preload.so CUCACHE_BACKEND=sim)
 //   preload_e2e_check plain       (no preload: every call reaches the fake driver)
+//   preload_e2e_check fork VERDICT_FILE   (preloaded: a forked child's free and exit report)
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 using cu_result = int;
@@ -20,6 +23,8 @@ using free_fn = cu_result (*)(cu_deviceptr);
 using free_async_fn = cu_result (*)(cu_deviceptr, cu_stream);
 using info_fn = cu_result (*)(std::size_t*, std::size_t*);
 using ipc_fn = cu_result (*)(void*, cu_deviceptr);
+using range_fn = cu_result (*)(cu_deviceptr*, std::size_t*, cu_deviceptr);
+using retain_fn = cu_result (*)(unsigned long long*, void*);
 using count_fn = int (*)(int);
 using raw_alloc_fn = cu_deviceptr (*)(std::size_t);
 
@@ -44,12 +49,44 @@ enum counter {
   c_ipc,
   c_range,
   c_sync,
-  c_v1_alloc
+  c_v1_alloc,
+  c_retain
 };
 }  // namespace
 
+// fork mode (preloaded): the parent allocates, forks, allocates twice more, frees all three and
+// exits; the child tries to free the parent's pointer (it must fail with
+// CUDA_ERROR_NOT_INITIALIZED, never reaching the driver), waits until the parent is gone, writes
+// its verdict to `verdict` and exits normally -- after the parent, so that a child writing
+// CUCACHE_REPORT would overwrite the parent's report.
+int fork_check(alloc_fn mem_alloc, free_fn mem_free, count_fn count, const char* verdict) {
+  cu_deviceptr a = 0;
+  expect(mem_alloc(&a, 1 << 20) == 0 && a != 0, "fork: cuMemAlloc before the fork");
+  std::fflush(nullptr);
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {
+    expect(mem_free(a) == 3, "fork: the child's free of the parent's pointer fails (3)");
+    expect(count(c_free) == 0, "fork: the child's free never reaches the driver");
+    for (int i = 0; i < 2000 && getppid() == parent; ++i) usleep(5000);
+    expect(getppid() != parent, "fork: the parent exited first");
+    if (std::FILE* f = std::fopen(verdict, "w")) {
+      std::fputs(failures == 0 ? "OK\n" : "FAILED\n", f);
+      std::fclose(f);
+    }
+    std::exit(failures == 0 ? 0 : 1);  // runs the exit handlers, the shim's report included
+  }
+  cu_deviceptr b = 0;
+  cu_deviceptr c = 0;
+  expect(mem_alloc(&b, 4096) == 0 && mem_alloc(&c, 4096) == 0, "fork: the parent allocates on");
+  expect(mem_free(a) == 0 && mem_free(b) == 0 && mem_free(c) == 0, "fork: the parent frees");
+  std::printf("preload_e2e_check fork (parent): %s\n", failures == 0 ? "OK" : "FAILED");
+  return failures == 0 ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
-  const bool preloaded = argc > 1 && std::strcmp(argv[1], "preloaded") == 0;
+  const bool preloaded = argc > 1 && std::strcmp(argv[1], "plain") != 0;
   void* h = dlopen("libcuda.so.1", RTLD_NOW);
   if (h == nullptr) {
     std::fprintf(stderr, "preload_e2e_check: %s\n", dlerror());
@@ -79,8 +116,12 @@ int main(int argc, char** argv) {
   auto free_async = reinterpret_cast<free_async_fn>(get("cuMemFreeAsync", 12000, 0));
   auto mem_info = reinterpret_cast<info_fn>(get("cuMemGetInfo", 12000, 0));
   auto ipc_get = reinterpret_cast<ipc_fn>(get("cuIpcGetMemHandle", 12000, 0));
+  auto range = reinterpret_cast<range_fn>(get("cuMemGetAddressRange", 12000, 0));
+  auto retain = reinterpret_cast<retain_fn>(get("cuMemRetainAllocationHandle", 12000, 0));
   auto old_alloc = get("cuMemAlloc", 3000, 0);
   if (failures != 0) return 1;
+  if (argc > 2 && std::strcmp(argv[1], "fork") == 0)
+    return fork_check(mem_alloc, mem_free, count, argv[2]);
 
   const int n = preloaded ? 0 : 1;  // what the fake driver sees of each call
   cu_deviceptr p = 0;
@@ -95,13 +136,31 @@ int main(int argc, char** argv) {
   expect(ipc_get(handle, p) == (preloaded ? 801 : 0), "cuIpcGetMemHandle on cucache memory");
   expect(free_async(p, nullptr) == 0, "cuMemFreeAsync");
   expect(count(c_alloc_async) == n && count(c_free_async) == n, "async pair is cucache's");
+  {
+    // The allocation's own range, from inside it (the fake driver answers {p, 1}).
+    cu_deviceptr q = 0;
+    expect(mem_alloc(&q, 5000) == 0, "cuMemAlloc for the range");
+    cu_deviceptr base = 0;
+    std::size_t size = 0;
+    expect(range(&base, &size, q + 4999) == 0, "cuMemGetAddressRange");
+    expect(base == (preloaded ? q : q + 4999) && (preloaded ? size >= 5000 : size == 1),
+           "cuMemGetAddressRange answers the allocation's own base and size");
+    expect(count(c_range) == n, "cuMemGetAddressRange of cucache memory is cucache's");
+    unsigned long long vmm = 0;
+    expect(retain(&vmm, reinterpret_cast<void*>(static_cast<std::uintptr_t>(q))) ==
+               (preloaded ? 1 : 0),
+           "cuMemRetainAllocationHandle of cucache memory is refused");
+    expect(count(c_retain) == n, "cuMemRetainAllocationHandle of cucache memory is cucache's");
+    expect(mem_free(q) == 0, "cuMemFree after the range");
+    if (!preloaded) expect(count(c_free) == 2, "plain: the fake freed both");
+  }
   std::size_t f = 0;
   std::size_t t = 0;
   expect(mem_info(&f, &t) == 0 && (preloaded ? t > 2 : t == 2), "cuMemGetInfo answers");
   expect(count(c_info) == n, "cuMemGetInfo is cucache's view");
   // A pointer the driver allocated, freed through the interposed cuMemFree: the driver's.
   const cu_deviceptr foreign = raw_alloc(256);
-  expect(mem_free(foreign) == 0 && count(c_free) == n + 1, "a foreign free reaches the driver");
+  expect(mem_free(foreign) == 0 && count(c_free) == 2 * n + 1, "a foreign free reaches the driver");
   const cu_deviceptr foreign2 = raw_alloc(256);
   expect(ipc_get(handle, foreign2) == 0, "IPC on foreign memory is the driver's");
   expect(mem_free(foreign2) == 0, "the second foreign block goes back to the driver");
