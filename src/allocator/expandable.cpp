@@ -49,8 +49,6 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     // are already mapped (to save VM calls) fitted in 0.2-1.4% more memory on the shared traces.
     block* b = p.index_of(kind).best_fit(rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
-    // May throw (a failed unmap): before any block changes, so nothing is left half done.
-    pager->split_overhang(p, *b->seg->vm, b->addr, rounded);
     b = carve(p, b, kind, rounded, bytes);
     bool mapped = false;
     try {
