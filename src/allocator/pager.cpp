@@ -398,19 +398,9 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   if (fits(bytes)) return true;
   counters.reclaims.fetch_add(1, std::memory_order_relaxed);
   const nvtx_range range(nvtx, "cucache: reclaim idle pages");
-  // Unmapped handles first: no synchronization, and none of them fits the run (take_unmapped
-  // would have taken it).
-  for (;;) {
-    std::size_t target = 0;
-    {
-      std::lock_guard lock(budget_.mu);
-      if (free_handles.empty()) break;
-      target = budget_.reserved - std::prev(free_handles.end())->first;
-    }
-    release_unmapped(target);  // the largest
-    if (fits(bytes)) return true;
-  }
-  // Then idle mappings, least recently idle first: this pool's, then the other pools'.
+  // Unmapped handles are not given back: each is one page, and back() takes them before it
+  // creates anything, so releasing one only to create another would gain no room. Idle pages,
+  // least recently idle first: this pool's, then the other pools'.
   if (!may_synchronize_()) return false;
   while (p.idle_tail != nullptr) {
     release_idle(p, p.idle_tail);
@@ -491,7 +481,15 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
     if (pass == 1) {
       missing = scan(r, b).missing_bytes;
       if (missing == 0) return true;
-      if (!plentiful && !fits(missing)) (void)reclaim(p, missing);
+      // Nothing is created unless all of it can be, so a refused request leaves nothing
+      // reserved: the pages the unmapped handles cannot back must fit, after a reclaim if need be.
+      std::size_t kept = 0;
+      {
+        std::lock_guard lock(budget_.mu);
+        kept = free_handle_bytes;
+      }
+      const std::size_t fresh = missing > kept ? missing - kept : 0;
+      if (fresh != 0 && !fits(fresh) && !reclaim(p, fresh)) return false;
     }
     for (std::size_t pg = first; pg <= last;) {
       if (r.page_map[pg] != nullptr) {

@@ -165,9 +165,10 @@ class pager {
   /// 4. New physical memory; none above the memory limit or the device's capacity.
   std::optional<piece> create(std::size_t bytes);
 
-  /// Memory is short for `bytes` more: gives back unmapped handles, then idle pages of p and of
-  /// the other pools, least recently idle first, page by page, until the device, the limit and
-  /// the garbage-collection threshold have room. True when they have.
+  /// Memory is short for `bytes` more: gives back idle pages of p and of the other pools, least
+  /// recently idle first, page by page, until the device, the limit and the garbage-collection
+  /// threshold have room. True when they have. (Unmapped handles are kept: back() takes them
+  /// before it creates, so `bytes` is what they cannot back.)
   bool reclaim(stream_pool& p, std::size_t bytes);
   /// Memory is plentiful for `extra` more: the device, the limit and the garbage-collection
   /// threshold have room for it, so missing pages are created and idle pages stay mapped.
