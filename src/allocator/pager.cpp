@@ -488,8 +488,9 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
         std::lock_guard lock(budget_.mu);
         kept = free_handle_bytes;
       }
+      // (When memory was plentiful, may_grow has just found room for all of it.)
       const std::size_t fresh = missing > kept ? missing - kept : 0;
-      if (fresh != 0 && !fits(fresh) && !reclaim(p, fresh)) return false;
+      if (!plentiful && fresh != 0 && !fits(fresh) && !reclaim(p, fresh)) return false;
     }
     for (std::size_t pg = first; pg <= last;) {
       if (r.page_map[pg] != nullptr) {
