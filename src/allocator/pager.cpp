@@ -482,15 +482,24 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
       missing = scan(r, b).missing_bytes;
       if (missing == 0) return true;
       // Nothing is created unless all of it can be, so a refused request leaves nothing
-      // reserved: the pages the unmapped handles cannot back must fit, after a reclaim if need be.
+      // reserved: the pages the unmapped handles cannot back must fit under the limit and on the
+      // device, after a reclaim if need be (the garbage-collection threshold asks for a reclaim
+      // but refuses nothing). When memory was plentiful, may_grow has just found room for all.
       std::size_t kept = 0;
       {
         std::lock_guard lock(budget_.mu);
         kept = free_handle_bytes;
       }
-      // (When memory was plentiful, may_grow has just found room for all of it.)
       const std::size_t fresh = missing > kept ? missing - kept : 0;
-      if (!plentiful && fresh != 0 && !fits(fresh) && !reclaim(p, fresh)) return false;
+      if (!plentiful && fresh != 0 && !fits(fresh)) {
+        (void)reclaim(p, fresh);
+        bool room = false;
+        {
+          std::lock_guard lock(budget_.mu);
+          room = budget_.limit == 0 || budget_.reserved + fresh <= budget_.limit;
+        }
+        if (!room || backend_.mem_get_info().free_bytes < fresh) return false;
+      }
     }
     for (std::size_t pg = first; pg <= last;) {
       if (r.page_map[pg] != nullptr) {
