@@ -55,6 +55,10 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
       violated(fmt::format("range {:#x} page {}: mapping does not cover it", r.base, pg));
     }
     if (mp->first_page != pg) continue;
+    if (mp->pages != 1) {  // the pager's rule: an idle page pins nothing but itself
+      violated(fmt::format("range {:#x}: mapping at page {} spans {} pages, not one", r.base, pg,
+                           mp->pages));
+    }
     std::size_t used = 0;
     for (std::size_t i = 0; i < mp->pages; ++i) {
       if (r.page_map[pg + i] != mp) {

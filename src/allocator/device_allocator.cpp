@@ -494,8 +494,6 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     ensure_range(p, kind);
     block* b = detail::place_in_range(p.index_of(kind), rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
-    // May throw (a failed unmap): before any block changes, so nothing is left half done.
-    pager->split_overhang(p, *b->seg->vm, b->addr, rounded);
     b = carve(p, b, kind, rounded, bytes);
     bool mapped = false;
     try {

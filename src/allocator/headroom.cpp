@@ -200,8 +200,8 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   }
   // Expandable: back the pages at the front of the large range's best fit, as a block there
   // would be placed, without carving one: the new mappings are idle from the start, cached
-  // memory that the first requests placed there use in place. One handle per page: a request
-  // that uses part of a larger idle mapping would release it whole (pager::split_overhang).
+  // memory that the first requests placed there use in place, one handle per page as back()
+  // makes them.
   segment* range = ensure_range(p, pool_kind::large);
   const std::size_t want =
       bytes > range->size ? 0 : (bytes + page_bytes - 1) / page_bytes * page_bytes;

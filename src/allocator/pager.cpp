@@ -2,25 +2,12 @@
 #include "allocator/pager.hpp"
 
 #include <algorithm>
-#include <numeric>
 
 #include "allocator/nvtx.hpp"
 #include "allocator/placement.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache::detail {
-
-namespace {
-/// Largest physical handle created at once. Larger handles cost the same to create and map, but
-/// can only be moved or given back whole; 256 MiB keeps a 1 GiB request at four calls.
-constexpr std::size_t k_max_handle_bytes = std::size_t{256} << 20;
-
-/// While memory is plentiful, reserved memory may exceed the high-water mark of held memory (pages
-/// a live or pending block touches) by this fraction of it: idle pages then stay mapped where they
-/// went idle, and new ones are created, instead of being moved at every placement that lacks them.
-/// Idle memory is always reclaimable, so the slack never costs the fit under a limit.
-constexpr std::size_t k_idle_slack_divisor = 128;  // 0.8%
-}  // namespace
 
 pager::pager(device_backend& backend, device_budget& budget, std::size_t page_bytes,
              const pool_table& pools)
@@ -332,8 +319,7 @@ vm_mapping* pager::idle_within(const stream_pool& q, std::size_t want) const {
   vm_mapping* best = nullptr;
   bool best_synced = false;
   int seen = 0;
-  for (vm_mapping* m = q.pages.idle_tail; m != nullptr && seen < k_idle_scan;
-       m = m->idle_prev, ++seen) {
+  for (vm_mapping* m = q.pages.idle_tail; m != nullptr && seen < k_idle_scan; m = m->idle_prev, ++seen) {
     if (m->pages * page_bytes_ > want) continue;
     const bool synced = done > m->idle_epoch;
     if (best == nullptr || (synced && !best_synced) ||
@@ -384,38 +370,18 @@ std::optional<pager::piece> pager::create(std::size_t bytes) {
 
 // --- policy -------------------------------------------------------------------------------------
 
-bool pager::may_grow(stream_pool& p, std::size_t extra) {
-  // Moving a page costs an unmap, a map and a set-access, and perhaps a device synchronization;
-  // creating costs about as much, but leaves idle pages mapped where a steady loop will want them
-  // again. So while the device, the memory limit and the garbage-collection threshold have room,
-  // new memory is created as long as reserved memory stays within the slack above the high-water
-  // mark of held memory (reserved less idle and unmapped bytes, counting the pages being backed:
-  // the same whether they are created or moved), or at or below the pool's active bytes. Beyond
-  // that, idle pages are moved: only then does moving lower what the device must hold.
-  //
-  // The rule needs the device's free memory (cudaMemGetInfo, 6.6 us on the H200) only when its
-  // answer can matter: when the slack already says no and the held high-water mark would not
-  // rise, the answer is no whatever the device says, and nothing is asked (bert_serve: 8.3k ->
-  // 1.3k calls). Otherwise the device is asked first, as before: the high-water mark rises only
-  // when the device and the caps have room.
-  if (over_caps(extra)) return false;
-  const auto active = static_cast<std::size_t>(p.stats.active_bytes(0).current);
-  const std::size_t idle = idle_total_.load(std::memory_order_relaxed);
-  std::size_t after = 0;
-  std::size_t held = 0;
-  {
-    std::lock_guard lock(budget_.mu);
-    after = budget_.reserved + extra;
-    const std::size_t unheld = idle + free_handle_bytes;
-    held = after > unheld ? after - unheld : 0;
-    const std::size_t allowed = held_peak_ + held_peak_ / k_idle_slack_divisor;
-    if (held <= held_peak_ && after > std::max({budget_.peak, allowed, active})) return false;
-  }
-  if (backend_.mem_get_info().free_bytes < extra) return false;
-  std::lock_guard lock(budget_.mu);
-  held_peak_ = std::max(held_peak_, held);
-  const std::size_t allowed = held_peak_ + held_peak_ / k_idle_slack_divisor;
-  return after <= std::max({budget_.peak, allowed, active});
+bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
+  // Every handle is one page, so an idle page pins nothing but itself: keeping it mapped where it
+  // went idle costs no fit, because it can be given back, page by page, the moment memory is
+  // short (reclaim). So memory is plentiful exactly while the device, the memory limit and the
+  // garbage-collection threshold have room for `extra` more: then the missing pages are created
+  // and idle pages stay where a steady loop comes back for them, so that once the loop has
+  // touched its pages it makes no VM call and no synchronization (PyTorch's expandable segments
+  // behave the same way, never unmapping idle memory unasked). Otherwise idle pages are moved
+  // and reclaimed: only then does moving lower what the device must hold. Reserved memory
+  // without a limit is then the union of the pages the program touched (measured: below
+  // PyTorch's expandable mode on every shared trace, docs/design.md).
+  return fits(extra);
 }
 
 bool pager::over_caps(std::size_t bytes) {
@@ -432,19 +398,9 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   if (fits(bytes)) return true;
   counters.reclaims.fetch_add(1, std::memory_order_relaxed);
   const nvtx_range range(nvtx, "cucache: reclaim idle pages");
-  // Unmapped handles first: no synchronization, and none of them fits the run (take_unmapped
-  // would have taken it).
-  for (;;) {
-    std::size_t target = 0;
-    {
-      std::lock_guard lock(budget_.mu);
-      if (free_handles.empty()) break;
-      target = budget_.reserved - std::prev(free_handles.end())->first;
-    }
-    release_unmapped(target);  // the largest
-    if (fits(bytes)) return true;
-  }
-  // Then idle mappings, least recently idle first: this pool's, then the other pools'.
+  // Unmapped handles are not given back: each is one page, and back() takes them before it
+  // creates anything, so releasing one only to create another would gain no room. Idle pages,
+  // least recently idle first: this pool's, then the other pools'.
   if (!may_synchronize_()) return false;
   while (p.pages.idle_tail != nullptr) {
     release_idle(p, p.pages.idle_tail);
@@ -462,76 +418,6 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     }
   }
   return false;
-}
-
-void pager::make_room(stream_pool& p, std::size_t bytes) {
-  // Unmapped handles too large for the run, smallest first, then this pool's idle mappings too
-  // large for it (take_idle took any that fit), least recently idle first.
-  while (!may_grow(p, bytes)) {
-    std::optional<piece> pc;
-    {
-      std::lock_guard lock(budget_.mu);
-      if (!free_handles.empty()) {
-        auto it = free_handles.begin();
-        pc = piece{it->second, it->first, false};
-        free_handles.erase(it);
-        free_handle_bytes -= pc->bytes;
-      }
-    }
-    if (pc) {
-      release(pc->handle, pc->bytes);
-      continue;
-    }
-    if (p.pages.idle_tail == nullptr) return;
-    release_idle(p, p.pages.idle_tail);
-  }
-}
-
-void pager::split_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr, std::size_t bytes) {
-  // An idle mapping that the new block would use only in part would be pinned whole by it, and
-  // the pages the block does not touch could not be given back or moved while it lives: a
-  // handle is released whole or not at all. Release it instead; back() maps exactly the block's
-  // pages. The remainder is not re-created: if the program comes back for it, back() creates it
-  // then, and if memory is short meanwhile it is already free.
-  if (!may_synchronize_()) return;  // the block pins the mapping whole until the capture ends
-  const std::size_t first = r.page_of(addr);
-  const std::size_t last = r.page_of(addr + bytes - 1);
-  for (std::size_t pg : {first, last}) {
-    vm_mapping* m = r.page_map[pg];
-    if (m == nullptr || !overhang_released(*m, pg, first, last, addr, bytes)) continue;
-    counters.splits.fetch_add(1, std::memory_order_relaxed);
-    release_idle(p, m);
-  }
-}
-
-bool pager::overhang_released(const vm_mapping& m, std::size_t pg, std::size_t first,
-                              std::size_t last, std::uintptr_t addr, std::size_t bytes) const {
-  if (!m.idle) return false;
-  // Inside the block's span it is kept (used in place), unless it is a multi-page mapping on a
-  // page the block shares with a neighbour: a neighbour carved there later would pin all of it
-  // after this block is freed (bert_serve: 1.0197 instead of its floor of 1.0138).
-  const bool inside = m.first_page >= first && m.first_page + m.pages - 1 <= last;
-  const bool shared = m.pages > 1 && ((pg == first && addr % page_bytes_ != 0) ||
-                                      (pg == last && (addr + bytes) % page_bytes_ != 0));
-  return !(inside && !shared);
-}
-
-template <class Unmapped>
-std::size_t pager::piece_pages(const page_span& span, std::size_t pg, Unmapped&& unmapped) {
-  // A page the block shares with a neighbour -- its first page when it starts inside a page, its
-  // last when it ends inside one -- gets a handle of its own: a handle a neighbour keeps in use
-  // cannot be moved or given back. Every other page of an unmapped run goes in as few handles as
-  // the sources allow (split_overhang keeps a multi-page mapping off a shared page later on).
-  if (pg == span.first && span.head_shared) return 1;
-  std::size_t run = 0;
-  while (pg + run <= span.last && unmapped(pg + run)) ++run;
-  if (run > 1 && pg + run - 1 == span.last && span.tail_shared) --run;
-  return run;
-}
-
-pager::page_span pager::span_of(const vm_range& r, std::uintptr_t addr, std::size_t bytes) const {
-  return {r.page_of(addr), r.page_of(addr + bytes - 1), addr % page_bytes_ != 0,
-          (addr + bytes) % page_bytes_ != 0};
 }
 
 pager::span_state pager::scan(const vm_range& r, const block* b) const {
@@ -579,25 +465,40 @@ bool pager::back(stream_pool& p, const block* b) {
 
 bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t missing,
                        std::vector<vm_mapping*>& batch) {
-  const page_span span = span_of(r, b->addr, b->size);
-  const std::size_t first = span.first;
-  const std::size_t last = span.last;
-  // One decision per block, for all the pages it lacks. While memory is plentiful (may_grow),
-  // they are created and idle pages stay mapped where they went idle. Otherwise idle pages are
-  // moved here first (this pool's, then another stream's), and only what is still missing is
-  // created, after room was made for all of it: reserved memory never rises inside the call above
-  // where it ends (nothing is created that a release in the same call then makes up for).
-  // While a graph capture is underway nothing may synchronize the device, so nothing is moved or
-  // given back: what is missing is created (may_synchronize_, set by the allocator).
+  const std::size_t first = r.page_of(b->addr);
+  const std::size_t last = r.page_of(b->addr + b->size - 1);
+  // One decision per block, for all the pages it lacks, one handle per page. While memory is
+  // plentiful (may_grow), they are created and idle pages stay mapped where they went idle.
+  // Otherwise idle pages are moved here first (this pool's, then another stream's), and only what
+  // is still missing is created, after room was made for all of it: reserved memory never rises
+  // inside the call above where it ends (nothing is created that a release in the same call then
+  // makes up for). While a graph capture is underway nothing may synchronize the device, so
+  // nothing is moved or given back: what is missing is created (may_synchronize_, set by the
+  // allocator).
   const bool plentiful = may_grow(p, missing) || !may_synchronize_();
   bool moved = false;
   for (int pass = plentiful ? 1 : 0; pass < 2; ++pass) {
     if (pass == 1) {
       missing = scan(r, b).missing_bytes;
       if (missing == 0) return true;
-      if (!plentiful) {
-        make_room(p, missing);  // idle memory too large to move here
-        if (!fits(missing)) (void)reclaim(p, missing);
+      // Nothing is created unless all of it can be, so a refused request leaves nothing
+      // reserved: the pages the unmapped handles cannot back must fit under the limit and on the
+      // device, after a reclaim if need be (the garbage-collection threshold asks for a reclaim
+      // but refuses nothing). When memory was plentiful, may_grow has just found room for all.
+      std::size_t kept = 0;
+      {
+        std::lock_guard lock(budget_.mu);
+        kept = free_handle_bytes;
+      }
+      const std::size_t fresh = missing > kept ? missing - kept : 0;
+      if (!plentiful && fresh != 0 && !fits(fresh)) {
+        (void)reclaim(p, fresh);
+        bool room = false;
+        {
+          std::lock_guard lock(budget_.mu);
+          room = budget_.limit == 0 || budget_.reserved + fresh <= budget_.limit;
+        }
+        if (!room || backend_.mem_get_info().free_bytes < fresh) return false;
       }
     }
     for (std::size_t pg = first; pg <= last;) {
@@ -605,9 +506,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
         ++pg;
         continue;
       }
-      const std::size_t pages =
-          piece_pages(span, pg, [&](std::size_t q) { return r.page_map[q] == nullptr; });
-      const std::size_t want = pages * page_bytes_;
+      const std::size_t want = page_bytes_;
       // Pass 0 moves only until what is still missing may be created: as few moves as lower what
       // the device must hold, and the rest in new handles, as large as the run allows.
       if (pass == 0 && moved && may_grow(p, missing)) break;
@@ -616,15 +515,14 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
         if (!pc) pc = take_idle(p, want);
         if (!pc) pc = take_peer_idle(p, want);
         if (!pc) {
-          pg += pages;  // created in pass 1
+          ++pg;  // created in pass 1
           continue;
         }
         missing -= pc->bytes;
         moved = true;
       } else if (!pc) {
-        const std::size_t fresh = std::min(want, k_max_handle_bytes);
-        pc = create(fresh);
-        if (!pc && reclaim(p, fresh)) pc = create(fresh);
+        pc = create(want);
+        if (!pc && reclaim(p, want)) pc = create(want);
         if (!pc) return false;
       }
       map(p, r, pg, *pc, batch);
@@ -675,117 +573,49 @@ void pager::unmap_idle(stream_pool& p, bool release_handles) {
 
 // --- what cached memory can serve ---------------------------------------------------------------
 
-template <class Unmapped>
-bool pager::backed_by_handles(const page_span& span, Unmapped&& unmapped,
-                              std::vector<std::size_t>& handles) const {
-  // back()'s walk over the block's unmapped pages with unmapped handles as the only source: each
-  // piece takes the largest handle that fits it (take_unmapped), or none is left and back() would
-  // create. `handles`: the sizes of the unmapped handles, ascending; taken ones are erased.
-  for (std::size_t pg = span.first; pg <= span.last;) {
-    if (!unmapped(pg)) {
-      ++pg;
-      continue;
-    }
-    const std::size_t want = piece_pages(span, pg, unmapped) * page_bytes_;
-    auto it = std::upper_bound(handles.begin(), handles.end(), want);
-    if (it == handles.begin()) return false;
-    --it;
-    pg += *it / page_bytes_;
-    handles.erase(it);
-  }
-  return true;
-}
-
 std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
                                           const size_policy& policy) const {
   // A request placed in p's range (best fit, at the front of the free block: impl's placement)
-  // is served from cached memory when split_overhang and back() find every page it touches
-  // mapped or backed by unmapped handles: nothing is created. Idle mappings elsewhere are not
-  // counted: back() moves them only when memory is not plentiful, which depends on the device's
-  // free memory at the time of the request; while it is plentiful it creates instead.
+  // is served from cached memory when back() finds every page it touches mapped or backed by an
+  // unmapped handle (each one page): nothing is created. Idle mappings elsewhere are not counted:
+  // back() moves them only when memory is not plentiful, which depends on the device's free
+  // memory at the time of the request; while it is plentiful it creates instead.
   const std::size_t lo = kind == pool_kind::small ? 0 : k_small_request_max_bytes;
   const std::size_t hi = kind == pool_kind::small ? k_small_request_max_bytes : ~std::size_t{0};
-  std::vector<std::size_t> all_handles;
+  std::size_t handles = 0;  // unmapped one-page handles
   {
     std::lock_guard lock(budget_.mu);
-    for (const auto& entry : free_handles) all_handles.push_back(entry.first);
+    handles = free_handle_bytes / page_bytes_;
   }
-  const std::size_t handle_bytes =
-      std::accumulate(all_handles.begin(), all_handles.end(), std::size_t{0});
-  std::vector<std::size_t> handles;
-  const auto by_handles = [&](const page_span& span, const auto& unmapped) {
-    handles = all_handles;
-    return backed_by_handles(span, unmapped, handles);
-  };
   std::size_t best = 0;
   const auto consider = [&](std::size_t bytes) {
     const std::size_t r = policy.largest_rounded_within(std::min(bytes, hi));
     return r > lo && r > best ? r : 0;
   };
   const segment* seg = p.pages.ranges[static_cast<int>(kind)];
-  if (seg == nullptr) {
-    // No range yet: the request reserves one (no device allocation) and backs it from handles.
-    for (std::size_t pages = handle_bytes / page_bytes_; pages > 0 && best == 0; --pages) {
-      for (std::size_t end : {pages * page_bytes_, pages * page_bytes_ - 1}) {
-        const std::size_t r = consider(end);
-        if (r == 0 || r <= (pages - 1) * page_bytes_) continue;
-        const page_span span{0, (r - 1) / page_bytes_, false, r % page_bytes_ != 0};
-        if (by_handles(span, [](std::size_t) { return true; })) {
-          best = r;
-          break;
-        }
-      }
-    }
-    return best;
-  }
+  if (seg == nullptr) return consider(handles * page_bytes_);  // reserved, backed from handles
   const vm_range& range = *seg->vm;
-  const bool releases = may_synchronize_();
   const free_index& index = p.index_of(kind);
-  std::vector<std::size_t> unmapped_upto;  // per page from the block's first: unmapped so far
   index.for_each([&](const block* f) {
     if (consider(f->size) == 0) return;
     const std::size_t fp = range.page_of(f->addr);
     const std::size_t fl = range.page_of(f->addr + f->size - 1);
-    // Pages the request may touch: no further than handles could back.
-    unmapped_upto.clear();
-    std::size_t unmapped_n = 0;
-    for (std::size_t pg = fp; pg <= fl; ++pg) {
-      unmapped_n += range.page_map[pg] == nullptr;
-      if (unmapped_n * page_bytes_ > handle_bytes) break;
-      unmapped_upto.push_back(unmapped_n);
+    // The pages a request placed in f may end on: no further than the handles can back.
+    std::size_t reach = 0;  // pages from fp
+    for (std::size_t pg = fp, unmapped = 0; pg <= fl; ++pg, ++reach) {
+      unmapped += range.page_map[pg] == nullptr;
+      if (unmapped > handles) break;
     }
-    // From the largest request down; the first one served is this block's largest.
-    for (std::size_t j = unmapped_upto.size(); j-- > 0;) {
+    // From the largest request down; the first one placed in f is this block's largest.
+    for (std::size_t j = reach; j-- > 0;) {
       const std::size_t boundary = range.page_addr(fp + j + 1) - f->addr;
       const std::size_t below = j == 0 ? 0 : range.page_addr(fp + j) - f->addr;
       for (std::size_t end : {std::min(boundary, f->size), std::min(boundary - 1, f->size)}) {
         const std::size_t r = consider(end);
-        if (r == 0 || r <= below) continue;           // none left ending on this page
+        if (r == 0 || r <= below) continue;    // none left ending on this page
         if (place_in_range(index, r) != f) continue;  // a request of r is placed elsewhere
-        const page_span span = span_of(range, f->addr, r);
-        const vm_mapping* cut[2] = {nullptr, nullptr};  // idle mappings split_overhang releases
-        std::size_t missing = unmapped_upto[j];
-        for (int e = 0; e < 2 && releases; ++e) {
-          const std::size_t pg = e == 0 ? span.first : span.last;
-          const vm_mapping* m = range.page_map[pg];
-          if (m == nullptr || m == cut[0] ||
-              !overhang_released(*m, pg, span.first, span.last, f->addr, r)) {
-            continue;
-          }
-          cut[e] = m;
-          const std::size_t from = std::max(m->first_page, span.first);
-          const std::size_t to = std::min(m->first_page + m->pages - 1, span.last);
-          missing += to - from + 1;
-        }
-        if (missing * page_bytes_ > handle_bytes) continue;
-        const auto unmapped = [&](std::size_t q) {
-          const vm_mapping* m = range.page_map[q];
-          return m == nullptr || m == cut[0] || m == cut[1];
-        };
-        if (missing == 0 || by_handles(span, unmapped)) {
-          best = r;
-          return;
-        }
+        best = r;
+        return;
       }
     }
   });

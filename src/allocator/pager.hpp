@@ -39,7 +39,9 @@ struct pager_counters {
   std::atomic<std::uint64_t> stitched_pages{0};  // idle pages moved to where a request needed them
   std::atomic<std::uint64_t> shared_pages{0};    // of those, pages taken from another pool
   std::atomic<std::uint64_t> synchronizations{0};  // device synchronizations before an unmap
-  std::atomic<std::uint64_t> splits{0};  // idle mappings released because a block used them in part
+  // Idle mappings released because a block used them in part: none since every handle is one
+  // page (docs/design.md); kept so that device_stats::vm_split_count keeps its meaning.
+  std::atomic<std::uint64_t> splits{0};
   std::atomic<std::uint64_t> reclaims{0};  // times memory was short and idle memory was released
   std::atomic<std::uint64_t> vm_ns{0};     // host time in cuMemCreate/Map/SetAccess/Unmap/Release
   std::atomic<std::uint64_t> sync_ns{0};   // host time in the synchronizations counted above
@@ -95,13 +97,9 @@ class pager {
   /// pages become untouched go on the pool's idle list, and come off it when touched again.
   void touch(stream_pool& p, const block* b, int delta);
 
-  /// Before a block is carved at [addr, addr + bytes) of r: an idle mapping the block would use
-  /// only in part is released, so that the block pins no more physical memory than the pages it
-  /// touches. May throw (a failed unmap) before anything changed.
-  void split_overhang(stream_pool& p, vm_range& r, std::uintptr_t addr, std::size_t bytes);
-
-  /// Maps every page carved block b touches, and grants access to what it mapped with one
-  /// cuMemSetAccess per run of adjacent new mappings. False when no physical memory could be
+  /// Maps every page carved block b touches, each with a handle of its own (one page: an idle page
+  /// then pins nothing but itself), and grants access to what it mapped with one cuMemSetAccess
+  /// per run of adjacent new mappings. False when no physical memory could be
   /// found (the pages already mapped stay mapped, with access, idle once the caller un-carves b).
   /// A failed VM call throws and leaves no half-mapped block (what this call mapped is unmapped
   /// again) and no untracked handle.
@@ -128,10 +126,9 @@ class pager {
   void release_unmapped(std::size_t target_reserved);
 
   /// The largest rounded request of pool kind `kind` that, placed in p's range as the allocator
-  /// places it (best fit, at the front of the free block), split_overhang() and back() serve with
-  /// no new physical memory: every page it touches is mapped already, or backed by unmapped
-  /// handles (docs/design.md, "Free memory"). 0 when none is. A dry run sharing their rules
-  /// (overhang_released, piece_pages); changes nothing. REQUIRES: p locked.
+  /// places it (best fit, at the front of the free block), back() serves with no new physical
+  /// memory: every page it touches is mapped already, or backed by an unmapped handle
+  /// (docs/design.md, "Free memory"). 0 when none is. Changes nothing. REQUIRES: p locked.
   [[nodiscard]] std::size_t largest_cached_request(const stream_pool& p, pool_kind kind,
                                                    const size_policy& policy) const;
 
@@ -151,7 +148,7 @@ class pager {
   };
 
   // --- physical-memory sources, in the order back() asks them ---
-  /// 1. An unmapped handle kept for reuse: the largest that fits `want`.
+  /// 1. An unmapped handle kept for reuse that fits `want` (every handle is one page).
   std::optional<piece> take_unmapped(std::size_t want);
   /// 2. An idle mapping of p that fits `want`, unmapped where it sits (its data is dead).
   std::optional<piece> take_idle(stream_pool& p, std::size_t want);
@@ -160,15 +157,13 @@ class pager {
   /// 4. New physical memory; none above the memory limit or the device's capacity.
   std::optional<piece> create(std::size_t bytes);
 
-  /// Memory is short for `bytes` more: gives back unmapped handles, then idle mappings of p and
-  /// of the other pools, least recently idle first, whole (a handle cannot be cut), until the
-  /// device, the limit and the garbage-collection threshold have room. True when they have.
+  /// Memory is short for `bytes` more: gives back idle pages of p and of the other pools, least
+  /// recently idle first, page by page, until the device, the limit and the garbage-collection
+  /// threshold have room. True when they have. (Unmapped handles are kept: back() takes them
+  /// before it creates, so `bytes` is what they cannot back.)
   bool reclaim(stream_pool& p, std::size_t bytes);
-  /// Gives back idle memory that is too large to reuse for `bytes`, so that creating `bytes`
-  /// does not raise reserved memory above its high-water mark while unused memory sits idle.
-  void make_room(stream_pool& p, std::size_t bytes);
-  /// Creating `extra` bytes keeps reserved memory at or below its high-water mark, or below the
-  /// pool's active bytes: nothing needs to move.
+  /// Memory is plentiful for `extra` more: the device, the limit and the garbage-collection
+  /// threshold have room for it, so missing pages are created and idle pages stay mapped.
   bool may_grow(stream_pool& p, std::size_t extra);
 
   /// Unmapping is not stream-ordered: work queued before a free may still use the page at its
@@ -180,28 +175,6 @@ class pager {
 
   /// An idle mapping of q of at most `want` bytes to move, or nullptr (a bounded walk).
   vm_mapping* idle_within(const stream_pool& q, std::size_t want) const;
-  /// The pages [first, last] of a block, and whether it shares its first (head) or last (tail)
-  /// page with a neighbour: it starts or ends inside it.
-  struct page_span {
-    std::size_t first, last;
-    bool head_shared, tail_shared;
-  };
-  [[nodiscard]] page_span span_of(const vm_range& r, std::uintptr_t addr, std::size_t bytes) const;
-  /// Pages of the next handle for a block over `span` at its unmapped page pg: 1 for a page it
-  /// shares with a neighbour, else the rest of the unmapped run (less a shared last page).
-  /// unmapped(q): no mapping backs page q.
-  template <class Unmapped>
-  static std::size_t piece_pages(const page_span& span, std::size_t pg, Unmapped&& unmapped);
-  /// Would split_overhang() release idle mapping m, on page pg (first or last) of a block carved
-  /// at [addr, addr + bytes) over pages [first, last]?
-  [[nodiscard]] bool overhang_released(const vm_mapping& m, std::size_t pg, std::size_t first,
-                                       std::size_t last, std::uintptr_t addr,
-                                       std::size_t bytes) const;
-  /// back()'s walk for a block over `span`, with unmapped handles of the sizes in `handles`
-  /// (ascending; taken ones are erased) as the only source. True when none is missing.
-  template <class Unmapped>
-  bool backed_by_handles(const page_span& span, Unmapped&& unmapped,
-                         std::vector<std::size_t>& handles) const;
   struct span_state {
     std::size_t missing_bytes = 0;  // b's pages that no mapping backs
     bool needs_access = false;      // a mapping of b's span without access (a failed undo)
@@ -251,7 +224,6 @@ class pager {
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
   std::atomic<std::size_t> idle_total_{0};  // bytes of idle mappings, every pool
-  std::size_t held_peak_ = 0;               // high-water mark of held bytes; under budget.mu
 };
 
 }  // namespace cucache::detail

@@ -59,7 +59,6 @@ struct pager_rig {
   }
   /// carve, then back its pages; the result of back().
   bool carve_and_back(std::size_t offset, std::size_t bytes, block** out = nullptr) {
-    pg.split_overhang(pool, *range, range->base + offset, bytes);
     block* b = carve(offset, bytes);
     if (out != nullptr) *out = b;
     return pg.back(pool, b);
@@ -85,11 +84,11 @@ struct pager_rig {
   std::vector<std::unique_ptr<block>> blocks;
 };
 
-TEST(Pager, BacksOnlyTheBlocksPagesAndGivesASharedLastPageAHandleOfItsOwn) {
+TEST(Pager, BacksOnlyTheBlocksPagesOneHandlePerPage) {
   pager_rig r;
   block* b = nullptr;
   ASSERT_TRUE(r.carve_and_back(0, 3 * MiB, &b));  // pages 0-1; it ends inside page 1
-  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);  // page 0, and page 1 on its own
+  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);  // one handle per page
   EXPECT_EQ(r.calls(sim_call::map), 2u);
   EXPECT_EQ(r.calls(sim_call::set_access), 1u);  // both, in one call
   EXPECT_TRUE(r.sim->accessible(reinterpret_cast<void*>(b->addr), 3 * MiB));
@@ -101,9 +100,10 @@ TEST(Pager, BacksOnlyTheBlocksPagesAndGivesASharedLastPageAHandleOfItsOwn) {
   EXPECT_EQ(r.pool.stats.segment_count[0].current, 1);  // the range holds memory
   EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
 
-  // A block starting and ending on page boundaries shares no page: its run is one handle.
+  // A block on page boundaries: still a handle per page, one set-access for the run.
   ASSERT_TRUE(r.carve_and_back(4 * MiB, 8 * MiB));  // pages 2-5
-  EXPECT_EQ(r.calls(sim_call::phys_create), 3u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 6u);
+  EXPECT_EQ(r.calls(sim_call::set_access), 2u);
   EXPECT_EQ(r.reserved(), 12 * MiB);
 }
 
@@ -113,7 +113,6 @@ TEST(Pager, AFreedBlocksPagesGoIdleAndAreUsedInPlaceWithoutAnyCall) {
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));
   r.free(b);
   EXPECT_EQ(r.pool.pages.idle_bytes, 8 * MiB);
-  EXPECT_EQ(r.pool.pages.idle_head, r.pool.pages.idle_tail);  // one mapping
   EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 8 * MiB);
   EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/false), 0u);
   const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create);
@@ -124,82 +123,83 @@ TEST(Pager, AFreedBlocksPagesGoIdleAndAreUsedInPlaceWithoutAnyCall) {
   EXPECT_EQ(r.reserved(), 8 * MiB);
 }
 
-TEST(Pager, AnIdleMappingABlockWouldUseInPartIsReleasedBeforeItIsCarved) {
+TEST(Pager, ABlockUsingPartOfIdleMemoryPinsOnlyItsOwnPages) {
   pager_rig r;
   block* b = nullptr;
-  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));  // one 4-page handle
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));  // four one-page handles
   r.free(b);
-  ASSERT_TRUE(r.carve_and_back(0, 2 * MiB));  // page 0 of it only
-  EXPECT_EQ(r.pg.counters.splits.load(), 1u);
-  EXPECT_EQ(r.calls(sim_call::phys_release), 1u);        // the 4-page handle, whole
-  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);         // and page 0 on its own
-  EXPECT_EQ(r.pg.counters.synchronizations.load(), 1u);  // before the unmap
-  EXPECT_EQ(r.reserved(), 2 * MiB);
-  EXPECT_EQ(r.budget.peak_bytes(), 8 * MiB);
-  EXPECT_EQ(r.budget.device_frees.load(), 1u);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  ASSERT_TRUE(r.carve_and_back(0, 2 * MiB));  // page 0 only: used in place, nothing split
+  EXPECT_EQ(r.pg.counters.splits.load(), 0u);
+  EXPECT_EQ(r.calls(sim_call::unmap), 0u);
+  EXPECT_EQ(r.calls(sim_call::phys_release), 0u);
+  EXPECT_EQ(r.calls(sim_call::device_synchronize), 0u);
+  EXPECT_EQ(r.reserved(), 8 * MiB);               // memory is plentiful: idle pages stay mapped
+  EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);    // pages 1-3, each reclaimable on its own
+  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 6 * MiB);
 }
 
 TEST(Pager, NothingIsUnmappedWhileTheSynchronizationGateIsShut) {
-  pager_rig r;
+  pager_rig r(64 * MiB, /*limit=*/12 * MiB);
   block* b = nullptr;
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));
   r.free(b);
   r.pg.set_synchronization_gate([] { return false; });  // a capture is underway
-  ASSERT_TRUE(r.carve_and_back(0, 2 * MiB));            // uses the idle mapping in part, pinning it
-  EXPECT_EQ(r.pg.counters.splits.load(), 0u);
+  // Under the limit idle pages would move here; with the gate shut they are not unmapped, and the
+  // 4 MiB still fit under the limit as new pages.
+  ASSERT_TRUE(r.carve_and_back(16 * MiB, 4 * MiB));
   EXPECT_EQ(r.calls(sim_call::unmap), 0u);
   EXPECT_EQ(r.calls(sim_call::device_synchronize), 0u);
-  EXPECT_EQ(r.reserved(), 8 * MiB);
-  // New pages are created, not moved, while the gate is shut.
-  ASSERT_TRUE(r.carve_and_back(16 * MiB, 4 * MiB));
-  EXPECT_EQ(r.calls(sim_call::unmap), 0u);
   EXPECT_EQ(r.reserved(), 12 * MiB);
+  // Nothing more fits without unmapping: refused, nothing unmapped, nothing leaked.
+  EXPECT_FALSE(r.carve_and_back(32 * MiB, 2 * MiB));
+  EXPECT_EQ(r.calls(sim_call::unmap), 0u);
+  EXPECT_EQ(r.sim->used_bytes(), r.reserved());
 }
 
-TEST(Pager, UnderTheLimitIdleMemoryIsGivenBackBeforeNewMemoryIsCreated) {
+TEST(Pager, UnderTheLimitIdlePagesMoveWhereTheyAreNeededPageByPage) {
   pager_rig r(64 * MiB, /*limit=*/8 * MiB);
   block* a = nullptr;
-  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &a));  // the whole limit, one handle
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &a));  // the whole limit, four pages
   r.free(a);
-  // 4 MiB elsewhere: the 8 MiB idle handle is too large to move there, so it is released first.
+  // 4 MiB elsewhere: two idle pages move there (unmapped and mapped again), nothing is created.
   ASSERT_TRUE(r.carve_and_back(16 * MiB, 4 * MiB));
-  EXPECT_EQ(r.calls(sim_call::phys_release), 1u);
-  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);
-  EXPECT_EQ(r.reserved(), 4 * MiB);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 4u);
+  EXPECT_EQ(r.calls(sim_call::phys_release), 0u);
+  EXPECT_EQ(r.calls(sim_call::unmap), 2u);
+  EXPECT_EQ(r.pg.counters.stitched_pages.load(), 2u);
+  EXPECT_EQ(r.reserved(), 8 * MiB);
   EXPECT_EQ(r.budget.peak_bytes(), 8 * MiB);
-  EXPECT_LE(r.budget.peak_bytes(), r.budget.limit);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
-  // More than the limit allows even with everything idle given back: refused, nothing leaks.
+  EXPECT_EQ(r.pool.pages.idle_bytes, 4 * MiB);
+  // More than the limit allows even with everything idle moved: refused, nothing leaks.
   block* c = nullptr;
   EXPECT_FALSE(r.carve_and_back(32 * MiB, 6 * MiB, &c));
   EXPECT_LE(r.reserved(), 8 * MiB);
   EXPECT_EQ(r.sim->used_bytes(), r.reserved());
 }
 
-TEST(Pager, UnmappedHandlesAreKeptReusedAndReleasedLargestFirst) {
+TEST(Pager, UnmappedHandlesAreKeptReusedAndReleased) {
   pager_rig r;
   block* a = nullptr;
   block* b = nullptr;
-  ASSERT_TRUE(r.carve_and_back(0, 4 * MiB, &a));        // a 2-page handle
-  ASSERT_TRUE(r.carve_and_back(4 * MiB, 2 * MiB, &b));  // a 1-page handle
+  ASSERT_TRUE(r.carve_and_back(0, 4 * MiB, &a));        // two pages
+  ASSERT_TRUE(r.carve_and_back(4 * MiB, 2 * MiB, &b));  // one page
   r.free(a);
   r.free(b);
   r.pg.unmap_idle(r.pool, /*release_handles=*/false);
-  EXPECT_EQ(r.calls(sim_call::unmap), 2u);
+  EXPECT_EQ(r.calls(sim_call::unmap), 3u);
   EXPECT_EQ(r.pg.free_handle_bytes, 6 * MiB);
-  EXPECT_EQ(r.pg.free_handles.size(), 2u);
+  EXPECT_EQ(r.pg.free_handles.size(), 3u);
   EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/false), 6 * MiB);
   EXPECT_EQ(r.reserved(), 6 * MiB);  // unmapped handles are still reserved
-  // A 1-page block elsewhere takes the 1-page handle: no new memory.
+  // A 1-page block elsewhere takes an unmapped handle: no new memory.
   ASSERT_TRUE(r.carve_and_back(20 * MiB, 2 * MiB));
-  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 3u);
   EXPECT_EQ(r.pg.free_handle_bytes, 4 * MiB);
-  // release_unmapped gives back handles, largest first, down to the target.
+  // release_unmapped gives back handles down to the target.
   r.pg.release_unmapped(2 * MiB);
   EXPECT_EQ(r.pg.free_handle_bytes, 0u);
   EXPECT_EQ(r.reserved(), 2 * MiB);
-  EXPECT_EQ(r.budget.device_frees.load(), 1u);
+  EXPECT_EQ(r.budget.device_frees.load(), 2u);
 }
 
 TEST(Pager, MapIdlePagesMapsOnePageHandlesNoBlockTouches) {

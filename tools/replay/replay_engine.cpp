@@ -391,6 +391,17 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     r.fragmentation_at_peak = best;
     r.vm_model = counting->model();
     r.stats = a.stats();
+    if (r.warm) {
+      // The second pass of the sampling run, through the same allocator: its driver calls are
+      // the difference of the counts (figures only: the timed runs measured its host time).
+      for (void*& slot : slots) {
+        if (slot != nullptr) a.deallocate(slot);
+        slot = nullptr;
+      }
+      const vm_call_model before = counting->model();
+      run_pass(trace, streams, slots, ops);
+      r.warm->vm_model = counting->model() - before;
+    }
   }
 
   // With one stream the allocator's requested peak is exact; with several it is a sum of
@@ -543,9 +554,9 @@ capacity_fit fit_peer(const prepared_trace& trace, std::span<const stream_handle
                                       ++tried, gib(limit)));
     return p.fits(trace, streams, slots, limit);
   };
-  capacity_fit f = bisect(trace.summary.peak_requested_bytes, free_run.peak_reserved_bytes,
-                          fit.resolution_bytes, passes,
-                          fmt::format("{} ({})", trace.name, p.name()));
+  capacity_fit f =
+      bisect(trace.summary.peak_requested_bytes, free_run.peak_reserved_bytes, fit.resolution_bytes,
+             passes, fmt::format("{} ({})", trace.name, p.name()));
   f.unconstrained_peak_reserved_bytes = free_run.peak_reserved_bytes;
   f.seconds = seconds_since(start);
   return f;
@@ -586,8 +597,8 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
     }
     unsigned tried = 0;
     auto passes = [&](std::size_t limit) {
-      report(opts.progress_line, fmt::format("{}: fit, replay {} under {}", trace.name, ++tried,
-                                             gib(limit)));
+      report(opts.progress_line,
+             fmt::format("{}: fit, replay {} under {}", trace.name, ++tried, gib(limit)));
       options limited = opts;
       limited.capacity_bytes = limit;
       std::fill(slots.begin(), slots.end(), nullptr);
@@ -609,6 +620,30 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
 
 // --- output -----------------------------------------------------------------------------------
 
+namespace {
+nlohmann::json vm_calls_json(const vm_call_model& vm) {
+  return {{"create", vm.create}, {"release", vm.release},       {"map", vm.map},
+          {"unmap", vm.unmap},   {"set_access", vm.set_access}, {"total", vm.vm_calls()}};
+}
+nlohmann::json device_calls_json(const vm_call_model& vm) {
+  return {{"device_synchronize", vm.device_synchronize}, {"mem_get_info", vm.mem_get_info}};
+}
+nlohmann::json vm_model_json(const vm_call_model& vm) {
+  return {{"create", vm.create_us},
+          {"release", vm.release_us},
+          {"map", vm.map_us},
+          {"unmap", vm.unmap_us},
+          {"set_access", vm.set_access_us},
+          {"device_synchronize", vm.device_synchronize_us},
+          {"mem_get_info", vm.mem_get_info_us},
+          {"total", vm.total_us()}};
+}
+/// VM calls per 1,000 trace events (a pass replays each event once).
+double per_kilo_event(std::uint64_t calls, std::size_t events) {
+  return events == 0 ? 0.0 : 1000.0 * static_cast<double>(calls) / static_cast<double>(events);
+}
+}  // namespace
+
 nlohmann::json to_json(const trace_result& r) {
   nlohmann::json j;
   j["trace"] = r.trace;
@@ -627,24 +662,10 @@ nlohmann::json to_json(const trace_result& r) {
   j["device_free_calls"] = r.figures.device_free_calls;
   j["oom_count"] = r.figures.oom_count;
   // Counted at the backend in the sampling run (the allocator's stats count no set-access).
-  const vm_call_model& vm = r.vm_model;
-  j["vm_calls"] = {{"create", vm.create},
-                   {"release", vm.release},
-                   {"map", vm.map},
-                   {"unmap", vm.unmap},
-                   {"set_access", vm.set_access},
-                   {"total", vm.create + vm.release + vm.map + vm.unmap + vm.set_access}};
-  j["device_calls"] = {{"device_synchronize", vm.device_synchronize},
-                       {"mem_get_info", vm.mem_get_info}};
+  j["vm_calls"] = vm_calls_json(r.vm_model);
+  j["device_calls"] = device_calls_json(r.vm_model);
   // Modelled host time of those calls on the H200 (vm_call_model): an estimate, not a timing.
-  j["vm_model_us"] = {{"create", vm.create_us},
-                      {"release", vm.release_us},
-                      {"map", vm.map_us},
-                      {"unmap", vm.unmap_us},
-                      {"set_access", vm.set_access_us},
-                      {"device_synchronize", vm.device_synchronize_us},
-                      {"mem_get_info", vm.mem_get_info_us},
-                      {"total", vm.total_us()}};
+  j["vm_model_us"] = vm_model_json(r.vm_model);
   j["stitched_pages"] = r.figures.stitched_pages;
   j["shared_pages"] = r.figures.shared_pages;
   j["device_synchronizations"] = r.figures.vm_sync_calls;
@@ -668,13 +689,15 @@ nlohmann::json to_json(const trace_result& r) {
   if (r.fits) j["fits"] = *r.fits;
   if (r.warm) {
     const warm_figures& w = *r.warm;
+    const vm_call_model& wm = w.vm_model;
     j["warm"] = {{"host_ns_per_op", w.host_ns_per_op},
                  {"host_ns_per_op_runs", w.host_ns_per_op_runs},
                  {"device_alloc_calls", w.device_alloc_calls},
                  {"device_free_calls", w.device_free_calls},
-                 {"vm_calls", {{"create", w.vm_create_calls},
-                               {"map", w.vm_map_calls},
-                               {"unmap", w.vm_unmap_calls}}},
+                 {"vm_calls", vm_calls_json(wm)},
+                 {"device_calls", device_calls_json(wm)},
+                 {"device_synchronizations", wm.device_synchronize},
+                 {"vm_model_us", vm_model_json(wm)},
                  {"oom_count", w.oom_count},
                  {"peak_reserved_bytes", w.peak_reserved_bytes}};
   }
@@ -730,14 +753,19 @@ std::string format_table(std::span<const trace_result> results) {
   }
   if (first.warm) {
     s += fmt::format("\nwarm (second pass through the cache the first filled)\n");
-    s += fmt::format("{:<20} {:>9} {:>9} {:>10} {:>10} {:>10} {:>13}\n", "trace", "cold ns", "warm ns",
-                     "dev alloc", "dev free", "vm create", "peak resv");
+    s += fmt::format("{:<20} {:>9} {:>9} {:>10} {:>10} {:>10} {:>13} {:>9} {:>9}\n", "trace",
+                     "cold ns", "warm ns", "dev alloc", "dev free", "vm create", "peak resv",
+                     "vm/1k ev", "vm/1k ev");
+    s += fmt::format("{:<20} {:>9} {:>9} {:>10} {:>10} {:>10} {:>13} {:>9} {:>9}\n", "", "", "", "",
+                     "", "", "", "(cold)", "(warm)");
     for (const trace_result& r : results) {
       if (!r.warm) continue;
       const warm_figures& w = *r.warm;
-      s += fmt::format("{:<20} {:>9.1f} {:>9.1f} {:>10} {:>10} {:>10} {:>13}\n", r.trace,
-                       r.host_ns_per_op, w.host_ns_per_op, w.device_alloc_calls,
-                       w.device_free_calls, w.vm_create_calls, gib(w.peak_reserved_bytes));
+      s += fmt::format("{:<20} {:>9.1f} {:>9.1f} {:>10} {:>10} {:>10} {:>13} {:>9.2f} {:>9.2f}\n",
+                       r.trace, r.host_ns_per_op, w.host_ns_per_op, w.device_alloc_calls,
+                       w.device_free_calls, w.vm_create_calls, gib(w.peak_reserved_bytes),
+                       per_kilo_event(r.vm_model.vm_calls(), r.events),
+                       per_kilo_event(w.vm_model.vm_calls(), r.events));
     }
   }
   const bool any_peers = std::any_of(results.begin(), results.end(),

@@ -123,6 +123,28 @@ struct vm_call_model {
     return create_us + release_us + map_us + unmap_us + set_access_us + device_synchronize_us +
            mem_get_info_us;
   }
+  /// cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap and cuMemSetAccess calls.
+  [[nodiscard]] std::uint64_t vm_calls() const noexcept {
+    return create + release + map + unmap + set_access;
+  }
+  /// The calls and modelled time of `after` less those of `before` (a second pass).
+  friend vm_call_model operator-(vm_call_model after, const vm_call_model& before) noexcept {
+    after.create -= before.create;
+    after.release -= before.release;
+    after.map -= before.map;
+    after.unmap -= before.unmap;
+    after.set_access -= before.set_access;
+    after.device_synchronize -= before.device_synchronize;
+    after.mem_get_info -= before.mem_get_info;
+    after.create_us -= before.create_us;
+    after.release_us -= before.release_us;
+    after.map_us -= before.map_us;
+    after.unmap_us -= before.unmap_us;
+    after.set_access_us -= before.set_access_us;
+    after.device_synchronize_us -= before.device_synchronize_us;
+    after.mem_get_info_us -= before.mem_get_info_us;
+    return after;
+  }
 };
 
 /// --warm: the second pass of each timed run, through the allocator the first pass filled.
@@ -139,6 +161,9 @@ struct warm_figures {
   std::uint64_t oom_count = 0;  // allocations the second pass could not make
   /// Peak reserved over both passes (first run; cucache only).
   std::size_t peak_reserved_bytes = 0;
+  /// Every driver call of the second pass of the sampling run, counted at the backend, with its
+  /// modelled H200 cost (cucache only): a steady loop should make none.
+  vm_call_model vm_model;
 };
 
 struct peer_result {
@@ -167,11 +192,11 @@ struct trace_result {
   double host_ns_per_op = 0.0;  // median over repeats
   std::vector<double> host_ns_per_op_runs;
   fragmentation_sample fragmentation_at_peak;
-  vm_call_model vm_model;  // from the sampling run
+  vm_call_model vm_model;   // from the sampling run
   device_stats stats;       // at the end of the sampling run
   bool expandable = false;  // expandable_segments:True
   std::optional<std::size_t> capacity_bytes;
-  std::optional<bool> fits;  // only with a capacity
+  std::optional<bool> fits;          // only with a capacity
   std::optional<warm_figures> warm;  // --warm
   std::vector<peer_result> peers;
 };
