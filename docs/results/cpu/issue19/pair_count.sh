@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Instructions per cache-hit pair: callgrind totals at N=1000 and N=2000, difference / 1000.
-# usage: pair.sh BINARY OUTFILE
+# usage: pair_count.sh BINARY OUTFILE
 bin=$1; out=$2; : > "$out"
 for bytes in 2097152 67108864 536870912; do
   for n in 1000 2000; do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Records the replay figures of the seven shared traces: default, expandable, expandable --fit.
-# usage: run.sh REPLAY_BINARY OUTDIR
+# usage: record_replays.sh REPLAY_BINARY OUTDIR (OUTDIR absolute)
 set -euo pipefail
 bin=$1; out=$2; mkdir -p "$out"
 cd "$(dirname "${BASH_SOURCE[0]}")/../../../.."
