@@ -110,13 +110,16 @@ TEST(c10_loader, without_the_variable_looks_beside_the_executable) {
 }
 
 TEST(c10_loader, loads_once_with_the_settings_asked_for) {
-  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64", 1);  // the caller's, replaced
+  // The caller's settings, under both names PyTorch reads, are replaced.
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:32", 1);
   const peer_path p(FAKE_C10_PEER);
   const c10_peer_library& lib = load_c10_peer("expandable_segments:True");
   EXPECT_EQ(lib.path(), FAKE_C10_PEER);
   EXPECT_EQ(lib.conf(), "expandable_segments:True");
   EXPECT_EQ(lib.last_error(),
-            "init conf=[expandable_segments:True] env=[expandable_segments:True]");
+            "init conf=[expandable_segments:True] env=[expandable_segments:True] "
+            "alloc_env=[expandable_segments:True]");
   void* ptr = lib.allocate(4096, nullptr);
   ASSERT_NE(ptr, nullptr);
   EXPECT_EQ(lib.stats().num_device_alloc, 1);
@@ -133,6 +136,7 @@ TEST(c10_loader, loads_once_with_the_settings_asked_for) {
   // c10's state is process-wide: a second load is refused.
   EXPECT_NE(load_error().find("already loaded"), std::string::npos);
   ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::unsetenv("PYTORCH_ALLOC_CONF");
 }
 
 }  // namespace

@@ -78,10 +78,14 @@ const c10_peer_library& load_c10_peer(const std::string& conf) {
         "or set CUCACHE_C10_PEER)",
         path));
   }
-  if (conf.empty()) {
-    ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
-  } else {
-    ::setenv("PYTORCH_CUDA_ALLOC_CONF", conf.c_str(), 1);
+  // PyTorch reads PYTORCH_ALLOC_CONF and still PYTORCH_CUDA_ALLOC_CONF (which one wins depends
+  // on its version): both say `conf`, so a caller's setting under either name cannot leak in.
+  for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    if (conf.empty()) {
+      ::unsetenv(name);
+    } else {
+      ::setenv(name, conf.c_str(), 1);
+    }
   }
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {

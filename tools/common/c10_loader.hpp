@@ -58,11 +58,12 @@ class c10_peer_library {
 };
 
 /// Loads the shim at c10_peer_path() and initializes it with `conf` (PYTORCH_CUDA_ALLOC_CONF
-/// syntax). c10 reads PYTORCH_CUDA_ALLOC_CONF when it loads, so the variable is set to `conf`
-/// before the dlopen, or unset when `conf` is empty: the peer runs with the settings asked for,
-/// whatever the caller's environment says. The shim must export every function of c10_peer.h and
-/// report CUCACHE_C10_PEER_ABI. Throws cucache::error saying why not (not found, dlopen failed, a
-/// missing symbol, another interface version, init failed, or already loaded in this process).
+/// syntax). c10 reads PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF when it loads, so both are
+/// set to `conf` before the dlopen, or unset when `conf` is empty: the peer runs with the settings
+/// asked for, whatever the caller's environment says. The shim must export every function of
+/// c10_peer.h and report CUCACHE_C10_PEER_ABI. Throws cucache::error saying why not (not found,
+/// dlopen failed, a missing symbol, another interface version, init failed, or already loaded in
+/// this process).
 [[nodiscard]] const c10_peer_library& load_c10_peer(const std::string& conf);
 
 }  // namespace cucache::tools

@@ -26,6 +26,10 @@ class progress {
 
   /// What is being done now ("gpt2_generate: run 2/5"). Thread-safe; cheap (no output here).
   void phase(std::string text);
+  /// Put before every phase from now on ("trace 2 of 7: "), until set again. Thread-safe.
+  void prefix(std::string text);
+  /// The line as it is drawn now, without the elapsed time: prefix and phase.
+  [[nodiscard]] std::string line() const;
   /// Erases the line now (before other output); later phases show it again.
   void clear();
 
@@ -35,8 +39,9 @@ class progress {
   std::ostream& err_;
   std::chrono::milliseconds delay_;
   std::chrono::steady_clock::time_point start_;
-  std::mutex mu_;
+  mutable std::mutex mu_;  // guards prefix_, text_, shown_, stop_
   std::condition_variable cv_;
+  std::string prefix_;
   std::string text_;
   bool shown_ = false;
   bool stop_ = false;
