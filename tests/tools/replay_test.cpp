@@ -568,7 +568,7 @@ TEST(replay_fit, says_what_each_figure_is) {
   const cli_run r = run({"--backend", "sim", "--fit", "--fit-resolution-mib", "64", "--config",
                          "expandable_segments:True", k_resnet.string()});
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_NE(r.out.find("\n  min capacity  the smallest memory limit"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\n  min capacity   the smallest memory limit"), std::string::npos) << r.out;
   // traces/min_capacity.json: this run's figure beside PyTorch's and cudaMallocAsync's on the
   // H200, each column saying where it comes from; the file's own cucache figure for resnet50_train
   // (1.0041, an older build's) is not shown as if it were current.

@@ -117,11 +117,11 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   a.resolution_bytes = fit.resolution_bytes;
   a.capacity_bytes = capacity;
   const std::vector<std::string> candidates = advice_candidates(trace);
+  prefix_scope where(base.progress_line);
   for (std::size_t k = 0; k < candidates.size(); ++k) {
     const std::string& conf = candidates[k];
-    report(base.progress_line,
-           fmt::format("{}: cucache setting {} of {} ({})", trace.name, k + 1, candidates.size(),
-                       conf.empty() ? std::string("defaults") : conf));
+    where.set(fmt::format("cucache setting {} of {} ({}): ", k + 1, candidates.size(),
+                          conf.empty() ? std::string("defaults") : conf));
     advice_row row;
     row.conf = conf;
     row.pytorch_option = pytorch_shares(conf);
@@ -179,9 +179,10 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
       // PyTorch's defaults (the first candidate) could not be replayed: neither can the rest.
       row.error = "not tried: " + a.pytorch_rows.front().error;
     } else {
-      report(base.progress_line,
-             fmt::format("{}: PyTorch setting {} of {} ({})", trace.name, a.pytorch_rows.size() + 1,
-                         shared_count, torch_conf.empty() ? std::string("defaults") : torch_conf));
+      where.set(fmt::format("PyTorch setting {} of {} ({}): ", a.pytorch_rows.size() + 1,
+                            shared_count,
+                            torch_conf.empty() ? std::string("defaults") : torch_conf));
+      report(base.progress_line, fmt::format("{}: PyTorch's allocator on the GPU", trace.name));
       row = pytorch(trace, torch_conf, fit);
     }
     row.conf = torch_conf;

@@ -171,7 +171,7 @@ void set_trace_prefix(progress* line, std::size_t index, std::size_t count) {
 std::string format_fit_legend() {
   std::string s = "\nlegend:\n";
   const auto line = [&](const char* name, const char* text) {
-    s += fmt::format("  {:<13} {}\n", name, text);
+    s += fmt::format("  {:<14} {}\n", name, text);
   };
   line("peak req", "peak of the bytes the trace held at once (requested)");
   line("min capacity",

@@ -42,6 +42,11 @@ void progress::prefix(std::string text) {
   prefix_ = std::move(text);
 }
 
+std::string progress::prefix() const {
+  std::lock_guard lock(mu_);
+  return prefix_;
+}
+
 std::string progress::line() const {
   std::lock_guard lock(mu_);
   return prefix_ + text_;
