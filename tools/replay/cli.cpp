@@ -81,6 +81,11 @@ std::string format_reference(const std::vector<std::string>& paths,
                         t.value("c10_replay_ns_per_op_expandable", 0.0),
                         t.value("cuda_async_replay_ns_per_op", 0.0));
   }
+  if (!memory.empty()) {
+    memory +=
+        "torch dflt / torch exp. / torch split128: PyTorch's allocator with its defaults / "
+        "with expandable_segments:True / with max_split_size_mb:128\n";
+  }
   return memory + time;
 }
 
