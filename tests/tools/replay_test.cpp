@@ -405,7 +405,8 @@ TEST(replay_cli, takes_cucache_conf_from_the_environment_unless_config_is_given)
       run({"--backend", "sim", "--config", "expandable_segments:True", k_resnet.string()});
   ASSERT_EQ(given.status, 0) << given.err;
   EXPECT_NE(given.out.find("config: expandable_segments:True"), std::string::npos) << given.out;
-  EXPECT_EQ(given.out.find("max_split_size_mb"), std::string::npos) << given.out;
+  EXPECT_EQ(given.out.find("config: max_split_size_mb"), std::string::npos) << given.out;
+  EXPECT_EQ(given.out.find("CUCACHE_CONF=max_split_size_mb"), std::string::npos) << given.out;
   EXPECT_NE(given.out.find("config from: --config"), std::string::npos) << given.out;
   EXPECT_NE(given.err.find("CUCACHE_CONF=max_split_size_mb:128 in the environment is ignored"),
             std::string::npos)
