@@ -8,7 +8,8 @@
 #       observe; 3 interleaved repetitions) and the warm replay of the bundled traces against c10
 #       and cudaMallocAsync in both modes
 #   tools/gpu_figures.sh BIN_DIR OUT_DIR advise     -- the advisor with PyTorch's allocator
-#       (--advise --peers c10) on every bundled trace
+#       (--advise --peers c10) on every bundled trace: advise_c10.jsonl and its tables,
+#       advisor_pytorch.md (tools/advisor_table.py), for docs/advisor.md
 # BIN_DIR holds the binaries (and libcucache_c10_peer.so: tools/build_c10_peer.sh BIN_DIR). Writes
 # one log per run and summary.txt into OUT_DIR; exit status 0 only if every run exited 0.
 set -uo pipefail
@@ -49,7 +50,12 @@ case $part in
     done
     ;;
   advise)
-    run advise_c10 540 "$bin/cucache-replay" --advise --json --peers c10 "${traces[@]}"
+    # JSON Lines (stdout) into advise_c10.jsonl, stderr into the log; then the tables for
+    # docs/advisor.md ("PyTorch's allocator on the H200") into advisor_pytorch.md.
+    run advise_c10 540 bash -c '"$@" > "$0"' "$out/advise_c10.jsonl" \
+      "$bin/cucache-replay" --advise --json --peers c10 "${traces[@]}"
+    python3 "$repo/tools/advisor_table.py" "$out/advise_c10.jsonl" > "$out/advisor_pytorch.md" ||
+      status=1
     ;;
 esac
 exit $status

@@ -4,12 +4,13 @@
 #
 #   tools/replay_all.sh [DIR [OUT]] [-- REPLAY_ARGS...]
 #
-# DIR defaults to ../shared/traces next to the repository, OUT to replay_results.jsonl.
+# DIR defaults to traces/ of this repository (the seven bundled traces), OUT to
+# replay_results.jsonl.
 # The binary is $CUCACHE_REPLAY, or build/bin/cucache-replay of this repository.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-dir="$repo/../shared/traces"
+dir="$repo/traces"
 out="replay_results.jsonl"
 positional=0
 while [ $# -gt 0 ]; do

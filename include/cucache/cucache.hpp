@@ -3,6 +3,11 @@
 // replaces cudaMalloc/cudaFree in a program; the C API (cucache.h) is a thin shell over it.
 #pragma once
 
+#if (defined(_MSVC_LANG) ? _MSVC_LANG : __cplusplus) < 201709L
+#error \
+    "cucache/cucache.hpp requires C++20: compile with -std=c++20 (CMake: link cucache::cucache, which asks for cxx_std_20; a .cu file needs CUDA_STANDARD 20). C++17 and older take cucache.h, thrust.hpp and memory_resource.hpp only (docs/api.md)."
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -74,7 +79,7 @@ void reserve(std::size_t bytes);
 /// PyTorch-style statistics table of `device`'s allocator (creating it if needed).
 [[nodiscard]] std::string memory_summary(int device);
 
-/// Writes buffered trace rows (CUCACHE_CONF=trace:<path>) to the file. The trace is also flushed
+/// Writes buffered trace rows (CUCACHE_CONF=trace:PATH) to the file. The trace is also flushed
 /// at normal process exit (std::exit or return from main); call this before reading the file
 /// while the process runs. No-op when tracing is off or nothing has been allocated yet.
 void flush_trace();

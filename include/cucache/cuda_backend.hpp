@@ -3,6 +3,11 @@
 // runtime, so nothing links libcuda and every binary loads on a machine without a driver.
 #pragma once
 
+#if (defined(_MSVC_LANG) ? _MSVC_LANG : __cplusplus) < 201709L
+#error \
+    "cucache/cuda_backend.hpp requires C++20: compile with -std=c++20 (CMake: link cucache::cucache, which asks for cxx_std_20; a .cu file needs CUDA_STANDARD 20). C++17 and older take cucache.h, thrust.hpp and memory_resource.hpp only (docs/api.md)."
+#endif
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>

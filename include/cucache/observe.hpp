@@ -4,6 +4,11 @@
 // registry gives every device (docs/design.md, "Observers"); docs/api.md describes each call.
 #pragma once
 
+#if (defined(_MSVC_LANG) ? _MSVC_LANG : __cplusplus) < 201709L
+#error \
+    "cucache/observe.hpp requires C++20: compile with -std=c++20 (CMake: link cucache::cucache, which asks for cxx_std_20; a .cu file needs CUDA_STANDARD 20). C++17 and older take cucache.h, thrust.hpp and memory_resource.hpp only (docs/api.md)."
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>

@@ -3,6 +3,11 @@
 // request the cache can serve and two fragmentation rates; and the table of their fields.
 #pragma once
 
+#if (defined(_MSVC_LANG) ? _MSVC_LANG : __cplusplus) < 201709L
+#error \
+    "cucache/stats.hpp requires C++20: compile with -std=c++20 (CMake: link cucache::cucache, which asks for cxx_std_20; a .cu file needs CUDA_STANDARD 20). C++17 and older take cucache.h, thrust.hpp and memory_resource.hpp only (docs/api.md)."
+#endif
+
 #include <array>
 #include <cstddef>
 #include <cstdint>

@@ -26,8 +26,10 @@ int cucache_peer_c10_abi(void) {
 
 int cucache_peer_c10_init(const char* conf) {
   const char* env = getenv("PYTORCH_CUDA_ALLOC_CONF");
-  snprintf(g_message, sizeof g_message, "init conf=[%s] env=[%s]", conf != NULL ? conf : "(null)",
-           env != NULL ? env : "(unset)");
+  const char* alloc_env = getenv("PYTORCH_ALLOC_CONF");
+  snprintf(g_message, sizeof g_message, "init conf=[%s] env=[%s] alloc_env=[%s]",
+           conf != NULL ? conf : "(null)", env != NULL ? env : "(unset)",
+           alloc_env != NULL ? alloc_env : "(unset)");
   return conf != NULL && strcmp(conf, "fail") == 0 ? 1 : 0;
 }
 

@@ -1,8 +1,11 @@
 // cucache-replay --advise on the bundled trace (traces/resnet50_train.csv.gz), on the simulated
 // device, whose figures are exact: the ranked table, the recommendation, each row's minimum
-// capacity equal to what --fit finds for that setting, --capacity-gib, --json and bad input.
+// capacity equal to what --fit finds for that setting, --capacity-gib, --json and bad input; the
+// progress line's "setting k of N" and the note that CUCACHE_CONF is not taken.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -14,6 +17,7 @@
 #include <vector>
 
 #include "advisor.hpp"
+#include "progress.hpp"
 #include "replay_engine.hpp"
 #include "tools/replay_test_support.hpp"
 
@@ -32,7 +36,9 @@ TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"), std::string::npos)
       << r.out;
-  EXPECT_NE(r.out.find("PYTORCH_CUDA_ALLOC_CONF: not measured"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF: not measured"),
+            std::string::npos)
+      << r.out;
   const prepared_trace trace = load_trace(k_resnet);
   EXPECT_EQ(advice_candidates(trace).size(), 13u);
 }
@@ -44,6 +50,7 @@ TEST(replay_advise, every_row_matches_fit_and_replay_of_its_setting) {
   EXPECT_EQ(j["trace"], "resnet50_train");
   EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
   EXPECT_TRUE(j["pytorch_cuda_alloc_conf"].is_null());
+  EXPECT_TRUE(j["pytorch_alloc_conf"].is_null());
   ASSERT_EQ(j["rows"].size(), 13u);
   const prepared_trace trace = load_trace(k_resnet);
   std::size_t previous = 0;
@@ -185,15 +192,18 @@ TEST(replay_advise, pytorch_settings_are_fitted_in_pytorchs_spelling_and_ranked)
 
   const nlohmann::json j = to_json(a);
   EXPECT_EQ(j["pytorch_cuda_alloc_conf"], "expandable_segments:True");
+  EXPECT_EQ(j["pytorch_alloc_conf"], "expandable_segments:True");
   ASSERT_EQ(j["pytorch_rows"].size(), expected.size());
   EXPECT_EQ(j["pytorch_rows"][0]["min_capacity_bytes"].get<std::size_t>(),
             a.pytorch_rows[0].min_capacity_bytes);
   EXPECT_EQ(j["pytorch_rows"].back()["error"], "scripted failure");
   const std::string text = format_advice(a);
-  EXPECT_NE(text.find("recommended for PyTorch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+  // PyTorch reads both names: the advice gives both.
+  EXPECT_NE(text.find("recommended for PyTorch: PYTORCH_ALLOC_CONF=expandable_segments:True (older "
+                      "PyTorch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("setting (PYTORCH_CUDA_ALLOC_CONF)"), std::string::npos);
+  EXPECT_NE(text.find("setting (PYTORCH_ALLOC_CONF)"), std::string::npos);
 }
 
 TEST(replay_advise, pytorch_with_a_capacity_ranks_what_fits_and_can_find_none) {
@@ -248,6 +258,7 @@ TEST(replay_advise, peers_c10_without_the_shim_is_a_clear_note_from_the_child) {
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
   EXPECT_TRUE(j["pytorch_cuda_alloc_conf"].is_null());
+  EXPECT_TRUE(j["pytorch_alloc_conf"].is_null());
   ASSERT_EQ(j["pytorch_rows"].size(), 11u);
   const std::string note = j["pytorch_note"];
   EXPECT_NE(note.find("c10 peer: /nonexistent/libcucache_c10_peer.so not found"),
@@ -264,6 +275,54 @@ TEST(replay_advise, peers_c10_without_the_shim_is_a_clear_note_from_the_child) {
   EXPECT_NE(gpu.err.find("--advise: cucache's candidates replay on the simulated device only"),
             std::string::npos)
       << gpu.err;
+}
+
+TEST(replay_advise, the_progress_line_counts_settings_and_traces) {
+  // The progress line (a terminal's stderr only) keeps saying which setting of how many is
+  // replaying while the phases inside it replace one another, after the CLI's "trace k of N: ".
+  const prepared_trace trace = load_trace(k_resnet);
+  std::ostringstream quiet;
+  progress line(quiet, std::chrono::hours(1));  // never drawn: only its text is read
+  line.prefix("trace 2 of 7: ");
+  std::vector<std::string> seen;  // the line as each PyTorch fit starts
+  scripted_pytorch script;
+  const auto fitter = [&](const prepared_trace& t, const std::string& conf, const fit_options& f) {
+    seen.push_back(line.line());
+    return script(t, conf, f);
+  };
+  options o;
+  o.backend = backend_kind::sim;
+  o.progress_line = &line;
+  (void)advise_trace(trace, o, fit_options{}, std::nullopt, fitter);
+  ASSERT_EQ(seen.size(), 11u);  // the candidates PyTorch shares
+  EXPECT_EQ(seen.front(),
+            "trace 2 of 7: PyTorch setting 1 of 11 (defaults): resnet50_train: "
+            "PyTorch's allocator on the GPU");
+  EXPECT_EQ(seen.back(),
+            "trace 2 of 7: PyTorch setting 11 of 11 (roundup_power2_divisions:8): resnet50_train: "
+            "PyTorch's allocator on the GPU");
+  // Afterwards the CLI's prefix is back, alone, with and without PyTorch's loop.
+  EXPECT_EQ(line.prefix(), "trace 2 of 7: ");
+  (void)advise_trace(trace, o, fit_options{}, std::nullopt);
+  EXPECT_EQ(line.prefix(), "trace 2 of 7: ");
+  EXPECT_EQ(quiet.str(), "");
+}
+
+TEST(replay_advise, says_that_it_ignores_cucache_conf) {
+  const char* old = std::getenv("CUCACHE_CONF");
+  const std::optional<std::string> saved = old ? std::optional<std::string>(old) : std::nullopt;
+  ::setenv("CUCACHE_CONF", "max_split_size_mb:64", 1);
+  const cli_run r = run({"--advise", "--backend", "sim", k_resnet.string()});
+  if (saved) {
+    ::setenv("CUCACHE_CONF", saved->c_str(), 1);
+  } else {
+    ::unsetenv("CUCACHE_CONF");
+  }
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("--advise ignores CUCACHE_CONF in the environment"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"), std::string::npos)
+      << r.out;
 }
 
 }  // namespace

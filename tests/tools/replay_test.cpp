@@ -1,6 +1,7 @@
 // Tests of the cucache-replay engine on the simulated device: exact figures of a hand-made trace
 // worked out from the size rules, the bundled resnet50 trace's counts and peaks, determinism,
-// capacity limits, and the command line's JSON Lines output.
+// capacity limits, and the command line's JSON Lines output, its legend, where its settings come
+// from (--config, CUCACHE_CONF) and how it labels the H200 reference figures.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -407,6 +409,107 @@ TEST(replay_cli, table_by_default) {
   EXPECT_NE(r.out.find("resv/req"), std::string::npos) << r.out;
 }
 
+/// Sets (or, with nullptr, unsets) an environment variable for one scope; puts it back after.
+class scoped_env {
+ public:
+  scoped_env(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value != nullptr) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~scoped_env() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST(replay_cli, takes_cucache_conf_from_the_environment_unless_config_is_given) {
+  {
+    const scoped_env env("CUCACHE_CONF", nullptr);
+    const cli_run r = run({"--backend", "sim", k_resnet.string()});
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NE(r.out.find("config: (defaults)"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("config from: the defaults (neither --config nor CUCACHE_CONF)"),
+              std::string::npos)
+        << r.out;
+  }
+  const scoped_env env("CUCACHE_CONF", "max_split_size_mb:128");
+  const cli_run from_env = run({"--backend", "sim", k_resnet.string()});
+  ASSERT_EQ(from_env.status, 0) << from_env.err;
+  EXPECT_NE(from_env.out.find("config: max_split_size_mb:128"), std::string::npos) << from_env.out;
+  EXPECT_NE(from_env.out.find("config from: CUCACHE_CONF=max_split_size_mb:128 in the environment"),
+            std::string::npos)
+      << from_env.out;
+  EXPECT_NE(from_env.err.find("settings from the environment: CUCACHE_CONF=max_split_size_mb:128"),
+            std::string::npos)
+      << from_env.err;
+  const cli_run json = run({"--backend", "sim", "--json", k_resnet.string()});
+  ASSERT_EQ(json.status, 0) << json.err;
+  EXPECT_EQ(json_lines(json.out).at(0)["config"], "max_split_size_mb:128");
+
+  // --config wins, and stderr says what was set aside.
+  const cli_run given =
+      run({"--backend", "sim", "--config", "expandable_segments:True", k_resnet.string()});
+  ASSERT_EQ(given.status, 0) << given.err;
+  EXPECT_NE(given.out.find("config: expandable_segments:True"), std::string::npos) << given.out;
+  EXPECT_EQ(given.out.find("config: max_split_size_mb"), std::string::npos) << given.out;
+  EXPECT_EQ(given.out.find("CUCACHE_CONF=max_split_size_mb"), std::string::npos) << given.out;
+  EXPECT_NE(given.out.find("config from: --config"), std::string::npos) << given.out;
+  EXPECT_NE(given.err.find("CUCACHE_CONF=max_split_size_mb:128 in the environment is ignored"),
+            std::string::npos)
+      << given.err;
+
+  // --fit takes it too.
+  const cli_run fit =
+      run({"--backend", "sim", "--fit", "--fit-resolution-mib", "64", k_resnet.string()});
+  ASSERT_EQ(fit.status, 0) << fit.err;
+  EXPECT_NE(fit.out.find("config: max_split_size_mb:128"), std::string::npos) << fit.out;
+
+  // A bad value is an error naming the variable.
+  const scoped_env bad("CUCACHE_CONF", "no_such_key:1");
+  const cli_run r = run({"--backend", "sim", k_resnet.string()});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("CUCACHE_CONF"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("no_such_key"), std::string::npos) << r.err;
+}
+
+TEST(replay_cli, the_table_explains_its_abbreviations_and_keeps_h200_times_apart) {
+  const scoped_env env("CUCACHE_CONF", nullptr);
+  const cli_run r = run({"--backend", "sim", k_resnet.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (const char* abbreviation :
+       {"peak req", "peak resv", "resv/req", "dev alloc", "ns/op", "frag ext", "frag ovh"}) {
+    // Each column heading has a line of its own in the legend: "  <name>  <meaning>".
+    EXPECT_NE(r.out.find(fmt::format("\n  {:<10} ", abbreviation)), std::string::npos)
+        << abbreviation << "\n"
+        << r.out;
+  }
+  // traces/ has reference.json: PyTorch's memory ratios beside this run's, and the H200's host
+  // times in a table of their own that says they do not compare with the simulated device's.
+  const auto memory = r.out.find("peak reserved / peak requested: cucache in this run (sim)");
+  const auto times = r.out.find("host ns per event recorded on the H200");
+  ASSERT_NE(memory, std::string::npos) << r.out;
+  ASSERT_NE(times, std::string::npos) << r.out;
+  EXPECT_LT(memory, times);
+  const std::string memory_part = r.out.substr(memory, times - memory);
+  EXPECT_EQ(memory_part.find("ns/op"), std::string::npos) << r.out;
+  EXPECT_EQ(memory_part.find("1292.8"), std::string::npos) << r.out;  // c10's ns on the H200
+  EXPECT_NE(r.out.find("1292.8", times), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not comparable with this run's ns/op", times), std::string::npos) << r.out;
+}
+
 TEST(replay_cli, falls_back_to_the_simulated_device_with_a_note) {
   if (cuda_available()) GTEST_SKIP() << "a GPU is usable here; the default is the cuda backend";
   const cli_run r = run({"--json", k_resnet.string()});
@@ -559,6 +662,26 @@ TEST(replay_fit, table_names_the_resolution) {
   EXPECT_NE(r.out.find("resolution 64 MiB"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("min capacity"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("resnet50_train"), std::string::npos) << r.out;
+}
+
+TEST(replay_fit, says_what_each_figure_is) {
+  const cli_run r = run({"--backend", "sim", "--fit", "--fit-resolution-mib", "64", "--config",
+                         "expandable_segments:True", k_resnet.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("\n  min capacity   the smallest memory limit"), std::string::npos) << r.out;
+  // traces/min_capacity.json: this run's figure beside PyTorch's and cudaMallocAsync's on the
+  // H200, each column saying where it comes from; the file's own cucache figure for resnet50_train
+  // (1.0041, an older build's) is not shown as if it were current.
+  EXPECT_NE(r.out.find("minimum capacity / peak requested: cucache in this run (sim, config "
+                       "expandable_segments:True) beside PyTorch 2.11 and cudaMallocAsync "
+                       "recorded on an H200"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("(this run)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("cucache exp."), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("1.0041"), std::string::npos)
+      << r.out;  // min_capacity.json's cucache figure
+  EXPECT_NE(r.out.find("1.0064"), std::string::npos) << r.out;  // PyTorch expandable on the H200
 }
 
 /// Runs the cucache-replay binary; its stdout.

@@ -117,7 +117,11 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   a.resolution_bytes = fit.resolution_bytes;
   a.capacity_bytes = capacity;
   const std::vector<std::string> candidates = advice_candidates(trace);
-  for (const std::string& conf : candidates) {
+  prefix_scope where(base.progress_line);
+  for (std::size_t k = 0; k < candidates.size(); ++k) {
+    const std::string& conf = candidates[k];
+    where.set(fmt::format("cucache setting {} of {} ({}): ", k + 1, candidates.size(),
+                          conf.empty() ? std::string("defaults") : conf));
     advice_row row;
     row.conf = conf;
     row.pytorch_option = pytorch_shares(conf);
@@ -150,8 +154,8 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   }
   if (!pytorch) {
     a.pytorch_note =
-        "not measured: the best PYTORCH_CUDA_ALLOC_CONF needs PyTorch's own allocator replayed "
-        "under each setting on a GPU (--peers c10)";
+        "not measured: the best PYTORCH_ALLOC_CONF (older PyTorch: PYTORCH_CUDA_ALLOC_CONF) "
+        "needs PyTorch's own allocator replayed under each setting on a GPU (--peers c10)";
     const auto shared = std::find_if(a.rows.begin(), a.rows.end(), [&](const advice_row& r) {
       return r.ok && r.pytorch_option && (!capacity || r.fits.value_or(false));
     });
@@ -165,6 +169,8 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   }
   // PyTorch's allocator under the same candidates, in PyTorch's spelling (c10_settings drops
   // nothing here: every candidate PyTorch shares uses shared keys only).
+  const auto shared_count =
+      static_cast<std::size_t>(std::count_if(candidates.begin(), candidates.end(), pytorch_shares));
   for (const std::string& conf : candidates) {
     if (!pytorch_shares(conf)) continue;
     const std::string torch_conf = c10_settings(parse_config(conf));
@@ -173,9 +179,10 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
       // PyTorch's defaults (the first candidate) could not be replayed: neither can the rest.
       row.error = "not tried: " + a.pytorch_rows.front().error;
     } else {
-      report(base.progress_line,
-             fmt::format("{}: PyTorch's allocator under '{}'", trace.name,
-                         torch_conf.empty() ? std::string("(defaults)") : torch_conf));
+      where.set(fmt::format("PyTorch setting {} of {} ({}): ", a.pytorch_rows.size() + 1,
+                            shared_count,
+                            torch_conf.empty() ? std::string("defaults") : torch_conf));
+      report(base.progress_line, fmt::format("{}: PyTorch's allocator on the GPU", trace.name));
       row = pytorch(trace, torch_conf, fit);
     }
     row.conf = torch_conf;
@@ -271,7 +278,12 @@ nlohmann::json to_json(const advice& a) {
                         {"pytorch_cuda_alloc_conf", nullptr},
                         {"pytorch_note", a.pytorch_note}};
   if (!a.pytorch_rows.empty()) out["pytorch_rows"] = rows_json(a.pytorch_rows);
-  if (a.pytorch_conf) out["pytorch_cuda_alloc_conf"] = *a.pytorch_conf;
+  // PyTorch reads the setting as PYTORCH_ALLOC_CONF and still as PYTORCH_CUDA_ALLOC_CONF.
+  out["pytorch_alloc_conf"] = out["pytorch_cuda_alloc_conf"];
+  if (a.pytorch_conf) {
+    out["pytorch_alloc_conf"] = *a.pytorch_conf;
+    out["pytorch_cuda_alloc_conf"] = *a.pytorch_conf;
+  }
   if (a.capacity_bytes) out["capacity_bytes"] = *a.capacity_bytes;
   if (a.no_fit) {
     out["recommended_conf"] = nullptr;
@@ -328,14 +340,18 @@ std::string format_advice(const advice& a) {
   }
   if (!a.pytorch_rows.empty()) {
     s += "PyTorch's allocator (c10, on the GPU) under the settings PyTorch shares:\n";
-    s += rows_table(a, a.pytorch_rows, "setting (PYTORCH_CUDA_ALLOC_CONF)", false);
+    s += rows_table(a, a.pytorch_rows, "setting (PYTORCH_ALLOC_CONF)", false);
   }
   if (a.pytorch_conf) {
-    s += fmt::format("recommended for PyTorch: PYTORCH_CUDA_ALLOC_CONF={}{} ({})\n",
-                     a.pytorch_conf->empty() ? "\"\"" : *a.pytorch_conf,
-                     a.pytorch_conf->empty() ? " (the defaults)" : "", a.pytorch_note);
+    // PyTorch reads PYTORCH_ALLOC_CONF and still PYTORCH_CUDA_ALLOC_CONF (older versions read only
+    // the latter): both are named.
+    const std::string value = a.pytorch_conf->empty() ? "\"\"" : *a.pytorch_conf;
+    s += fmt::format(
+        "recommended for PyTorch: PYTORCH_ALLOC_CONF={}{} (older PyTorch: "
+        "PYTORCH_CUDA_ALLOC_CONF={}) ({})\n",
+        value, a.pytorch_conf->empty() ? " (the defaults)" : "", value, a.pytorch_note);
   } else {
-    s += fmt::format("PYTORCH_CUDA_ALLOC_CONF: {}\n", a.pytorch_note);
+    s += fmt::format("PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF: {}\n", a.pytorch_note);
   }
   return s;
 }

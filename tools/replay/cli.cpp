@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -16,6 +17,7 @@
 
 #include "advisor.hpp"
 #include "cucache/backend_factory.hpp"
+#include "cucache/config.hpp"
 #include "cucache/cuda_backend.hpp"
 #include "cucache/errors.hpp"
 #include "peers.hpp"
@@ -68,11 +70,14 @@ void check_peer_names(const std::vector<std::string>& names) {
   }
 }
 
-/// PyTorch's figures for the same traces, when a reference.json sits beside them (as in
-/// ../shared/traces and the bundled traces/): the comparison a CPU-only run can make.
+/// PyTorch's figures for the same traces, when a reference.json sits beside them (as in the
+/// bundled traces/): the comparison a CPU-only run can make. Memory ratios compare across
+/// machines (the simulated device makes the same segments as a GPU); host time does not (the
+/// simulated device makes no device calls), so the H200's times are a table of their own.
 std::string format_reference(const std::vector<std::string>& paths,
                              const std::vector<trace_result>& results) {
-  std::string s;
+  std::string memory;
+  std::string time;
   for (std::size_t i = 0; i < paths.size() && i < results.size(); ++i) {
     const auto ref_path = std::filesystem::path(paths[i]).parent_path() / "reference.json";
     std::ifstream in(ref_path);
@@ -81,28 +86,48 @@ std::string format_reference(const std::vector<std::string>& paths,
     const trace_result& r = results[i];
     if (!ref.is_object() || !ref.contains(r.trace)) continue;
     const nlohmann::json& t = ref[r.trace];
-    if (s.empty()) {
-      s += fmt::format("\nPyTorch 2.11 on an H200 ({}): peak reserved / peak requested\n",
-                       ref_path.string());
-      s += fmt::format("{:<20} {:>9} {:>12} {:>12} {:>15} {:>17}\n", "trace", "cucache",
-                       "torch dflt", "torch exp.", "torch split128", "c10 ns/op (H200)");
+    if (memory.empty()) {
+      memory += fmt::format(
+          "\npeak reserved / peak requested: cucache in this run ({}) beside PyTorch 2.11 "
+          "recorded on an H200 ({})\n",
+          r.backend, ref_path.string());
+      memory += fmt::format("{:<20} {:>12} {:>12} {:>12} {:>15}\n", "trace", "cucache",
+                            "torch dflt", "torch exp.", "torch split128");
+      memory += fmt::format("{:<20} {:>12} {:>12} {:>12} {:>15}\n", "", "(this run)", "(H200)",
+                            "(H200)", "(H200)");
+      time += fmt::format(
+          "\nhost ns per event recorded on the H200 ({}); {}\n", ref_path.string(),
+          r.backend == "sim"
+              ? "not comparable with this run's ns/op: the simulated device makes no device calls"
+              : "another run, on another machine: compare peers measured in this run instead "
+                "(--peers)");
+      time += fmt::format("{:<20} {:>16} {:>16} {:>16}\n", "trace", "c10 default", "c10 expandable",
+                          "cudaMallocAsync");
     }
-    s += fmt::format("{:<20} {:>9.3f} {:>12.3f} {:>12.3f} {:>15.3f} {:>17.1f}\n", r.trace,
-                     r.reserved_over_requested, t.value("torch_default_ratio", 0.0),
-                     t.value("torch_expandable_ratio", 0.0),
-                     t.value("torch_max_split_128_ratio", 0.0),
-                     t.value("c10_replay_ns_per_op_default", 0.0));
+    memory += fmt::format("{:<20} {:>12.3f} {:>12.3f} {:>12.3f} {:>15.3f}\n", r.trace,
+                          r.reserved_over_requested, t.value("torch_default_ratio", 0.0),
+                          t.value("torch_expandable_ratio", 0.0),
+                          t.value("torch_max_split_128_ratio", 0.0));
+    time += fmt::format("{:<20} {:>16.1f} {:>16.1f} {:>16.1f}\n", r.trace,
+                        t.value("c10_replay_ns_per_op_default", 0.0),
+                        t.value("c10_replay_ns_per_op_expandable", 0.0),
+                        t.value("cuda_async_replay_ns_per_op", 0.0));
   }
-  return s;
+  if (!memory.empty()) {
+    memory +=
+        "torch dflt / torch exp. / torch split128: PyTorch's allocator with its defaults / "
+        "with expandable_segments:True / with max_split_size_mb:128\n";
+  }
+  return memory + time;
 }
 
-/// PyTorch's minimum capacities for the same traces, when a min_capacity.json sits beside them
-/// (as in ../shared/traces), for --fit.
+/// PyTorch's and cudaMallocAsync's minimum capacities for the same traces, when a
+/// min_capacity.json sits beside them (as in traces/), for --fit. The file also keeps a cucache
+/// figure of the build it was recorded with; it is not shown: this run's figure is the current
+/// one, and an older build's beside it would read as current.
 std::string format_min_capacity_reference(const std::vector<std::string>& paths,
-                                          const std::vector<fit_result>& results, bool expandable) {
+                                          const std::vector<fit_result>& results) {
   std::string s;
-  const std::string cucache_key =
-      fmt::format("cucache_{}_min_capacity_ratio", expandable ? "expandable" : "default");
   for (std::size_t i = 0; i < paths.size() && i < results.size(); ++i) {
     const auto ref_path = std::filesystem::path(paths[i]).parent_path() / "min_capacity.json";
     std::ifstream in(ref_path);
@@ -111,27 +136,91 @@ std::string format_min_capacity_reference(const std::vector<std::string>& paths,
     const fit_result& r = results[i];
     if (!ref.is_object() || !ref.contains(r.trace) || !ref[r.trace].is_object()) continue;
     const nlohmann::json& t = ref[r.trace];
-    // cucache's own H200 figure for this mode, under a key dated by when it was measured.
-    double cucache_h200 = 0.0;
-    for (const auto& [key, value] : t.items()) {
-      if (key.starts_with(cucache_key) && value.is_number()) cucache_h200 = value.get<double>();
-    }
     if (s.empty()) {
-      s += fmt::format("\nPyTorch 2.11 on an H200 ({}): minimum capacity / peak requested\n",
-                       ref_path.string());
-      s += fmt::format("{:<20} {:>9} {:>12} {:>12} {:>16} {:>14}\n", "trace", "cucache",
-                       "torch dflt", "torch exp.", "cudaMallocAsync",
-                       expandable ? "cucache exp." : "cucache dflt");
-      s += fmt::format("{:<20} {:>9} {:>12} {:>12} {:>16} {:>14}\n", "", "(here)", "(H200)",
-                       "(H200)", "(H200)", "(H200)");
+      s += fmt::format(
+          "\nminimum capacity / peak requested: cucache in this run ({}, config {}) beside "
+          "PyTorch 2.11 and cudaMallocAsync recorded on an H200 ({})\n",
+          r.backend, r.config.empty() ? "(defaults)" : r.config, ref_path.string());
+      s += fmt::format("{:<20} {:>12} {:>12} {:>12} {:>16}\n", "trace", "cucache", "torch dflt",
+                       "torch exp.", "cudaMallocAsync");
+      s += fmt::format("{:<20} {:>12} {:>12} {:>12} {:>16}\n", "", "(this run)", "(H200)", "(H200)",
+                       "(H200)");
     }
     const auto req = static_cast<double>(r.peak_requested_bytes);
-    s += fmt::format("{:<20} {:>9.4f} {:>12.4f} {:>12.4f} {:>16.4f} {:>14.4f}\n", r.trace,
+    s += fmt::format("{:<20} {:>12.4f} {:>12.4f} {:>12.4f} {:>16.4f}\n", r.trace,
                      req == 0.0 ? 0.0 : static_cast<double>(r.cucache.min_capacity_bytes) / req,
                      t.value("torch_default_min_capacity_ratio", 0.0),
                      t.value("torch_expandable_min_capacity_ratio", 0.0),
-                     t.value("cudaMallocAsync_min_capacity_ratio", 0.0), cucache_h200);
+                     t.value("cudaMallocAsync_min_capacity_ratio", 0.0));
   }
+  if (!s.empty()) {
+    s += "torch dflt / torch exp.: PyTorch's allocator with its defaults / with "
+         "expandable_segments:True (PYTORCH_ALLOC_CONF); cucache's own H200 figures: "
+         "docs/benchmarks.md\n";
+  }
+  return s;
+}
+
+/// What the replay table's abbreviations mean (docs/replay.md, "The table"), and where the
+/// settings came from.
+std::string format_legend(const std::vector<trace_result>& results, const std::string& source) {
+  if (results.empty()) return {};
+  const trace_result& first = results.front();
+  std::string s = "\nlegend:\n";
+  const auto line = [&](const char* name, const std::string& text) {
+    s += fmt::format("  {:<10} {}\n", name, text);
+  };
+  line("peak req", "peak of the bytes the trace held at once (requested)");
+  line("peak resv", "peak of the device memory cucache held (reserved)");
+  line("resv/req", "peak resv / peak req; 1.0 is the floor");
+  line("dev alloc",
+       "device allocations cucache made: cudaMalloc calls (cuMemCreate with "
+       "expandable segments)");
+  line("ns/op", first.backend == "sim"
+                    ? "host time per allocate or free event, median of the repeats; on the "
+                      "simulated device no device call is timed"
+                    : "host time per allocate or free event, median of the repeats");
+  line("frag ext",
+       "external fragmentation at the reserved peak: 1 - largest free block / free "
+       "bytes");
+  line("frag ovh", "overhead fragmentation at the reserved peak: 1 - allocated / reserved");
+  if (first.capacity_bytes) {
+    line("fits, ooms", "whether every allocation succeeded under --capacity-gib; how many failed");
+  }
+  if (first.warm) {
+    line("warm", "the second pass through the cache the first pass filled (cold ns: the first)");
+  }
+  const bool any_peers = std::any_of(results.begin(), results.end(),
+                                     [](const trace_result& r) { return !r.peers.empty(); });
+  if (any_peers) {
+    line("cucache/peer", "cucache's figure over the peer's, same run (below 1: cucache lower)");
+  }
+  s += fmt::format("config from: {}\n", source);
+  return s;
+}
+
+/// "trace k of N: " before the progress line's phases, when there is more than one trace.
+void set_trace_prefix(progress* line, std::size_t index, std::size_t count) {
+  if (line != nullptr && count > 1) line->prefix(fmt::format("trace {} of {}: ", index + 1, count));
+}
+
+/// What the --fit table's columns mean.
+std::string format_fit_legend() {
+  std::string s = "\nlegend:\n";
+  const auto line = [&](const char* name, const char* text) {
+    s += fmt::format("  {:<14} {}\n", name, text);
+  };
+  line("peak req", "peak of the bytes the trace held at once (requested)");
+  line("min capacity",
+       "the smallest memory limit under which the trace replays with no "
+       "out-of-memory, found in this run");
+  line("min/req", "min capacity / peak req; 1.0 is the floor");
+  line("fails at",
+       "the largest limit tried that failed (one resolution step below min capacity, "
+       "or below peak req)");
+  line("unconstr resv", "peak reserved of a replay without a limit (the bisection's upper bound)");
+  line("resv/req", "unconstr resv / peak req");
+  line("replays", "replays the bisection made; seconds: their host time");
   return s;
 }
 
@@ -203,7 +292,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   app.add_option("--backend", backend_name,
                  "sim or cuda (default: cuda when a GPU is usable, else sim)")
       ->check(CLI::IsMember({"sim", "cuda"}));
-  app.add_option("--config", config_text, "allocator settings in CUCACHE_CONF syntax");
+  auto* config_opt = app.add_option(
+      "--config", config_text,
+      "allocator settings in CUCACHE_CONF syntax (default: CUCACHE_CONF from the environment, "
+      "else the defaults)");
   auto* capacity_opt =
       app.add_option("--capacity-gib", capacity_gib,
                      "device capacity (sim) or memory limit (cuda) in GiB; reports whether the "
@@ -250,7 +342,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       "them (minimum capacity by the --fit bisection, peak reserved, device and VM calls) and "
       "print the recommended CUCACHE_CONF; with --capacity-gib N, which settings fit an N GiB "
       "card; with --peers c10 (GPU), also PyTorch's allocator under each setting PyTorch shares "
-      "and the recommended PYTORCH_CUDA_ALLOC_CONF (docs/replay.md)");
+      "and the recommended PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF) (docs/replay.md)");
   advise_opt->excludes(fit_opt);
   advise_opt->excludes(repeat_opt);
   fit_opt->excludes(warm_opt);
@@ -285,12 +377,35 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
         throw error(fmt::format("--backend cuda: {}", cuda_unavailable_reason()));
       }
     }
-    opts.cfg = parse_config(config_text);
+    // The settings: --config, else CUCACHE_CONF from the environment (as every cucache front end
+    // reads it), else the defaults; the table says which, stderr says what was ignored.
+    const char* env_conf = std::getenv("CUCACHE_CONF");
+    std::string config_source = "the defaults (neither --config nor CUCACHE_CONF)";
+    if (advise) {
+      if (env_conf != nullptr) {
+        err << "cucache-replay: --advise ignores CUCACHE_CONF in the environment (the advisor "
+               "tries its own candidate settings)\n";
+      }
+    } else if (config_opt->count() > 0) {
+      opts.cfg = parse_config(config_text);
+      config_source = "--config";
+      if (env_conf != nullptr) {
+        err << fmt::format(
+            "cucache-replay: --config {} is used; CUCACHE_CONF={} in the environment is "
+            "ignored\n",
+            config_text, env_conf);
+      }
+    } else if (env_conf != nullptr) {
+      opts.cfg = config_from_env();  // an error names the variable
+      config_source = fmt::format("CUCACHE_CONF={} in the environment", env_conf);
+      err << fmt::format("cucache-replay: settings from the environment: CUCACHE_CONF={}\n",
+                         env_conf);
+    }
     if (fit_resolution_opt->count() > 0 && !fit && !advise) {
       throw invalid_argument("--fit-resolution-mib requires --fit or --advise");
     }
     if (advise) {
-      if (!config_text.empty()) {
+      if (config_opt->count() > 0) {
         throw invalid_argument(
             "--advise: --config is not taken (the advisor tries its own "
             "candidate settings)");
@@ -298,7 +413,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       if (peers_opt->count() > 0 && split_list(peers_text) != std::vector<std::string>{"c10"}) {
         throw invalid_argument(fmt::format(
             "--advise --peers {}: the advisor takes one peer, c10 (PyTorch's allocator, replayed "
-            "on the GPU under each PYTORCH_CUDA_ALLOC_CONF candidate)",
+            "on the GPU under each PYTORCH_ALLOC_CONF candidate)",
             peers_text));
       }
     }
@@ -329,10 +444,12 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       for (const std::string& path : traces) loaded.push_back(load_trace(path));
       const std::optional<std::size_t> card = opts.capacity_bytes;
       opts.capacity_bytes.reset();
-      for (const prepared_trace& trace : loaded) {
-        const advice a = advise_trace(
-            trace, opts, fit_opts, card,
-            peers_opt->count() > 0 ? pytorch_fitter(fit_c10_in_child) : pytorch_fitter());
+      for (std::size_t k = 0; k < loaded.size(); ++k) {
+        const prepared_trace& trace = loaded[k];
+        set_trace_prefix(progress_line.get(), k, loaded.size());
+        const advice a = advise_trace(trace, opts, fit_opts, card,
+                                      peers_opt->count() > 0 ? pytorch_fitter(fit_c10_in_child)
+                                                             : pytorch_fitter());
         if (progress_line) progress_line->clear();
         out << (json ? to_json(a).dump() + "\n" : format_advice(a)) << std::flush;
       }
@@ -362,7 +479,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
 
     if (fit) {
       std::vector<fit_result> fits;
-      for (const std::string& path : traces) {
+      for (std::size_t k = 0; k < traces.size(); ++k) {
+        const std::string& path = traces[k];
+        set_trace_prefix(progress_line.get(), k, traces.size());
         report(progress_line.get(), fmt::format("reading {}", path));
         const prepared_trace trace = load_trace(path);
         fit_result r = fit_trace(trace, opts, fit_opts, peer_ptrs);
@@ -376,13 +495,17 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       progress_line.reset();
       if (!json) {
         out << format_table(fits);
-        out << format_min_capacity_reference(traces, fits, opts.cfg.expandable_segments);
+        out << format_fit_legend();
+        out << format_min_capacity_reference(traces, fits);
+        out << fmt::format("config from: {}\n", config_source);
       }
       return 0;
     }
 
     std::vector<trace_result> results;
-    for (const std::string& path : traces) {
+    for (std::size_t k = 0; k < traces.size(); ++k) {
+      const std::string& path = traces[k];
+      set_trace_prefix(progress_line.get(), k, traces.size());
       report(progress_line.get(), fmt::format("reading {}", path));
       std::vector<trace_event> events;
       const prepared_trace trace =
@@ -401,6 +524,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     progress_line.reset();
     if (!json) {
       out << format_table(results);
+      out << format_legend(results, config_source);
       out << format_reference(traces, results);
     }
     return 0;

@@ -37,6 +37,21 @@ void progress::phase(std::string text) {
   text_ = std::move(text);
 }
 
+void progress::prefix(std::string text) {
+  std::lock_guard lock(mu_);
+  prefix_ = std::move(text);
+}
+
+std::string progress::prefix() const {
+  std::lock_guard lock(mu_);
+  return prefix_;
+}
+
+std::string progress::line() const {
+  std::lock_guard lock(mu_);
+  return prefix_ + text_;
+}
+
 void progress::clear() {
   std::lock_guard lock(mu_);
   if (!shown_) return;
@@ -48,7 +63,7 @@ void progress::draw_locked() {
   const double s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   // \r, then erase to the end of the line: the line is rewritten in place.
-  err_ << fmt::format("\r\033[Kcucache-replay: {} ({:.0f} s)", text_, s) << std::flush;
+  err_ << fmt::format("\r\033[Kcucache-replay: {}{} ({:.0f} s)", prefix_, text_, s) << std::flush;
   shown_ = true;
 }
 

@@ -26,6 +26,11 @@ class progress {
 
   /// What is being done now ("gpt2_generate: run 2/5"). Thread-safe; cheap (no output here).
   void phase(std::string text);
+  /// Put before every phase from now on ("trace 2 of 7: "), until set again. Thread-safe.
+  void prefix(std::string text);
+  [[nodiscard]] std::string prefix() const;
+  /// The line as it is drawn now, without the elapsed time: prefix and phase.
+  [[nodiscard]] std::string line() const;
   /// Erases the line now (before other output); later phases show it again.
   void clear();
 
@@ -35,8 +40,9 @@ class progress {
   std::ostream& err_;
   std::chrono::milliseconds delay_;
   std::chrono::steady_clock::time_point start_;
-  std::mutex mu_;
+  mutable std::mutex mu_;  // guards prefix_, text_, shown_, stop_
   std::condition_variable cv_;
+  std::string prefix_;
   std::string text_;
   bool shown_ = false;
   bool stop_ = false;
@@ -47,5 +53,25 @@ class progress {
 inline void report(progress* p, std::string text) {
   if (p != nullptr) p->phase(std::move(text));
 }
+
+/// Adds to `p`'s prefix for one scope ("setting 3 of 13 (...): " after "trace 1 of 7: "), so
+/// that the phases reported from inside, which replace one another, keep saying where the outer
+/// loop is; the prefix before is put back on destruction. Does nothing when `p` is null.
+class prefix_scope {
+ public:
+  explicit prefix_scope(progress* p) : p_(p), outer_(p != nullptr ? p->prefix() : std::string()) {}
+  ~prefix_scope() {
+    if (p_ != nullptr) p_->prefix(outer_);
+  }
+  prefix_scope(const prefix_scope&) = delete;
+  prefix_scope& operator=(const prefix_scope&) = delete;
+  void set(const std::string& text) {
+    if (p_ != nullptr) p_->prefix(outer_ + text);
+  }
+
+ private:
+  progress* p_;
+  std::string outer_;
+};
 
 }  // namespace cucache::replay
