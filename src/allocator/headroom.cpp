@@ -191,7 +191,8 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
       throw out_of_memory(fmt::format(
           "cucache: reserve({} bytes) on device {} ({}): larger than any segment can be (the "
           "largest request cucache accepts is {} bytes; the device has {} bytes)",
-          bytes, backend->device(), backend->name(), detail::k_max_request_bytes, budget.device_total));
+          bytes, backend->device(), backend->name(), detail::k_max_request_bytes,
+          budget.device_total));
     }
     throw out_of_memory(fmt::format(
         "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "

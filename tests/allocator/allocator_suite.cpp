@@ -331,9 +331,17 @@ TEST_P(Allocator, OutOfMemoryLadderReleasesOtherStreamsCacheAndRetries) {
   // Expandable mode moves another stream's idle pages when memory is short, before the ladder,
   // and only until the rest may be created: 20 MiB moved, 40 created, to the device's 100 MiB
   // (stream 1 keeps 40 MiB mapped). Default mode gives stream 1's segment back first.
-  EXPECT_EQ(s.alloc_retry_count, expandable() ? 0u : 1u);
+  // On a real device the free-memory figure is only near what cuMemCreate can still take (its
+  // slack): a last page may be refused after the moves, and the ladder then runs once.
+  if (expandable() && slack(1) != 0) {
+    EXPECT_LE(s.alloc_retry_count, 1u);
+    EXPECT_LE(s.reserved_bytes[0].current, i64(100 * MiB));
+    EXPECT_GE(s.reserved_bytes[0].current, i64(60 * MiB));
+  } else {
+    EXPECT_EQ(s.alloc_retry_count, expandable() ? 0u : 1u);
+    EXPECT_EQ(s.reserved_bytes[0].current, i64(expandable() ? 100 * MiB : 60 * MiB));
+  }
   EXPECT_EQ(s.oom_count, 0u);
-  EXPECT_EQ(s.reserved_bytes[0].current, i64(expandable() ? 100 * MiB : 60 * MiB));
   if (!expandable()) {
     EXPECT_EQ(s.device_free_count, 1u);
   }

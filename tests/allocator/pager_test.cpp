@@ -133,8 +133,8 @@ TEST(Pager, ABlockUsingPartOfIdleMemoryPinsOnlyItsOwnPages) {
   EXPECT_EQ(r.calls(sim_call::unmap), 0u);
   EXPECT_EQ(r.calls(sim_call::phys_release), 0u);
   EXPECT_EQ(r.calls(sim_call::device_synchronize), 0u);
-  EXPECT_EQ(r.reserved(), 8 * MiB);               // memory is plentiful: idle pages stay mapped
-  EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);    // pages 1-3, each reclaimable on its own
+  EXPECT_EQ(r.reserved(), 8 * MiB);             // memory is plentiful: idle pages stay mapped
+  EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);  // pages 1-3, each reclaimable on its own
   EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 6 * MiB);
 }
 

@@ -50,9 +50,13 @@ __global__ void spin_then_fill(unsigned char* p, std::size_t n, unsigned char v,
   for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
 }
 
-cucache::device_allocator make_allocator() {
+/// Idle pages stay mapped while memory is plentiful and move only when it is short: the tests
+/// that watch pages move give the allocator a memory limit (`limit`, a CUCACHE_CONF value).
+cucache::device_allocator make_allocator(const char* limit = nullptr) {
+  std::string conf = "expandable_segments:True";
+  if (limit != nullptr) conf += std::string(",memory_limit:") + limit;
   return cucache::device_allocator(std::make_shared<cucache::cuda_backend>(0),
-                                   cucache::parse_config("expandable_segments:True"));
+                                   cucache::parse_config(conf));
 }
 
 class ExpandableGpu : public ::testing::Test {
@@ -79,7 +83,8 @@ class ExpandableGpu : public ::testing::Test {
 };
 
 TEST_F(ExpandableGpu, KernelsSeeStitchedPagesAtTheirNewAddress) {
-  auto alloc = make_allocator();
+  // x's 32 pages and y's 4 hold 72 MiB; under 112 MiB, z's 50 pages need 30 of x's idle pages.
+  auto alloc = make_allocator("112MiB");
   void* x = alloc.allocate(64 * mib);
   void* y = alloc.allocate(6 * mib + 1000);
   fill(x, 64 * mib, 1);
@@ -101,7 +106,10 @@ TEST_F(ExpandableGpu, KernelsSeeStitchedPagesAtTheirNewAddress) {
 }
 
 TEST_F(ExpandableGpu, ChurnKeepsEveryBlocksContents) {
-  auto alloc = make_allocator();
+  // Without a limit this churn touches 1,288 MiB of pages and never moves one; under 1,200 MiB
+  // pages move while every block's contents are checked (its sim mirror in expandable_test.cpp,
+  // ChurnUnderALimitMovesPagesAndNeverRunsOut, makes the same 596 moves).
+  auto alloc = make_allocator("1200MiB");
   struct live {
     void* p;
     std::size_t n;

@@ -119,8 +119,10 @@ TEST(c10_loader, loads_once_with_the_settings_asked_for) {
   EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True");
   EXPECT_EQ(lib.path(), FAKE_C10_PEER);
   EXPECT_EQ(lib.conf(), "expandable_segments:True");
+  // What the peer saw at its init: both of PyTorch's names already say the settings asked for.
   EXPECT_EQ(lib.last_error(),
-            "init conf=[expandable_segments:True] env=[expandable_segments:True]");
+            "init conf=[expandable_segments:True] env=[expandable_segments:True] "
+            "alloc_env=[expandable_segments:True]");
   void* ptr = lib.allocate(4096, nullptr);
   ASSERT_NE(ptr, nullptr);
   EXPECT_EQ(lib.stats().num_device_alloc, 1);
