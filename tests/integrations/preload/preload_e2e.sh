@@ -17,10 +17,12 @@ grep -q "cucache preload report: 4 allocations and 4 frees by cucache, 2 foreign
 grep -q -- "--- device 0 ---" "$report" || { echo "preload_e2e: no summary in report"; exit 1; }
 grep -q "1 address ranges answered" "$report" || { echo "preload_e2e: no address range:"; cat "$report"; exit 1; }
 # A forked child that exits after its parent: its free of the parent's pointer fails without
-# reaching the driver, and it writes no report over the parent's. The child inherits fd 9, so the
-# second flock returns only once the child has exited (and run its exit handlers).
+# reaching the driver, and it writes no report over the parent's. fd 9 is locked before the program
+# starts and the child inherits it, so the second flock returns only once the child has exited
+# (and run its exit handlers): the lock is released when the last descriptor of it closes.
 rm -f "$report" "$work/fork_verdict"
-( LD_LIBRARY_PATH="$fake_dir" LD_PRELOAD="$shim" CUCACHE_BACKEND=sim CUCACHE_REPORT="$report" \
+( flock 9
+  LD_LIBRARY_PATH="$fake_dir" LD_PRELOAD="$shim" CUCACHE_BACKEND=sim CUCACHE_REPORT="$report" \
     "$check" fork "$work/fork_verdict" ) 9> "$work/fork.lock"
 flock -w 30 "$work/fork.lock" true || { echo "preload_e2e: the forked child did not exit"; exit 1; }
 grep -q OK "$work/fork_verdict" 2> /dev/null \
