@@ -23,20 +23,12 @@ set -uo pipefail
 bin=${1:?bin dir}; out=${2:?out dir}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$out"
+source "$repo/tools/gpu_run.sh"
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+  gpu_line
   echo "commit: $(cat "$bin/COMMIT" 2>/dev/null || echo unknown)"
   echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) x $(nproc)"
 } | tee "$out/machine.txt"
-status=0
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "$name: exit $rc in $((SECONDS - start)) s; $(grep -h -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')" | tee -a "$out/summary.txt"
-  [[ $rc -ne 0 ]] && status=1
-}
 
 # c10, the peer (PyTorch's caching allocator), when it can be built here.
 if [[ ! -f $bin/libcucache_c10_peer.so ]]; then

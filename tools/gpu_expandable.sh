@@ -19,17 +19,9 @@ case $part in replay|torch) ;; *)
   echo "gpu_expandable.sh: unknown part '$part' (replay, torch)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$out/gpu.txt"
+source "$repo/tools/gpu_run.sh"
+gpu_line | tee "$out/gpu.txt"
 git -C "$repo" rev-parse HEAD >> "$out/gpu.txt" 2>/dev/null
-status=0
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
-  [[ $rc -ne 0 ]] && status=1
-}
 traces=("$repo"/traces/*.csv.gz)
 case $part in
   replay)

@@ -19,16 +19,8 @@ case $part in racecheck|figures|advise) ;; *)
   echo "gpu_figures.sh: unknown part '$part' (racecheck, figures, advise)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$out/gpu.txt"
-status=0
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "$name: exit $rc in $((SECONDS - start)) s; $(grep -h -E 'SUMMARY|^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')" | tee -a "$out/summary.txt"
-  [[ $rc -ne 0 ]] && status=1
-}
+source "$repo/tools/gpu_run.sh"
+gpu_line | tee "$out/gpu.txt"
 traces=("$repo"/traces/*.csv.gz)
 case $part in
   racecheck)

@@ -361,6 +361,16 @@ void registry::flush_trace() {
   if (trace_ != nullptr) trace_->flush();
 }
 
+namespace {
+/// The explanation when no allocator can say more about ptr.
+std::string unknown_pointer_text(const void* ptr, const char* what) {
+  return fmt::format(
+      "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
+      "pointer or already freed)",
+      what, ptr);
+}
+}  // namespace
+
 std::string registry::explain_bad_pointer(const void* ptr, const char* what, int hint) const {
   // A pointer of another device (a double free after switching devices) is explained by the
   // allocator whose segment holds it, which names its own device.
@@ -377,10 +387,7 @@ std::string registry::explain_bad_pointer(const void* ptr, const char* what, int
   if (const device_allocator* a = find(hint)) {
     return a->explain_bad_pointer(ptr, what) + " nor on any other device";
   }
-  return fmt::format(
-      "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
-      "pointer or already freed)",
-      what, ptr);
+  return unknown_pointer_text(ptr, what);
 }
 
 void throw_not_ours(const void* ptr, release_kind kind, int hint) {
@@ -389,10 +396,7 @@ void throw_not_ours(const void* ptr, release_kind kind, int hint) {
   const char* what = kind == release_kind::record ? "record_stream" : "free";
   if (registry* r = registry::if_built())
     throw invalid_argument(r->explain_bad_pointer(ptr, what, hint));
-  throw invalid_argument(fmt::format(
-      "cucache::{}: {} is not the start of a live cucache allocation (unknown pointer, interior "
-      "pointer or already freed)",
-      what, ptr));
+  throw invalid_argument(unknown_pointer_text(ptr, what));
 }
 
 // --- errors ------------------------------------------------------------------------------------

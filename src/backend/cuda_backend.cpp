@@ -48,32 +48,41 @@ struct driver_api {
   PFN_cuStreamGetId_v12000 stream_get_id = nullptr;
 };
 
+/// The driver's entry point `symbol` at driver_abi_version: the runtime's answer as it gave it.
+struct entry_point {
+  cudaError_t code = cudaSuccess;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  void* address = nullptr;
+  [[nodiscard]] bool found() const noexcept {
+    return code == cudaSuccess && status == cudaDriverEntryPointSuccess && address != nullptr;
+  }
+};
+entry_point look_up(const char* symbol) {
+  entry_point e;
+  e.code = cudaGetDriverEntryPointByVersion(symbol, &e.address, driver_abi_version,
+                                            cudaEnableDefault, &e.status);
+  return e;
+}
+
 template <typename Fn>
 void resolve(const char* symbol, Fn& fn) {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t code = cudaGetDriverEntryPointByVersion(symbol, &address, driver_abi_version,
-                                                            cudaEnableDefault, &status);
+  const entry_point e = look_up(symbol);
   const std::string call = fmt::format("cudaGetDriverEntryPointByVersion({})", symbol);
-  if (code != cudaSuccess) throw_runtime_error(call, code);
-  if (status != cudaDriverEntryPointSuccess || address == nullptr) {
+  if (e.code != cudaSuccess) throw_runtime_error(call, e.code);
+  if (!e.found()) {
     throw cuda_error(call, static_cast<int>(cudaErrorSymbolNotFound),
                      fmt::format("the CUDA driver has no {} for CUDA ABI {} (query result {})",
-                                 symbol, driver_abi_version, static_cast<int>(status)));
+                                 symbol, driver_abi_version, static_cast<int>(e.status)));
   }
-  fn = std::bit_cast<Fn>(address);
+  fn = std::bit_cast<Fn>(e.address);
 }
 
 /// resolve(), but a symbol the driver does not have leaves fn null instead of throwing.
 template <typename Fn>
 void resolve_optional(const char* symbol, Fn& fn) {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t code = cudaGetDriverEntryPointByVersion(symbol, &address, driver_abi_version,
-                                                            cudaEnableDefault, &status);
-  if (code != cudaSuccess) clear_expected_error(code);
-  fn = code == cudaSuccess && status == cudaDriverEntryPointSuccess ? std::bit_cast<Fn>(address)
-                                                                    : nullptr;
+  const entry_point e = look_up(symbol);
+  if (e.code != cudaSuccess) clear_expected_error(e.code);
+  fn = e.found() ? std::bit_cast<Fn>(e.address) : nullptr;
 }
 
 driver_api load_driver_api() {
@@ -545,14 +554,10 @@ capture_info cuda_backend::capture_status(stream_handle stream) {
 }
 
 stream_identity cuda_backend::identify(stream_handle stream) {
-  capture_info capture;
-  if (!detail::driver_capture_info(stream, capture)) [[unlikely]]
-    capture = detail::runtime_capture_info(stream);
+  // The base's rule, with the two calls bound statically (no virtual dispatch per allocation).
+  const capture_info capture = cuda_backend::capture_status(stream);
   if (capture.state != capture_state::none) return {capture, 0};
-  std::uint64_t id = 0;
-  if (!detail::driver_stream_id(stream, id)) [[unlikely]]
-    id = detail::runtime_stream_id(stream);
-  return {capture, id};
+  return {capture, cuda_backend::stream_id(stream)};
 }
 
 capture_mode cuda_backend::exchange_capture_mode(capture_mode mode) {

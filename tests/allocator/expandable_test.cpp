@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <nlohmann/json.hpp>
-#include <utility>
 #include <vector>
 
+#include "allocator/churn_script.hpp"
 #include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
 
@@ -412,28 +412,22 @@ TEST(Expandable, ChurnUnderALimitMovesPagesAndNeverRunsOut) {
   config cfg = expandable();
   cfg.memory_limit_bytes = 1200 * MiB;
   sim_allocator a(cfg, o);
-  std::vector<std::pair<void*, std::size_t>> blocks;
-  std::uint64_t seed = 12345;
-  auto next = [&] {
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    return seed >> 33;
-  };
-  for (int op = 0; op < 2000; ++op) {
-    if (blocks.size() < 40 && (next() % 3 != 0 || blocks.empty())) {
-      const std::size_t n = 1 + next() % (48 * MiB);
-      next();  // the GPU test's fill value
-      void* p = a.alloc.allocate(n);
+  std::vector<void*> blocks;
+  churn_script script;
+  for (int op = 0; op < churn_script::k_steps; ++op) {
+    const churn_script::step st = script.next(blocks.size());
+    if (st.allocate) {
+      void* p = a.alloc.allocate(st.bytes);
       ASSERT_NE(p, nullptr) << "op " << op;
-      blocks.emplace_back(p, n);
+      blocks.push_back(p);
     } else {
-      const std::size_t i = next() % blocks.size();
-      a.alloc.deallocate(blocks[i].first);
-      blocks[i] = blocks.back();
+      a.alloc.deallocate(blocks[st.victim]);
+      blocks[st.victim] = blocks.back();
       blocks.pop_back();
     }
     if (op % 100 == 0) a.alloc.check_invariants();
   }
-  for (auto& b : blocks) a.alloc.deallocate(b.first);
+  for (void* b : blocks) a.alloc.deallocate(b);
   const device_stats s = a.stats();
   EXPECT_GT(s.stitched_pages, 0u);
   EXPECT_EQ(s.oom_count, 0u);

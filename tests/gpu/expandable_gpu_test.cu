@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "allocator/churn_script.hpp"
 #include "cucache/config.hpp"
 #include "cucache/cuda_backend.hpp"
 #include "cucache/device_allocator.hpp"
@@ -116,20 +117,15 @@ TEST_F(ExpandableGpu, ChurnKeepsEveryBlocksContents) {
     unsigned char v;
   };
   std::vector<live> blocks;
-  std::uint64_t seed = 12345;
-  auto next = [&] {
-    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-    return seed >> 33;
-  };
-  for (int op = 0; op < 2000; ++op) {
-    if (blocks.size() < 40 && (next() % 3 != 0 || blocks.empty())) {
-      const std::size_t n = 1 + next() % (48 * mib);
-      const auto v = static_cast<unsigned char>(1 + next() % 250);
-      void* p = alloc.allocate(n);
-      fill(p, n, v);
-      blocks.push_back({p, n, v});
+  cucache::test::churn_script script;
+  for (int op = 0; op < cucache::test::churn_script::k_steps; ++op) {
+    const auto st = script.next(blocks.size());
+    if (st.allocate) {
+      void* p = alloc.allocate(st.bytes);
+      fill(p, st.bytes, st.value);
+      blocks.push_back({p, st.bytes, st.value});
     } else {
-      const std::size_t i = next() % blocks.size();
+      const std::size_t i = st.victim;
       ASSERT_EQ(mismatches(blocks[i].p, blocks[i].n, blocks[i].v), 0u) << "op " << op;
       alloc.deallocate(blocks[i].p);
       blocks[i] = blocks.back();
