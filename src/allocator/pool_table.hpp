@@ -58,9 +58,8 @@ class pool_table {
   /// The key of any stream: its capture key while it is being captured, its id otherwise.
   [[nodiscard]] std::uint64_t any_stream_key(stream_handle stream) const {
     if (stream == nullptr) return k_legacy_stream_key;
-    return streams_.capture_status(stream).state != capture_state::none
-               ? capture_key(stream)
-               : streams_.stream_id(stream);
+    const stream_identity who = streams_.identify(stream);
+    return who.capture.state != capture_state::none ? capture_key(stream) : who.id;
   }
   /// True when `stream`, named by the caller, is the stream p serves (handles equal, and for the
   /// per-thread handle the ids too). A destroyed stream's pool is never confused with a live one
