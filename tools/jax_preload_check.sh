@@ -7,10 +7,11 @@
 #   addr_plain.log / addr_preload.log + addr_report.txt
 #                          cuMemGetAddressRange of two allocations, from inside each, through
 #                          libcuda as ctypes finds it (dlsym): plain (the driver) and under the shim
-#   jax_plain.log          the JAX program without the shim (reference result)
-#   jax_preload.log + jax_report.txt
+#   jax_ALLOC_plain.log    the JAX program without the shim (reference result), for each XLA
+#                          allocator ALLOC in platform, cuda_async, default
+#   jax_ALLOC_preload.log + jax_ALLOC_report.txt
 #                          the same under the shim, CUCACHE_REPORT's counts
-#   jax_lookups.txt        CUCACHE_PRELOAD_TRACE=1: every cuMem*/cuGetProcAddress lookup the shim
+#   jax_ALLOC_lookups.txt  CUCACHE_PRELOAD_TRACE=1: every cuMem*/cuGetProcAddress lookup the shim
 #                          saw, with the object that asked and whether cucache answers it
 #   jax_dlsym_bindings.txt LD_DEBUG=bindings, filtered: where each object's dlsym, cuGetProcAddress
 #                          and cuMemAlloc references were bound (the shim, or libc/libcuda directly)
@@ -100,16 +101,26 @@ print(f"jax_program: total {total:.6e}, expected {want:.6e}")
 assert abs(total - want) <= 1e-4 * want, (total, want)
 print("jax_program: OK")
 PY
+# Each XLA allocator: platform (a cuMemAlloc per buffer), cuda_async (cuMemAllocFromPoolAsync on the
+# device's default pool, which the shim answers since issue 23) and default (XLA's BFC allocator
+# over one large allocation). Plain, then under the shim; results must match; the report's first
+# line says how many allocations cucache answered and how many came from the default pool.
+for alloc in platform cuda_async default; do
+  export XLA_PYTHON_CLIENT_ALLOCATOR=$alloc
+  "$py" "$out/jax_program.py" > "$out/jax_${alloc}_plain.log" 2>&1 \
+    || fail "JAX ($alloc) without the shim: $(tail -3 "$out/jax_${alloc}_plain.log")"
+  LD_PRELOAD="$shim" CUCACHE_REPORT="$out/jax_${alloc}_report.txt" CUCACHE_PRELOAD_TRACE=1 \
+    "$py" "$out/jax_program.py" > "$out/jax_${alloc}_preload.log" 2>&1 \
+    || fail "JAX ($alloc) under the shim: $(grep -v 'preload trace' "$out/jax_${alloc}_preload.log" | tail -3)"
+  grep "cucache preload trace:" "$out/jax_${alloc}_preload.log" | sort | uniq -c | sort -rn \
+    > "$out/jax_${alloc}_lookups.txt"
+  say "jax $alloc plain:   $(grep -E 'jax_program: (OK|total)' "$out/jax_${alloc}_plain.log" | tr '\n' ' ')"
+  say "jax $alloc preload: $(grep -E 'jax_program: (OK|total)' "$out/jax_${alloc}_preload.log" | tr '\n' ' ')"
+  say "jax $alloc report:  $(head -1 "$out/jax_${alloc}_report.txt" 2>/dev/null || echo none)"
+  say "jax $alloc lookups: $(wc -l < "$out/jax_${alloc}_lookups.txt") distinct; cuMemAlloc ones:"
+  grep -i "cuMemAlloc" "$out/jax_${alloc}_lookups.txt" | head -8 | tee -a "$out/summary.txt"
+done
 export XLA_PYTHON_CLIENT_ALLOCATOR=platform
-"$py" "$out/jax_program.py" > "$out/jax_plain.log" 2>&1 || fail "JAX without the shim: $(tail -3 "$out/jax_plain.log")"
-LD_PRELOAD="$shim" CUCACHE_REPORT="$out/jax_report.txt" CUCACHE_PRELOAD_TRACE=1 \
-  "$py" "$out/jax_program.py" > "$out/jax_preload.log" 2>&1 || fail "JAX under the shim: $(grep -v 'preload trace' "$out/jax_preload.log" | tail -3)"
-grep "cucache preload trace:" "$out/jax_preload.log" | sort | uniq -c | sort -rn > "$out/jax_lookups.txt"
-say "jax plain:   $(grep -E 'jax_program: (OK|total)' "$out/jax_plain.log" | tr '\n' ' ')"
-say "jax preload: $(grep -E 'jax_program: (OK|total)' "$out/jax_preload.log" | tr '\n' ' ')"
-say "jax report:  $(head -1 "$out/jax_report.txt" 2>/dev/null || echo none)"
-say "jax lookups: $(wc -l < "$out/jax_lookups.txt") distinct (jax_lookups.txt); cuMemAlloc ones:"
-grep -i "cuMemAlloc" "$out/jax_lookups.txt" | head -8 | tee -a "$out/summary.txt"
 # Where each object's dlsym / cuGetProcAddress / cuMemAlloc references were bound.
 mkdir -p "$out/ld"
 LD_PRELOAD="$shim" LD_DEBUG=bindings LD_DEBUG_OUTPUT="$out/ld/bind" \

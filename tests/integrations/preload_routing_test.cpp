@@ -35,10 +35,18 @@ struct fake_calls {
   int range = 0;
   int sync = 0;
   int retain = 0;
+  int pool_alloc = 0;
+  int pool_alloc_ptsz = 0;
+  cu_mem_pool last_pool = nullptr;
+  cu_device device = 0;  // what cuCtxGetDevice answers; < 0: it fails (no context)
   cu_deviceptr last_ptr = 0;
   cu_stream last_stream = reinterpret_cast<cu_stream>(std::uintptr_t{0xdead});
 };
 fake_calls g_calls;
+
+cu_mem_pool default_pool_of(cu_device dev) {
+  return reinterpret_cast<cu_mem_pool>(std::uintptr_t{0x100} + static_cast<std::uintptr_t>(dev));
+}
 
 real_driver fake_driver() {
   real_driver d;
@@ -79,6 +87,32 @@ real_driver fake_driver() {
   d.mem_retain_allocation_handle = [](cu_mem_handle* h, void*) -> cu_result {
     ++g_calls.retain;
     *h = 1;
+    return k_success;
+  };
+  d.mem_alloc_from_pool_async = [](cu_deviceptr* p, std::size_t, cu_mem_pool pool,
+                                   cu_stream s) -> cu_result {
+    ++g_calls.pool_alloc;
+    g_calls.last_pool = pool;
+    g_calls.last_stream = s;
+    *p = 0x1000;
+    return k_success;
+  };
+  d.mem_alloc_from_pool_async_ptsz = [](cu_deviceptr* p, std::size_t, cu_mem_pool pool,
+                                        cu_stream s) -> cu_result {
+    ++g_calls.pool_alloc_ptsz;
+    g_calls.last_pool = pool;
+    g_calls.last_stream = s;
+    *p = 0x2000;
+    return k_success;
+  };
+  d.ctx_get_device = [](cu_device* dev) -> cu_result {
+    if (g_calls.device < 0) return 201;  // CUDA_ERROR_INVALID_CONTEXT
+    *dev = g_calls.device;
+    return k_success;
+  };
+  // Device n's default pool is the handle 0x100 + n.
+  d.device_get_default_mem_pool = [](cu_mem_pool* pool, cu_device dev) -> cu_result {
+    *pool = default_pool_of(dev);
     return k_success;
   };
   return d;
@@ -386,3 +420,48 @@ TEST_F(PreloadRouting, ReportShowsCountsAndTheSummary) {
 }
 
 }  // namespace
+
+TEST_F(PreloadRouting, AllocationsFromTheDefaultPoolAreCucachesAndOtherPoolsAreTheDrivers) {
+  const auto allocations = stats().allocations.load();
+  const auto pooled = stats().pool_allocations.load();
+  const auto forwarded = stats().forwarded_pool_allocations.load();
+  // The default pool of the context's device: cucache's, ordered on the stream as cuMemAllocAsync.
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc_from_pool_async(real, &p, k_mib, default_pool_of(0), stream_n(1), false),
+            k_success);
+  ASSERT_NE(p, 0U);
+  EXPECT_EQ(g_calls.pool_alloc, 0);
+  EXPECT_EQ(stats().allocations.load(), allocations + 1);
+  EXPECT_EQ(stats().pool_allocations.load(), pooled + 1);
+  EXPECT_GE(cucache::get().allocation_size(reinterpret_cast<void*>(p)), k_mib);
+  // Its free is cucache's (cuMemFreeAsync), never the driver's.
+  ASSERT_EQ(mem_free_async(real, p, stream_n(1), false), k_success);
+  EXPECT_EQ(g_calls.mem_free_async, 0);
+
+  // A pool the program made, or another device's default pool: the driver's, untouched.
+  const auto own_pool = reinterpret_cast<cu_mem_pool>(std::uintptr_t{0x5000});
+  cu_deviceptr q = 0;
+  ASSERT_EQ(mem_alloc_from_pool_async(real, &q, k_mib, own_pool, stream_n(2), false), k_success);
+  EXPECT_EQ(q, 0x1000U);
+  EXPECT_EQ(g_calls.pool_alloc, 1);
+  EXPECT_EQ(g_calls.last_pool, own_pool);
+  EXPECT_EQ(g_calls.last_stream, stream_n(2));
+  ASSERT_EQ(mem_alloc_from_pool_async(real, &q, k_mib, default_pool_of(1), nullptr, true),
+            k_success);
+  EXPECT_EQ(q, 0x2000U);
+  EXPECT_EQ(g_calls.pool_alloc_ptsz, 1);
+  EXPECT_EQ(g_calls.last_stream, nullptr);  // the _ptsz entry point gets the program's stream 0
+  // No context: the driver cannot say which pool is the default, so the driver answers.
+  g_calls.device = -1;
+  ASSERT_EQ(mem_alloc_from_pool_async(real, &q, k_mib, default_pool_of(0), nullptr, false),
+            k_success);
+  EXPECT_EQ(g_calls.pool_alloc, 2);
+  EXPECT_EQ(stats().allocations.load(), allocations + 1);
+  EXPECT_EQ(stats().pool_allocations.load(), pooled + 1);
+  EXPECT_EQ(stats().forwarded_pool_allocations.load(), forwarded + 3);
+  // A zero-byte request from the default pool is refused as cuMemAllocAsync's is.
+  g_calls.device = 0;
+  EXPECT_EQ(mem_alloc_from_pool_async(real, &q, 0, default_pool_of(0), nullptr, false),
+            k_invalid_value);
+  EXPECT_EQ(g_calls.pool_alloc, 2);
+}

@@ -171,6 +171,35 @@ cu_result mem_alloc(const real_driver& /*real*/, cu_deviceptr* dptr, std::size_t
   return allocate(dptr, bytes, stream, "cuMemAlloc");
 }
 
+namespace {
+// Whether `pool` is the default memory pool of the device of the calling thread's context. False
+// when the driver cannot say (no context, no entry point): the caller then forwards.
+bool is_current_default_pool(const real_driver& real, cu_mem_pool pool) noexcept {
+  if (pool == nullptr || real.ctx_get_device == nullptr ||
+      real.device_get_default_mem_pool == nullptr) {
+    return false;
+  }
+  cu_device device = 0;
+  if (real.ctx_get_device(&device) != k_success) return false;
+  cu_mem_pool default_pool = nullptr;
+  if (real.device_get_default_mem_pool(&default_pool, device) != k_success) return false;
+  return pool == default_pool;
+}
+}  // namespace
+
+cu_result mem_alloc_from_pool_async(const real_driver& real, cu_deviceptr* dptr, std::size_t bytes,
+                                    cu_mem_pool pool, cu_stream stream, bool ptsz) noexcept {
+  if (is_current_default_pool(real, pool)) {
+    const cu_result rc = allocate(dptr, bytes, ptsz && stream == nullptr ? k_stream_per_thread : stream,
+                                  "cuMemAllocFromPoolAsync");
+    if (rc == k_success) stats().pool_allocations.fetch_add(1, std::memory_order_relaxed);
+    return rc;
+  }
+  stats().forwarded_pool_allocations.fetch_add(1, std::memory_order_relaxed);
+  auto fn = ptsz ? real.mem_alloc_from_pool_async_ptsz : real.mem_alloc_from_pool_async;
+  return fn != nullptr ? fn(dptr, bytes, pool, stream) : k_not_found;
+}
+
 cu_result mem_alloc_pitch(const real_driver& /*real*/, cu_deviceptr* dptr, std::size_t* pitch,
                           std::size_t width, std::size_t height, unsigned int element) noexcept {
   if (dptr == nullptr || pitch == nullptr) return k_invalid_value;
@@ -324,9 +353,11 @@ std::string report_text() {
   std::string out = fmt::format(
       "cucache preload report: {} allocations and {} frees by cucache, {} foreign frees forwarded "
       "to the driver, {} bad frees refused, {} IPC handles refused, {} address ranges "
-      "answered\n",
+      "answered; {} of the allocations from a default memory pool, {} from other pools forwarded "
+      "to the driver\n",
       c.allocations.load(), c.frees.load(), c.forwarded_frees.load(), c.bad_frees.load(),
-      c.refused.load(), c.address_ranges.load());
+      c.refused.load(), c.address_ranges.load(), c.pool_allocations.load(),
+      c.forwarded_pool_allocations.load());
   registry* r = registry::if_built();
   if (r == nullptr) return out + "cucache: no device was used\n";
   out += fmt::format("backend {}, CUCACHE_CONF='{}'\n", to_string(r->kind()),

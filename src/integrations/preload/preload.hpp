@@ -19,6 +19,8 @@ using cu_result = int;                     // CUresult
 using cu_deviceptr = unsigned long long;   // CUdeviceptr (v2)
 using cu_stream = struct CUstream_st*;     // CUstream
 using cu_mem_handle = unsigned long long;  // CUmemGenericAllocationHandle
+using cu_mem_pool = struct CUmemPoolHandle_st*;  // CUmemoryPool
+using cu_device = int;                     // CUdevice
 
 inline constexpr cu_result k_success = 0;           // CUDA_SUCCESS
 inline constexpr cu_result k_invalid_value = 1;     // CUDA_ERROR_INVALID_VALUE
@@ -47,6 +49,12 @@ struct real_driver {
   cu_result (*mem_get_address_range)(cu_deviceptr*, std::size_t*, cu_deviceptr) = nullptr;
   cu_result (*ctx_synchronize)() = nullptr;
   cu_result (*mem_retain_allocation_handle)(cu_mem_handle*, void*) = nullptr;
+  cu_result (*mem_alloc_from_pool_async)(cu_deviceptr*, std::size_t, cu_mem_pool,
+                                         cu_stream) = nullptr;
+  cu_result (*mem_alloc_from_pool_async_ptsz)(cu_deviceptr*, std::size_t, cu_mem_pool,
+                                              cu_stream) = nullptr;
+  cu_result (*ctx_get_device)(cu_device*) = nullptr;
+  cu_result (*device_get_default_mem_pool)(cu_mem_pool*, cu_device) = nullptr;
 };
 
 /// What a plain free (cuMemFree, so cudaFree) does before the block is reused.
@@ -61,6 +69,8 @@ enum class free_mode : std::uint8_t {
 /// Counters of what the routing did, for the exit report and the tests.
 struct counters {
   std::atomic<std::uint64_t> allocations{0};      ///< answered by cucache
+  std::atomic<std::uint64_t> pool_allocations{0};  ///< of those, from a default memory pool
+  std::atomic<std::uint64_t> forwarded_pool_allocations{0};  ///< other pools, given to the driver
   std::atomic<std::uint64_t> frees{0};            ///< of cucache memory
   std::atomic<std::uint64_t> forwarded_frees{0};  ///< foreign pointers given to the driver
   std::atomic<std::uint64_t> bad_frees{0};        ///< refused: inside cucache memory, not live
@@ -76,6 +86,15 @@ struct counters {
 // message also goes to stderr with a "cucache preload:" prefix.
 cu_result mem_alloc(const real_driver& real, cu_deviceptr* dptr, std::size_t bytes,
                     cu_stream stream) noexcept;
+/// cuMemAllocFromPoolAsync (`ptsz`: the _ptsz variant). An allocation from the *default* memory
+/// pool of the context's device is what cuMemAllocAsync does, and cucache answers it as it answers
+/// cuMemAllocAsync (XLA's cuda_async allocator, the CUDA runtime's cudaMallocFromPoolAsync on
+/// cudaDeviceGetDefaultMemPool). Any other pool -- one the program created, or the default pool of
+/// another device -- is the program's own object, with its own release threshold, access and
+/// export rules: forwarded to the driver. Also forwarded when the driver cannot say which pool is
+/// the default (no current context, a driver without the entry points).
+cu_result mem_alloc_from_pool_async(const real_driver& real, cu_deviceptr* dptr, std::size_t bytes,
+                                    cu_mem_pool pool, cu_stream stream, bool ptsz) noexcept;
 cu_result mem_alloc_pitch(const real_driver& real, cu_deviceptr* dptr, std::size_t* pitch,
                           std::size_t width, std::size_t height, unsigned int element) noexcept;
 /// cuMemFree. `mode` as free_mode_from_env() unless a test says otherwise. In a child forked after

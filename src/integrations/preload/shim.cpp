@@ -97,6 +97,10 @@ const real_entry_points& real() noexcept {
     resolve(e.drv.mem_get_address_range, "cuMemGetAddressRange_v2");
     resolve(e.drv.ctx_synchronize, "cuCtxSynchronize");
     resolve(e.drv.mem_retain_allocation_handle, "cuMemRetainAllocationHandle");
+    resolve(e.drv.mem_alloc_from_pool_async, "cuMemAllocFromPoolAsync");
+    resolve(e.drv.mem_alloc_from_pool_async_ptsz, "cuMemAllocFromPoolAsync_ptsz");
+    resolve(e.drv.ctx_get_device, "cuCtxGetDevice");
+    resolve(e.drv.device_get_default_mem_pool, "cuDeviceGetDefaultMemPool");
     resolve(e.get_proc_address, "cuGetProcAddress");
     resolve(e.get_proc_address_v2, "cuGetProcAddress_v2");
     return e;
@@ -176,6 +180,30 @@ CUCACHE_PRELOAD_API cu_result cuMemAllocAsync_ptsz(cu_deviceptr* dptr, std::size
   }
   inside guard;
   return mem_alloc(r, dptr, bytes, stream == nullptr ? k_stream_per_thread : stream);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemAllocFromPoolAsync(cu_deviceptr* dptr, std::size_t bytes,
+                                                      cu_mem_pool pool, cu_stream stream) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_alloc_from_pool_async != nullptr
+               ? r.mem_alloc_from_pool_async(dptr, bytes, pool, stream)
+               : k_not_found;
+  }
+  inside guard;
+  return mem_alloc_from_pool_async(r, dptr, bytes, pool, stream, false);
+}
+
+CUCACHE_PRELOAD_API cu_result cuMemAllocFromPoolAsync_ptsz(cu_deviceptr* dptr, std::size_t bytes,
+                                                           cu_mem_pool pool, cu_stream stream) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.mem_alloc_from_pool_async_ptsz != nullptr
+               ? r.mem_alloc_from_pool_async_ptsz(dptr, bytes, pool, stream)
+               : k_not_found;
+  }
+  inside guard;
+  return mem_alloc_from_pool_async(r, dptr, bytes, pool, stream, true);
 }
 
 CUCACHE_PRELOAD_API cu_result cuMemAllocPitch_v2(cu_deviceptr* dptr, std::size_t* pitch,
@@ -285,6 +313,8 @@ void* replacement(const char* symbol, int version, std::uint64_t flags) noexcept
        reinterpret_cast<void*>(&cuMemAllocAsync_ptsz)},
       {"cuMemFreeAsync", 11020, reinterpret_cast<void*>(&cuMemFreeAsync),
        reinterpret_cast<void*>(&cuMemFreeAsync_ptsz)},
+      {"cuMemAllocFromPoolAsync", 11020, reinterpret_cast<void*>(&cuMemAllocFromPoolAsync),
+       reinterpret_cast<void*>(&cuMemAllocFromPoolAsync_ptsz)},
       {"cuMemRetainAllocationHandle", 11000, reinterpret_cast<void*>(&cuMemRetainAllocationHandle),
        nullptr},
   };
@@ -315,6 +345,8 @@ void* exported(const char* name) noexcept {
       {"cuMemAllocAsync_ptsz", reinterpret_cast<void*>(&cuMemAllocAsync_ptsz)},
       {"cuMemFreeAsync", reinterpret_cast<void*>(&cuMemFreeAsync)},
       {"cuMemFreeAsync_ptsz", reinterpret_cast<void*>(&cuMemFreeAsync_ptsz)},
+      {"cuMemAllocFromPoolAsync", reinterpret_cast<void*>(&cuMemAllocFromPoolAsync)},
+      {"cuMemAllocFromPoolAsync_ptsz", reinterpret_cast<void*>(&cuMemAllocFromPoolAsync_ptsz)},
       {"cuMemAllocPitch_v2", reinterpret_cast<void*>(&cuMemAllocPitch_v2)},
       {"cuMemGetInfo_v2", reinterpret_cast<void*>(&cuMemGetInfo_v2)},
       {"cuIpcGetMemHandle", reinterpret_cast<void*>(&cuIpcGetMemHandle)},

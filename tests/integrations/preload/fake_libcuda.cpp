@@ -10,6 +10,7 @@
 using cu_result = int;
 using cu_deviceptr = unsigned long long;
 using cu_stream = struct CUstream_st*;
+using cu_mem_pool = struct CUmemPoolHandle_st*;
 
 namespace {
 int g_counts[16];
@@ -26,7 +27,8 @@ enum counter {
   range,
   sync,
   v1_alloc,
-  retain
+  retain,
+  pool_alloc
 };
 cu_deviceptr host_alloc(std::size_t n) {
   return static_cast<cu_deviceptr>(reinterpret_cast<std::uintptr_t>(std::malloc(n)));
@@ -113,6 +115,23 @@ __attribute__((visibility("default"))) cu_result cuMemRetainAllocationHandle(uns
   *h = 1;
   return 0;
 }
+// Every device's default pool is 0x100 + its ordinal; the context's device is 0.
+__attribute__((visibility("default"))) cu_result cuCtxGetDevice(int* dev) {
+  *dev = 0;
+  return 0;
+}
+__attribute__((visibility("default"))) cu_result cuDeviceGetDefaultMemPool(cu_mem_pool* pool,
+                                                                           int dev) {
+  *pool = reinterpret_cast<cu_mem_pool>(std::uintptr_t{0x100} + static_cast<std::uintptr_t>(dev));
+  return 0;
+}
+__attribute__((visibility("default"))) cu_result cuMemAllocFromPoolAsync(cu_deviceptr* p,
+                                                                         std::size_t n,
+                                                                         cu_mem_pool, cu_stream) {
+  ++g_counts[pool_alloc];
+  *p = host_alloc(n);
+  return 0;
+}
 __attribute__((visibility("default"))) cu_result cuCtxSynchronize() {
   ++g_counts[sync];
   return 0;
@@ -148,6 +167,7 @@ cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version, std::
       {"cuIpcGetMemHandle", reinterpret_cast<void*>(&cuIpcGetMemHandle)},
       {"cuMemGetAddressRange", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},
       {"cuCtxSynchronize", reinterpret_cast<void*>(&cuCtxSynchronize)},
+      {"cuMemAllocFromPoolAsync", reinterpret_cast<void*>(&cuMemAllocFromPoolAsync)},
       {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&cuMemRetainAllocationHandle)},
       {"cuGetProcAddress", version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
                                             : reinterpret_cast<void*>(&cuGetProcAddress)},

@@ -12,7 +12,7 @@ rm -f "$report"
 LD_LIBRARY_PATH="$fake_dir" "$check" plain
 LD_LIBRARY_PATH="$fake_dir" LD_PRELOAD="$shim" CUCACHE_BACKEND=sim CUCACHE_REPORT="$report" \
   "$check" preloaded
-grep -q "cucache preload report: 4 allocations and 4 frees by cucache, 2 foreign frees" "$report" \
+grep -q "cucache preload report: 5 allocations and 5 frees by cucache, 3 foreign frees" "$report" \
   || { echo "preload_e2e: unexpected report:"; cat "$report"; exit 1; }
 grep -q -- "--- device 0 ---" "$report" || { echo "preload_e2e: no summary in report"; exit 1; }
 grep -q "1 address ranges answered" "$report" || { echo "preload_e2e: no address range:"; cat "$report"; exit 1; }
@@ -48,7 +48,7 @@ out=$(LD_PRELOAD="$shim" CUCACHE_REPORT=stderr /bin/echo unaffected 2>&1)
 [[ $out == *unaffected* ]] || { echo "preload_e2e: /bin/echo under the shim: $out"; exit 1; }
 # Only the interposed symbols are exported.
 if command -v nm > /dev/null; then
-  extra=$(nm -D --defined-only "$shim" | awk '{print $3}' | grep -v -E '^(dlsym|cuGetProcAddress(_v2)?|cuMemAlloc_v2|cuMemAllocAsync(_ptsz)?|cuMemAllocPitch_v2|cuMemFree_v2|cuMemFreeAsync(_ptsz)?|cuMemGetInfo_v2|cuIpcGetMemHandle|cuMemGetAddressRange_v2|cuMemRetainAllocationHandle)$' || true)
+  extra=$(nm -D --defined-only "$shim" | awk '{print $3}' | grep -v -E '^(dlsym|cuGetProcAddress(_v2)?|cuMemAlloc_v2|cuMemAllocAsync(_ptsz)?|cuMemAllocFromPoolAsync(_ptsz)?|cuMemAllocPitch_v2|cuMemFree_v2|cuMemFreeAsync(_ptsz)?|cuMemGetInfo_v2|cuIpcGetMemHandle|cuMemGetAddressRange_v2|cuMemRetainAllocationHandle)$' || true)
   [[ -z $extra ]] || { echo "preload_e2e: unexpected exports: $extra"; exit 1; }
 fi
 echo "preload_e2e: OK"

@@ -25,6 +25,8 @@ using info_fn = cu_result (*)(std::size_t*, std::size_t*);
 using ipc_fn = cu_result (*)(void*, cu_deviceptr);
 using range_fn = cu_result (*)(cu_deviceptr*, std::size_t*, cu_deviceptr);
 using retain_fn = cu_result (*)(unsigned long long*, void*);
+using cu_mem_pool = struct CUmemPoolHandle_st*;
+using pool_alloc_fn = cu_result (*)(cu_deviceptr*, std::size_t, cu_mem_pool, cu_stream);
 using count_fn = int (*)(int);
 using raw_alloc_fn = cu_deviceptr (*)(std::size_t);
 
@@ -50,7 +52,8 @@ enum counter {
   c_range,
   c_sync,
   c_v1_alloc,
-  c_retain
+  c_retain,
+  c_pool_alloc
 };
 }  // namespace
 
@@ -118,6 +121,7 @@ int main(int argc, char** argv) {
   auto ipc_get = reinterpret_cast<ipc_fn>(get("cuIpcGetMemHandle", 12000, 0));
   auto range = reinterpret_cast<range_fn>(get("cuMemGetAddressRange", 12000, 0));
   auto retain = reinterpret_cast<retain_fn>(get("cuMemRetainAllocationHandle", 12000, 0));
+  auto pool_alloc = reinterpret_cast<pool_alloc_fn>(get("cuMemAllocFromPoolAsync", 12000, 0));
   auto old_alloc = get("cuMemAlloc", 3000, 0);
   if (failures != 0) return 1;
   if (argc > 2 && std::strcmp(argv[1], "fork") == 0)
@@ -164,6 +168,21 @@ int main(int argc, char** argv) {
   const cu_deviceptr foreign2 = raw_alloc(256);
   expect(ipc_get(handle, foreign2) == 0, "IPC on foreign memory is the driver's");
   expect(mem_free(foreign2) == 0, "the second foreign block goes back to the driver");
+  // cuMemAllocFromPoolAsync: from the device's default pool (the fake's 0x100) cucache's, from a
+  // pool the program made the driver's; both freed through cuMemFreeAsync.
+  {
+    const auto default_pool = reinterpret_cast<cu_mem_pool>(std::uintptr_t{0x100});
+    const auto own_pool = reinterpret_cast<cu_mem_pool>(std::uintptr_t{0x200});
+    cu_deviceptr q = 0;
+    expect(pool_alloc(&q, 8192, default_pool, nullptr) == 0 && q != 0, "default pool allocation");
+    expect(count(c_pool_alloc) == n, "an allocation from the default pool is cucache's");
+    expect(free_async(q, nullptr) == 0, "cuMemFreeAsync of the default pool's allocation");
+    expect(count(c_free_async) == 2 * n, "its free stays in cucache");
+    expect(pool_alloc(&q, 8192, own_pool, nullptr) == 0 && q != 0, "own pool allocation");
+    expect(count(c_pool_alloc) == n + 1, "an allocation from the program's own pool is the driver's");
+    expect(free_async(q, nullptr) == 0 && count(c_free_async) == 2 * n + 1,
+           "its free is the driver's");
+  }
   // An old ABI is not replaced: the fake's own 32-bit cuMemAlloc.
   expect(old_alloc == dlsym(h, "cuMemAlloc"), "cuMemAlloc at ABI 3000 is the driver's");
   // Direct dlsym of an interposed symbol gives the shim's when preloaded.
