@@ -46,6 +46,13 @@ def child(args: argparse.Namespace) -> None:
         info = cucache_torch.installed()
     import workloads
 
+    if args.allocator == "cucache":
+        # What the allocator did in each step: VM calls, synchronizations, device allocations.
+        def probe() -> dict[str, int]:
+            st = cucache_torch.memory_stats()
+            return {k: int(v) for k, v in st.items()
+                    if k.startswith(("vm_", "sync_", "num_device_", "num_sync"))}
+        workloads.STEP_PROBE = probe
     torch.backends.cudnn.benchmark = False  # heuristics, the same choice in both runs
     t0 = time.perf_counter()
     res = workloads.WORKLOADS[args.workload](args.steps)
@@ -61,6 +68,11 @@ def child(args: argparse.Namespace) -> None:
             "fragmentation_overhead_end": s["fragmentation.overhead"],
             "bad_frees": cucache_torch.bad_free_count(),
         }
+        # Totals over the timed steps (after WARMUP): what the allocator still did in a steady loop.
+        probes = workloads.PROBES
+        if len(probes) > WARMUP:
+            first, last = probes[WARMUP - 1], probes[-1]
+            extra["timed_steps_allocator"] = {k: last[k] - first.get(k, 0) for k in last}
     else:
         s = torch.cuda.memory_stats()
         peak_reserved = torch.cuda.max_memory_reserved()

@@ -12,6 +12,10 @@ from typing import Any, Callable
 import torch
 
 SEED = 1234
+# Set by run_workloads.py under cucache: called after each step's synchronize, outside the timed
+# window; its snapshots (PROBES, one per step) say what the allocator did during each step.
+STEP_PROBE: Callable[[], dict[str, int]] | None = None
+PROBES: list[dict[str, int]] = []
 
 
 def _timed(step: Callable[[int], Any], steps: int) -> tuple[list[Any], list[float]]:
@@ -22,6 +26,8 @@ def _timed(step: Callable[[int], Any], steps: int) -> tuple[list[Any], list[floa
         outs.append(step(i))
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000.0)
+        if STEP_PROBE is not None:
+            PROBES.append(STEP_PROBE())
     return outs, times
 
 

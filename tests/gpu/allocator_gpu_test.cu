@@ -169,6 +169,17 @@ std::uint64_t test_seed() {
   return 0x6375636163686531ull;
 }
 
+// CUCACHE_STRESS_SCALE (0 < x <= 1) shortens the two long tests (the churn's operations, the
+// workers' cycles), so that compute-sanitizer's racecheck, which slows every fill kernel down,
+// runs the whole suite to its end (tools/gpu_suite.sh racecheck). Full size without it.
+std::size_t scaled(std::size_t n) {
+  if (const char* text = std::getenv("CUCACHE_STRESS_SCALE")) {
+    const double v = std::strtod(text, nullptr);
+    if (v > 0 && v < 1) return std::max<std::size_t>(1, static_cast<std::size_t>(n * v));
+  }
+  return n;
+}
+
 // A non-blocking stream: it does not synchronize with the legacy default stream, so the
 // allocator's per-stream pools face truly independent streams.
 class owned_stream {
@@ -386,7 +397,7 @@ TEST(AllocatorGpu, RandomChurnOnFourStreamsNeverOverlapsOrCorruptsBlocks) {
   CUCACHE_REQUIRE_GPU();
   const std::uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed) + " (CUCACHE_GPU_TEST_SEED replays another)");
-  constexpr std::size_t ops = 10000;
+  const std::size_t ops = scaled(10000);
   constexpr std::size_t max_live = 300;
   constexpr std::size_t max_live_bytes = 8 * gib;
   constexpr std::size_t max_bytes = 64 * mib;
@@ -623,7 +634,7 @@ TEST(AllocatorGpu, FreeOnAnotherStreamDefersReuseUntilThatStreamFinishes) {
 
 // --- 4. threads --------------------------------------------------------------------------------
 
-constexpr std::size_t worker_cycles = 2000;
+const std::size_t worker_cycles = scaled(2000);
 constexpr std::size_t worker_window = 4;  // blocks each worker keeps live, so frees interleave
 constexpr std::size_t worker_max_bytes = 4 * mib;
 
