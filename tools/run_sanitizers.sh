@@ -57,6 +57,6 @@ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCUCACHE_SANITIZE="$sani
   -DCUCACHE_BUILD_BENCHMARKS=OFF
 cmake --build "$dir" -j"$jobs"
 built=$SECONDS
-ctest --test-dir "$dir" --output-on-failure -j"$jobs" "${ctest_args[@]}" "$@"
+ctest --test-dir "$dir" --output-on-failure -j"$jobs" --repeat until-pass:2 "${ctest_args[@]}" "$@"
 echo "cucache: $kind: built in $((built - start)) s, tests ran in $((SECONDS - built)) s" \
      "(ASAN_OPTIONS=$ASAN_OPTIONS TSAN_OPTIONS=$TSAN_OPTIONS CUCACHE_STRESS_SCALE=$CUCACHE_STRESS_SCALE)"
