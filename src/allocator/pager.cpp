@@ -97,14 +97,14 @@ void pager::idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t
     return;
   }
   idle_run* u = p.pages.runs.make();
+  u->first = first;
   try {
-    r.idle_runs.emplace(first, u);
+    r.insert_idle_run(u);
   } catch (...) {
     p.pages.runs.recycle(u);
     throw;
   }
   u->range = &r;
-  u->first = first;
   u->end = end;
   u->epoch = epoch;
   u->older = h;
@@ -123,22 +123,28 @@ void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_
 }
 
 void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) {
-  auto it = r.idle_runs.upper_bound(first);
-  if (it != r.idle_runs.begin() && std::prev(it)->second->end > first) --it;
+  auto it = r.idle_runs.end();
+  if (const idle_run* h = p.pages.idle_head;
+      h != nullptr && h->range == &r && h->first <= first && h->end > last) {
+    it = h->pos;  // the most recently idle run holds the span (a loop's carve): the only one
+  } else {
+    it = r.idle_runs.upper_bound(first);
+    if (it != r.idle_runs.begin() && std::prev(it)->second->end > first) --it;
+  }
   while (it != r.idle_runs.end() && it->first <= last) {
     idle_run* u = it->second;
     if (u->first < first && u->end > last + 1) {
       // [first, last] inside u: u keeps its lower part, a run of the upper part goes just newer
       // than it (the upper pages went idle after the lower ones, before every newer run's).
       idle_run* hi = p.pages.runs.make();
+      hi->first = last + 1;
       try {
-        r.idle_runs.emplace(last + 1, hi);
+        r.insert_idle_run(hi);
       } catch (...) {
         p.pages.runs.recycle(hi);
         throw;
       }
       hi->range = &r;
-      hi->first = last + 1;
       hi->end = u->end;
       hi->epoch = u->epoch;
       hi->older = u;
@@ -157,15 +163,13 @@ void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::siz
     }
     if (u->end > last + 1) {  // u's lower part: u starts after last now
       add_idle_bytes(p, last + 1 - u->first, false);
-      auto node = r.idle_runs.extract(it);
-      node.key() = last + 1;
       u->first = last + 1;
-      r.idle_runs.insert(std::move(node));
+      r.rekey_idle_run(u);
       return;
     }
     add_idle_bytes(p, u->pages(), false);  // all of u
     list_unlink(p, u);
-    it = r.idle_runs.erase(it);
+    it = r.erase_idle_run(it);
     p.pages.runs.recycle(u);
   }
 }

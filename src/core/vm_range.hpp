@@ -41,6 +41,7 @@ struct idle_run {
   std::uint64_t epoch = 0;       // device synchronizations started when it went idle
   idle_run* newer = nullptr;     // toward the list's head (most recently idle)
   idle_run* older = nullptr;     // toward the list's tail (least recently idle)
+  std::map<std::size_t, idle_run*>::iterator pos;  // its entry in range->idle_runs
   [[nodiscard]] std::size_t pages() const noexcept { return end - first; }
 };
 
@@ -61,17 +62,25 @@ class sparse_page_table {
     const bool empty = v == T{};
     if (c == nullptr) {
       if (empty) return;
-      c = std::make_unique<chunk>();
+      c = spare_ != nullptr ? std::move(spare_) : std::make_unique<chunk>();
     }
     T& slot = c->v[pg % k_chunk];
     const bool was_empty = slot == T{};
     slot = v;
     if (was_empty && !empty) ++c->used;
-    if (!was_empty && empty && --c->used == 0) c.reset();
+    if (!was_empty && empty && --c->used == 0) {
+      // Emptied (every entry T{}): kept as the one spare, so that a block carved and freed
+      // alone in its chunk in a loop allocates nothing; a second emptied chunk is freed.
+      if (spare_ == nullptr) {
+        spare_ = std::move(c);
+      } else {
+        c.reset();
+      }
+    }
   }
-  /// Chunks allocated now (host memory: chunks x sizeof(T) x 512).
+  /// Chunks allocated now, the spare included (host memory: chunks x sizeof(T) x 512).
   [[nodiscard]] std::size_t chunks() const noexcept {
-    std::size_t n = 0;
+    std::size_t n = spare_ != nullptr;
     for (const auto& c : dir_) n += c != nullptr;
     return n;
   }
@@ -92,6 +101,7 @@ class sparse_page_table {
     std::size_t used = 0;  // entries that are not T{}
   };
   std::vector<std::unique_ptr<chunk>> dir_;
+  std::unique_ptr<chunk> spare_;  // an emptied chunk (all T{}), reused before allocating
 };
 
 /// A mapped page: its handle (one page) and whether cuMemSetAccess was done on it.
@@ -115,6 +125,10 @@ struct vm_range {
   sparse_page_table<std::uint32_t> edge_use;
   std::map<std::size_t, std::size_t> mapped_runs;  // maximal runs of mapped pages: first -> end
   std::map<std::size_t, idle_run*> idle_runs;      // the idle runs of this range, by first page
+  /// Nodes of idle_runs erased and kept for the next insert (at most k_spare_nodes): a cache-hit
+  /// alloc+free pair takes a run out and puts one back, and allocates nothing.
+  std::vector<std::map<std::size_t, idle_run*>::node_type> spare_nodes;
+  static constexpr std::size_t k_spare_nodes = 8;
   pool_pages* idle_owner = nullptr;  // the pool's pages whose idle list holds these idle runs
   std::size_t mapped_pages = 0;
   std::size_t no_access_pages = 0;  // mapped pages without access (a batch being backed, a
@@ -128,7 +142,9 @@ struct vm_range {
         kind(k),
         page_count(bytes / page),
         pages(bytes / page),
-        edge_use(bytes / page) {}
+        edge_use(bytes / page) {
+    spare_nodes.reserve(k_spare_nodes);
+  }
 
   /// True when [addr, addr + bytes) is a non-empty span inside the range, computed without
   /// overflow: page_of(addr) and page_of(addr + bytes - 1) are then valid page table indices.
@@ -146,10 +162,43 @@ struct vm_range {
 
   /// The end of the run of mapped pages holding pg, or pg when pg is unmapped. O(log runs).
   [[nodiscard]] std::size_t mapped_run_end(std::size_t pg) const {
+    if (hint_valid_ && hint_->first <= pg && hint_->second > pg) return hint_->second;
     auto it = mapped_runs.upper_bound(pg);
     if (it == mapped_runs.begin()) return pg;
     --it;
-    return it->second > pg ? it->second : pg;
+    if (it->second <= pg) return pg;
+    hint_ = it;
+    hint_valid_ = true;
+    return it->second;
+  }
+  /// Inserts the idle run u keyed by its first page, in a spare node when there is one.
+  void insert_idle_run(idle_run* u) {
+    if (spare_nodes.empty()) {
+      u->pos = idle_runs.emplace(u->first, u).first;
+      return;
+    }
+    auto node = std::move(spare_nodes.back());
+    spare_nodes.pop_back();
+    node.key() = u->first;
+    node.mapped() = u;
+    u->pos = idle_runs.insert(std::move(node)).position;
+  }
+  /// Moves u's entry to its (changed) first page. Allocates nothing.
+  void rekey_idle_run(idle_run* u) {
+    auto node = idle_runs.extract(u->pos);
+    node.key() = u->first;
+    u->pos = idle_runs.insert(std::move(node)).position;
+  }
+  /// Erases the entry at it, keeping its node as a spare; returns the next entry.
+  std::map<std::size_t, idle_run*>::iterator erase_idle_run(
+      std::map<std::size_t, idle_run*>::iterator it) {
+    auto next = std::next(it);
+    if (spare_nodes.size() < k_spare_nodes && spare_nodes.size() < spare_nodes.capacity()) {
+      spare_nodes.push_back(idle_runs.extract(it));
+    } else {
+      idle_runs.erase(it);
+    }
+    return next;
   }
   /// pg is in an idle run (mapped, touched by no block). O(log runs).
   [[nodiscard]] bool idle(std::size_t pg) const {
@@ -180,6 +229,7 @@ struct vm_range {
 
   /// Records pg as mapped by h, without access. REQUIRES: pg unmapped.
   void add_page(std::size_t pg, phys_handle h) {
+    hint_valid_ = false;
     pages.set(pg, vm_page{h, true, false});
     ++mapped_pages;
     ++no_access_pages;
@@ -206,6 +256,7 @@ struct vm_range {
   }
   /// Forgets pg's mapping; returns its handle. REQUIRES: pg mapped.
   phys_handle remove_page(std::size_t pg) {
+    hint_valid_ = false;
     const vm_page e = pages.get(pg);
     pages.set(pg, vm_page{});
     --mapped_pages;
@@ -221,6 +272,11 @@ struct vm_range {
     if (pg + 1 < run_end) mapped_runs.emplace(pg + 1, run_end);
     return e.handle;
   }
+  // The run of mapped_runs last found by mapped_run_end (valid until mapped_runs changes): a loop
+  // frees and carves in the same run. Under the owner pool's mutex, like everything here.
+  mutable std::map<std::size_t, std::size_t>::const_iterator hint_;
+  mutable bool hint_valid_ = false;
+
   void grant(std::size_t pg) {
     vm_page e = pages.get(pg);
     if (e.accessible) return;
