@@ -138,6 +138,79 @@ TEST(Pager, ABlockUsingPartOfIdleMemoryPinsOnlyItsOwnPages) {
   EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 6 * MiB);
 }
 
+TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
+  pager_rig r(1024 * MiB);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 512 * MiB, &b));  // pages 0-255
+  EXPECT_EQ(r.range->mapped_runs.size(), 1u);       // one run of mapped pages
+  EXPECT_TRUE(r.range->idle_runs.empty());
+  r.free(b);
+  // Its 256 pages went idle as one run: the bookkeeping of a free is one entry, not 256.
+  ASSERT_EQ(r.range->idle_runs.size(), 1u);
+  ASSERT_NE(r.pool.pages.idle_head, nullptr);
+  EXPECT_EQ(r.pool.pages.idle_head, r.pool.pages.idle_tail);
+  EXPECT_EQ(r.pool.pages.idle_head->first, 0u);
+  EXPECT_EQ(r.pool.pages.idle_head->end, 256u);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 512 * MiB);
+  const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create) +
+                                 r.calls(sim_call::set_access);
+  ASSERT_TRUE(r.carve_and_back(0, 512 * MiB));  // the cache hit
+  EXPECT_EQ(r.calls(sim_call::map) + r.calls(sim_call::phys_create) +
+                r.calls(sim_call::set_access),
+            vm_calls);
+  EXPECT_TRUE(r.range->idle_runs.empty());
+  EXPECT_EQ(r.pool.pages.idle_head, nullptr);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  // The page table holds one chunk of 512 pages, not the range's 1,024 pages; the edge counts
+  // one chunk (pages 0 and 255) and the spare left when the free emptied it.
+  EXPECT_EQ(r.range->pages.chunks(), 1u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 1u);
+}
+
+TEST(Pager, TheHostMemoryOfThePageTableFollowsWhatIsMappedNotTheRange) {
+  pager_rig r(1024 * MiB);  // a range of 2 GiB: 1,024 pages, two chunks of 512
+  EXPECT_EQ(r.range->pages.chunks(), 0u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 0u);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(1536 * MiB, 2 * MiB, &b));  // page 768: the second chunk only
+  EXPECT_EQ(r.range->pages.chunks(), 1u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 1u);
+  r.free(b);
+  r.pg.unmap_idle(r.pool, /*release_handles=*/true);
+  // Everything unmapped: each table keeps at most its one spare chunk.
+  EXPECT_EQ(r.range->mapped_pages, 0u);
+  EXPECT_TRUE(r.range->mapped_runs.empty());
+  EXPECT_EQ(r.range->pages.chunks(), 1u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 1u);
+  EXPECT_EQ(r.reserved(), 0u);
+}
+
+TEST(Pager, ACarveSplittingAnIdleRunKeepsTheOrderInWhichPagesWentIdle) {
+  pager_rig r(64 * MiB, /*limit=*/8 * MiB);
+  block* a = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &a));  // pages 0-3, the whole limit
+  r.free(a);                                      // one idle run, pages 0-3
+  ASSERT_TRUE(r.carve_and_back(2 * MiB, 4 * MiB));  // pages 1-2 used in place: the run splits
+  ASSERT_EQ(r.range->idle_runs.size(), 2u);
+  EXPECT_EQ(r.pool.pages.idle_tail->first, 0u);  // page 0 went idle first
+  EXPECT_EQ(r.pool.pages.idle_head->first, 3u);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 4 * MiB);
+  // A page elsewhere under the limit: the least recently idle page (0) moves there.
+  ASSERT_TRUE(r.carve_and_back(32 * MiB, 2 * MiB));
+  EXPECT_FALSE(r.range->mapped(0));
+  EXPECT_TRUE(r.range->mapped(3));
+  EXPECT_TRUE(r.range->mapped(16));
+  EXPECT_EQ(r.calls(sim_call::unmap), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 4u);
+  // Then page 3.
+  ASSERT_TRUE(r.carve_and_back(40 * MiB, 2 * MiB));
+  EXPECT_FALSE(r.range->mapped(3));
+  EXPECT_TRUE(r.range->idle_runs.empty());
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  EXPECT_EQ(r.reserved(), 8 * MiB);
+  EXPECT_EQ(r.range->mapped_runs.size(), 3u);  // pages 1-2, 16, 20
+}
+
 TEST(Pager, NothingIsUnmappedWhileTheSynchronizationGateIsShut) {
   pager_rig r(64 * MiB, /*limit=*/12 * MiB);
   block* b = nullptr;
