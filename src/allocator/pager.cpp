@@ -183,8 +183,17 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
   if (delta > 0) {
-    r.edge_use.set(first, r.edge(first) + 1);
-    if (last != first) r.edge_use.set(last, r.edge(last) + 1);
+    const std::uint32_t first_use = r.edge(first);
+    r.edge_use.set(first, first_use + 1);
+    std::uint32_t last_use = first_use;
+    if (last != first) {
+      last_use = r.edge(last);
+      r.edge_use.set(last, last_use + 1);
+    }
+    // An edge page with a nonzero count was touched already (not idle); b has no page strictly
+    // inside it when last <= first + 1: then, with both edges touched, nothing leaves the idle
+    // runs (a small block carved beside live ones: no lookup).
+    if (last <= first + 1 && first_use != 0 && last_use != 0) return;
     idle_remove(p, r, first, last);
     return;
   }
