@@ -15,6 +15,7 @@
 #pragma once
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -118,6 +119,9 @@ struct vm_range {
   std::size_t page_bytes = 0;
   pool_kind kind = pool_kind::large;  // the pool whose stats its mappings count in
   std::size_t page_count = 0;
+  /// log2(page_bytes) when it is a power of two (the driver's granularity is): page_of shifts
+  /// instead of dividing, twice per carve, free and back. 0: divide.
+  unsigned page_shift = 0;
   sparse_page_table<vm_page> pages;  // per page: its mapping, if any
   /// Per page: allocated or pending blocks whose first or last page it is (a block on one page
   /// counts once). A page is touched iff this is nonzero or a live block covers it strictly
@@ -141,6 +145,7 @@ struct vm_range {
         page_bytes(page),
         kind(k),
         page_count(bytes / page),
+        page_shift(std::has_single_bit(page) ? static_cast<unsigned>(std::countr_zero(page)) : 0),
         pages(bytes / page),
         edge_use(bytes / page) {
     spare_nodes.reserve(k_spare_nodes);
@@ -152,7 +157,7 @@ struct vm_range {
     return bytes != 0 && addr >= base && addr - base < size && bytes <= size - (addr - base);
   }
   [[nodiscard]] std::size_t page_of(std::uintptr_t addr) const noexcept {
-    return (addr - base) / page_bytes;
+    return page_shift != 0 ? (addr - base) >> page_shift : (addr - base) / page_bytes;
   }
   [[nodiscard]] std::uintptr_t page_addr(std::size_t page) const noexcept {
     return base + page * page_bytes;
