@@ -59,6 +59,17 @@ for t, ds in sorted(runs.items()):
     r = lambda a, b: statistics.median(a) / statistics.median(b) if a and b else float("nan")
     print(f"{t} | {spread(c)} | {spread(pc) if pc else '-'} | {r(c, pc):.2f} | {spread(w)} | "
           f"{spread(pw) if pw else '-'} | {r(w, pw):.2f} | {wv:.2f} | {ws:.3f} | {pr:.3f}")
+# Where the cold pass's VM time goes (the H200 cost model of cucache-replay, first round): calls
+# per 1,000 events and modelled ms by kind, cold and warm.
+print("\ntrace | cold VM calls/1k ev | cold model ms: create | map | set_access | unmap | release | "
+      "mem_get_info | total | warm model ms")
+for t, ds in sorted(runs.items()):
+    d = ds[0]
+    m, ev = d["vm_model_us"], d["events"]
+    print(f"{t} | {d['vm_calls']['total'] * 1000 / ev:.1f} | " +
+          " | ".join(f"{m[k] / 1000:.1f}" for k in
+                     ("create", "map", "set_access", "unmap", "release", "mem_get_info", "total")) +
+          f" | {d['warm']['vm_model_us']['total'] / 1000:.2f}")
 EOF
     ;;
   torch)

@@ -19,14 +19,21 @@ namespace {
   throw std::logic_error("cucache invariant violated: " + what);
 }
 
-/// An expandable segment: edge use counts equal a recount from the blocks, every touched page is
-/// mapped, every mapping is consistent with the page table, idle means untouched, and a mapping
-/// without access is idle (back() grants access before a block is handed out).
+/// An expandable segment: edge use counts equal a recount from the blocks (and are stored only
+/// where nonzero), every touched page is mapped, the runs of mapped pages are the maximal runs of
+/// the page table, the idle runs are disjoint and hold exactly the mapped pages no block touches,
+/// and a page without access is idle (back() grants access before a block is handed out).
+/// `idle_runs` counts the range's idle runs, `idle_pages` their pages.
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
-                 std::int64_t& mappings, std::size_t& idle_seen, std::size_t& mapped_total) {
+                 std::int64_t& mappings, std::size_t& idle_runs, std::size_t& idle_pages,
+                 std::size_t& mapped_total) {
   const detail::vm_range& r = *s.vm;
-  std::vector<std::uint32_t> edge(r.page_map.size(), 0);
-  std::vector<std::uint32_t> use(r.page_map.size(), 0);
+  if (r.page_count != r.size / r.page_bytes) {
+    violated(fmt::format("range {:#x}: {} pages, size says {}", r.base, r.page_count,
+                         r.size / r.page_bytes));
+  }
+  std::vector<std::uint32_t> edge(r.page_count, 0);
+  std::vector<std::uint32_t> use(r.page_count, 0);
   for (const block* b = s.first; b != nullptr; b = b->next) {
     if (b->state == block_state::free) continue;
     const std::size_t first = r.page_of(b->addr);
@@ -35,57 +42,80 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     if (last != first) ++edge[last];
     for (std::size_t pg = first; pg <= last; ++pg) ++use[pg];
   }
-  std::size_t mapped_pages = 0;
-  for (std::size_t pg = 0; pg < r.page_map.size(); ++pg) {
-    if (edge[pg] != r.edge_use[pg]) {
+  std::size_t edge_pages = 0;
+  for (std::size_t pg = 0; pg < r.page_count; ++pg) {
+    if (edge[pg] != r.edge(pg)) {
       violated(fmt::format("range {:#x} page {}: edge count {} but {} blocks begin or end on it",
-                           r.base, pg, r.edge_use[pg], edge[pg]));
+                           r.base, pg, r.edge(pg), edge[pg]));
     }
+    edge_pages += edge[pg] != 0;
     if (use[pg] > 1 && edge[pg] != use[pg]) {
       violated(fmt::format("range {:#x} page {}: {} blocks touch it, not all at their edges",
                            r.base, pg, use[pg]));
     }
-    const detail::vm_mapping* mp = r.page_map[pg];
-    if (use[pg] > 0 && mp == nullptr) {
+    if (use[pg] > 0 && !r.mapped(pg)) {
       violated(fmt::format("range {:#x} page {} is used by a block but not mapped", r.base, pg));
     }
-    if (mp == nullptr) continue;
-    ++mapped_pages;
-    if (mp->range != &r || pg < mp->first_page || pg >= mp->first_page + mp->pages) {
-      violated(fmt::format("range {:#x} page {}: mapping does not cover it", r.base, pg));
-    }
-    if (mp->first_page != pg) continue;
-    if (mp->pages != 1) {  // the pager's rule: an idle page pins nothing but itself
-      violated(fmt::format("range {:#x}: mapping at page {} spans {} pages, not one", r.base, pg,
-                           mp->pages));
-    }
-    std::size_t used = 0;
-    for (std::size_t i = 0; i < mp->pages; ++i) {
-      if (r.page_map[pg + i] != mp) {
-        violated(fmt::format("range {:#x}: mapping at page {} is torn", r.base, pg));
-      }
-      used += use[pg + i] > 0;
-    }
-    if (used != mp->used_pages || mp->idle != (used == 0)) {
-      violated(
-          fmt::format("range {:#x}: mapping at page {} counts {} used pages, recount {}, "
-                      "idle {}",
-                      r.base, pg, mp->used_pages, used, mp->idle));
-    }
-    if (!mp->accessible && !mp->idle) {
-      violated(
-          fmt::format("range {:#x}: mapping at page {} is used but has no access", r.base, pg));
-    }
-    idle_seen += mp->idle;
-    reserved += static_cast<std::int64_t>(mp->pages * r.page_bytes);
-    mappings += 1;
   }
-  if (mapped_pages != r.mapped_pages) {
-    violated(fmt::format("range {:#x}: {} pages mapped, counter says {}", r.base, mapped_pages,
-                         r.mapped_pages));
+  std::size_t edge_entries = 0;
+  r.edge_use.for_each([&](std::size_t, std::uint32_t) { ++edge_entries; });
+  if (edge_entries != edge_pages) {
+    violated(fmt::format("range {:#x}: {} edge entries stored, {} pages are block edges", r.base,
+                         edge_entries, edge_pages));
+  }
+  // The page table against the runs of mapped pages, and the idle runs against the recount.
+  std::map<std::size_t, std::size_t> runs;
+  std::size_t mapped_pages = 0, no_access = 0, run_first = 0, run_end = 0;
+  r.pages.for_each([&](std::size_t pg, const detail::vm_page& e) {
+    if (!e.mapped) violated(fmt::format("range {:#x} page {}: entry not mapped", r.base, pg));
+    ++mapped_pages;
+    if (run_end != pg) {
+      if (run_end != 0) runs.emplace(run_first, run_end);
+      run_first = pg;
+    }
+    run_end = pg + 1;
+    const bool idle = r.idle(pg);
+    if (idle != (use[pg] == 0)) {
+      violated(fmt::format("range {:#x} page {}: {} blocks touch it, idle runs say {}", r.base, pg,
+                           use[pg], idle ? "idle" : "not idle"));
+    }
+    if (!e.accessible) {
+      ++no_access;
+      if (!idle) {
+        violated(fmt::format("range {:#x}: page {} is used but has no access", r.base, pg));
+      }
+    }
+    reserved += static_cast<std::int64_t>(r.page_bytes);
+    mappings += 1;
+  });
+  if (run_end != 0) runs.emplace(run_first, run_end);
+  if (runs != r.mapped_runs) {
+    violated(fmt::format("range {:#x}: {} runs of mapped pages recorded, the page table has {}",
+                         r.base, r.mapped_runs.size(), runs.size()));
+  }
+  if (mapped_pages != r.mapped_pages || no_access != r.no_access_pages) {
+    violated(fmt::format("range {:#x}: {} pages mapped ({} without access), counters say {} ({})",
+                         r.base, mapped_pages, no_access, r.mapped_pages, r.no_access_pages));
+  }
+  std::size_t prev_end = 0;
+  for (const auto& [first, u] : r.idle_runs) {
+    if (u->range != &r || u->first != first || u->end <= u->first || u->first < prev_end ||
+        u->end > r.page_count) {
+      violated(fmt::format("range {:#x}: idle run at page {} is malformed or overlaps", r.base,
+                           first));
+    }
+    if (!r.all_mapped(u->first, u->end - 1)) {
+      violated(fmt::format("range {:#x}: idle run at page {} holds an unmapped page", r.base,
+                           first));
+    }
+    if (r.idle_owner != &p.pages) {
+      violated(fmt::format("range {:#x}: idle runs not owned by pool {}", r.base, p.index));
+    }
+    prev_end = u->end;
+    ++idle_runs;
+    idle_pages += u->pages();
   }
   mapped_total += mapped_pages * r.page_bytes;
-  (void)p;
 }
 
 /// The pending queues: one per stream, entries of this pool's pending blocks, counted right, and
@@ -133,7 +163,7 @@ void device_allocator::check_invariants() const {
     std::int64_t active_bytes[2] = {0, 0}, active_count[2] = {0, 0};
     std::int64_t reserved[2] = {0, 0}, seg_count[2] = {0, 0}, requested[2] = {0, 0};
     std::size_t pending_blocks_events = 0;
-    std::size_t idle_seen = 0;
+    std::size_t idle_runs_seen = 0, idle_pages_seen = 0;
     const segment* prev_seg = nullptr;
     for (const segment* s = p.segments; s != nullptr; s = s->next) {
       const int k = static_cast<int>(s->kind);
@@ -142,7 +172,7 @@ void device_allocator::check_invariants() const {
       if (s->owner != &p) violated(fmt::format("segment {:#x}: wrong owner", s->base));
       if (s->vm != nullptr) {
         std::int64_t mappings = 0;
-        check_range(p, *s, reserved[k], mappings, idle_seen, mapped_total);
+        check_range(p, *s, reserved[k], mappings, idle_runs_seen, idle_pages_seen, mapped_total);
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
         reserved[k] += static_cast<std::int64_t>(s->size);
@@ -205,27 +235,37 @@ void device_allocator::check_invariants() const {
                              cursor - s->base, s->size));
       }
     }
-    std::size_t idle_listed = 0, idle_listed_bytes = 0;
-    const detail::vm_mapping* idle_last = nullptr;
-    for (const detail::vm_mapping* im = p.pages.idle_head; im != nullptr; im = im->idle_next) {
-      if (im->idle_prev != idle_last) {
+    // The idle list: every idle run of the pool's ranges once, linked both ways, epochs never
+    // rising toward the tail (the least recently idle page needs a synchronization only if
+    // every idle page does).
+    std::size_t idle_listed = 0, idle_listed_pages = 0;
+    const detail::idle_run* idle_last = nullptr;
+    for (const detail::idle_run* u = p.pages.idle_head; u != nullptr; u = u->older) {
+      if (u->newer != idle_last) {
         violated(fmt::format("pool {}: idle list links are inconsistent", p.index));
       }
-      idle_last = im;
-      if (!im->idle || im->used_pages != 0) {
-        violated(fmt::format("pool {}: a used mapping is on the idle list", p.index));
+      if (idle_last != nullptr && u->epoch > idle_last->epoch) {
+        violated(fmt::format("pool {}: an older idle run has a later epoch", p.index));
       }
+      auto it = u->range->idle_runs.find(u->first);
+      if (it == u->range->idle_runs.end() || it->second != u || u->range->idle_owner != &p.pages) {
+        violated(fmt::format("pool {}: a listed idle run is not in its range's table", p.index));
+      }
+      idle_last = u;
       ++idle_listed;
-      idle_listed_bytes += im->pages * m.page_bytes;
+      idle_listed_pages += u->pages();
+      if (idle_listed > idle_runs_seen) break;  // a cycle, or runs of another pool
     }
     if (idle_last != p.pages.idle_tail) {
-      violated(fmt::format("pool {}: idle list tail is not its last mapping", p.index));
+      violated(fmt::format("pool {}: idle list tail is not its last run", p.index));
     }
-    if (idle_listed != idle_seen || idle_listed_bytes != p.pages.idle_bytes) {
+    if (idle_listed != idle_runs_seen || idle_listed_pages != idle_pages_seen ||
+        idle_listed_pages * m.page_bytes != p.pages.idle_bytes) {
       violated(
-          fmt::format("pool {}: idle list holds {} mappings / {} bytes, page tables show {} "
-                      "idle mappings, pool says {} bytes",
-                      p.index, idle_listed, idle_listed_bytes, idle_seen, p.pages.idle_bytes));
+          fmt::format("pool {}: idle list holds {} runs / {} pages, page tables show {} runs / {} "
+                      "pages, pool says {} bytes",
+                      p.index, idle_listed, idle_listed_pages, idle_runs_seen, idle_pages_seen,
+                      p.pages.idle_bytes));
     }
     if (pending_blocks_events != p.pending.size() + p.retained) {
       violated(

@@ -125,8 +125,8 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
       std::size_t pages = last - first + 1;
       // A free hole's end pages are touched by another block only as that block's edge page (a
       // page strictly inside a live block holds no part of a hole).
-      pages -= vm.edge_use[first] > 0;
-      if (last > first) pages -= vm.edge_use[last] > 0;
+      pages -= vm.edge(first) > 0;
+      if (last > first) pages -= vm.edge(last) > 0;
       return pages * page_bytes;
     };
     std::vector<block*> holes;

@@ -28,22 +28,17 @@ std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const 
         out.offset = addr - s->base;
         return out;
       }
-      // Expandable: every page of a live block is mapped; the mappings under it are contiguous.
+      // Expandable: every page of a live block is mapped, each by a handle of its own.
       const detail::vm_range& r = *s->vm;
       out.expandable = true;
-      std::size_t pg = r.page_of(addr);
+      const std::size_t first = r.page_of(addr);
       const std::size_t last = r.page_of(addr + b->size - 1);
-      bool first = true;
-      while (pg <= last) {
-        const detail::vm_mapping* m = r.page_map[pg];
-        if (m == nullptr) return std::nullopt;  // not reachable for a live block
-        if (first) {
-          out.base = r.page_addr(m->first_page);
-          first = false;
-        }
-        out.pieces.push_back({m->handle, m->pages * r.page_bytes});
-        out.span += m->pages * r.page_bytes;
-        pg = m->first_page + m->pages;
+      out.base = r.page_addr(first);
+      for (std::size_t pg = first; pg <= last; ++pg) {
+        const detail::vm_page e = r.pages.get(pg);
+        if (!e.mapped) return std::nullopt;  // not reachable for a live block
+        out.pieces.push_back({e.handle, r.page_bytes});
+        out.span += r.page_bytes;
       }
       out.offset = addr - out.base;
       return out;

@@ -31,101 +31,183 @@ pager::~pager() {
 
 std::unique_ptr<vm_range> pager::reserve_range(pool_kind kind) {
   // Virtual space is cheap: twice the device for the large pool, once for the small one, so that
-  // holes between live blocks never exhaust it.
+  // holes between live blocks never exhaust it. The page table's storage follows what is mapped
+  // and used, not this size (vm_range.hpp).
   const std::size_t bytes =
       round_up(kind == pool_kind::small ? device_total_ : 2 * device_total_, page_bytes_);
   void* va = backend_.va_reserve(bytes);
-  auto r = std::make_unique<vm_range>();
-  r->base = reinterpret_cast<std::uintptr_t>(va);
-  r->size = bytes;
-  r->page_bytes = page_bytes_;
-  r->kind = kind;
-  r->page_map.assign(bytes / page_bytes_, nullptr);
-  r->edge_use.assign(bytes / page_bytes_, 0);
-  return r;
+  return std::make_unique<vm_range>(reinterpret_cast<std::uintptr_t>(va), bytes, page_bytes_,
+                                    kind);
 }
 
 void pager::destroy_range(vm_range& r) noexcept {
-  for (std::size_t pg = 0; pg < r.page_map.size(); ++pg) {
-    vm_mapping* m = r.page_map[pg];
-    if (m == nullptr || m->first_page != pg) continue;
+  // Its idle runs leave their pool's list (the pool may outlive the range).
+  if (pool_pages* owner = r.idle_owner) {
+    for (auto& [first, u] : r.idle_runs) {
+      (u->newer != nullptr ? u->newer->older : owner->idle_head) = u->older;
+      (u->older != nullptr ? u->older->newer : owner->idle_tail) = u->newer;
+      owner->idle_bytes -= u->pages() * page_bytes_;
+      idle_total_.fetch_sub(u->pages() * page_bytes_, std::memory_order_relaxed);
+      owner->runs.recycle(u);
+    }
+    r.idle_runs.clear();
+  }
+  r.pages.for_each([&](std::size_t pg, const vm_page& e) {
     try {
       timed(counters.vm_ns, [&] {
-        backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), m->pages * page_bytes_);
-        backend_.phys_release(m->handle);
+        backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), page_bytes_);
+        backend_.phys_release(e.handle);
       });
     } catch (...) {
     }
-  }
+  });
   try {
     backend_.va_free(reinterpret_cast<void*>(r.base), r.size);
   } catch (...) {
   }
 }
 
-void pager::idle_link(stream_pool& p, vm_mapping* m) {
-  m->idle = true;
-  m->idle_epoch = syncs_started_.load(std::memory_order_seq_cst);
-  m->idle_prev = nullptr;
-  m->idle_next = p.pages.idle_head;
-  if (p.pages.idle_head != nullptr) {
-    p.pages.idle_head->idle_prev = m;
+// --- the idle runs ------------------------------------------------------------------------------
+
+void pager::add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept {
+  const std::size_t bytes = pages * page_bytes_;
+  if (add) {
+    p.pages.idle_bytes += bytes;
+    idle_total_.fetch_add(bytes, std::memory_order_relaxed);
   } else {
-    p.pages.idle_tail = m;
+    p.pages.idle_bytes -= bytes;
+    idle_total_.fetch_sub(bytes, std::memory_order_relaxed);
   }
-  p.pages.idle_head = m;
-  p.pages.idle_bytes += m->pages * page_bytes_;
-  idle_total_.fetch_add(m->pages * page_bytes_, std::memory_order_relaxed);
 }
 
-void pager::idle_unlink(stream_pool& p, vm_mapping* m) {
-  if (m->idle_prev != nullptr) m->idle_prev->idle_next = m->idle_next;
-  if (m->idle_next != nullptr) m->idle_next->idle_prev = m->idle_prev;
-  if (p.pages.idle_head == m) p.pages.idle_head = m->idle_next;
-  if (p.pages.idle_tail == m) p.pages.idle_tail = m->idle_prev;
-  m->idle_prev = m->idle_next = nullptr;
-  m->idle = false;
-  p.pages.idle_bytes -= m->pages * page_bytes_;
-  idle_total_.fetch_sub(m->pages * page_bytes_, std::memory_order_relaxed);
+void pager::list_unlink(stream_pool& p, idle_run* u) noexcept {
+  (u->newer != nullptr ? u->newer->older : p.pages.idle_head) = u->older;
+  (u->older != nullptr ? u->older->newer : p.pages.idle_tail) = u->newer;
+  u->newer = u->older = nullptr;
+}
+
+void pager::idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) {
+  // REQUIRES: every page of [first, end) mapped, touched by no block, in no idle run.
+  const std::uint64_t epoch = syncs_started_.load(std::memory_order_seq_cst);
+  r.idle_owner = &p.pages;
+  idle_run* h = p.pages.idle_head;
+  if (h != nullptr && h->range == &r && h->end == first && h->epoch == epoch) {
+    h->end = end;  // the head's pages went idle just before, in address order: one run
+    add_idle_bytes(p, end - first, true);
+    return;
+  }
+  idle_run* u = p.pages.runs.make();
+  u->first = first;
+  try {
+    r.insert_idle_run(u);
+  } catch (...) {
+    p.pages.runs.recycle(u);
+    throw;
+  }
+  u->range = &r;
+  u->end = end;
+  u->epoch = epoch;
+  u->older = h;
+  (h != nullptr ? h->newer : p.pages.idle_tail) = u;
+  p.pages.idle_head = u;
+  add_idle_bytes(p, end - first, true);
+}
+
+void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) {
+  if (r.all_mapped(first, last)) {
+    idle_add(p, r, first, last + 1);
+    return;
+  }
+  r.for_each_mapped_run(first, last,
+                        [&](std::size_t a, std::size_t e) { idle_add(p, r, a, e); });
+}
+
+void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) {
+  auto it = r.idle_runs.end();
+  if (const idle_run* h = p.pages.idle_head;
+      h != nullptr && h->range == &r && h->first <= first && h->end > last) {
+    it = h->pos;  // the most recently idle run holds the span (a loop's carve): the only one
+  } else {
+    it = r.idle_runs.upper_bound(first);
+    if (it != r.idle_runs.begin() && std::prev(it)->second->end > first) --it;
+  }
+  while (it != r.idle_runs.end() && it->first <= last) {
+    idle_run* u = it->second;
+    if (u->first < first && u->end > last + 1) {
+      // [first, last] inside u: u keeps its lower part, a run of the upper part goes just newer
+      // than it (the upper pages went idle after the lower ones, before every newer run's).
+      idle_run* hi = p.pages.runs.make();
+      hi->first = last + 1;
+      try {
+        r.insert_idle_run(hi);
+      } catch (...) {
+        p.pages.runs.recycle(hi);
+        throw;
+      }
+      hi->range = &r;
+      hi->end = u->end;
+      hi->epoch = u->epoch;
+      hi->older = u;
+      hi->newer = u->newer;
+      (u->newer != nullptr ? u->newer->older : p.pages.idle_head) = hi;
+      u->newer = hi;
+      u->end = first;
+      add_idle_bytes(p, last + 1 - first, false);
+      return;
+    }
+    if (u->first < first) {  // u's upper part
+      add_idle_bytes(p, u->end - first, false);
+      u->end = first;
+      ++it;
+      continue;
+    }
+    if (u->end > last + 1) {  // u's lower part: u starts after last now
+      add_idle_bytes(p, last + 1 - u->first, false);
+      u->first = last + 1;
+      r.rekey_idle_run(u);
+      return;
+    }
+    add_idle_bytes(p, u->pages(), false);  // all of u
+    list_unlink(p, u);
+    it = r.erase_idle_run(it);
+    p.pages.runs.recycle(u);
+  }
 }
 
 void pager::touch(stream_pool& p, const block* b, int delta) {
-  // Pages in address order, so that mappings go idle in the order a per-page walk would link
-  // them: the first page and the last by their edge counts (a neighbour may share them), the
-  // pages strictly between in one step per mapping (only b touches them). O(mappings crossed):
-  // on a cache hit every page is mapped; unmapped pages are stepped over one by one only on the
-  // way to back(), which then makes VM calls.
+  // Blocks are disjoint: only b's first and last pages can be shared with a neighbour (as that
+  // neighbour's edge page), and a page is touched iff its edge count is nonzero or a live block
+  // covers it strictly inside its span. So a carve makes all of b's span touched, and a free makes
+  // untouched the pages strictly inside it and each edge page whose count drops to 0.
   vm_range& r = *b->seg->vm;
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
-  auto edge = [&](std::size_t pg) {
-    vm_mapping* m = r.page_map[pg];
-    if (delta > 0) {
-      if (r.edge_use[pg]++ == 0 && m != nullptr && m->used_pages++ == 0) idle_unlink(p, m);
-    } else {
-      if (--r.edge_use[pg] == 0 && m != nullptr && --m->used_pages == 0) idle_link(p, m);
+  if (delta > 0) {
+    const std::uint32_t first_use = r.edge(first);
+    r.edge_use.set(first, first_use + 1);
+    std::uint32_t last_use = first_use;
+    if (last != first) {
+      last_use = r.edge(last);
+      r.edge_use.set(last, last_use + 1);
     }
-  };
-  edge(first);
-  if (last == first) return;
-  for (std::size_t pg = first + 1; pg < last;) {
-    vm_mapping* m = r.page_map[pg];
-    if (m == nullptr) {
-      ++pg;
-      continue;
-    }
-    const std::size_t end = std::min(m->first_page + m->pages, last);
-    const std::size_t n = end - pg;
-    if (delta > 0) {
-      if (m->used_pages == 0) idle_unlink(p, m);
-      m->used_pages += n;
-    } else {
-      m->used_pages -= n;
-      if (m->used_pages == 0) idle_link(p, m);
-    }
-    pg = end;
+    // An edge page with a nonzero count was touched already (not idle); b has no page strictly
+    // inside it when last <= first + 1: then, with both edges touched, nothing leaves the idle
+    // runs (a small block carved beside live ones: no lookup).
+    if (last <= first + 1 && first_use != 0 && last_use != 0) return;
+    idle_remove(p, r, first, last);
+    return;
   }
-  edge(last);
+  const std::uint32_t first_use = r.edge(first) - 1;
+  r.edge_use.set(first, first_use);
+  std::uint32_t last_use = first_use;
+  if (last != first) {
+    last_use = r.edge(last) - 1;
+    r.edge_use.set(last, last_use);
+  }
+  if (last == first && first_use != 0) return;
+  const std::size_t lo = first_use == 0 ? first : first + 1;
+  const std::size_t hi = last_use == 0 ? last : last - 1;
+  if (lo <= hi) make_idle(p, r, lo, hi);
 }
 
 // --- synchronization ----------------------------------------------------------------------------
@@ -139,10 +221,11 @@ void pager::synchronize_device() {
   }
 }
 
-void pager::wait_until_unmappable(const vm_mapping& m) {
-  // m became idle when syncs_started_ was m.idle_epoch: every synchronization with a ticket above
-  // that started after the free, so once one has completed, the work that used m has too.
-  if (syncs_done_.load(std::memory_order_seq_cst) > m.idle_epoch) return;
+void pager::wait_until_unmappable(std::uint64_t idle_epoch) {
+  // The page became idle when syncs_started_ was idle_epoch: every synchronization with a ticket
+  // above that started after the free, so once one has completed, the work that used the page
+  // has too.
+  if (syncs_done_.load(std::memory_order_seq_cst) > idle_epoch) return;
   synchronize_device();
 }
 
@@ -184,109 +267,99 @@ void pager::release_unmapped(std::size_t target_reserved) {
   }
 }
 
-phys_handle pager::unmap(stream_pool& p, vm_mapping* m) {
-  // REQUIRES: m idle, wait_until_unmappable(*m) done.
-  vm_range& r = *m->range;
-  const std::size_t bytes = m->pages * page_bytes_;
+phys_handle pager::unmap(stream_pool& p, vm_range& r, std::size_t pg) {
   timed(counters.vm_ns,
-        [&] { backend_.unmap(reinterpret_cast<void*>(r.page_addr(m->first_page)), bytes); });
+        [&] { backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), page_bytes_); });
   counters.unmap.fetch_add(1, std::memory_order_relaxed);
-  for (std::size_t i = 0; i < m->pages; ++i) r.page_map[m->first_page + i] = nullptr;
-  r.mapped_pages -= m->pages;
-  if (m->idle) idle_unlink(p, m);
-  p.stats.reserved_bytes.dec(r.kind, static_cast<std::int64_t>(bytes));
+  idle_remove(p, r, pg, pg);
+  const phys_handle h = r.remove_page(pg);
+  p.stats.reserved_bytes.dec(r.kind, static_cast<std::int64_t>(page_bytes_));
   if (r.mapped_pages == 0) p.stats.segment_count.dec(r.kind, 1);  // a range holding memory
-  const phys_handle h = m->handle;
-  p.pages.maps.recycle(m);
   return h;
 }
 
-void pager::release_idle(stream_pool& q, vm_mapping* m) {
-  wait_until_unmappable(*m);
-  const std::size_t bytes = m->pages * page_bytes_;
-  release(unmap(q, m), bytes);
+void pager::release_oldest_idle(stream_pool& q) {
+  idle_run* u = q.pages.idle_tail;
+  wait_until_unmappable(u->epoch);
+  release(unmap(q, *u->range, u->first), page_bytes_);
 }
 
-vm_mapping* pager::record_mapping(stream_pool& p, vm_range& r, std::size_t first_page,
-                                  std::size_t pages, phys_handle h, mapping_use use) {
-  // REQUIRES, for mapping_use::touched: [first_page, first_page + pages) lies inside the span of
-  // the carved block being backed, so every page of it is touched; for mapping_use::idle: no
-  // block touches any of them.
-  vm_mapping* m = p.pages.maps.make();
-  *m = vm_mapping{};
-  m->range = &r;
-  m->first_page = first_page;
-  m->pages = pages;
-  m->handle = h;
-  m->used_pages = use == mapping_use::touched ? pages : 0;
-  if (use == mapping_use::idle) idle_link(p, m);
-  for (std::size_t i = 0; i < pages; ++i) r.page_map[first_page + i] = m;
-  if (r.mapped_pages == 0) p.stats.segment_count.inc(r.kind, 1);  // a range holding memory
-  r.mapped_pages += pages;
-  p.stats.reserved_bytes.inc(r.kind, static_cast<std::int64_t>(pages * page_bytes_));
-  return m;
-}
-
-void pager::map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc,
-                std::vector<vm_mapping*>& batch, mapping_use use) {
-  void* va = reinterpret_cast<void*>(r.page_addr(first_page));
-  const std::size_t pages = pc.bytes / page_bytes_;
+void pager::map(stream_pool& p, vm_range& r, std::size_t pg, const piece& pc,
+                std::vector<std::size_t>& batch, mapping_use use) {
+  // REQUIRES, for mapping_use::touched: pg lies inside the span of the carved block being backed;
+  // for mapping_use::idle: no block touches it. pc is one page.
+  void* va = reinterpret_cast<void*>(r.page_addr(pg));
   try {
+    batch.reserve(batch.size() + 1);
     timed(counters.vm_ns, [&] { backend_.map(va, pc.bytes, pc.handle); });
   } catch (...) {
     keep(pc.handle, pc.bytes);
     throw;
   }
   counters.map.fetch_add(1, std::memory_order_relaxed);
-  if (pc.moved) counters.stitched_pages.fetch_add(pages, std::memory_order_relaxed);
+  if (pc.moved) counters.stitched_pages.fetch_add(1, std::memory_order_relaxed);
   // Not accessible yet: grant_access sets access over the whole batch of back() at once.
-  batch.push_back(record_mapping(p, r, first_page, pages, pc.handle, use));
+  if (r.mapped_pages == 0) p.stats.segment_count.inc(r.kind, 1);  // a range holding memory
+  try {
+    r.add_page(pg, pc.handle);
+  } catch (...) {  // no host memory for the page table: undo the map, keep the handle
+    try {
+      timed(counters.vm_ns, [&] { backend_.unmap(va, pc.bytes); });
+      keep(pc.handle, pc.bytes);
+    } catch (...) {
+    }
+    if (r.mapped_pages == 0) p.stats.segment_count.dec(r.kind, 1);
+    throw;
+  }
+  p.stats.reserved_bytes.inc(r.kind, static_cast<std::int64_t>(page_bytes_));
+  batch.push_back(pg);
+  if (use == mapping_use::idle) idle_add(p, r, pg, pg + 1);
 }
 
 void pager::grant_access(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
-                         const std::vector<vm_mapping*>& batch) {
-  // One cuMemSetAccess per run of adjacent mappings without access in [first, last]: the driver
-  // takes any fully mapped range made of whole mappings (PyTorch's expandable segments set access
-  // over several handles at once too). Mappings that already have access break a run: their
-  // pages may be in use by running work, and are not touched again.
+                         const std::vector<std::size_t>& batch) {
+  // One cuMemSetAccess per run of adjacent mapped pages without access in [first, last]: the
+  // driver takes any fully mapped range made of whole mappings (PyTorch's expandable segments set
+  // access over several handles at once too). Pages that already have access break a run: they
+  // may be in use by running work, and are not touched again. Runs only on the way from VM calls
+  // (or a failed undo): one step per page of the span.
+  if (r.no_access_pages == 0) return;
   std::size_t pg = first;
   while (pg <= last) {
-    vm_mapping* m = r.page_map[pg];
-    if (m == nullptr || m->accessible) {
-      pg = m == nullptr ? pg + 1 : m->first_page + m->pages;
+    const vm_page e = r.pages.get(pg);
+    if (!e.mapped || e.accessible) {
+      ++pg;
       continue;
     }
-    const std::size_t run_first = m->first_page;
-    std::size_t run_end = m->first_page + m->pages;
-    while (run_end <= last && r.page_map[run_end] != nullptr && !r.page_map[run_end]->accessible) {
-      run_end = r.page_map[run_end]->first_page + r.page_map[run_end]->pages;
+    std::size_t run_end = pg + 1;
+    while (run_end <= last) {
+      const vm_page n = r.pages.get(run_end);
+      if (!n.mapped || n.accessible) break;
+      ++run_end;
     }
     try {
-      backend_.set_access(reinterpret_cast<void*>(r.page_addr(run_first)),
-                          (run_end - run_first) * page_bytes_);
+      backend_.set_access(reinterpret_cast<void*>(r.page_addr(pg)), (run_end - pg) * page_bytes_);
     } catch (...) {
-      revoke(p, batch);
+      revoke(p, r, batch);
       throw;
     }
     counters.set_access.fetch_add(1, std::memory_order_relaxed);
-    for (std::size_t q = run_first; q < run_end; q += r.page_map[q]->pages) {
-      r.page_map[q]->accessible = true;
-    }
+    for (std::size_t q = pg; q < run_end; ++q) r.grant(q);
     pg = run_end;
   }
 }
 
-void pager::revoke(stream_pool& p, const std::vector<vm_mapping*>& batch) noexcept {
-  // Leave nothing half-mapped: the mappings this back() made that have no access yet (no work
-  // has seen them: no synchronization needed; only the block being backed touches them) are
+void pager::revoke(stream_pool& p, vm_range& r, const std::vector<std::size_t>& batch) noexcept {
+  // Leave nothing half-mapped: the pages this call mapped that have no access yet (no work has
+  // seen them: no synchronization needed; only the block being backed touches them, or none) are
   // unmapped again, their handles kept for reuse. One whose unmap fails too stays recorded,
   // without access, so that it stays tracked; the next back() over it grants access.
-  for (vm_mapping* m : batch) {
-    if (m->accessible) continue;
-    const std::size_t bytes = m->pages * page_bytes_;
+  for (std::size_t pg : batch) {
+    const vm_page e = r.pages.get(pg);
+    if (!e.mapped || e.accessible) continue;
     try {
-      const phys_handle h = unmap(p, m);
-      keep(h, bytes);
+      const phys_handle h = unmap(p, r, pg);
+      keep(h, page_bytes_);
     } catch (...) {
     }
   }
@@ -305,38 +378,19 @@ std::optional<pager::piece> pager::take_unmapped(std::size_t want) {
   return pc;
 }
 
-namespace {
-/// Idle mappings looked at, least recently idle first, when one is taken to be moved: a bounded
-/// walk keeps the allocation path O(1) however long the idle list grows.
-constexpr int k_idle_scan = 16;
-}  // namespace
-
-vm_mapping* pager::idle_within(const stream_pool& q, std::size_t want) const {
-  // Least recently idle first: a steady loop is least likely to come back for those pages, and
-  // they are the ones that went idle before the last device synchronization (no new one needed).
-  // Among those looked at, the largest that fits and needs no synchronization, else the largest.
-  const std::uint64_t done = syncs_done_.load(std::memory_order_seq_cst);
-  vm_mapping* best = nullptr;
-  bool best_synced = false;
-  int seen = 0;
-  for (vm_mapping* m = q.pages.idle_tail; m != nullptr && seen < k_idle_scan; m = m->idle_prev, ++seen) {
-    if (m->pages * page_bytes_ > want) continue;
-    const bool synced = done > m->idle_epoch;
-    if (best == nullptr || (synced && !best_synced) ||
-        (synced == best_synced && m->pages > best->pages)) {
-      best = m;
-      best_synced = synced;
-    }
-  }
-  return best;
+idle_run* pager::idle_within(const stream_pool& q, std::size_t want) const {
+  // Least recently idle first: a steady loop is least likely to come back for that page, and it
+  // is the one that went idle before the last device synchronization if any did (epochs never
+  // rise toward the tail). Every handle is one page.
+  if (want < page_bytes_) return nullptr;
+  return q.pages.idle_tail;
 }
 
 std::optional<pager::piece> pager::take_idle(stream_pool& p, std::size_t want) {
-  vm_mapping* m = idle_within(p, want);
-  if (m == nullptr) return std::nullopt;
-  wait_until_unmappable(*m);
-  const std::size_t bytes = m->pages * page_bytes_;
-  return piece{unmap(p, m), bytes, true};
+  idle_run* u = idle_within(p, want);
+  if (u == nullptr) return std::nullopt;
+  wait_until_unmappable(u->epoch);
+  return piece{unmap(p, *u->range, u->first), page_bytes_, true};
 }
 
 std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t want) {
@@ -346,12 +400,11 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
-    vm_mapping* m = idle_within(*q, want);
-    if (m == nullptr) continue;
-    wait_until_unmappable(*m);
-    const std::size_t bytes = m->pages * page_bytes_;
-    piece pc{unmap(*q, m), bytes, true};
-    counters.shared_pages.fetch_add(bytes / page_bytes_, std::memory_order_relaxed);
+    idle_run* u = idle_within(*q, want);
+    if (u == nullptr) continue;
+    wait_until_unmappable(u->epoch);
+    piece pc{unmap(*q, *u->range, u->first), page_bytes_, true};
+    counters.shared_pages.fetch_add(1, std::memory_order_relaxed);
     return pc;
   }
   return std::nullopt;
@@ -403,7 +456,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   // least recently idle first: this pool's, then the other pools'.
   if (!may_synchronize_()) return false;
   while (p.pages.idle_tail != nullptr) {
-    release_idle(p, p.pages.idle_tail);
+    release_oldest_idle(p);
     if (fits(bytes)) return true;
   }
   std::shared_lock list(pools_mu_, std::try_to_lock);
@@ -413,7 +466,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
     while (q->pages.idle_tail != nullptr) {
-      release_idle(*q, q->pages.idle_tail);
+      release_oldest_idle(*q);
       if (fits(bytes)) return true;
     }
   }
@@ -421,18 +474,17 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
 }
 
 pager::span_state pager::scan(const vm_range& r, const block* b) const {
-  // One step per mapping, one per unmapped page (only when VM calls follow).
+  // O(log runs) when every page is mapped and every mapped page has access (a cache hit); the
+  // count of missing pages walks the runs of mapped pages (only when VM calls follow).
   span_state st;
+  const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
-  for (std::size_t pg = r.page_of(b->addr); pg <= last;) {
-    const vm_mapping* m = r.page_map[pg];
-    if (m == nullptr) {
-      st.missing_bytes += page_bytes_;
-      ++pg;
-      continue;
+  if (!r.all_mapped(first, last)) st.missing_bytes = r.unmapped_in(first, last) * page_bytes_;
+  if (r.no_access_pages != 0) {  // only after a failed undo
+    for (std::size_t pg = first; pg <= last && !st.needs_access; ++pg) {
+      const vm_page e = r.pages.get(pg);
+      st.needs_access = e.mapped && !e.accessible;
     }
-    st.needs_access |= !m->accessible;
-    pg = m->first_page + m->pages;
   }
   return st;
 }
@@ -442,7 +494,7 @@ bool pager::back(stream_pool& p, const block* b) {
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
   const span_state st = scan(r, b);
-  std::vector<vm_mapping*> batch;  // what this call maps
+  std::vector<std::size_t> batch;  // the pages this call maps
   if (st.missing_bytes == 0) {
     if (st.needs_access) grant_access(p, r, first, last, batch);  // only after a failed undo
     return true;
@@ -453,10 +505,9 @@ bool pager::back(stream_pool& p, const block* b) {
   // tracked.
   bool ok = false;
   try {
-    batch.reserve(4);
     ok = back_pages(p, r, b, st.missing_bytes, batch);
   } catch (...) {
-    revoke(p, batch);
+    revoke(p, r, batch);
     throw;
   }
   grant_access(p, r, first, last, batch);  // also when !ok: what was mapped stays, usable
@@ -464,7 +515,7 @@ bool pager::back(stream_pool& p, const block* b) {
 }
 
 bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t missing,
-                       std::vector<vm_mapping*>& batch) {
+                       std::vector<std::size_t>& batch) {
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
   // One decision per block, for all the pages it lacks, one handle per page. While memory is
@@ -502,8 +553,8 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
       }
     }
     for (std::size_t pg = first; pg <= last;) {
-      if (r.page_map[pg] != nullptr) {
-        ++pg;
+      if (r.mapped(pg)) {
+        pg = r.mapped_run_end(pg);
         continue;
       }
       const std::size_t want = page_bytes_;
@@ -526,7 +577,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
         if (!pc) return false;
       }
       map(p, r, pg, *pc, batch);
-      pg += pc->bytes / page_bytes_;
+      ++pg;
     }
   }
   return true;
@@ -536,11 +587,11 @@ bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std
   const nvtx_range range(nvtx, "cucache: reserve pages");
   const std::size_t first = r.page_of(addr);
   const std::size_t last = r.page_of(addr + bytes - 1);
-  std::vector<vm_mapping*> batch;
+  std::vector<std::size_t> batch;
   bool ok = true;
   try {
     for (std::size_t pg = first; pg <= last; ++pg) {
-      if (r.page_map[pg] != nullptr) continue;
+      if (r.mapped(pg)) continue;
       std::optional<piece> pc = take_unmapped(page_bytes_);  // only a one-page handle fits
       if (!pc) pc = create(page_bytes_);
       if (!pc) {
@@ -550,7 +601,7 @@ bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std
       map(p, r, pg, *pc, batch, mapping_use::idle);  // no block touches it
     }
   } catch (...) {
-    revoke(p, batch);
+    revoke(p, r, batch);
     throw;
   }
   grant_access(p, r, first, last, batch);  // also when !ok: what was mapped stays, usable
@@ -558,15 +609,14 @@ bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std
 }
 
 void pager::unmap_idle(stream_pool& p, bool release_handles) {
-  while (p.pages.idle_head != nullptr) {
-    vm_mapping* m = p.pages.idle_head;
-    wait_until_unmappable(*m);
-    const std::size_t bytes = m->pages * page_bytes_;
-    const phys_handle h = unmap(p, m);
+  // Most recently idle first: the head run's last page.
+  while (idle_run* u = p.pages.idle_head) {
+    wait_until_unmappable(u->epoch);
+    const phys_handle h = unmap(p, *u->range, u->end - 1);
     if (release_handles) {
-      release(h, bytes);
+      release(h, page_bytes_);
     } else {
-      keep(h, bytes);
+      keep(h, page_bytes_);
     }
   }
 }
@@ -603,7 +653,7 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     // The pages a request placed in f may end on: no further than the handles can back.
     std::size_t reach = 0;  // pages from fp
     for (std::size_t pg = fp, unmapped = 0; pg <= fl; ++pg, ++reach) {
-      unmapped += range.page_map[pg] == nullptr;
+      unmapped += !range.mapped(pg);
       if (unmapped > handles) break;
     }
     // From the largest request down; the first one placed in f is this block's largest.

@@ -1,6 +1,6 @@
 // The pager of expandable segments: it owns what backs the reserved virtual ranges with physical
-// memory -- the page table of each range (which mapping backs a page, how many blocks touch it),
-// the idle mappings (no block touches them), the unmapped handles kept for reuse -- and the
+// memory -- the page table of each range (which handle backs a page, which blocks begin or end on
+// it, the runs of mapped and of idle pages), the idle pages (no block touches them), the unmapped handles kept for reuse -- and the
 // sources of physical memory a block's pages are backed from, each a named function. It never
 // calls the allocator: the allocator places and carves blocks, the pager backs their pages.
 //
@@ -89,17 +89,20 @@ class pager {
 
   /// Reserves a virtual range for one pool kind and its (empty) page table.
   [[nodiscard]] std::unique_ptr<vm_range> reserve_range(pool_kind kind);
-  /// Unmaps and releases every mapping of r and frees its virtual range. Never throws.
+  /// Unmaps and releases every mapping of r, takes its idle runs off their pool's idle list and
+  /// frees its virtual range. Never throws.
   void destroy_range(vm_range& r) noexcept;
 
-  /// Adds delta (+1 carve, -1 free) to the use of the pages b touches (its edge pages' counts, and
-  /// the used pages of each mapping its span crosses: O(mappings), not O(pages)); mappings whose
-  /// pages become untouched go on the pool's idle list, and come off it when touched again.
+  /// Adds delta (+1 carve, -1 free) to the use of the pages b touches: its edge pages' counts;
+  /// on a carve its span leaves the idle runs, on a free the mapped pages of its span that no
+  /// other block touches go idle as one run at the head of the pool's idle list (one per run of
+  /// mapped pages). O(log runs) when every page of b is mapped, whatever b's size.
   void touch(stream_pool& p, const block* b, int delta);
 
   /// Maps every page carved block b touches, each with a handle of its own (one page: an idle page
   /// then pins nothing but itself), and grants access to what it mapped with one cuMemSetAccess
-  /// per run of adjacent new mappings. False when no physical memory could be
+  /// per run of adjacent new mappings. O(log runs) when every page is mapped already (a cache
+  /// hit). False when no physical memory could be
   /// found (the pages already mapped stay mapped, with access, idle once the caller un-carves b).
   /// A failed VM call throws and leaves no half-mapped block (what this call mapped is unmapped
   /// again) and no untracked handle.
@@ -120,7 +123,8 @@ class pager {
   [[nodiscard]] bool map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr,
                                     std::size_t bytes);
 
-  /// Unmaps every idle mapping of p: handles go to the reusable list, or are released.
+  /// Unmaps every idle page of p, most recently idle first: handles go to the reusable list, or
+  /// are released.
   void unmap_idle(stream_pool& p, bool release);
   /// Releases unmapped handles, largest first, until reserved <= target.
   void release_unmapped(std::size_t target_reserved);
@@ -169,44 +173,61 @@ class pager {
   /// Unmapping is not stream-ordered: work queued before a free may still use the page at its
   /// old address. The one wait that is always safe is the device's -- the pool's stream may have
   /// been destroyed by the program -- and it is skipped when a device synchronization completed
-  /// after the mapping became idle.
-  void wait_until_unmappable(const vm_mapping& m);
+  /// after the page became idle (`idle_epoch`: the idle run's epoch).
+  void wait_until_unmappable(std::uint64_t idle_epoch);
   void synchronize_device();
 
-  /// An idle mapping of q of at most `want` bytes to move, or nullptr (a bounded walk).
-  vm_mapping* idle_within(const stream_pool& q, std::size_t want) const;
+  /// The idle run of q whose first page is the pool's least recently idle page, when a page fits
+  /// in `want`, else nullptr. Idle runs are linked with the count of synchronizations started at
+  /// the time, so epochs never rise toward the tail: the least recently idle page is also the one
+  /// most likely to need no synchronization.
+  idle_run* idle_within(const stream_pool& q, std::size_t want) const;
   struct span_state {
     std::size_t missing_bytes = 0;  // b's pages that no mapping backs
-    bool needs_access = false;      // a mapping of b's span without access (a failed undo)
+    bool needs_access = false;      // a mapped page of b's span without access (a failed undo)
   };
-  /// What b's pages lack: one step per mapping.
+  /// What b's pages lack: O(log runs) when every page is mapped.
   span_state scan(const vm_range& r, const block* b) const;
   /// back() without the access grant: maps pieces over b's missing pages.
   bool back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t missing,
-                  std::vector<vm_mapping*>& batch);
-  /// cuMemSetAccess over each run of adjacent mappings without access in pages [first, last];
+                  std::vector<std::size_t>& batch);
+  /// cuMemSetAccess over each run of adjacent mapped pages without access in pages [first, last];
   /// on failure, revoke(batch) and rethrow.
   void grant_access(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
-                    const std::vector<vm_mapping*>& batch);
-  /// Unmaps the mappings of `batch` (made by this back()) that have no access yet, keeping their
-  /// handles.
-  void revoke(stream_pool& p, const std::vector<vm_mapping*>& batch) noexcept;
-  void idle_link(stream_pool& p, vm_mapping* m);
-  void idle_unlink(stream_pool& p, vm_mapping* m);
-  phys_handle unmap(stream_pool& p, vm_mapping* m);
-  /// What a new mapping's pages are to the blocks: touched by the carved block being backed
-  /// (back), or by none (map_idle_pages: the mapping starts idle).
+                    const std::vector<std::size_t>& batch);
+  /// Unmaps the pages of `batch` (mapped by this call in r) that have no access yet, keeping
+  /// their handles.
+  void revoke(stream_pool& p, vm_range& r, const std::vector<std::size_t>& batch) noexcept;
+
+  // --- the idle runs (docs/design.md, "The pager's page table") ---
+  /// Pages [first, end) of r, all mapped and untouched, went idle now: a run at the head of p's
+  /// idle list (joined to the head run when it continues it with the same epoch: the order of the
+  /// pages is the same).
+  void idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end);
+  /// The mapped pages of [first, last] of r, untouched now, went idle: one run per run of mapped
+  /// pages, in address order (one run when all are mapped, as on every free after back()).
+  void make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last);
+  /// Pages [first, last] of r are idle no more (touched, or unmapped): they leave the idle runs,
+  /// which are trimmed or split in place (the rest keeps its order). O(log runs + runs removed).
+  void idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last);
+  void list_unlink(stream_pool& p, idle_run* u) noexcept;
+  void add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept;
+
+  /// Unmaps page pg of r (idle, wait_until_unmappable done; or mapped by this call, no access)
+  /// and returns its handle.
+  phys_handle unmap(stream_pool& p, vm_range& r, std::size_t pg);
+  /// What a new mapping's page is to the blocks: touched by the carved block being backed
+  /// (back), or by none (map_idle_pages: the page starts idle).
   enum class mapping_use : bool { touched, idle };
-  /// Maps pc at first_page (no access yet) and adds the mapping to `batch`.
-  void map(stream_pool& p, vm_range& r, std::size_t first_page, const piece& pc,
-           std::vector<vm_mapping*>& batch, mapping_use use = mapping_use::touched);
-  vm_mapping* record_mapping(stream_pool& p, vm_range& r, std::size_t first_page, std::size_t pages,
-                             phys_handle h, mapping_use use);
+  /// Maps pc at page pg (no access yet) and adds pg to `batch`.
+  void map(stream_pool& p, vm_range& r, std::size_t pg, const piece& pc,
+           std::vector<std::size_t>& batch, mapping_use use = mapping_use::touched);
   void keep(phys_handle h, std::size_t bytes);
   void keep_locked(phys_handle h, std::size_t bytes);  // REQUIRES budget.mu
   void release(phys_handle h, std::size_t bytes);
-  /// Unmaps the idle mapping m of q and releases its handle.
-  void release_idle(stream_pool& q, vm_mapping* m);
+  /// Unmaps the least recently idle page of q (the first page of its idle tail) and releases its
+  /// handle.
+  void release_oldest_idle(stream_pool& q);
   /// Would `bytes` more pass the memory limit or the garbage-collection threshold?
   bool over_caps(std::size_t bytes);
   /// Room for `bytes` more under the caps and on the device.
@@ -223,7 +244,7 @@ class pager {
   std::function<bool()> may_synchronize_ = [] { return true; };
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
-  std::atomic<std::size_t> idle_total_{0};  // bytes of idle mappings, every pool
+  std::atomic<std::size_t> idle_total_{0};  // bytes of idle pages, every pool
 };
 
 }  // namespace cucache::detail

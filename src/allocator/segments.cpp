@@ -40,11 +40,9 @@ std::vector<segment_view> walk(const device_allocator::impl& m) {
       }
       if (const detail::vm_range* r = seg->vm) {
         v.page_bytes = r->page_bytes;
-        for (std::size_t pg = 0; pg < r->page_map.size(); ++pg) {
-          const detail::vm_mapping* mp = r->page_map[pg];
-          if (mp == nullptr || mp->first_page != pg) continue;
-          v.mappings.push_back({r->page_addr(pg), mp->pages * r->page_bytes, mp->idle});
-        }
+        r->pages.for_each([&](std::size_t pg, const detail::vm_page&) {
+          v.mappings.push_back({r->page_addr(pg), r->page_bytes, r->idle(pg)});
+        });
       }
       out.push_back(std::move(v));
     }

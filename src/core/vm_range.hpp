@@ -1,17 +1,26 @@
 // Expandable segments: a segment that is a large reserved virtual range, backed page by page
-// (pages of the device's VM granularity) by physical handles mapped on demand. The page table
-// records, for every page, the mapping that backs it (if any), and for the pages where blocks
-// begin or end how many allocated or pending blocks do; a mapping no block touches is "idle" and
-// its physical memory can be moved (stitched) to wherever a request needs it, or released.
+// (pages of the device's VM granularity) by physical handles of one page each, mapped on demand.
+// The range's page table records, for every mapped page, its handle and whether it has access;
+// the maximal runs of mapped pages; for the pages where blocks begin or end, how many allocated or
+// pending blocks do; and the runs of idle pages (mapped, touched by no allocated or pending block),
+// whose physical memory can be moved (stitched) to wherever a request needs it, or released.
 //
-// Use is counted per run, not per page: blocks are disjoint, so a page strictly inside a block is
+// Nothing is per page of a block: blocks are disjoint, so a page strictly inside a block is
 // touched by that block alone, and only a block's first and last pages can be shared with a
-// neighbour. Carving or freeing a block therefore updates two edge counts and one used-page count
-// per mapping its span crosses: work that does not grow with the block's size.
+// neighbour. Carving a block takes its span out of the idle runs; freeing it makes the mapped
+// pages of its span idle, as one run (less an edge page a neighbour still touches). With the runs
+// in ordered maps, a cache hit (every page mapped) costs O(log runs), whatever the block's size.
+// Host memory follows what is mapped or used: the per-page tables allocate a chunk of 512 pages
+// (1 GiB of a 2 MiB-page range) on first use and free it when it empties.
 #pragma once
 
+#include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
+#include <map>
+#include <memory>
 #include <vector>
 
 #include "core/size_policy.hpp"
@@ -20,19 +29,88 @@
 namespace cucache::detail {
 
 struct vm_range;
+struct pool_pages;
 
-/// One physical handle mapped at a run of pages of a range.
-struct vm_mapping {
+/// A run of idle pages [first, end) of one range, which went idle at one time: an entry of its
+/// owner pool's idle list. Within a run, lower pages went idle first (a freed block's pages go
+/// idle in address order), so the least recently idle page of the pool is the first page of the
+/// list's tail run.
+struct idle_run {
   vm_range* range = nullptr;
-  std::size_t first_page = 0;
-  std::size_t pages = 0;
+  std::size_t first = 0;
+  std::size_t end = 0;
+  std::uint64_t epoch = 0;       // device synchronizations started when it went idle
+  idle_run* newer = nullptr;     // toward the list's head (most recently idle)
+  idle_run* older = nullptr;     // toward the list's tail (least recently idle)
+  std::map<std::size_t, idle_run*>::iterator pos;  // its entry in range->idle_runs
+  [[nodiscard]] std::size_t pages() const noexcept { return end - first; }
+};
+
+/// A table indexed by page that holds storage only for the chunks of 512 pages in which some
+/// entry differs from T{}; an entry read where no chunk is allocated is T{}. O(1) access.
+template <class T>
+class sparse_page_table {
+ public:
+  static constexpr std::size_t k_chunk = 512;
+  explicit sparse_page_table(std::size_t pages = 0) : dir_((pages + k_chunk - 1) / k_chunk) {}
+  [[nodiscard]] T get(std::size_t pg) const noexcept {
+    const chunk* c = dir_[pg / k_chunk].get();
+    return c != nullptr ? c->v[pg % k_chunk] : T{};
+  }
+  /// Sets the entry of pg to v (T{} erases it; an emptied chunk is freed).
+  void set(std::size_t pg, const T& v) {
+    std::unique_ptr<chunk>& c = dir_[pg / k_chunk];
+    const bool empty = v == T{};
+    if (c == nullptr) {
+      if (empty) return;
+      c = spare_ != nullptr ? std::move(spare_) : std::make_unique<chunk>();
+    }
+    T& slot = c->v[pg % k_chunk];
+    const bool was_empty = slot == T{};
+    slot = v;
+    if (was_empty && !empty) ++c->used;
+    if (!was_empty && empty && --c->used == 0) {
+      // Emptied (every entry T{}): kept as the one spare, so that a block carved and freed
+      // alone in its chunk in a loop allocates nothing; a second emptied chunk is freed.
+      if (spare_ == nullptr) {
+        spare_ = std::move(c);
+      } else {
+        c.reset();
+      }
+    }
+  }
+  /// Chunks allocated now, the spare included (host memory: chunks x sizeof(T) x 512).
+  [[nodiscard]] std::size_t chunks() const noexcept {
+    std::size_t n = spare_ != nullptr;
+    for (const auto& c : dir_) n += c != nullptr;
+    return n;
+  }
+  /// f(page, entry) for every entry that is not T{}, in page order.
+  template <class F>
+  void for_each(F&& f) const {
+    for (std::size_t i = 0; i < dir_.size(); ++i) {
+      if (dir_[i] == nullptr) continue;
+      for (std::size_t j = 0; j < k_chunk; ++j) {
+        if (!(dir_[i]->v[j] == T{})) f(i * k_chunk + j, dir_[i]->v[j]);
+      }
+    }
+  }
+
+ private:
+  struct chunk {
+    std::array<T, k_chunk> v{};
+    std::size_t used = 0;  // entries that are not T{}
+  };
+  std::vector<std::unique_ptr<chunk>> dir_;
+  std::unique_ptr<chunk> spare_;  // an emptied chunk (all T{}), reused before allocating
+};
+
+/// A mapped page: its handle (one page) and whether cuMemSetAccess was done on it.
+struct vm_page {
   phys_handle handle = 0;
-  std::size_t used_pages = 0;       // pages touched by at least one allocated or pending block
-  bool accessible = false;          // cuMemSetAccess done (back() grants a batch at once)
-  vm_mapping* idle_prev = nullptr;  // the owner pool's list of idle mappings (used_pages == 0)
-  vm_mapping* idle_next = nullptr;
-  bool idle = false;
-  std::uint64_t idle_epoch = 0;  // device synchronizations started when it last became idle
+  bool mapped = false;
+  bool accessible = false;
+  friend bool operator==(const vm_page&, const vm_page&) = default;
 };
 
 struct vm_range {
@@ -40,12 +118,38 @@ struct vm_range {
   std::size_t size = 0;
   std::size_t page_bytes = 0;
   pool_kind kind = pool_kind::large;  // the pool whose stats its mappings count in
-  std::vector<vm_mapping*> page_map;  // per page: the mapping backing it, or nullptr
+  std::size_t page_count = 0;
+  /// log2(page_bytes) when it is a power of two (the driver's granularity is): page_of shifts
+  /// instead of dividing, twice per carve, free and back. 0: divide.
+  unsigned page_shift = 0;
+  sparse_page_table<vm_page> pages;  // per page: its mapping, if any
   /// Per page: allocated or pending blocks whose first or last page it is (a block on one page
   /// counts once). A page is touched iff this is nonzero or a live block covers it strictly
   /// inside its span.
-  std::vector<std::uint32_t> edge_use;
+  sparse_page_table<std::uint32_t> edge_use;
+  std::map<std::size_t, std::size_t> mapped_runs;  // maximal runs of mapped pages: first -> end
+  std::map<std::size_t, idle_run*> idle_runs;      // the idle runs of this range, by first page
+  /// Nodes of idle_runs erased and kept for the next insert (at most k_spare_nodes): a cache-hit
+  /// alloc+free pair takes a run out and puts one back, and allocates nothing.
+  std::vector<std::map<std::size_t, idle_run*>::node_type> spare_nodes;
+  static constexpr std::size_t k_spare_nodes = 8;
+  pool_pages* idle_owner = nullptr;  // the pool's pages whose idle list holds these idle runs
   std::size_t mapped_pages = 0;
+  std::size_t no_access_pages = 0;  // mapped pages without access (a batch being backed, a
+                                    // failed undo)
+
+  vm_range() = default;
+  vm_range(std::uintptr_t b, std::size_t bytes, std::size_t page, pool_kind k)
+      : base(b),
+        size(bytes),
+        page_bytes(page),
+        kind(k),
+        page_count(bytes / page),
+        page_shift(std::has_single_bit(page) ? static_cast<unsigned>(std::countr_zero(page)) : 0),
+        pages(bytes / page),
+        edge_use(bytes / page) {
+    spare_nodes.reserve(k_spare_nodes);
+  }
 
   /// True when [addr, addr + bytes) is a non-empty span inside the range, computed without
   /// overflow: page_of(addr) and page_of(addr + bytes - 1) are then valid page table indices.
@@ -53,10 +157,137 @@ struct vm_range {
     return bytes != 0 && addr >= base && addr - base < size && bytes <= size - (addr - base);
   }
   [[nodiscard]] std::size_t page_of(std::uintptr_t addr) const noexcept {
-    return (addr - base) / page_bytes;
+    return page_shift != 0 ? (addr - base) >> page_shift : (addr - base) / page_bytes;
   }
   [[nodiscard]] std::uintptr_t page_addr(std::size_t page) const noexcept {
     return base + page * page_bytes;
+  }
+  [[nodiscard]] bool mapped(std::size_t pg) const noexcept { return pages.get(pg).mapped; }
+  [[nodiscard]] std::uint32_t edge(std::size_t pg) const noexcept { return edge_use.get(pg); }
+
+  /// The end of the run of mapped pages holding pg, or pg when pg is unmapped. O(log runs).
+  [[nodiscard]] std::size_t mapped_run_end(std::size_t pg) const {
+    if (hint_valid_ && hint_->first <= pg && hint_->second > pg) return hint_->second;
+    auto it = mapped_runs.upper_bound(pg);
+    if (it == mapped_runs.begin()) return pg;
+    --it;
+    if (it->second <= pg) return pg;
+    hint_ = it;
+    hint_valid_ = true;
+    return it->second;
+  }
+  /// Inserts the idle run u keyed by its first page, in a spare node when there is one.
+  void insert_idle_run(idle_run* u) {
+    if (spare_nodes.empty()) {
+      u->pos = idle_runs.emplace(u->first, u).first;
+      return;
+    }
+    auto node = std::move(spare_nodes.back());
+    spare_nodes.pop_back();
+    node.key() = u->first;
+    node.mapped() = u;
+    u->pos = idle_runs.insert(std::move(node)).position;
+  }
+  /// Moves u's entry to its (changed) first page. Allocates nothing.
+  void rekey_idle_run(idle_run* u) {
+    auto node = idle_runs.extract(u->pos);
+    node.key() = u->first;
+    u->pos = idle_runs.insert(std::move(node)).position;
+  }
+  /// Erases the entry at it, keeping its node as a spare; returns the next entry.
+  std::map<std::size_t, idle_run*>::iterator erase_idle_run(
+      std::map<std::size_t, idle_run*>::iterator it) {
+    auto next = std::next(it);
+    if (spare_nodes.size() < k_spare_nodes && spare_nodes.size() < spare_nodes.capacity()) {
+      spare_nodes.push_back(idle_runs.extract(it));
+    } else {
+      idle_runs.erase(it);
+    }
+    return next;
+  }
+  /// pg is in an idle run (mapped, touched by no block). O(log runs).
+  [[nodiscard]] bool idle(std::size_t pg) const {
+    auto it = idle_runs.upper_bound(pg);
+    return it != idle_runs.begin() && std::prev(it)->second->end > pg;
+  }
+  /// Every page of [first, last] is mapped. O(log runs).
+  [[nodiscard]] bool all_mapped(std::size_t first, std::size_t last) const {
+    return mapped_run_end(first) > last;
+  }
+  /// f(first, end) for each maximal run of mapped pages clipped to [first, last], in page order.
+  template <class F>
+  void for_each_mapped_run(std::size_t first, std::size_t last, F&& f) const {
+    auto it = mapped_runs.upper_bound(first);
+    if (it != mapped_runs.begin() && std::prev(it)->second > first) --it;
+    for (; it != mapped_runs.end() && it->first <= last; ++it) {
+      const std::size_t a = it->first < first ? first : it->first;
+      const std::size_t e = it->second > last + 1 ? last + 1 : it->second;
+      if (a < e) f(a, e);
+    }
+  }
+  /// Unmapped pages of [first, last]. O(log runs + runs crossed).
+  [[nodiscard]] std::size_t unmapped_in(std::size_t first, std::size_t last) const {
+    std::size_t mapped_n = 0;
+    for_each_mapped_run(first, last, [&](std::size_t a, std::size_t e) { mapped_n += e - a; });
+    return last - first + 1 - mapped_n;
+  }
+
+  /// Records pg as mapped by h, without access. REQUIRES: pg unmapped.
+  void add_page(std::size_t pg, phys_handle h) {
+    hint_valid_ = false;
+    pages.set(pg, vm_page{h, true, false});
+    ++mapped_pages;
+    ++no_access_pages;
+    std::size_t end = pg + 1;
+    auto next = mapped_runs.lower_bound(pg);  // the first run after pg (pg is unmapped)
+    if (next != mapped_runs.begin()) {
+      auto prev = std::prev(next);
+      if (prev->second == pg) {  // pg continues prev (and joins it to next when next follows)
+        if (next != mapped_runs.end() && next->first == end) {
+          end = next->second;
+          mapped_runs.erase(next);
+        }
+        prev->second = end;
+        return;
+      }
+    }
+    if (next != mapped_runs.end() && next->first == end) {  // pg starts next: rekey it
+      auto node = mapped_runs.extract(next);
+      node.key() = pg;
+      mapped_runs.insert(std::move(node));
+      return;
+    }
+    mapped_runs.emplace(pg, end);
+  }
+  /// Forgets pg's mapping; returns its handle. REQUIRES: pg mapped.
+  phys_handle remove_page(std::size_t pg) {
+    hint_valid_ = false;
+    const vm_page e = pages.get(pg);
+    pages.set(pg, vm_page{});
+    --mapped_pages;
+    if (!e.accessible) --no_access_pages;
+    auto it = std::prev(mapped_runs.upper_bound(pg));  // the run holding pg
+    const std::size_t run_first = it->first;
+    const std::size_t run_end = it->second;
+    if (run_first == pg) {
+      mapped_runs.erase(it);
+    } else {
+      it->second = pg;
+    }
+    if (pg + 1 < run_end) mapped_runs.emplace(pg + 1, run_end);
+    return e.handle;
+  }
+  // The run of mapped_runs last found by mapped_run_end (valid until mapped_runs changes): a loop
+  // frees and carves in the same run. Under the owner pool's mutex, like everything here.
+  mutable std::map<std::size_t, std::size_t>::const_iterator hint_;
+  mutable bool hint_valid_ = false;
+
+  void grant(std::size_t pg) {
+    vm_page e = pages.get(pg);
+    if (e.accessible) return;
+    e.accessible = true;
+    pages.set(pg, e);
+    --no_access_pages;
   }
 };
 

@@ -4,7 +4,10 @@
 // releases, moves and reclaims, and what it charges to the budget.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "allocator/pager.hpp"
@@ -136,6 +139,195 @@ TEST(Pager, ABlockUsingPartOfIdleMemoryPinsOnlyItsOwnPages) {
   EXPECT_EQ(r.reserved(), 8 * MiB);             // memory is plentiful: idle pages stay mapped
   EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);  // pages 1-3, each reclaimable on its own
   EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 6 * MiB);
+}
+
+TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
+  pager_rig r(1024 * MiB);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 512 * MiB, &b));  // pages 0-255
+  EXPECT_EQ(r.range->mapped_runs.size(), 1u);       // one run of mapped pages
+  EXPECT_TRUE(r.range->idle_runs.empty());
+  r.free(b);
+  // Its 256 pages went idle as one run: the bookkeeping of a free is one entry, not 256.
+  ASSERT_EQ(r.range->idle_runs.size(), 1u);
+  ASSERT_NE(r.pool.pages.idle_head, nullptr);
+  EXPECT_EQ(r.pool.pages.idle_head, r.pool.pages.idle_tail);
+  EXPECT_EQ(r.pool.pages.idle_head->first, 0u);
+  EXPECT_EQ(r.pool.pages.idle_head->end, 256u);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 512 * MiB);
+  const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create) +
+                                 r.calls(sim_call::set_access);
+  ASSERT_TRUE(r.carve_and_back(0, 512 * MiB));  // the cache hit
+  EXPECT_EQ(r.calls(sim_call::map) + r.calls(sim_call::phys_create) +
+                r.calls(sim_call::set_access),
+            vm_calls);
+  EXPECT_TRUE(r.range->idle_runs.empty());
+  EXPECT_EQ(r.pool.pages.idle_head, nullptr);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  // The page table holds one chunk of 512 pages, not the range's 1,024 pages; the edge counts
+  // one chunk (pages 0 and 255) and the spare left when the free emptied it.
+  EXPECT_EQ(r.range->pages.chunks(), 1u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 1u);
+}
+
+TEST(Pager, TheHostMemoryOfThePageTableFollowsWhatIsMappedNotTheRange) {
+  pager_rig r(1024 * MiB);  // a range of 2 GiB: 1,024 pages, two chunks of 512
+  EXPECT_EQ(r.range->pages.chunks(), 0u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 0u);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(1536 * MiB, 2 * MiB, &b));  // page 768: the second chunk only
+  EXPECT_EQ(r.range->pages.chunks(), 1u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 1u);
+  r.free(b);
+  r.pg.unmap_idle(r.pool, /*release_handles=*/true);
+  // Everything unmapped: each table keeps at most its one spare chunk.
+  EXPECT_EQ(r.range->mapped_pages, 0u);
+  EXPECT_TRUE(r.range->mapped_runs.empty());
+  EXPECT_EQ(r.range->pages.chunks(), 1u);
+  EXPECT_EQ(r.range->edge_use.chunks(), 1u);
+  EXPECT_EQ(r.reserved(), 0u);
+}
+
+TEST(Pager, ACarveSplittingAnIdleRunKeepsTheOrderInWhichPagesWentIdle) {
+  pager_rig r(64 * MiB, /*limit=*/8 * MiB);
+  block* a = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &a));  // pages 0-3, the whole limit
+  r.free(a);                                      // one idle run, pages 0-3
+  ASSERT_TRUE(r.carve_and_back(2 * MiB, 4 * MiB));  // pages 1-2 used in place: the run splits
+  ASSERT_EQ(r.range->idle_runs.size(), 2u);
+  EXPECT_EQ(r.pool.pages.idle_tail->first, 0u);  // page 0 went idle first
+  EXPECT_EQ(r.pool.pages.idle_head->first, 3u);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 4 * MiB);
+  // A page elsewhere under the limit: the least recently idle page (0) moves there.
+  ASSERT_TRUE(r.carve_and_back(32 * MiB, 2 * MiB));
+  EXPECT_FALSE(r.range->mapped(0));
+  EXPECT_TRUE(r.range->mapped(3));
+  EXPECT_TRUE(r.range->mapped(16));
+  EXPECT_EQ(r.calls(sim_call::unmap), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 4u);
+  // Then page 3.
+  ASSERT_TRUE(r.carve_and_back(40 * MiB, 2 * MiB));
+  EXPECT_FALSE(r.range->mapped(3));
+  EXPECT_TRUE(r.range->idle_runs.empty());
+  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  EXPECT_EQ(r.reserved(), 8 * MiB);
+  EXPECT_EQ(r.range->mapped_runs.size(), 3u);  // pages 1-2, 16, 20
+}
+
+/// The pager's runs against a per-page recount: every idle run holds mapped pages no live block
+/// touches and every such page is in one; the runs of mapped pages are the page table's; the
+/// idle list holds each run once with epochs never rising toward the tail; reserved is the mapped
+/// pages plus the unmapped handles, and the simulated device agrees.
+void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live) {
+  const detail::vm_range& v = *r.range;
+  std::vector<int> use(v.page_count, 0);
+  std::vector<std::uint32_t> edge(v.page_count, 0);
+  for (const block* b : live) {
+    const std::size_t f = v.page_of(b->addr);
+    const std::size_t l = v.page_of(b->addr + b->size - 1);
+    ++edge[f];
+    if (l != f) ++edge[l];
+    for (std::size_t pg = f; pg <= l; ++pg) ++use[pg];
+  }
+  std::size_t idle_pages = 0;
+  std::size_t mapped = 0;
+  std::map<std::size_t, std::size_t> runs;
+  for (std::size_t pg = 0; pg < v.page_count; ++pg) {
+    ASSERT_EQ(v.edge(pg), edge[pg]) << "page " << pg;
+    if (!v.mapped(pg)) {
+      ASSERT_EQ(use[pg], 0) << "page " << pg << " used but unmapped";
+      ASSERT_FALSE(v.idle(pg));
+      continue;
+    }
+    ++mapped;
+    if (runs.empty() || std::prev(runs.end())->second != pg) {
+      runs.emplace(pg, pg + 1);
+    } else {
+      std::prev(runs.end())->second = pg + 1;
+    }
+    ASSERT_EQ(v.idle(pg), use[pg] == 0) << "page " << pg;
+    idle_pages += use[pg] == 0;
+  }
+  ASSERT_EQ(runs, v.mapped_runs);
+  ASSERT_EQ(mapped, v.mapped_pages);
+  std::size_t listed = 0;
+  std::size_t listed_runs = 0;
+  const detail::idle_run* newer = nullptr;
+  for (const detail::idle_run* u = r.pool.pages.idle_head; u != nullptr; u = u->older) {
+    ASSERT_EQ(u->newer, newer);
+    if (newer != nullptr) {
+      ASSERT_LE(u->epoch, newer->epoch);
+    }
+    ASSERT_EQ(v.idle_runs.at(u->first), u);
+    listed += u->pages();
+    ++listed_runs;
+    newer = u;
+  }
+  ASSERT_EQ(newer, r.pool.pages.idle_tail);
+  ASSERT_EQ(listed, idle_pages);
+  ASSERT_EQ(listed_runs, v.idle_runs.size());
+  ASSERT_EQ(r.pool.pages.idle_bytes, idle_pages * 2 * MiB);
+  ASSERT_EQ(r.reserved(), mapped * 2 * MiB + r.pg.free_handle_bytes);
+  ASSERT_EQ(r.sim->used_bytes(), r.reserved());
+}
+
+// Seeded random carves (any size and offset, blocks sharing edge pages), frees, unmaps and
+// releases under a limit, with VM calls failing at random: after every operation the runs agree
+// with a per-page recount, and no failure leaves a page half-mapped or a handle untracked.
+TEST(Pager, RunsMatchAPerPageRecountAfterEveryOperation) {
+  for (std::uint32_t seed = 1; seed <= 4; ++seed) {
+    SCOPED_TRACE(seed);
+    pager_rig r(64 * MiB, /*limit=*/seed % 2 == 0 ? 40 * MiB : 0);  // 64 pages of range
+    std::mt19937_64 rng(seed);
+    std::vector<block*> live;
+    const std::size_t span = r.range->size;
+    auto overlaps = [&](std::size_t off, std::size_t bytes) {
+      return std::any_of(live.begin(), live.end(), [&](const block* b) {
+        const std::size_t bo = b->addr - r.range->base;
+        return off < bo + b->size && bo < off + bytes;
+      });
+    };
+    for (int op = 0; op < 3000; ++op) {
+      const int what = static_cast<int>(rng() % 100);
+      if (what < 5) {  // a VM call of some kind fails soon
+        constexpr sim_call kinds[] = {sim_call::phys_create, sim_call::map, sim_call::set_access,
+                                      sim_call::unmap, sim_call::phys_release};
+        r.sim->fail_nth(kinds[rng() % 5], 1 + rng() % 4);
+      } else if (what < 55 || live.empty()) {  // carve and back
+        const std::size_t bytes = 512 * (1 + rng() % (rng() % 4 == 0 ? 24576 : 4096));
+        const std::size_t off = 512 * (rng() % ((span - bytes) / 512));
+        if (overlaps(off, bytes)) continue;
+        block* b = r.carve(off, bytes);
+        bool ok = false;
+        try {
+          ok = r.pg.back(r.pool, b);
+        } catch (const std::exception&) {
+          ok = false;
+        }
+        if (ok) {
+          live.push_back(b);
+        } else {
+          r.free(b);  // the allocator's undo
+        }
+      } else if (what < 95) {  // free
+        const std::size_t i = rng() % live.size();
+        r.free(live[i]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {  // the ladder or empty_cache
+        try {
+          r.pg.unmap_idle(r.pool, /*release_handles=*/rng() % 2 == 0);
+          if (rng() % 2 == 0) r.pg.release_unmapped(0);
+        } catch (const std::exception&) {
+        }
+      }
+      expect_runs_match_pages(r, live);
+      if (HasFatalFailure()) return;
+    }
+    for (block* b : live) r.free(b);
+    live.clear();
+    r.sim->fail_always(sim_call::unmap, false);
+    expect_runs_match_pages(r, live);
+  }
 }
 
 TEST(Pager, NothingIsUnmappedWhileTheSynchronizationGateIsShut) {
