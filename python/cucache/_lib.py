@@ -58,6 +58,8 @@ _COUNTERS = (
     "largest_free_block",
     "memory_limit",
     "device_total_bytes",
+    "sleeping_bytes",
+    "sleeping_host_bytes",
 )
 
 

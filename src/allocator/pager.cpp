@@ -571,6 +571,35 @@ void pager::unmap_idle(stream_pool& p, bool release_handles) {
   }
 }
 
+// --- sleep ---------------------------------------------------------------------------------------
+
+std::size_t pager::evict(stream_pool& p, bool synchronize) {
+  if (synchronize) synchronize_device();
+  std::size_t released = 0;
+  for (segment* seg : p.pages.ranges) {
+    if (seg == nullptr) continue;
+    vm_range& r = *seg->vm;
+    for (std::size_t pg = 0; pg < r.page_map.size() && r.mapped_pages != 0; ++pg) {
+      vm_mapping* m = r.page_map[pg];
+      if (m == nullptr || m->first_page != pg) continue;
+      const std::size_t bytes = m->pages * page_bytes_;
+      release(unmap(p, m), bytes);  // unmap: off the idle list, out of the page table and stats
+      released += bytes;
+    }
+  }
+  return released;
+}
+
+std::size_t pager::room_bytes() {
+  const std::size_t device_free = backend_.mem_get_info().free_bytes;
+  std::lock_guard lock(budget_.mu);
+  std::size_t room = device_free;
+  if (budget_.limit != 0) {
+    room = std::min(room, budget_.limit > budget_.reserved ? budget_.limit - budget_.reserved : 0);
+  }
+  return room + free_handle_bytes;
+}
+
 // --- what cached memory can serve ---------------------------------------------------------------
 
 std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,

@@ -105,6 +105,10 @@ device_stats device_allocator::impl::stats_locked() const {
   s.alloc_retry_count = budget.retry_count.load(std::memory_order_relaxed);
   s.memory_limit = budget.limit;
   s.device_total_bytes = budget.device_total;
+  for (const auto& [domain, r] : sleeper.records()) {
+    s.sleeping_bytes += r.sleeping_bytes;
+    s.sleeping_host_bytes += r.host_bytes;
+  }
   return s;
 }
 

@@ -391,6 +391,38 @@ int64_t cucache_torch_tag_stats(int device, char* buf, size_t len) {
   return n;
 }
 
+int cucache_torch_make_sleepable(const char* tag) {
+  return guarded("make_sleepable", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    cucache::make_sleepable(tag);
+  });
+}
+
+int cucache_torch_sleep(int device, const char* tag, int keep_contents) {
+  return guarded("sleep", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    require_device(device);
+    cucache::sleep(device, tag, keep_contents != 0);
+  });
+}
+
+int cucache_torch_wake(int device, const char* tag) {
+  return guarded("wake", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    require_device(device);
+    cucache::wake(device, tag);
+  });
+}
+
+int64_t cucache_torch_sleeping(int device, char* buf, size_t len) {
+  std::int64_t n = -1;
+  guarded("sleeping", [&] {
+    require_device(device);
+    n = copy_out(sleeping_json(cucache::sleeping(device)), buf, len);
+  });
+  return n;
+}
+
 int cucache_torch_check_device(int device) {
   try {
     registry& r = registry::instance();
