@@ -263,6 +263,10 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
         bytes_text(needed > have ? needed - have : 0)));
   };
   if (room < needed) throw no_room(room);
+  // Undo: every page mapped for the domain goes again, and handles a failed map left in the
+  // unmapped list are released down to the reservation wake began with -- the device holds what
+  // it held before (the other pools' idle pages given back above stay given back: cached memory).
+  const std::size_t reserved_at_start = budget.reserved_bytes();
   const auto undo = [&](bool synchronize) noexcept {
     bool first = synchronize;
     for (stream_pool* q : w.pools) {
@@ -271,6 +275,10 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
       } catch (...) {
       }
       first = false;
+    }
+    try {
+      pager->release_unmapped(reserved_at_start);
+    } catch (...) {
     }
   };
   try {
