@@ -260,7 +260,8 @@ class device_allocator {
   /// Releases the physical memory of every live block of `domain` and of its cached pages,
   /// keeping their virtual addresses: pointers stay valid, and no work may touch them until wake.
   /// With keep_contents the live blocks' bytes are first copied to pinned host memory (wake
-  /// copies them back). Pending frees of the domain and all queued work are waited for first
+  /// copies them back; the pinned buffer is kept after wake for the domain's next sleep, and
+  /// empty_cache frees it). Pending frees of the domain and all queued work are waited for first
   /// (one device synchronization). Throws, changing nothing: cuda_error 801 (not expandable
   /// mode), invalid_argument (domain 0 or too large, already asleep, blocks held for a CUDA
   /// graph), cuda_error 900 while a capture is underway, out_of_memory when the host cannot pin
@@ -278,7 +279,10 @@ class device_allocator {
     std::uint32_t domain = 0;
     std::size_t bytes = 0;       ///< device bytes wake maps again (pages of live blocks)
     std::size_t host_bytes = 0;  ///< pinned host bytes holding the contents (keep_contents)
+    double copy_seconds = 0;     ///< sleep's device-to-host copies, synchronization included
   };
+  /// Seconds the last wake of `domain` spent copying its contents back (0 when none was kept).
+  [[nodiscard]] double last_wake_copy_seconds(std::uint32_t domain) const;
   /// Every sleeping domain, by domain.
   [[nodiscard]] std::vector<sleep_state> sleeping() const;
   /// Whether `domain` is asleep.

@@ -129,7 +129,10 @@ struct sleep_stat {
   std::string tag;
   std::uint64_t bytes = 0;       ///< device bytes released that wake maps again
   std::uint64_t host_bytes = 0;  ///< pinned host bytes holding the contents (keep_contents)
+  double copy_seconds = 0;       ///< sleep's device-to-host copies, synchronization included
 };
+/// Seconds the last wake of `tag` on `device` spent copying its contents back (0 when none).
+[[nodiscard]] double last_wake_copy_seconds(int device, std::string_view tag);
 /// Every sleeping tag on `device`, by name. Empty when no allocator of `device` exists.
 [[nodiscard]] std::vector<sleep_stat> sleeping(int device);
 

@@ -119,6 +119,7 @@ device_allocator::impl::~impl() {
     } catch (...) {
     }
   }
+  free_spare_host_buffers();
   for (auto& p : pools) {
     p->pending.for_each([&](const detail::pending_free& pf) {
       try {
@@ -714,6 +715,7 @@ void device_allocator::impl::empty_cache() {
   if (sync_blocked()) graphs.throw_capture_blocks("empty_cache");
   settle_graph_pools();
   if (cfg.expandable_segments) {
+    free_spare_host_buffers();  // pinned host buffers woken tags kept for their next sleep
     for (auto& p : pools) pager->unmap_idle(*p, /*release_handles=*/true);
     pager->release_unmapped(0);
   }

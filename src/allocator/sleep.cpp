@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "allocator/allocator_impl.hpp"
 #include "core/format_bytes.hpp"
@@ -174,13 +175,27 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
   rec.keep_contents = keep_contents;
   rec.sleeping_bytes = w.touched_pages * page_bytes;
   if (keep_contents && w.run_bytes != 0) {
-    auto* host = static_cast<std::byte*>(backend->host_alloc_pinned(w.run_bytes));
+    // The domain's spare buffer from its last wake when it is large enough; else a new one.
+    std::byte* host = nullptr;
+    std::size_t host_capacity = w.run_bytes;
+    auto& spares = sleeper.spares();
+    if (auto sp = spares.find(domain); sp != spares.end()) {
+      if (sp->second.bytes >= w.run_bytes) {
+        host = sp->second.host;
+        host_capacity = sp->second.bytes;
+      } else {
+        backend->host_free_pinned(sp->second.host);
+      }
+      spares.erase(sp);
+    }
+    if (host == nullptr) host = static_cast<std::byte*>(backend->host_alloc_pinned(w.run_bytes));
     if (host == nullptr) {
       throw out_of_memory(fmt::format(
           "cucache: sleep: {} on device {}: cannot pin {} of host memory for the contents of its "
           "live blocks (keep_contents); nothing changed",
           name, raw->device(), bytes_text(w.run_bytes)));
     }
+    const auto copy_start = std::chrono::steady_clock::now();
     try {
       queue_copies(*backend, w.runs, host, /*to_host=*/true);
       backend->device_synchronize();
@@ -191,8 +206,11 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
       }
       throw;
     }
+    rec.copy_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
     rec.host = host;
     rec.host_bytes = w.run_bytes;
+    rec.host_capacity = host_capacity;
     rec.runs = std::move(w.runs);
   }
   // From here the domain is asleep whatever happens: a device failure part way through leaves
@@ -295,7 +313,9 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
     undo(false);  // nothing has used the new pages: no synchronization needed
     throw;
   }
+  double copy_in = 0;
   if (rec.host != nullptr) {
+    const auto copy_start = std::chrono::steady_clock::now();
     try {
       queue_copies(*backend, rec.runs, rec.host, /*to_host=*/false);
       backend->device_synchronize();
@@ -303,12 +323,11 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
       undo(true);  // copies may be in flight: the pages go only after a synchronization
       throw;
     }
-    try {
-      backend->host_free_pinned(rec.host);
-    } catch (...) {
-      // The contents are back; a host buffer the runtime refuses to free is all that is lost.
-    }
+    copy_in = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
+    // Kept for the domain's next sleep (empty_cache frees it).
+    sleeper.spares()[domain] = {rec.host, rec.host_capacity};
   }
+  sleeper.last_copy_in()[domain] = copy_in;
   sleeper.wake_up(domain);
 }
 
@@ -331,10 +350,28 @@ std::vector<device_allocator::sleep_state> device_allocator::sleeping() const {
   auto all = impl_->pools.lock_all();
   std::vector<sleep_state> out;
   for (const auto& [domain, r] : impl_->sleeper.records()) {
-    out.push_back({domain, r.sleeping_bytes, r.host_bytes});
+    out.push_back({domain, r.sleeping_bytes, r.host_bytes, r.copy_seconds});
   }
   return out;
 }
+double device_allocator::last_wake_copy_seconds(std::uint32_t domain) const {
+  auto all = impl_->pools.lock_all();
+  const auto& m = impl_->sleeper.last_copy_in();
+  const auto it = m.find(domain);
+  return it != m.end() ? it->second : 0.0;
+}
+
+void device_allocator::impl::free_spare_host_buffers() noexcept {
+  // REQUIRES: every pool locked.
+  for (const auto& [domain, sp] : sleeper.spares()) {
+    try {
+      backend->host_free_pinned(sp.host);
+    } catch (...) {
+    }
+  }
+  sleeper.spares().clear();
+}
+
 bool device_allocator::is_asleep(std::uint32_t domain) const {
   if (domain == 0 || domain > detail::k_max_sleep_domain) return false;
   auto all = impl_->pools.lock_all();

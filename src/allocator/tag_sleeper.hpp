@@ -48,7 +48,15 @@ class tag_sleeper {
     std::string label;  // the front end's name for the domain (a tag), for messages
     std::byte* host = nullptr;  // pinned host copy (keep_contents), host_bytes long
     std::size_t host_bytes = 0;
+    std::size_t host_capacity = 0;  // the pinned buffer's size (a reused spare may be larger)
     std::vector<copy_run> runs;  // in address order, into `host`
+    double copy_seconds = 0;     // the device-to-host copies and their synchronization
+  };
+  /// A pinned host buffer a domain used for its last sleep, kept for its next one (pinning costs
+  /// far more than copying: cudaHostAlloc maps and locks every page). empty_cache frees them.
+  struct spare_buffer {
+    std::byte* host = nullptr;
+    std::size_t bytes = 0;
   };
 
   /// True while domain d sleeps. REQUIRES: d <= k_max_sleep_domain; the caller holds a pool lock.
@@ -76,11 +84,17 @@ class tag_sleeper {
   [[nodiscard]] const std::map<std::uint32_t, record>& records() const noexcept {
     return records_;
   }
+  /// The spare host buffers, by domain. REQUIRES: every pool lock held.
+  [[nodiscard]] std::map<std::uint32_t, spare_buffer>& spares() noexcept { return spares_; }
+  /// Seconds of the last wake's host-to-device copies (and their synchronization), by domain.
+  [[nodiscard]] std::map<std::uint32_t, double>& last_copy_in() noexcept { return copy_in_; }
 
  private:
   std::array<std::atomic<std::uint64_t>, (k_max_sleep_domain + 1) / 64> bits_{};
   std::atomic<std::size_t> count_{0};
-  std::map<std::uint32_t, record> records_;  // guarded by every pool lock (see above)
+  std::map<std::uint32_t, record> records_;         // guarded by every pool lock (see above)
+  std::map<std::uint32_t, spare_buffer> spares_;    // the same
+  std::map<std::uint32_t, double> copy_in_;         // the same
 };
 
 }  // namespace cucache::detail

@@ -226,13 +226,21 @@ void wake(int device, std::string_view tag) {
   get(device).wake(sleepable_tag(tag, "wake"), tag);
 }
 
+double last_wake_copy_seconds(int device, std::string_view tag) {
+  device_allocator* a = registry::instance().find(device);
+  const std::uint32_t id = tag.empty() ? 0 : detail::find_tag_id(tag);
+  return a == nullptr || id == 0 || id > detail::k_max_sleep_domain
+             ? 0.0
+             : a->last_wake_copy_seconds(id);
+}
+
 std::vector<sleep_stat> sleeping(int device) {
   registry& r = registry::instance();
   device_allocator* a = r.find(device);
   if (a == nullptr) return {};
   std::vector<sleep_stat> out;
   for (const device_allocator::sleep_state& st : a->sleeping()) {
-    out.push_back({detail::tag_name(st.domain), st.bytes, st.host_bytes});
+    out.push_back({detail::tag_name(st.domain), st.bytes, st.host_bytes, st.copy_seconds});
   }
   std::sort(out.begin(), out.end(),
             [](const sleep_stat& x, const sleep_stat& y) { return x.tag < y.tag; });

@@ -110,7 +110,10 @@ std::string torch_snapshot_json(const std::vector<const device_allocator*>& by_d
 std::string sleeping_json(const std::vector<sleep_stat>& tags) {
   json out = json::array();
   for (const sleep_stat& t : tags) {
-    out.push_back({{"tag", t.tag}, {"bytes", t.bytes}, {"host_bytes", t.host_bytes}});
+    out.push_back({{"tag", t.tag},
+                   {"bytes", t.bytes},
+                   {"host_bytes", t.host_bytes},
+                   {"copy_seconds", t.copy_seconds}});
   }
   return out.dump();
 }

@@ -146,11 +146,13 @@ CUCACHE_TORCH_API int cucache_torch_pop_tag(void);
 CUCACHE_TORCH_API int64_t cucache_torch_tag_stats(int device, char* buf, size_t len);
 /* Sleep and wake (docs/api.md, "Sleep and wake"; expandable segments): 0 on success, -1 on
  * failure with nothing changed (cucache_torch_last_error says why; cucache_torch_last_error_kind
- * as for the other calls). sleeping copies a JSON array of {tag, bytes, host_bytes} as
+ * as for the other calls). sleeping copies a JSON array of {tag, bytes, host_bytes,
+ * copy_seconds} as
  * tag_stats does. */
 CUCACHE_TORCH_API int cucache_torch_make_sleepable(const char* tag);
 CUCACHE_TORCH_API int cucache_torch_sleep(int device, const char* tag, int keep_contents);
-CUCACHE_TORCH_API int cucache_torch_wake(int device, const char* tag);
+/* wake: *copy_seconds (when not NULL) gets the seconds its host-to-device copies took. */
+CUCACHE_TORCH_API int cucache_torch_wake(int device, const char* tag, double* copy_seconds);
 CUCACHE_TORCH_API int64_t cucache_torch_sleeping(int device, char* buf, size_t len);
 /* Whether cucache can serve `device` (any device when negative), building the process registry
  * from the environment if need be: CUCACHE_TORCH_READY, or the kind of failure, its message in

@@ -208,6 +208,10 @@ void cucache_torch_free(void* ptr, size_t /*size*/, int device, cucache_torch_st
                   "not allocated by cucache)",
                   ptr, device);
     report(text);
+  } catch (const invalid_argument& e) {
+    // A free the allocator refused, changing nothing: a block of a sleeping tag.
+    plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
+    report(std::string("cucache_torch: free refused: ") + e.what());
   } catch (const std::exception& e) {
     report(std::string("cucache_torch: free failed: ") + e.what());
   } catch (...) {
@@ -406,11 +410,12 @@ int cucache_torch_sleep(int device, const char* tag, int keep_contents) {
   });
 }
 
-int cucache_torch_wake(int device, const char* tag) {
+int cucache_torch_wake(int device, const char* tag, double* copy_seconds) {
   return guarded("wake", [&] {
     if (tag == nullptr) throw invalid_argument("tag is NULL");
     require_device(device);
     cucache::wake(device, tag);
+    if (copy_seconds != nullptr) *copy_seconds = cucache::last_wake_copy_seconds(device, tag);
   });
 }
 
