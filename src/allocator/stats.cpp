@@ -119,6 +119,7 @@ std::size_t device_allocator::impl::largest_cached_request() const {
   // of its placement.
   std::size_t best = 0;
   for (const auto& p : pools) {
+    if (p->domain != 0 && sleeper.asleep(p->domain)) continue;  // refuses every request
     for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
       if (cfg.expandable_segments && p->graph == nullptr) {
         best = std::max(best, pager->largest_cached_request(*p, kind, policy));
