@@ -261,7 +261,7 @@ class device_allocator {
   /// keeping their virtual addresses: pointers stay valid, and no work may touch them until wake.
   /// With keep_contents the live blocks' bytes are first copied to pinned host memory (wake
   /// copies them back; the pinned buffer is kept after wake for the domain's next sleep, and
-  /// empty_cache frees it). Pending frees of the domain and all queued work are waited for first
+  /// freed by a sleep without keep_contents or with the allocator). Pending frees of the domain and all queued work are waited for first
   /// (one device synchronization). Throws, changing nothing: cuda_error 801 (not expandable
   /// mode), invalid_argument (domain 0 or too large, already asleep, blocks held for a CUDA
   /// graph), cuda_error 900 while a capture is underway, out_of_memory when the host cannot pin

@@ -135,8 +135,7 @@ struct device_allocator::impl {
   // --- sleep and wake (sleep.cpp) ---
   void sleep(std::uint32_t domain, bool keep_contents, const std::string& label);
   void wake(std::uint32_t domain, const std::string& label);
-  /// Frees the spare pinned host buffers of woken domains (empty_cache, ~impl). REQUIRES: every
-  /// pool locked (or the allocator being destroyed).
+  /// Frees the spare pinned host buffers of woken domains (~impl).
   void free_spare_host_buffers() noexcept;
   /// Throws invalid_argument naming the block's domain when p's domain sleeps (allocate, free).
   /// REQUIRES: p locked.

@@ -715,7 +715,6 @@ void device_allocator::impl::empty_cache() {
   if (sync_blocked()) graphs.throw_capture_blocks("empty_cache");
   settle_graph_pools();
   if (cfg.expandable_segments) {
-    free_spare_host_buffers();  // pinned host buffers woken tags kept for their next sleep
     for (auto& p : pools) pager->unmap_idle(*p, /*release_handles=*/true);
     pager->release_unmapped(0);
   }

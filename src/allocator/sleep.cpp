@@ -174,6 +174,14 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
   rec.label = label;
   rec.keep_contents = keep_contents;
   rec.sleeping_bytes = w.touched_pages * page_bytes;
+  if (!keep_contents) {
+    // A sleep that keeps nothing gives back the pinned buffer the domain's last wake kept.
+    auto& spares = sleeper.spares();
+    if (auto sp = spares.find(domain); sp != spares.end()) {
+      backend->host_free_pinned(sp->second.host);
+      spares.erase(sp);
+    }
+  }
   if (keep_contents && w.run_bytes != 0) {
     // The domain's spare buffer from its last wake when it is large enough; else a new one.
     std::byte* host = nullptr;

@@ -53,7 +53,8 @@ class tag_sleeper {
     double copy_seconds = 0;     // the device-to-host copies and their synchronization
   };
   /// A pinned host buffer a domain used for its last sleep, kept for its next one (pinning costs
-  /// far more than copying: cudaHostAlloc maps and locks every page). empty_cache frees them.
+  /// far more than copying: cudaHostAlloc maps and locks every page). Freed when the domain
+  /// sleeps without keep_contents, when a larger one is needed, and with the allocator.
   struct spare_buffer {
     std::byte* host = nullptr;
     std::size_t bytes = 0;

@@ -138,14 +138,24 @@ TEST(Sleep, ReleasesTheDomainsPagesKeepsAddressesAndContents) {
     EXPECT_TRUE(a.sim->accessible(p, n));
     EXPECT_TRUE(holds(*a.sim, p, n, seed++));
   }
+  // The pinned buffer is kept for the next sleep: a second round pins nothing new.
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 0u);
+  a.alloc.sleep(7, /*keep_contents=*/true, "train");
+  a.alloc.wake(7, "train");
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
+  seed = 10;
+  for (auto [p, n] : mine) EXPECT_TRUE(holds(*a.sim, p, n, seed++));
   // Same addresses, usable as before: freed, reallocated.
   for (auto [p, n] : mine) a.alloc.deallocate(p);
   a.alloc.deallocate(other);
   a.alloc.check_invariants();
   a.alloc.empty_cache();
   EXPECT_EQ(a.reserved(), 0);
-  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
+  // A sleep that keeps nothing gives the buffer back.
+  a.alloc.sleep(7, /*keep_contents=*/false);
   EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 1u);
+  a.alloc.wake(7);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
 }
 
 TEST(Sleep, WithoutContentsCopiesNothingAndReleasesCachedPagesToo) {
