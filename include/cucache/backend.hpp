@@ -171,6 +171,18 @@ class device_backend {
 
   /// Free and total memory of the device (cudaMemGetInfo).
   [[nodiscard]] virtual memory_info mem_get_info() = 0;
+
+  // --- host copies (sleep with keepContents: docs/design.md, "Sleep and wake") ---
+  /// Allocates `bytes` of page-locked host memory (cudaHostAlloc); nullptr when the host cannot
+  /// pin that much (out of memory is not an exception, as with segment_malloc).
+  [[nodiscard]] virtual void* host_alloc_pinned(std::size_t bytes) = 0;
+  /// Frees memory from host_alloc_pinned (cudaFreeHost; synchronizes like it).
+  virtual void host_free_pinned(void* ptr) = 0;
+  /// Queues a copy of `bytes` from `src` to `dst` on `stream` (cudaMemcpyAsync, cudaMemcpyDefault):
+  /// one side pinned host memory from host_alloc_pinned, the other mapped device memory of this
+  /// device. Complete after stream_synchronize(stream) or device_synchronize(). Throws cuda_error
+  /// when the runtime refuses (a device range that is not mapped, a capturing stream).
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) = 0;
 };
 
 }  // namespace cucache

@@ -59,6 +59,8 @@ typedef struct cucacheStats {
   double overheadFragmentation; /* 1 - allocatedBytes / reservedBytes; 0 when none reserved */
   size_t memoryLimit;           /* cap on reservedBytes (CUCACHE_CONF); 0 = none */
   size_t deviceTotalBytes;      /* the device's total memory */
+  size_t sleepingBytes;         /* device bytes of sleeping tags' live blocks (cucacheSleep) */
+  size_t sleepingHostBytes;     /* pinned host bytes holding their contents (keepContents) */
 } cucacheStats;
 
 /** Allocates `size` bytes on the current device, as cudaMalloc. size == 0: cudaSuccess with
@@ -187,6 +189,36 @@ cudaError_t cucachePopTag(void) CUCACHE_NOEXCEPT;
  * Errors: cudaErrorInvalidValue (a NULL argument), cudaErrorInitializationError. */
 cudaError_t cucacheGetTagStats(int device, const char* tag, size_t* currentBytes,
                                size_t* peakBytes) CUCACHE_NOEXCEPT;
+/** Sleep and wake (docs/api.md, "Sleep and wake"; expandable segments only).
+ * cucacheMakeTagSleepable makes `tag` sleepable, process-wide and for good: allocations made under
+ * it from then on are placed in physical pages of their own (one pool per stream and tag) that no
+ * other tag's or untagged block shares. Call it before allocating under the tag.
+ * Errors: cudaErrorInvalidValue (tag NULL or empty, too many sleepable tags). */
+cudaError_t cucacheMakeTagSleepable(const char* tag) CUCACHE_NOEXCEPT;
+/** Releases the physical memory of every live block of `tag` on `device` and of its cached pages,
+ * keeping their virtual addresses: pointers stay valid, but no work may touch them until
+ * cucacheWake. keepContents != 0: their bytes are copied to pinned host memory first and come back
+ * on wake. Waits for the work queued on the device (one device synchronization) first.
+ * Errors, each with nothing changed and the message in cucacheGetLastErrorMessage():
+ *   cudaErrorInvalidValue  tag NULL, unknown or not sleepable; asleep already; live blocks of the
+ *                          tag outside its pages (allocated before cucacheMakeTagSleepable, or in
+ *                          a graph capture); freed blocks held for a CUDA graph
+ *   cudaErrorNotSupported  the default mode (sleep needs CUCACHE_CONF=expandable_segments:True)
+ *   cudaErrorStreamCaptureUnsupported  a graph capture is underway
+ *   cudaErrorMemoryAllocation  the host cannot pin the copy (keepContents). */
+cudaError_t cucacheSleep(int device, const char* tag, int keepContents) CUCACHE_NOEXCEPT;
+/** Maps new physical memory at the same addresses under every page the tag's live blocks touch and
+ * copies the kept contents back. Other tags' cached (idle) pages are given back first if needed.
+ * Errors: cudaErrorInvalidValue (tag NULL, unknown, not sleepable, not asleep),
+ * cudaErrorMemoryAllocation (no room: the tag stays asleep with nothing of it mapped; the message
+ * says how much was missing). Between sleep and wake, cucacheFree of the tag's blocks and
+ * allocations under the tag fail with cudaErrorInvalidValue, changing nothing. */
+cudaError_t cucacheWake(int device, const char* tag) CUCACHE_NOEXCEPT;
+/** Bytes of `tag` asleep on `device`: device bytes released (that wake maps again) and pinned host
+ * bytes holding its contents; 0 and 0 when it is awake. Errors: cudaErrorInvalidValue (NULL). */
+cudaError_t cucacheGetSleepingBytes(int device, const char* tag, size_t* deviceBytes,
+                                    size_t* hostBytes) CUCACHE_NOEXCEPT;
+
 /** Inter-process sharing (docs/api.md, "IPC"). Fills *handle so that another process can open the
  * live allocation devPtr (the start of a cucacheMalloc block, of any device). Default mode: the
  * segment's cudaIpcMemHandle_t plus the block's offset. Expandable segments: only with

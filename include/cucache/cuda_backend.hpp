@@ -95,6 +95,9 @@ class cuda_backend final : public device_backend {
   capture_mode exchange_capture_mode(capture_mode mode) override;
 
   [[nodiscard]] memory_info mem_get_info() override;
+  [[nodiscard]] void* host_alloc_pinned(std::size_t bytes) override;
+  void host_free_pinned(void* ptr) override;
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
 
  private:
   void require_vmm(const char* call) const;

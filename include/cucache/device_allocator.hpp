@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cucache/backend.hpp"
@@ -94,6 +95,9 @@ struct segment_view {
   bool expandable = false;  ///< a virtual range (its unmapped pages are in free blocks)
   stream_handle stream = nullptr;
   graph_pool_id pool{};  ///< the graph pool it belongs to; {0, 0} for ordinary memory
+  /// The sleep domain (sleepable tag id) whose blocks alone it holds; 0 for none (sleep and wake).
+  std::uint32_t sleep_domain = 0;
+  bool asleep = false;  ///< its domain sleeps: no page of it is mapped
   std::vector<block_view> blocks;
   /// Expandable segments only: the physical page size, and the range's mapped runs (one per
   /// physical handle) in address order; the rest of the range is unmapped.
@@ -244,6 +248,47 @@ class device_allocator {
   /// ladder and garbage collection may give it back like any free segment (docs/api.md). Throws
   /// out_of_memory when the device or the memory limit has no room.
   void reserve(std::size_t bytes, stream_handle stream = nullptr);
+
+  // --- sleep and wake (expandable segments; docs/api.md "Sleep and wake") ---------------------
+  // A sleep domain (1 .. 16383; the front ends give a sleepable tag's id) names the blocks
+  // allocated while it was the allocating thread's domain (set_thread_sleep_domain). In
+  // expandable mode they are placed in pools of their own (one per stream), so that no physical
+  // page holds another domain's or an undomained block.
+  /// Sets the calling thread's sleep domain (0: none) for the allocations it makes from now on.
+  static void set_thread_sleep_domain(std::uint32_t domain);
+  [[nodiscard]] static std::uint32_t thread_sleep_domain() noexcept;
+  /// Releases the physical memory of every live block of `domain` and of its cached pages,
+  /// keeping their virtual addresses: pointers stay valid, and no work may touch them until wake.
+  /// With keep_contents the live blocks' bytes are first copied to pinned host memory (wake
+  /// copies them back; the pinned buffer is kept after wake for the domain's next sleep, and
+  /// freed by a sleep without keep_contents or with the allocator). Pending frees of the domain and all queued work are waited for first
+  /// (one device synchronization). Throws, changing nothing: cuda_error 801 (not expandable
+  /// mode), invalid_argument (domain 0 or too large, already asleep, blocks held for a CUDA
+  /// graph), cuda_error 900 while a capture is underway, out_of_memory when the host cannot pin
+  /// the copy. Takes every pool lock for its duration.
+  /// `label` names the domain in messages (the tag's name).
+  void sleep(std::uint32_t domain, bool keep_contents, std::string_view label = {});
+  /// Maps new physical memory under every page the domain's live blocks touch, at the same
+  /// addresses, and copies the kept contents back. Other pools' idle pages are given back first
+  /// when the device or the memory limit lacks room. Throws, leaving the domain asleep and
+  /// nothing of it mapped: invalid_argument (not asleep), out_of_memory naming how much was
+  /// missing, cuda_error from the device.
+  void wake(std::uint32_t domain, std::string_view label = {});
+  /// A sleeping domain (sleeping()).
+  struct sleep_state {
+    std::uint32_t domain = 0;
+    std::size_t bytes = 0;       ///< device bytes wake maps again (pages of live blocks)
+    std::size_t host_bytes = 0;  ///< pinned host bytes holding the contents (keep_contents)
+    double copy_seconds = 0;     ///< sleep's device-to-host copies, synchronization included
+  };
+  /// Seconds the last wake of `domain` spent copying its contents back (0 when none was kept).
+  [[nodiscard]] double last_wake_copy_seconds(std::uint32_t domain) const;
+  /// Every sleeping domain, by domain.
+  [[nodiscard]] std::vector<sleep_state> sleeping() const;
+  /// Whether `domain` is asleep.
+  [[nodiscard]] bool is_asleep(std::uint32_t domain) const;
+  /// The bytes callers asked for, of the live blocks in `domain`'s pools (requested_bytes).
+  [[nodiscard]] std::size_t domain_requested_bytes(std::uint32_t domain) const;
 
   /// Statistics, taken consistently under all locks.
   [[nodiscard]] device_stats stats() const;

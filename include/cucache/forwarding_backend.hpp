@@ -52,7 +52,11 @@
   X(capture_info, capture_status, (stream_handle stream), (stream), )                    \
   X(stream_identity, identify, (stream_handle stream), (stream), )                       \
   X(capture_mode, exchange_capture_mode, (capture_mode mode), (mode), )                  \
-  X(memory_info, mem_get_info, (), (), )
+  X(memory_info, mem_get_info, (), (), )                                                 \
+  X(void*, host_alloc_pinned, (std::size_t bytes), (bytes), )                            \
+  X(void, host_free_pinned, (void* ptr), (ptr), )                                        \
+  X(void, copy_async, (void* dst, const void* src, std::size_t bytes, stream_handle stream), \
+    (dst, src, bytes, stream), )
 
 namespace cucache {
 

@@ -104,4 +104,36 @@ struct tag_stat {
 /// One tag on `device` (all zero when it never allocated there).
 [[nodiscard]] tag_stat tag_stats(int device, std::string_view tag);
 
+// --- sleep and wake (docs/api.md, "Sleep and wake") ----------------------------------------------
+
+/// Makes `tag` sleepable, process-wide and for good: in expandable mode, the allocations made
+/// under it from now on are placed in pages of their own (one pool per stream and tag), which no
+/// other tag's or untagged block shares, so that sleep can release them. Allocations made under it
+/// before are not the tag's to put to sleep (sleep refuses while any is live). Throws
+/// invalid_argument for an empty tag or when 16383 tags are sleepable already.
+void make_sleepable(std::string_view tag);
+/// Whether make_sleepable(tag) was called.
+[[nodiscard]] bool is_sleepable(std::string_view tag);
+/// Releases the physical memory of every live block of `tag` on `device` and of its cached pages,
+/// keeping their addresses; with keep_contents their bytes wait in pinned host memory. Waits for
+/// the work queued on the device first. Throws, changing nothing: invalid_argument (unknown or not
+/// sleepable tag, asleep already, live blocks of the tag outside its pages), cuda_error 801 (not
+/// expandable mode), cuda_error 900 (a graph capture is underway), out_of_memory (host memory).
+void sleep(int device, std::string_view tag, bool keep_contents = true);
+/// Maps new memory under the tag's live blocks at the same addresses and restores the kept
+/// contents. Throws invalid_argument (unknown tag, not asleep), out_of_memory (no room: the tag
+/// stays asleep, nothing of it mapped, the message says how much was missing).
+void wake(int device, std::string_view tag);
+/// A sleeping tag on one device.
+struct sleep_stat {
+  std::string tag;
+  std::uint64_t bytes = 0;       ///< device bytes released that wake maps again
+  std::uint64_t host_bytes = 0;  ///< pinned host bytes holding the contents (keep_contents)
+  double copy_seconds = 0;       ///< sleep's device-to-host copies, synchronization included
+};
+/// Seconds the last wake of `tag` on `device` spent copying its contents back (0 when none).
+[[nodiscard]] double last_wake_copy_seconds(int device, std::string_view tag);
+/// Every sleeping tag on `device`, by name. Empty when no allocator of `device` exists.
+[[nodiscard]] std::vector<sleep_stat> sleeping(int device);
+
 }  // namespace cucache

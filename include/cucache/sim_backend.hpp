@@ -54,6 +54,9 @@ enum class sim_call : std::uint8_t {
   segment_close,
   phys_export_fd,
   phys_import_fd,
+  host_alloc_pinned,
+  host_free_pinned,
+  copy_async,
   count_  // number of kinds; not a call
 };
 inline constexpr std::size_t k_sim_call_kinds = static_cast<std::size_t>(sim_call::count_);
@@ -145,6 +148,9 @@ class sim_backend final : public device_backend {
   void stream_synchronize(stream_handle stream) override;
   void device_synchronize() override;
   [[nodiscard]] memory_info mem_get_info() override;
+  [[nodiscard]] void* host_alloc_pinned(std::size_t bytes) override;
+  void host_free_pinned(void* ptr) override;
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
   [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override;
   [[nodiscard]] capture_info capture_status(stream_handle stream) override;
   /// capture_status then stream_id, counted as those two calls, with one test of the lock-free
@@ -309,6 +315,7 @@ class sim_backend final : public device_backend {
   std::map<std::uintptr_t, mapping_rec> mappings_;
   std::unordered_map<phys_handle, handle_rec> handles_;
   std::map<std::uintptr_t, import_rec> imports_;
+  std::map<std::uintptr_t, std::size_t> pinned_;  // host_alloc_pinned's blocks: addr -> bytes
   std::vector<int> access_devices_;  // set_access's devices; empty = this device alone
   bool phys_export_ = false;
   phys_handle next_handle_ = 1;

@@ -103,6 +103,11 @@ struct device_stats {
   std::size_t largest_free_block = 0;
   std::size_t memory_limit = 0;  // effective cap on reserved bytes; 0 = none
   std::size_t device_total_bytes = 0;
+  // Sleep and wake (docs/api.md): sleeping_bytes, the device bytes of the pages that sleeping
+  // tags' live blocks touch (released; wake maps them again); sleeping_host_bytes, the pinned
+  // host bytes holding their contents (keep_contents).
+  std::size_t sleeping_bytes = 0;
+  std::size_t sleeping_host_bytes = 0;
 
   /// External fragmentation: 1 - largest free block / free bytes (0 when nothing is free).
   /// How much of the cached memory a single large request cannot use.
@@ -172,7 +177,9 @@ struct device_stats {
   X(free_block_count, free_block_count, count)           \
   X(largest_free_block, largest_free_block, bytes)       \
   X(memory_limit, memory_limit, bytes)                   \
-  X(device_total_bytes, device_total_bytes, bytes)
+  X(device_total_bytes, device_total_bytes, bytes)       \
+  X(sleeping_bytes, sleeping_bytes, bytes)               \
+  X(sleeping_host_bytes, sleeping_host_bytes, bytes)
 
 /// Rates in [0, 1], computed by a member function: X(function, torch_name).
 #define CUCACHE_STAT_RATE_FIELDS(X)                 \

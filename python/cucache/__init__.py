@@ -30,15 +30,19 @@ from ._lib import (
     memory_stats,
     memory_summary,
     load_snapshot,
+    make_sleepable,
     mark_step,
     pop_tag,
     push_tag,
     reserve,
     reset_peak_memory_stats,
+    sleep,
+    sleeping,
     snapshot,
     snapshot_json,
     tag,
     tag_stats,
+    wake,
 )
 
 __version__ = "0.1.0"
@@ -56,6 +60,7 @@ __all__ = [
     "library",
     "library_path",
     "load_snapshot",
+    "make_sleepable",
     "mark_step",
     "max_allocatable",
     "memory_stats",
@@ -65,10 +70,13 @@ __all__ = [
     "push_tag",
     "reserve",
     "reset_peak_memory_stats",
+    "sleep",
+    "sleeping",
     "snapshot",
     "snapshot_json",
     "tag",
     "tag_stats",
+    "wake",
 ]
 
 

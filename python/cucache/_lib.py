@@ -58,6 +58,8 @@ _COUNTERS = (
     "largest_free_block",
     "memory_limit",
     "device_total_bytes",
+    "sleeping_bytes",
+    "sleeping_host_bytes",
 )
 
 
@@ -120,6 +122,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_push_tag": (i, [ctypes.c_char_p]),
         "cucache_torch_pop_tag": (i, []),
         "cucache_torch_tag_stats": (i64, [i, ctypes.c_char_p, sz]),
+        "cucache_torch_make_sleepable": (i, [ctypes.c_char_p]),
+        "cucache_torch_sleep": (i, [i, ctypes.c_char_p, i]),
+        "cucache_torch_wake": (i, [i, ctypes.c_char_p, ctypes.POINTER(ctypes.c_double)]),
+        "cucache_torch_sleeping": (i64, [i, ctypes.c_char_p, sz]),
         "cucache_torch_last_error": (ctypes.c_char_p, []),
         "cucache_torch_bad_free_count": (u64, []),
         "cucache_torch_backend_name": (ctypes.c_char_p, []),
@@ -470,15 +476,69 @@ def pop_tag() -> None:
     _check(library().cucache_torch_pop_tag(), "pop_tag")
 
 
+def _tag_name(name: str) -> bytes:
+    if not isinstance(name, str):
+        raise TypeError(f"cucache: a tag is a str, not {type(name).__name__}")
+    if "\0" in name:
+        raise ValueError(f"cucache: tag {name!r} contains a NUL character")
+    return name.encode()
+
+
 @contextlib.contextmanager
-def tag(name: str) -> Iterator[None]:
+def tag(name: str, sleepable: bool = False) -> Iterator[None]:
     """with cucache.tag("kv_cache"): allocations made on this thread inside the block count for
-    the tag in tag_stats(), memory_summary(), snapshots and leak reports."""
+    the tag in tag_stats(), memory_summary(), snapshots and leak reports. sleepable=True makes the
+    tag sleepable first (make_sleepable): its allocations get pages of their own, so that
+    sleep(name) can give their memory back."""
+    if sleepable:
+        make_sleepable(name)
     push_tag(name)
     try:
         yield
     finally:
         pop_tag()
+
+
+def make_sleepable(name: str) -> None:
+    """Makes tag `name` sleepable, process-wide and for good (expandable segments): allocations
+    made under it from now on are placed in physical pages no other tag's or untagged allocation
+    shares. Call it before allocating under the tag (or use tag(name, sleepable=True))."""
+    b = _tag_name(name)
+    _configured()
+    _check(library().cucache_torch_make_sleepable(b), "make_sleepable")
+
+
+def sleep(name: str, keep_contents: bool = True, device: Any = None) -> None:
+    """Gives back the device memory of every live allocation of sleepable tag `name` (and its
+    cached pages), keeping their addresses: tensors keep their data_ptr(), but must not be used,
+    freed or allocated under the tag until wake(name). keep_contents=True copies their bytes to
+    pinned host memory first (wake restores them); False drops them (a KV cache). Waits for the
+    device's queued work. RuntimeError with cucache's message on any misuse (unknown or not
+    sleepable tag, asleep already, expandable segments off), with nothing changed."""
+    b = _tag_name(name)
+    d = _ready(_device(device))
+    _check(library().cucache_torch_sleep(d, b, 1 if keep_contents else 0), "sleep")
+
+
+def wake(name: str, device: Any = None) -> float:
+    """Maps new device memory under the sleeping tag's allocations at the same addresses and
+    restores their contents (when sleep kept them); returns the seconds the host-to-device copies
+    took (0.0 when nothing was kept). RuntimeError when the tag is not asleep, or when the device
+    has no room -- the tag then stays asleep and the message says how much was missing."""
+    b = _tag_name(name)
+    d = _ready(_device(device))
+    secs = ctypes.c_double(0.0)
+    _check(library().cucache_torch_wake(d, b, ctypes.byref(secs)), "wake")
+    return float(secs.value)
+
+
+def sleeping(device: Any = None) -> dict[str, dict[str, int]]:
+    """The sleeping tags of one device: {"train": {"bytes": device bytes given back,
+    "host_bytes": pinned host bytes holding their contents, "copy_seconds": what sleep's
+    device-to-host copies took}}."""
+    d = _ready(_device(device))
+    rows = json.loads(_text(library().cucache_torch_sleeping, d, "sleeping"))
+    return {r.pop("tag"): r for r in rows}
 
 
 def tag_stats(device: Any = None) -> dict[str, dict[str, int]]:

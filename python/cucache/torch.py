@@ -26,11 +26,16 @@ from ._lib import (
     empty_cache,
     last_error,
     library,
+    make_sleepable,
     memory_stats,
     memory_summary,
     reset_peak_memory_stats,
+    sleep,
+    sleeping,
     snapshot,
     snapshot_json,
+    tag,
+    wake,
 )
 
 __all__ = [
@@ -46,6 +51,11 @@ __all__ = [
     "reset_peak_memory_stats",
     "bad_free_count",
     "last_error",
+    "make_sleepable",
+    "sleep",
+    "sleeping",
+    "tag",
+    "wake",
 ]
 
 _installed = False

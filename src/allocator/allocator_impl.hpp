@@ -6,6 +6,7 @@
 //   graphs  graph_pools    graph pools, routes, captures, blocks held for graphs
 //   pager   pager          expandable mode: physical memory behind the pools' virtual ranges
 //   events  event_cache    CUDA events kept for reuse
+//   sleeper tag_sleeper    sleeping domains and what they keep to wake (sleep.cpp)
 //   blocks  block_map      the pointer map (allocated blocks by address; sharded locks)
 //
 // and each pool (stream_pool) owns its segments, free indices, pending frees, statistics and the
@@ -33,6 +34,7 @@
 #include "allocator/pager.hpp"
 #include "allocator/pool_table.hpp"
 #include "allocator/stream_pool.hpp"
+#include "allocator/tag_sleeper.hpp"
 #include "core/block_map.hpp"
 #include "core/size_policy.hpp"
 #include "cucache/config.hpp"
@@ -130,6 +132,15 @@ struct device_allocator::impl {
     return (p.graph == nullptr || p.graph->released) && s.whole_free();
   }
 
+  // --- sleep and wake (sleep.cpp) ---
+  void sleep(std::uint32_t domain, bool keep_contents, const std::string& label);
+  void wake(std::uint32_t domain, const std::string& label);
+  /// Frees the spare pinned host buffers of woken domains (~impl).
+  void free_spare_host_buffers() noexcept;
+  /// Throws invalid_argument naming the block's domain when p's domain sleeps (allocate, free).
+  /// REQUIRES: p locked.
+  void refuse_if_asleep(const detail::stream_pool& p, const void* ptr, const char* what) const;
+
   // --- errors (oom_report.cpp) ---
   [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream);
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
@@ -159,6 +170,7 @@ struct device_allocator::impl {
   detail::pool_table pools;
   detail::graph_pools graphs;
   detail::event_cache events;
+  detail::tag_sleeper sleeper;  // sleeping domains (expandable mode)
   std::atomic<std::uint64_t> segment_ids{0};
   // Expandable segments: the pager backs the pools' virtual ranges with physical memory.
   std::unique_ptr<detail::pager> pager;

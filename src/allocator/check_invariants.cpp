@@ -23,10 +23,12 @@ namespace {
 /// where nonzero), every touched page is mapped, the runs of mapped pages are the maximal runs of
 /// the page table, the idle runs are disjoint and hold exactly the mapped pages no block touches,
 /// and a page without access is idle (back() grants access before a block is handed out).
-/// `idle_runs` counts the range's idle runs, `idle_pages` their pages.
+/// `idle_runs` counts the range's idle runs, `idle_pages` their pages. In a sleeping pool
+/// (`asleep`) no page is mapped at all, and the pages its blocks touch are counted in
+/// `sleeping_pages` instead.
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
                  std::int64_t& mappings, std::size_t& idle_runs, std::size_t& idle_pages,
-                 std::size_t& mapped_total) {
+                 std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages) {
   const detail::vm_range& r = *s.vm;
   if (r.page_count != r.size / r.page_bytes) {
     violated(fmt::format("range {:#x}: {} pages, size says {}", r.base, r.page_count,
@@ -52,6 +54,13 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     if (use[pg] > 1 && edge[pg] != use[pg]) {
       violated(fmt::format("range {:#x} page {}: {} blocks touch it, not all at their edges",
                            r.base, pg, use[pg]));
+    }
+    if (asleep) {
+      if (r.mapped(pg)) {
+        violated(fmt::format("range {:#x} page {} of a sleeping pool is mapped", r.base, pg));
+      }
+      sleeping_pages += use[pg] > 0;
+      continue;
     }
     if (use[pg] > 0 && !r.mapped(pg)) {
       violated(fmt::format("range {:#x} page {} is used by a block but not mapped", r.base, pg));
@@ -155,6 +164,7 @@ void device_allocator::check_invariants() const {
   std::size_t allocated_blocks = 0;
   std::size_t reserved_total = 0;
   std::size_t mapped_total = 0;
+  std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain, recounted
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
     std::size_t free_count[2] = {0, 0};
@@ -172,7 +182,9 @@ void device_allocator::check_invariants() const {
       if (s->owner != &p) violated(fmt::format("segment {:#x}: wrong owner", s->base));
       if (s->vm != nullptr) {
         std::int64_t mappings = 0;
-        check_range(p, *s, reserved[k], mappings, idle_runs_seen, idle_pages_seen, mapped_total);
+        const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
+        check_range(p, *s, reserved[k], mappings, idle_runs_seen, idle_pages_seen, mapped_total,
+                    asleep, sleeping_pages[p.domain]);
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
         reserved[k] += static_cast<std::int64_t>(s->size);
@@ -312,6 +324,33 @@ void device_allocator::check_invariants() const {
       check("requested_bytes", st.requested_bytes[slot].current, requested[k]);
     }
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
+  }
+  // Sleeping domains: a record for each asleep bit, and its bytes the pages its blocks touch.
+  std::size_t sleep_records = 0;
+  for (const auto& [domain, r] : m.sleeper.records()) {
+    ++sleep_records;
+    if (!m.sleeper.asleep(domain)) {
+      violated(fmt::format("sleep domain {} has a record but is not asleep", domain));
+    }
+    const std::size_t pages = sleeping_pages.contains(domain) ? sleeping_pages[domain] : 0;
+    if (pages * m.page_bytes != r.sleeping_bytes) {
+      violated(fmt::format("sleep domain {}: record says {} sleeping bytes, its blocks touch {} "
+                           "pages of {}",
+                           domain, r.sleeping_bytes, pages, m.page_bytes));
+    }
+    std::size_t run_bytes = 0;
+    for (const auto& run : r.runs) run_bytes += run.bytes;
+    if (run_bytes != r.host_bytes || (r.host == nullptr) != (r.host_bytes == 0)) {
+      violated(fmt::format("sleep domain {}: {} host bytes for runs of {}", domain, r.host_bytes,
+                           run_bytes));
+    }
+  }
+  if (sleep_records != 0) {
+    std::size_t asleep_bits = 0;
+    for (std::uint32_t d = 1; d <= detail::k_max_sleep_domain; ++d) asleep_bits += m.sleeper.asleep(d);
+    if (asleep_bits != sleep_records) {
+      violated(fmt::format("{} sleep domains asleep, {} records", asleep_bits, sleep_records));
+    }
   }
   // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
   // retention count is right; parts belong to their graph pool.

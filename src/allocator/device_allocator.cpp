@@ -112,6 +112,14 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
 device_allocator::impl::~impl() {
   // Return everything to the device. Errors here (a runtime already shut down) are swallowed:
   // destructors never throw.
+  for (const auto& [domain, r] : sleeper.records()) {
+    if (r.host == nullptr) continue;
+    try {
+      backend->host_free_pinned(r.host);
+    } catch (...) {
+    }
+  }
+  free_spare_host_buffers();
   for (auto& p : pools) {
     p->pending.for_each([&](const detail::pending_free& pf) {
       try {
@@ -539,12 +547,19 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   } else if (graphs.any_route()) [[unlikely]] {
     graph_part = graphs.part_for(stream, {});
   }
-  stream_pool& p = graph_part != nullptr ? *graph_part : pools.pool_for(stream, key);
+  // In expandable mode the thread's sleep domain (a sleepable tag) picks the pool of (stream,
+  // domain): its blocks share no page with anybody else's (tag_sleeper.hpp).
+  stream_pool& p =
+      graph_part != nullptr
+          ? *graph_part
+          : pools.pool_for(stream, key, cfg.expandable_segments ? detail::t_sleep_domain : 0);
   std::unique_lock lk(p.mu);
   if (!p.pending.empty()) poll_pending(p);
   if (cfg.expandable_segments && p.graph == nullptr) {
     // (Graph pools use segments in every mode: nothing of theirs may be unmapped or moved while
     // a graph may replay on it.)
+    if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
+      refuse_if_asleep(p, nullptr, "allocate");
     void* ptr = allocate_expandable(p, kind, rounded, bytes, lk);
     if (ptr == nullptr) {
       lk.unlock();
@@ -572,6 +587,10 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (b == nullptr) return false;
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
+  if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
+    blocks.insert(addr, b);  // nothing changed
+    refuse_if_asleep(p, ptr, "free");
+  }
   // The common free: no capture known, nobody observing, the block used on its own stream only.
   // It is deallocate_locked's path for that case, step for step, without its tests.
   if (graphs.any_capture() || observer.load(std::memory_order_acquire) != nullptr ||

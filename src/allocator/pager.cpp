@@ -621,6 +621,37 @@ void pager::unmap_idle(stream_pool& p, bool release_handles) {
   }
 }
 
+// --- sleep ---------------------------------------------------------------------------------------
+
+std::size_t pager::evict(stream_pool& p, bool synchronize) {
+  if (synchronize) synchronize_device();
+  std::size_t released = 0;
+  for (segment* seg : p.pages.ranges) {
+    if (seg == nullptr) continue;
+    vm_range& r = *seg->vm;
+    // The mapped pages first: unmapping frees the page table's chunks that empty, which a walk
+    // over the table must not see.
+    std::vector<std::size_t> mapped;
+    mapped.reserve(r.mapped_pages);
+    r.pages.for_each([&](std::size_t pg, const vm_page&) { mapped.push_back(pg); });
+    for (const std::size_t pg : mapped) {
+      release(unmap(p, r, pg), page_bytes_);  // unmap: out of the idle runs, page table and stats
+      released += page_bytes_;
+    }
+  }
+  return released;
+}
+
+std::size_t pager::room_bytes() {
+  const std::size_t device_free = backend_.mem_get_info().free_bytes;
+  std::lock_guard lock(budget_.mu);
+  std::size_t room = device_free;
+  if (budget_.limit != 0) {
+    room = std::min(room, budget_.limit > budget_.reserved ? budget_.limit - budget_.reserved : 0);
+  }
+  return room + free_handle_bytes;
+}
+
 // --- what cached memory can serve ---------------------------------------------------------------
 
 std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,

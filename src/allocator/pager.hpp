@@ -126,6 +126,22 @@ class pager {
   /// Unmaps every idle page of p, most recently idle first: handles go to the reusable list, or
   /// are released.
   void unmap_idle(stream_pool& p, bool release);
+
+  /// Sleep (tag_sleeper.hpp, docs/design.md "Sleep and wake"): unmaps every mapping of p's
+  /// ranges -- touched by blocks or idle -- and releases its handle to the device. The virtual
+  /// ranges, the blocks and the page-use counts (vm_range::edge_use) stay as they are: the pages
+  /// live blocks touch stay counted as touched, with no mapping behind them, until back() maps
+  /// them again (wake). With `synchronize`, one device synchronization first (the pager's own,
+  /// so it counts for every idle mapping); without, the caller guarantees that no work has used
+  /// the pages since they were mapped (wake undoing its own mappings). Returns the bytes
+  /// released. REQUIRES: p locked; nothing allocates in or frees into p until back() has mapped
+  /// its live blocks again. A failed VM call throws; the page table is consistent either way:
+  /// what was released is gone, the rest stays mapped and recorded.
+  std::size_t evict(stream_pool& p, bool synchronize);
+  /// Bytes that back() could take for new pages right now without moving another pool's idle
+  /// pages: the unmapped handles plus what the memory limit and the device leave room for (the
+  /// smaller of the two). Changes nothing.
+  [[nodiscard]] std::size_t room_bytes();
   /// Releases unmapped handles, largest first, until reserved <= target.
   void release_unmapped(std::size_t target_reserved);
 

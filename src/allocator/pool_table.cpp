@@ -12,7 +12,11 @@ std::atomic<std::uint64_t> g_table_ids{1};
 pool_table::pool_table(device_backend& streams)
     : streams_(streams), id_(g_table_ids.fetch_add(1)) {}
 
-stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t key) {
+stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t stream_key,
+                                      std::uint32_t domain) {
+  // The pool's own `key` stays the stream's (names_pool_stream compares it); the map and the
+  // thread's cache use the domain's key.
+  const std::uint64_t key = domain_key(stream_key, domain);
   pool_cache_entry& c = t_pool_cache;
   stream_pool* p = nullptr;
   {
@@ -26,7 +30,8 @@ stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t key) {
     if (it != pool_by_stream_.end()) {
       p = it->second;
     } else {
-      pools_.push_back(std::make_unique<stream_pool>(stream, key, pools_.size()));
+      pools_.push_back(
+          std::make_unique<stream_pool>(stream, stream_key, pools_.size(), nullptr, domain));
       p = pools_.back().get();
       pool_by_stream_.emplace(key, p);
     }

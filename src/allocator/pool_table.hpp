@@ -77,18 +77,28 @@ class pool_table {
     return pool_for(stream, stream_key(stream));
   }
   /// pool_for when the caller already knows the stream's key (stream_key): the allocation path
-  /// asks the backend once for a stream's capture and id (device_backend::identify).
-  CUCACHE_HOT stream_pool& pool_for(stream_handle stream, std::uint64_t key) {
+  /// asks the backend once for a stream's capture and id (device_backend::identify). `domain`
+  /// (tag_sleeper.hpp): 0 for the stream's own pool, else the pool of that sleep domain on the
+  /// stream -- its pool key is the stream key with the domain in bits 48..61 (domain_key), which
+  /// no stream id, capture key or the legacy key has.
+  CUCACHE_HOT stream_pool& pool_for(stream_handle stream, std::uint64_t key,
+                                    std::uint32_t domain = 0) {
     // By stream id, not handle: once the program destroys a stream, the runtime hands its handle
     // value to the next stream it creates, while work queued on the dead one may still run. A
     // pool keyed by the value would give the new stream blocks whose last use is that work.
+    const std::uint64_t k = domain_key(key, domain);
     const pool_cache_entry& c = t_pool_cache;
-    if (c.owner == id_ && c.key == key) [[likely]]
+    if (c.owner == id_ && c.key == k) [[likely]]
       return *c.pool;
-    return pool_for_key(stream, key);
+    return pool_for_key(stream, key, domain);
+  }
+  /// The map key of the pool of sleep domain `domain` (< 2^14) on the stream of key `key`.
+  [[nodiscard]] static constexpr std::uint64_t domain_key(std::uint64_t key,
+                                                          std::uint32_t domain) noexcept {
+    return key ^ (static_cast<std::uint64_t>(domain) << 48);
   }
   /// pool_for's miss of the thread's cache: out of line, so that the hit stays small.
-  stream_pool& pool_for_key(stream_handle stream, std::uint64_t key);
+  stream_pool& pool_for_key(stream_handle stream, std::uint64_t key, std::uint32_t domain = 0);
   /// The list lock, exclusive: for new_pool.
   [[nodiscard]] std::unique_lock<std::shared_mutex> lock_list() { return std::unique_lock(mu_); }
   /// A new pool outside the map (a graph pool's part). REQUIRES: lock_list() held.

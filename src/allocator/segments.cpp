@@ -30,6 +30,8 @@ std::vector<segment_view> walk(const device_allocator::impl& m) {
       v.expandable = seg->vm != nullptr;
       v.stream = p->stream;
       if (p->graph != nullptr) v.pool = p->graph->id;
+      v.sleep_domain = p->domain;
+      v.asleep = p->domain != 0 && m.sleeper.asleep(p->domain);
       for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
         block_view bv;
         bv.address = b->addr;

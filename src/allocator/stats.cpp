@@ -105,6 +105,10 @@ device_stats device_allocator::impl::stats_locked() const {
   s.alloc_retry_count = budget.retry_count.load(std::memory_order_relaxed);
   s.memory_limit = budget.limit;
   s.device_total_bytes = budget.device_total;
+  for (const auto& [domain, r] : sleeper.records()) {
+    s.sleeping_bytes += r.sleeping_bytes;
+    s.sleeping_host_bytes += r.host_bytes;
+  }
   return s;
 }
 
@@ -115,6 +119,7 @@ std::size_t device_allocator::impl::largest_cached_request() const {
   // of its placement.
   std::size_t best = 0;
   for (const auto& p : pools) {
+    if (p->domain != 0 && sleeper.asleep(p->domain)) continue;  // refuses every request
     for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
       if (cfg.expandable_segments && p->graph == nullptr) {
         best = std::max(best, pager->largest_cached_request(*p, kind, policy));

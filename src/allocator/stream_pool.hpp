@@ -25,8 +25,9 @@ struct graph_pool;
 
 class stream_pool {
  public:
-  stream_pool(stream_handle s, std::uint64_t k, std::size_t idx, graph_pool* g = nullptr)
-      : stream(s), key(k), index(idx), graph(g) {}
+  stream_pool(stream_handle s, std::uint64_t k, std::size_t idx, graph_pool* g = nullptr,
+              std::uint32_t d = 0)
+      : stream(s), key(k), index(idx), graph(g), domain(d) {}
 
   /// The handle the pool was created for. Another stream may have this value now (the runtime
   /// hands a destroyed stream's handle to the next one it creates); `key` tells them apart.
@@ -36,6 +37,10 @@ class stream_pool {
   const std::size_t index;  // creation order; pools are always locked in this order
   /// Non-null for a part of a graph pool: only allocations routed to that pool reach it.
   graph_pool* const graph;
+  /// The sleep domain whose blocks this pool holds (tag_sleeper.hpp): 0 for a stream's own pool,
+  /// else a sleepable tag's id -- the pool then holds that tag's blocks on this stream alone, in
+  /// ranges of its own, so that no page of it is shared with another tag's or untagged blocks.
+  const std::uint32_t domain;
   /// Blocks of this pool held pending by graph pools (each also counts in uses->pending_events).
   std::size_t retained = 0;
   alignas(64) pool_mutex mu;

@@ -74,7 +74,9 @@ constexpr auto k_all = static_cast<std::size_t>(cucache::stat_pool::all);
   X(externalFragmentation, double, s.external_fragmentation())           \
   X(overheadFragmentation, double, s.overhead_fragmentation())           \
   X(memoryLimit, size_t, s.memory_limit)                                 \
-  X(deviceTotalBytes, size_t, s.device_total_bytes)
+  X(deviceTotalBytes, size_t, s.device_total_bytes)                      \
+  X(sleepingBytes, size_t, s.sleeping_bytes)                             \
+  X(sleepingHostBytes, size_t, s.sleeping_host_bytes)
 
 cucacheStats to_c(const cucache::device_stats& s) noexcept {
   cucacheStats out{};
@@ -225,6 +227,37 @@ cudaError_t cucacheGetTagStats(int device, const char* tag, size_t* currentBytes
     const cucache::tag_stat t = cucache::tag_stats(device, tag);
     *currentBytes = t.current_bytes;
     *peakBytes = t.peak_bytes;
+  });
+}
+
+cudaError_t cucacheMakeTagSleepable(const char* tag) noexcept {
+  if (tag == nullptr) return null_argument("cucacheMakeTagSleepable", "tag");
+  return guarded("cucacheMakeTagSleepable", [&] { cucache::make_sleepable(tag); });
+}
+
+cudaError_t cucacheSleep(int device, const char* tag, int keepContents) noexcept {
+  if (tag == nullptr) return null_argument("cucacheSleep", "tag");
+  return guarded("cucacheSleep", [&] { cucache::sleep(device, tag, keepContents != 0); });
+}
+
+cudaError_t cucacheWake(int device, const char* tag) noexcept {
+  if (tag == nullptr) return null_argument("cucacheWake", "tag");
+  return guarded("cucacheWake", [&] { cucache::wake(device, tag); });
+}
+
+cudaError_t cucacheGetSleepingBytes(int device, const char* tag, size_t* deviceBytes,
+                                    size_t* hostBytes) noexcept {
+  if (tag == nullptr) return null_argument("cucacheGetSleepingBytes", "tag");
+  if (deviceBytes == nullptr) return null_argument("cucacheGetSleepingBytes", "deviceBytes");
+  if (hostBytes == nullptr) return null_argument("cucacheGetSleepingBytes", "hostBytes");
+  return guarded("cucacheGetSleepingBytes", [&] {
+    *deviceBytes = 0;
+    *hostBytes = 0;
+    for (const cucache::sleep_stat& st : cucache::sleeping(device)) {
+      if (st.tag != tag) continue;
+      *deviceBytes = st.bytes;
+      *hostBytes = st.host_bytes;
+    }
   });
 }
 

@@ -6,9 +6,13 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <vector>
 #include <system_error>
 
+#include "allocator/tag_sleeper.hpp"
 #include "api/registry.hpp"
 #include "observe/observe_hub.hpp"
 
@@ -93,6 +97,16 @@ std::string memory_summary(int device) {
     }
     text += fmt::format("|{:=^75}|\n", "");
   }
+  const std::vector<sleep_stat> asleep = sleeping(device);
+  if (!asleep.empty()) {
+    // Sleeping tags (sleep and wake): device bytes released, host bytes holding their contents.
+    text += fmt::format("|{:^75}|\n", "Sleeping tags");
+    text += fmt::format("| {:<30}| {:>20} | {:>19} |\n", "tag", "device released", "host copy");
+    for (const sleep_stat& t : asleep) {
+      text += fmt::format("| {:<30.30}| {:>20} | {:>19} |\n", t.tag, t.bytes, t.host_bytes);
+    }
+    text += fmt::format("|{:=^75}|\n", "");
+  }
   return text;
 }
 
@@ -119,14 +133,118 @@ std::string leak_report_json(std::uint64_t steps) {
   return detail::leak_report_json(registry::instance().hub(), steps);
 }
 
+namespace {
+// Sleepable tags (make_sleepable): process-wide, by tag id; each thread's sleep domain follows its
+// current tag (set on push and pop). Guarded by g_sleepable_mu; read on push and pop only.
+std::mutex g_sleepable_mu;
+std::vector<bool> g_sleepable;  // by tag id
+
+bool sleepable_id(std::uint32_t id) {
+  std::lock_guard lock(g_sleepable_mu);
+  return id < g_sleepable.size() && g_sleepable[id];
+}
+
+/// The calling thread's sleep domain after its tag stack changed: its current tag's id when that
+/// tag is sleepable.
+void follow_current_tag() {
+  const std::uint32_t id = detail::current_tag_id();
+  device_allocator::set_thread_sleep_domain(id != 0 && sleepable_id(id) ? id : 0);
+}
+
+/// The id of a tag that sleep or wake may act on: known and sleepable, else invalid_argument.
+std::uint32_t sleepable_tag(std::string_view tag, const char* function) {
+  const std::uint32_t id = tag.empty() ? 0 : detail::find_tag_id(tag);
+  if (id == 0) {
+    throw invalid_argument(fmt::format("cucache: {}: unknown tag '{}' (no tag of that name was "
+                                       "made sleepable or pushed); nothing changed",
+                                       function, tag));
+  }
+  if (!sleepable_id(id)) {
+    throw invalid_argument(fmt::format(
+        "cucache: {}: tag '{}' is not sleepable: call make_sleepable (cucacheMakeTagSleepable, "
+        "cucache.make_sleepable) before allocating under it; nothing changed",
+        function, tag));
+  }
+  return id;
+}
+}  // namespace
+
 void push_tag(std::string_view tag) {
   const std::uint32_t id = detail::tag_id(tag);
   registry::instance().activate_observers();  // allocators pay for observing only from now on
   detail::push_tag_id(id);
+  follow_current_tag();
 }
+
 
 void pop_tag() {
   detail::pop_tag_id("pop_tag");
+  follow_current_tag();
+}
+
+void make_sleepable(std::string_view tag) {
+  const std::uint32_t id = detail::tag_id(tag);  // throws for an empty tag
+  if (id > detail::k_max_sleep_domain) {
+    throw invalid_argument(fmt::format("cucache: make_sleepable: tag '{}' is tag number {}; at most "
+                                       "{} tags can be sleepable",
+                                       tag, id, detail::k_max_sleep_domain));
+  }
+  registry::instance().activate_observers();  // tag statistics, as push_tag
+  {
+    std::lock_guard lock(g_sleepable_mu);
+    if (g_sleepable.size() <= id) g_sleepable.resize(id + 1, false);
+    g_sleepable[id] = true;
+  }
+  follow_current_tag();
+}
+
+bool is_sleepable(std::string_view tag) {
+  const std::uint32_t id = tag.empty() ? 0 : detail::find_tag_id(tag);
+  return id != 0 && sleepable_id(id);
+}
+
+void sleep(int device, std::string_view tag, bool keep_contents) {
+  const std::uint32_t id = sleepable_tag(tag, "sleep");
+  device_allocator& a = get(device);
+  if (a.get_config().expandable_segments && !a.is_asleep(id)) {
+    // Every live block of the tag must be in its pages: blocks allocated under it before it was
+    // made sleepable (or in a graph capture) share pages with others and cannot sleep.
+    const std::uint64_t tagged = tag_stats(device, tag).current_bytes;
+    const std::uint64_t placed = a.domain_requested_bytes(id);
+    if (tagged != placed) {
+      throw invalid_argument(fmt::format(
+          "cucache: sleep: tag '{}' on device {} has {} live bytes, of which {} lie in its own "
+          "pages; the rest were allocated before make_sleepable or inside a CUDA graph capture "
+          "and cannot sleep (free them first); nothing changed",
+          tag, device, tagged, placed));
+    }
+  }
+  a.sleep(id, keep_contents, tag);
+}
+
+void wake(int device, std::string_view tag) {
+  get(device).wake(sleepable_tag(tag, "wake"), tag);
+}
+
+double last_wake_copy_seconds(int device, std::string_view tag) {
+  device_allocator* a = registry::instance().find(device);
+  const std::uint32_t id = tag.empty() ? 0 : detail::find_tag_id(tag);
+  return a == nullptr || id == 0 || id > detail::k_max_sleep_domain
+             ? 0.0
+             : a->last_wake_copy_seconds(id);
+}
+
+std::vector<sleep_stat> sleeping(int device) {
+  registry& r = registry::instance();
+  device_allocator* a = r.find(device);
+  if (a == nullptr) return {};
+  std::vector<sleep_stat> out;
+  for (const device_allocator::sleep_state& st : a->sleeping()) {
+    out.push_back({detail::tag_name(st.domain), st.bytes, st.host_bytes, st.copy_seconds});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const sleep_stat& x, const sleep_stat& y) { return x.tag < y.tag; });
+  return out;
 }
 
 std::string current_tag() {

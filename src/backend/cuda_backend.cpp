@@ -578,4 +578,30 @@ memory_info cuda_backend::mem_get_info() {
   return info;
 }
 
+// --- host copies (sleep with keepContents) ------------------------------------------------------
+
+void* cuda_backend::host_alloc_pinned(std::size_t bytes) {
+  const detail::device_guard guard(device_);
+  void* p = nullptr;
+  const cudaError_t code = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (code == cudaErrorMemoryAllocation) {
+    detail::clear_expected_error(code);
+    return nullptr;
+  }
+  detail::check_runtime(code, "cudaHostAlloc");
+  return p;
+}
+
+void cuda_backend::host_free_pinned(void* ptr) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(cudaFreeHost(ptr), "cudaFreeHost");
+}
+
+void cuda_backend::copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) {
+  const detail::device_guard guard(device_);
+  detail::check_runtime(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, detail::as_stream(stream)),
+      "cudaMemcpyAsync");
+}
+
 }  // namespace cucache

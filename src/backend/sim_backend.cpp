@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -148,6 +149,12 @@ const char* to_string(sim_call call) noexcept {
       return "phys_export_fd";
     case sim_call::phys_import_fd:
       return "phys_import_fd";
+    case sim_call::host_alloc_pinned:
+      return "host_alloc_pinned";
+    case sim_call::host_free_pinned:
+      return "host_free_pinned";
+    case sim_call::copy_async:
+      return "copy_async";
     case sim_call::count_:
       break;
   }
@@ -976,6 +983,101 @@ bool sim_backend::device_can_access(int device, const void* ptr, std::size_t byt
     cursor = m->first + m->second.bytes;
   }
   return cursor >= addr + bytes;
+}
+
+// --- host copies ---------------------------------------------------------------------------------
+
+void* sim_backend::host_alloc_pinned(std::size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::host_alloc_pinned)) return nullptr;  // out of pinnable host memory
+  require_capture_safe(sim_call::host_alloc_pinned);
+  void* p = std::malloc(std::max<std::size_t>(bytes, 1));
+  if (p == nullptr) return nullptr;
+  pinned_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+  return p;
+}
+
+void sim_backend::host_free_pinned(void* ptr) {
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::host_free_pinned)) fail(sim_call::host_free_pinned, "injected failure");
+  require_capture_safe(sim_call::host_free_pinned);
+  auto it = pinned_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == pinned_.end()) {
+    fail(sim_call::host_free_pinned, fmt::format("{} is not pinned host memory", ptr),
+         k_sim_invalid_value);
+  }
+  pinned_.erase(it);
+  std::free(ptr);
+}
+
+void sim_backend::copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) {
+  // The runtime's rules as far as the sim sees them: the stream alive and not capturing a copy it
+  // cannot capture (the sim refuses copies on capturing streams outright); one side pinned host
+  // memory of host_alloc_pinned, the other device memory of this device that is mapped with
+  // access (or one segment) over the whole span. Nothing is copied when anything is refused.
+  // Copies complete at once (the sim's device is never busy with them).
+  std::lock_guard lock(mu_);
+  if (should_fail(sim_call::copy_async)) fail(sim_call::copy_async, "injected failure");
+  if (stream != nullptr) require_live_stream(sim_call::copy_async, stream);
+  if (stream != nullptr && captures_.contains(stream)) {
+    capture_violation(sim_call::copy_async, "the stream captures");
+  }
+  const auto in_pinned = [&](std::uintptr_t a) {
+    auto it = pinned_.upper_bound(a);
+    if (it == pinned_.begin()) return false;
+    --it;
+    return a >= it->first && bytes <= it->second && a - it->first <= it->second - bytes;
+  };
+  const auto d = reinterpret_cast<std::uintptr_t>(dst);
+  const auto s = reinterpret_cast<std::uintptr_t>(src);
+  const bool to_host = in_pinned(d);
+  const bool from_host = in_pinned(s);
+  if (to_host == from_host) {
+    fail(sim_call::copy_async,
+         fmt::format("{} -> {} (+{}): exactly one side must be pinned host memory", src, dst,
+                     bytes),
+         k_sim_invalid_value);
+  }
+  const std::uintptr_t dev = to_host ? s : d;
+  // The device span, piece by piece: host memory behind each (null without host_memory).
+  std::vector<std::pair<std::byte*, std::size_t>> pieces;
+  const std::uint64_t me = std::uint64_t{1} << options_.device;
+  for (std::uintptr_t cursor = dev; cursor < dev + bytes;) {
+    const std::size_t left = dev + bytes - cursor;
+    auto sg = segments_.upper_bound(cursor);
+    if (sg != segments_.begin() && (--sg, cursor < sg->first + sg->second.bytes)) {
+      const std::size_t n = std::min(left, sg->first + sg->second.bytes - cursor);
+      pieces.emplace_back(sg->second.host ? sg->second.host.get() + (cursor - sg->first) : nullptr,
+                          n);
+      cursor += n;
+      continue;
+    }
+    auto m = mappings_.upper_bound(cursor);
+    if (m != mappings_.begin() && (--m, cursor < m->first + m->second.bytes) &&
+        (m->second.access & me) != 0) {
+      const std::size_t n = std::min(left, m->first + m->second.bytes - cursor);
+      const handle_rec& h = handles_.at(m->second.handle);
+      pieces.emplace_back(h.host ? h.host.get() + (cursor - m->first) : nullptr, n);
+      cursor += n;
+      continue;
+    }
+    fail(sim_call::copy_async,
+         fmt::format("{:#x} (+{}) of the copy is not device memory this device may access",
+                     cursor, left),
+         700);  // cudaErrorIllegalAddress
+  }
+  if (!options_.host_memory) return;
+  auto* host = reinterpret_cast<std::byte*>(to_host ? d : s);
+  for (const auto& [view, n] : pieces) {
+    if (view != nullptr) {
+      if (to_host) {
+        std::memcpy(host, view, n);
+      } else {
+        std::memcpy(view, host, n);
+      }
+    }
+    host += n;
+  }
 }
 
 std::byte* sim_backend::host_view(const void* dev_ptr, std::size_t bytes) {

@@ -84,6 +84,12 @@ std::string device_allocator::memory_summary() const {
                           static_cast<double>(s.vm_host_ns) / 1e6,
                           static_cast<double>(s.sync_host_ns) / 1e6, s.vm_sync_count));
   }
+  if (s.sleeping_bytes != 0 || s.sleeping_host_bytes != 0) {
+    line(out, fmt::format("Sleeping: {} released by sleeping tags, {} of their contents in "
+                          "pinned host memory",
+                          detail::format_bytes(static_cast<double>(s.sleeping_bytes)),
+                          detail::format_bytes(static_cast<double>(s.sleeping_host_bytes))));
+  }
   line(out,
        fmt::format("Memory limit: {}   device capacity: {}",
                    s.memory_limit == 0 ? std::string("none")

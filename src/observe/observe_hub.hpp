@@ -148,6 +148,9 @@ class observe_hub {
 /// Tag statistics as a JSON array of {tag, current_bytes, peak_bytes, allocations,
 /// total_allocations} (the Python package's cucache.tag_stats).
 [[nodiscard]] std::string tag_stats_json(const std::vector<tag_stat>& tags);
+/// Sleeping tags as a JSON array of {tag, bytes, host_bytes, copy_seconds} (the Python package's
+/// cucache.sleeping).
+[[nodiscard]] std::string sleeping_json(const std::vector<sleep_stat>& tags);
 /// leak_report as JSON (cucache::leak_report_json).
 [[nodiscard]] std::string leak_report_json(const observe_hub& hub, std::uint64_t steps);
 

@@ -3,7 +3,7 @@
 //
 //   {"segments": [{device, address, total_size, allocated_size, active_size, requested_size,
 //                  stream, segment_type: "small"|"large", segment_pool_id: [a, b], is_expandable,
-//                  frames, blocks: [{address, size, requested_size,
+//                  frames[, sleep_tag, asleep], blocks: [{address, size, requested_size,
 //                                    state: "active_allocated"|"active_pending_free"|"inactive",
 //                                    frames[, tag]}]}],
 //    "device_traces": [[{action, addr (device_free for "oom"), size, stream, time_us, frames
@@ -72,18 +72,25 @@ std::string torch_snapshot_json(const std::vector<const device_allocator*>& by_d
         if (it != live.end() && it->second.tag != 0) block["tag"] = tag_name(it->second.tag);
         blocks.push_back(std::move(block));
       }
-      segments.push_back({{"device", static_cast<int>(dev)},
-                          {"address", seg.address},
-                          {"total_size", seg.size},
-                          {"allocated_size", allocated},
-                          {"active_size", active},
-                          {"requested_size", requested},
-                          {"stream", stream_id(seg.stream)},
-                          {"segment_type", seg.small ? "small" : "large"},
-                          {"segment_pool_id", json::array({seg.pool.first, seg.pool.second})},
-                          {"is_expandable", seg.expandable},
-                          {"frames", json::array()},
-                          {"blocks", std::move(blocks)}});
+      json segment = {{"device", static_cast<int>(dev)},
+                      {"address", seg.address},
+                      {"total_size", seg.size},
+                      {"allocated_size", allocated},
+                      {"active_size", active},
+                      {"requested_size", requested},
+                      {"stream", stream_id(seg.stream)},
+                      {"segment_type", seg.small ? "small" : "large"},
+                      {"segment_pool_id", json::array({seg.pool.first, seg.pool.second})},
+                      {"is_expandable", seg.expandable},
+                      {"frames", json::array()},
+                      {"blocks", std::move(blocks)}};
+      // A sleepable tag's segment (docs/api.md, "Sleep and wake"): its tag, and whether it sleeps
+      // (its blocks keep their addresses; no page of it is mapped).
+      if (seg.sleep_domain != 0) {
+        segment["sleep_tag"] = tag_name(seg.sleep_domain);
+        segment["asleep"] = seg.asleep;
+      }
+      segments.push_back(std::move(segment));
     }
     for (const history_entry& e : hub.history(static_cast<int>(dev))) {
       json entry = {{"action", to_string(e.act)}};
@@ -98,6 +105,17 @@ std::string torch_snapshot_json(const std::vector<const device_allocator*>& by_d
     traces.push_back(std::move(trace));
   }
   return json{{"segments", std::move(segments)}, {"device_traces", std::move(traces)}}.dump();
+}
+
+std::string sleeping_json(const std::vector<sleep_stat>& tags) {
+  json out = json::array();
+  for (const sleep_stat& t : tags) {
+    out.push_back({{"tag", t.tag},
+                   {"bytes", t.bytes},
+                   {"host_bytes", t.host_bytes},
+                   {"copy_seconds", t.copy_seconds}});
+  }
+  return out.dump();
 }
 
 std::string tag_stats_json(const std::vector<tag_stat>& tags) {

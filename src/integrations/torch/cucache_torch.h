@@ -65,6 +65,8 @@ typedef struct cucache_torch_stats {
   uint64_t largest_free_block;
   uint64_t memory_limit;
   uint64_t device_total_bytes;
+  uint64_t sleeping_bytes;      /* device bytes of sleeping tags' live blocks (released) */
+  uint64_t sleeping_host_bytes; /* pinned host bytes holding their contents */
   double fragmentation_external;
   double fragmentation_overhead;
 } cucache_torch_stats;
@@ -142,6 +144,16 @@ CUCACHE_TORCH_API int64_t cucache_torch_leak_report(uint64_t steps, char* buf, s
 CUCACHE_TORCH_API int cucache_torch_push_tag(const char* tag);
 CUCACHE_TORCH_API int cucache_torch_pop_tag(void);
 CUCACHE_TORCH_API int64_t cucache_torch_tag_stats(int device, char* buf, size_t len);
+/* Sleep and wake (docs/api.md, "Sleep and wake"; expandable segments): 0 on success, -1 on
+ * failure with nothing changed (cucache_torch_last_error says why; cucache_torch_last_error_kind
+ * as for the other calls). sleeping copies a JSON array of {tag, bytes, host_bytes,
+ * copy_seconds} as
+ * tag_stats does. */
+CUCACHE_TORCH_API int cucache_torch_make_sleepable(const char* tag);
+CUCACHE_TORCH_API int cucache_torch_sleep(int device, const char* tag, int keep_contents);
+/* wake: *copy_seconds (when not NULL) gets the seconds its host-to-device copies took. */
+CUCACHE_TORCH_API int cucache_torch_wake(int device, const char* tag, double* copy_seconds);
+CUCACHE_TORCH_API int64_t cucache_torch_sleeping(int device, char* buf, size_t len);
 /* Whether cucache can serve `device` (any device when negative), building the process registry
  * from the environment if need be: CUCACHE_TORCH_READY, or the kind of failure, its message in
  * cucache_torch_last_error(). The Python package turns these into ValueError (configuration,

@@ -208,6 +208,10 @@ void cucache_torch_free(void* ptr, size_t /*size*/, int device, cucache_torch_st
                   "not allocated by cucache)",
                   ptr, device);
     report(text);
+  } catch (const invalid_argument& e) {
+    // A free the allocator refused, changing nothing: a block of a sleeping tag.
+    plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
+    report(std::string("cucache_torch: free refused: ") + e.what());
   } catch (const std::exception& e) {
     report(std::string("cucache_torch: free failed: ") + e.what());
   } catch (...) {
@@ -387,6 +391,39 @@ int64_t cucache_torch_tag_stats(int device, char* buf, size_t len) {
   guarded("tag_stats", [&] {
     require_device(device);
     n = copy_out(tag_stats_json(cucache::tag_stats(device)), buf, len);
+  });
+  return n;
+}
+
+int cucache_torch_make_sleepable(const char* tag) {
+  return guarded("make_sleepable", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    cucache::make_sleepable(tag);
+  });
+}
+
+int cucache_torch_sleep(int device, const char* tag, int keep_contents) {
+  return guarded("sleep", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    require_device(device);
+    cucache::sleep(device, tag, keep_contents != 0);
+  });
+}
+
+int cucache_torch_wake(int device, const char* tag, double* copy_seconds) {
+  return guarded("wake", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    require_device(device);
+    cucache::wake(device, tag);
+    if (copy_seconds != nullptr) *copy_seconds = cucache::last_wake_copy_seconds(device, tag);
+  });
+}
+
+int64_t cucache_torch_sleeping(int device, char* buf, size_t len) {
+  std::int64_t n = -1;
+  guarded("sleeping", [&] {
+    require_device(device);
+    n = copy_out(sleeping_json(cucache::sleeping(device)), buf, len);
   });
   return n;
 }

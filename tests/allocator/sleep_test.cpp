@@ -1,0 +1,553 @@
+// Sleep and wake of a sleep domain (device_allocator::sleep / wake; docs/design.md, "Sleep and
+// wake") on the simulated device, whose memory is host-backed here so that contents can be
+// checked: addresses stay, reserved bytes fall by exactly the domain's pages and come back,
+// contents survive with keep_contents, placement keeps every page of a domain to itself, every
+// misuse is a clear error that changes nothing, and a seeded random program of sleeps, wakes,
+// allocations, frees and limits keeps every invariant.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "allocator/test_support.hpp"
+#include "cucache/errors.hpp"
+
+namespace cucache::test {
+namespace {
+
+constexpr std::size_t k_page = 2 * MiB;
+
+sim_options host_backed(std::size_t capacity = 4 * GiB) {
+  sim_options o;
+  o.capacity_bytes = capacity;
+  o.host_memory = true;
+  o.events_complete_immediately = false;
+  return o;
+}
+
+config expandable(const std::string& extra = "") {
+  return parse_config("expandable_segments:True" + (extra.empty() ? "" : "," + extra));
+}
+
+/// Allocations made on this thread go to `domain` while the object lives.
+class in_domain {
+ public:
+  explicit in_domain(std::uint32_t d) : before_(device_allocator::thread_sleep_domain()) {
+    device_allocator::set_thread_sleep_domain(d);
+  }
+  ~in_domain() { device_allocator::set_thread_sleep_domain(before_); }
+  in_domain(const in_domain&) = delete;
+  in_domain& operator=(const in_domain&) = delete;
+
+ private:
+  std::uint32_t before_;
+};
+
+/// Fills a block with a pattern of `seed` through the sim's host view, page by page (a view
+/// covers one mapping at most).
+void fill(sim_backend& sim, void* p, std::size_t bytes, std::uint8_t seed) {
+  for (std::size_t off = 0; off < bytes;) {
+    const std::uintptr_t a = addr(p) + off;
+    const std::size_t n = std::min(bytes - off, k_page - a % k_page);
+    std::byte* h = sim.host_view(reinterpret_cast<void*>(a), n);
+    ASSERT_NE(h, nullptr);
+    for (std::size_t i = 0; i < n; ++i) h[i] = std::byte(static_cast<std::uint8_t>(seed + (off + i) * 7));
+    off += n;
+  }
+}
+
+::testing::AssertionResult holds(sim_backend& sim, void* p, std::size_t bytes, std::uint8_t seed) {
+  for (std::size_t off = 0; off < bytes;) {
+    const std::uintptr_t a = addr(p) + off;
+    const std::size_t n = std::min(bytes - off, k_page - a % k_page);
+    std::byte* h = sim.host_view(reinterpret_cast<void*>(a), n);
+    if (h == nullptr) return ::testing::AssertionFailure() << "byte " << off << " is not mapped";
+    for (std::size_t i = 0; i < n; ++i) {
+      if (h[i] != std::byte(static_cast<std::uint8_t>(seed + (off + i) * 7))) {
+        return ::testing::AssertionFailure() << "byte " << off + i << " of " << p << " changed";
+      }
+    }
+    off += n;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+std::set<std::uintptr_t> pages_of(void* p, std::size_t bytes) {
+  std::set<std::uintptr_t> out;
+  for (std::uintptr_t pg = addr(p) / k_page; pg <= (addr(p) + bytes - 1) / k_page; ++pg) {
+    out.insert(pg);
+  }
+  return out;
+}
+
+void expect_no_leak(sim_allocator& a) {
+  const auto s = a.stats();
+  EXPECT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(s.reserved_bytes[0].current));
+}
+
+TEST(Sleep, ReleasesTheDomainsPagesKeepsAddressesAndContents) {
+  sim_allocator a(expandable(), host_backed());
+  void* other = a.alloc.allocate(3 * MiB);  // untagged: stays mapped throughout
+  fill(*a.sim, other, 3 * MiB, 1);
+  std::vector<std::pair<void*, std::size_t>> mine;
+  {
+    in_domain d(7);
+    for (std::size_t bytes : {std::size_t{512}, std::size_t{100'000}, 5 * MiB, 40 * MiB}) {
+      mine.emplace_back(a.alloc.allocate(bytes), bytes);
+    }
+  }
+  std::uint8_t seed = 10;
+  for (auto [p, n] : mine) fill(*a.sim, p, n, seed++);
+  const std::int64_t reserved_before = a.reserved();
+  const std::size_t used_before = a.sim->used_bytes();
+  a.alloc.check_invariants();
+
+  a.alloc.sleep(7, /*keep_contents=*/true, "train");
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  EXPECT_TRUE(a.alloc.is_asleep(7));
+  // The small pool's range: one 2 MiB page holds both small blocks; the large one: 5 MiB + 40 MiB
+  // from its front, 23 pages (45 MiB rounded up to pages).
+  const std::size_t domain_pages = 1 + 23;
+  const auto s = a.stats();
+  EXPECT_EQ(s.sleeping_bytes, domain_pages * k_page);
+  EXPECT_EQ(s.sleeping_host_bytes, 512 + 100'352 + 5 * MiB + 40 * MiB);  // block sizes, rounded
+  EXPECT_EQ(reserved_before - a.reserved(), static_cast<std::int64_t>(domain_pages * k_page));
+  EXPECT_EQ(used_before - a.sim->used_bytes(), domain_pages * k_page);
+  for (auto [p, n] : mine) EXPECT_FALSE(a.sim->accessible(p, n));
+  EXPECT_TRUE(holds(*a.sim, other, 3 * MiB, 1));
+  ASSERT_EQ(a.alloc.sleeping().size(), 1u);
+  EXPECT_EQ(a.alloc.sleeping()[0].domain, 7u);
+  EXPECT_EQ(a.alloc.sleeping()[0].bytes, domain_pages * k_page);
+
+  a.alloc.wake(7, "train");
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  EXPECT_FALSE(a.alloc.is_asleep(7));
+  EXPECT_EQ(a.reserved(), reserved_before);
+  EXPECT_EQ(a.stats().sleeping_bytes, 0u);
+  EXPECT_EQ(a.stats().sleeping_host_bytes, 0u);
+  seed = 10;
+  for (auto [p, n] : mine) {
+    EXPECT_TRUE(a.sim->accessible(p, n));
+    EXPECT_TRUE(holds(*a.sim, p, n, seed++));
+  }
+  // The pinned buffer is kept for the next sleep: a second round pins nothing new.
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 0u);
+  a.alloc.sleep(7, /*keep_contents=*/true, "train");
+  a.alloc.wake(7, "train");
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
+  seed = 10;
+  for (auto [p, n] : mine) EXPECT_TRUE(holds(*a.sim, p, n, seed++));
+  // Same addresses, usable as before: freed, reallocated.
+  for (auto [p, n] : mine) a.alloc.deallocate(p);
+  a.alloc.deallocate(other);
+  a.alloc.check_invariants();
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.reserved(), 0);
+  // A sleep that keeps nothing gives the buffer back.
+  a.alloc.sleep(7, /*keep_contents=*/false);
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 1u);
+  a.alloc.wake(7);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
+}
+
+TEST(Sleep, WithoutContentsCopiesNothingAndReleasesCachedPagesToo) {
+  sim_allocator a(expandable(), host_backed());
+  void* keep = nullptr;
+  {
+    in_domain d(3);
+    keep = a.alloc.allocate(6 * MiB);  // pages 0-2
+    void* cached = a.alloc.allocate(10 * MiB);  // pages 3-7, then freed: idle, cached
+    a.alloc.deallocate(cached);
+  }
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(16 * MiB));
+  a.alloc.sleep(3, /*keep_contents=*/false);
+  EXPECT_EQ(a.reserved(), 0);  // the live block's pages and the cached ones
+  EXPECT_EQ(a.stats().sleeping_bytes, 6 * MiB);  // what wake maps again: the live block's
+  EXPECT_EQ(a.stats().sleeping_host_bytes, 0u);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 0u);
+  a.alloc.check_invariants();
+  a.alloc.wake(3);
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(6 * MiB));
+  EXPECT_TRUE(a.sim->accessible(keep, 6 * MiB));
+  a.alloc.check_invariants();
+  a.alloc.deallocate(keep);
+  expect_no_leak(a);
+}
+
+TEST(Sleep, ADomainsBlocksShareNoPageWithOthers) {
+  sim_allocator a(expandable(), host_backed());
+  std::set<std::uintptr_t> untagged, tagged, other_tag;
+  auto alloc_into = [&](std::set<std::uintptr_t>& pages, std::size_t bytes) {
+    void* p = a.alloc.allocate(bytes);
+    for (auto pg : pages_of(p, bytes)) pages.insert(pg);
+  };
+  std::mt19937_64 rng(42);
+  for (int i = 0; i < 300; ++i) {
+    const std::size_t bytes = std::size_t{512} << (rng() % 16);  // 512 B .. 16 MiB
+    switch (rng() % 3) {
+      case 0:
+        alloc_into(untagged, bytes);
+        break;
+      case 1: {
+        in_domain d(1);
+        alloc_into(tagged, bytes);
+        break;
+      }
+      default: {
+        in_domain d(2);
+        alloc_into(other_tag, bytes);
+        break;
+      }
+    }
+  }
+  for (auto pg : tagged) {
+    EXPECT_FALSE(untagged.contains(pg));
+    EXPECT_FALSE(other_tag.contains(pg));
+  }
+  for (auto pg : other_tag) EXPECT_FALSE(untagged.contains(pg));
+  for (const segment_view& v : a.alloc.segments()) {
+    EXPECT_TRUE(v.sleep_domain == 0 || v.sleep_domain == 1 || v.sleep_domain == 2);
+  }
+  a.alloc.check_invariants();
+}
+
+TEST(Sleep, MisusesAreClearErrorsThatChangeNothing) {
+  sim_allocator a(expandable(), host_backed());
+  void* p = nullptr;
+  {
+    in_domain d(5);
+    p = a.alloc.allocate(4 * MiB);
+  }
+  fill(*a.sim, p, 4 * MiB, 99);
+  EXPECT_THROW(a.alloc.sleep(0, true), invalid_argument);
+  EXPECT_THROW(a.alloc.sleep(1u << 14, true), invalid_argument);
+  EXPECT_THROW(
+      {
+        try {
+          a.alloc.wake(5, "infer");
+        } catch (const invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("tag 'infer'"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("is not asleep"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      invalid_argument);
+  a.alloc.sleep(5, true, "infer");
+  const auto asleep_stats = a.stats();
+  // Double sleep.
+  EXPECT_THROW(
+      {
+        try {
+          a.alloc.sleep(5, true, "infer");
+        } catch (const invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("asleep already"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      invalid_argument);
+  // Free of a sleeping block: refused, the block stays live.
+  EXPECT_THROW(
+      {
+        try {
+          a.alloc.deallocate(p);
+        } catch (const invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("tag 'infer', which is asleep"), std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      invalid_argument);
+  EXPECT_THROW(static_cast<void>(a.alloc.try_deallocate(p, nullptr, false)), invalid_argument);
+  EXPECT_EQ(a.alloc.allocation_size(p), 4 * MiB);
+  // Allocation under the sleeping domain: refused, nothing allocated.
+  {
+    in_domain d(5);
+    EXPECT_THROW(
+        {
+          try {
+            static_cast<void>(a.alloc.allocate(MiB));
+          } catch (const invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("asleep; wake it before allocating"),
+                      std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        invalid_argument);
+    // On another stream too: the domain's pool of that stream is asleep with it.
+    EXPECT_THROW(static_cast<void>(a.alloc.allocate(MiB, stream(0x40))), invalid_argument);
+  }
+  const auto after = a.stats();
+  EXPECT_EQ(after.allocated_bytes[0].current, asleep_stats.allocated_bytes[0].current);
+  EXPECT_EQ(after.reserved_bytes[0].current, asleep_stats.reserved_bytes[0].current);
+  EXPECT_EQ(after.sleeping_bytes, asleep_stats.sleeping_bytes);
+  a.alloc.check_invariants();
+  // Other domains and untagged allocations go on.
+  void* q = a.alloc.allocate(MiB);
+  a.alloc.deallocate(q);
+  a.alloc.wake(5, "infer");
+  EXPECT_TRUE(holds(*a.sim, p, 4 * MiB, 99));
+  // Double wake.
+  EXPECT_THROW(a.alloc.wake(5), invalid_argument);
+  a.alloc.deallocate(p);
+  a.alloc.check_invariants();
+}
+
+TEST(Sleep, DefaultModeIsRefused) {
+  sim_allocator a(config{}, host_backed());
+  try {
+    a.alloc.sleep(1, true, "train");
+    FAIL() << "sleep in the default mode";
+  } catch (const cuda_error& e) {
+    EXPECT_EQ(e.code(), 801);
+    EXPECT_NE(std::string(e.what()).find("needs expandable segments"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Sleep, WakeWithoutRoomLeavesTheDomainAsleepAndSaysWhatIsMissing) {
+  sim_allocator a(expandable("memory_limit:64MiB"), host_backed());
+  void* mine = nullptr;
+  {
+    in_domain d(9);
+    mine = a.alloc.allocate(20 * MiB);
+  }
+  fill(*a.sim, mine, 20 * MiB, 3);
+  a.alloc.sleep(9, true);
+  void* big = a.alloc.allocate(50 * MiB);  // the room the domain had, and more
+  const auto before = a.stats();
+  try {
+    a.alloc.wake(9);
+    FAIL() << "wake without room";
+  } catch (const out_of_memory& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("needs 20.00 MiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("room for 14.00 MiB: 6.00 MiB missing"), std::string::npos) << m;
+    EXPECT_NE(m.find("stays asleep"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(a.alloc.is_asleep(9));
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, before.reserved_bytes[0].current);
+  EXPECT_EQ(a.stats().sleeping_bytes, 20 * MiB);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  a.alloc.deallocate(big);  // cached, idle: wake gives it back
+  a.alloc.wake(9);
+  EXPECT_TRUE(holds(*a.sim, mine, 20 * MiB, 3));
+  a.alloc.check_invariants();
+  a.alloc.deallocate(mine);
+}
+
+TEST(Sleep, AFailedMapDuringWakeUndoesEverythingItMapped) {
+  sim_allocator a(expandable(), host_backed());
+  std::vector<void*> mine;
+  {
+    in_domain d(4);
+    for (int i = 0; i < 4; ++i) mine.push_back(a.alloc.allocate(6 * MiB));
+  }
+  for (std::size_t i = 0; i < mine.size(); ++i) fill(*a.sim, mine[i], 6 * MiB, static_cast<std::uint8_t>(i));
+  a.alloc.sleep(4, true);
+  const std::size_t used_asleep = a.sim->used_bytes();
+  a.sim->fail_nth(sim_call::map, 5);  // part way through the third block
+  EXPECT_THROW(a.alloc.wake(4), cuda_error);
+  EXPECT_TRUE(a.alloc.is_asleep(4));
+  EXPECT_EQ(a.sim->used_bytes(), used_asleep);
+  EXPECT_EQ(a.sim->live_mappings(), 0u);
+  a.alloc.check_invariants();
+  a.alloc.wake(4);
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    EXPECT_TRUE(holds(*a.sim, mine[i], 6 * MiB, static_cast<std::uint8_t>(i)));
+  }
+  a.alloc.check_invariants();
+}
+
+TEST(Sleep, HostMemoryThatCannotBePinnedChangesNothing) {
+  sim_allocator a(expandable(), host_backed());
+  {
+    in_domain d(2);
+    static_cast<void>(a.alloc.allocate(4 * MiB));
+  }
+  const std::int64_t reserved = a.reserved();
+  a.sim->fail_nth(sim_call::host_alloc_pinned, 1);
+  EXPECT_THROW(a.alloc.sleep(2, true), out_of_memory);
+  EXPECT_FALSE(a.alloc.is_asleep(2));
+  EXPECT_EQ(a.reserved(), reserved);
+  a.alloc.check_invariants();
+}
+
+TEST(Sleep, PendingFreesAndQueuedWorkAreWaitedFor) {
+  sim_allocator a(expandable(), host_backed());
+  void* p = nullptr;
+  {
+    in_domain d(6);
+    p = a.alloc.allocate(4 * MiB);
+    static_cast<void>(a.alloc.allocate(2 * MiB));
+  }
+  a.alloc.record_stream(p, stream(0x50));
+  a.alloc.deallocate(p);  // pending on an event of stream 0x50
+  EXPECT_EQ(a.sim->pending_events(), 1u);
+  a.alloc.sleep(6, true);
+  EXPECT_EQ(a.sim->pending_events(), 0u);  // waited for, not refused
+  EXPECT_EQ(a.stats().sleeping_bytes, 2 * MiB);
+  a.alloc.check_invariants();
+  a.alloc.wake(6);
+  a.alloc.check_invariants();
+}
+
+// --- randomized ------------------------------------------------------------------------------
+
+std::uint64_t seed_from_env(std::uint64_t fallback) {
+  if (const char* s = std::getenv("CUCACHE_RANDOM_SEED")) return std::strtoull(s, nullptr, 10);
+  return fallback;
+}
+
+struct live_block {
+  void* p;
+  std::size_t bytes;
+  std::uint32_t domain;
+  std::uint8_t seed;
+};
+
+class random_sleep : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(random_sleep, InvariantsHoldAfterEveryOperation) {
+  const std::uint64_t seed = seed_from_env(0x5EE9ULL + std::hash<std::string>{}(GetParam()));
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (rerun with CUCACHE_RANDOM_SEED=" +
+               std::to_string(seed) + ")");
+  sim_allocator a(expandable(GetParam()), host_backed(1 * GiB));
+  std::mt19937_64 rng(seed);
+  std::vector<live_block> live;
+  std::map<std::uint32_t, bool> asleep{{1, false}, {2, false}, {3, false}};
+  std::map<std::uint32_t, bool> kept{{1, false}, {2, false}, {3, false}};
+  const stream_handle streams[] = {nullptr, stream(0x10)};
+  std::size_t sleeps = 0, wakes = 0, refused = 0, no_room = 0;
+  std::uint8_t next_seed = 0;
+  const std::size_t ops = 2000;
+  for (std::size_t op = 0; op < ops; ++op) {
+    SCOPED_TRACE("operation " + std::to_string(op));
+    const unsigned r = static_cast<unsigned>(rng() % 100);
+    const std::uint32_t d = static_cast<std::uint32_t>(rng() % 4);  // 0: untagged
+    if (r < 45) {  // allocate
+      const std::size_t bytes = std::size_t{1} << (8 + rng() % 18);  // 256 B .. 32 MiB
+      in_domain in(d);
+      try {
+        void* p = a.alloc.allocate(bytes, streams[rng() % 2]);
+        ASSERT_FALSE(d != 0 && asleep[d]) << "allocated under a sleeping domain";
+        const std::uint8_t s = next_seed++;
+        fill(*a.sim, p, bytes, s);
+        live.push_back({p, bytes, d, s});
+      } catch (const invalid_argument&) {
+        ASSERT_TRUE(d != 0 && asleep[d]);
+        ++refused;
+      } catch (const out_of_memory&) {
+      }
+    } else if (r < 80 && !live.empty()) {  // free
+      const std::size_t i = rng() % live.size();
+      const live_block b = live[i];
+      if (b.domain != 0 && asleep[b.domain]) {
+        ASSERT_THROW(a.alloc.deallocate(b.p), invalid_argument);
+        ++refused;
+      } else {
+        ASSERT_TRUE(holds(*a.sim, b.p, b.bytes, b.seed));
+        a.alloc.deallocate(b.p);
+        live[i] = live.back();
+        live.pop_back();
+      }
+    } else if (r < 88) {  // sleep
+      const std::uint32_t s = 1 + static_cast<std::uint32_t>(rng() % 3);
+      const bool keep = rng() % 4 != 0;
+      if (asleep[s]) {
+        ASSERT_THROW(a.alloc.sleep(s, keep), invalid_argument);
+      } else {
+        const std::int64_t before = a.reserved();
+        a.alloc.sleep(s, keep);
+        ASSERT_LE(a.reserved(), before);
+        asleep[s] = true;
+        kept[s] = keep;
+        ++sleeps;
+      }
+    } else if (r < 97) {  // wake
+      const std::uint32_t s = 1 + static_cast<std::uint32_t>(rng() % 3);
+      if (!asleep[s]) {
+        ASSERT_THROW(a.alloc.wake(s), invalid_argument);
+      } else {
+        try {
+          a.alloc.wake(s);
+          asleep[s] = false;
+          ++wakes;
+          for (live_block& b : live) {
+            if (b.domain != s) continue;
+            if (kept[s]) {
+              ASSERT_TRUE(holds(*a.sim, b.p, b.bytes, b.seed));
+            } else {
+              fill(*a.sim, b.p, b.bytes, b.seed);  // contents were not kept: write them again
+            }
+          }
+        } catch (const out_of_memory&) {
+          ASSERT_TRUE(a.alloc.is_asleep(s));
+          ++no_room;
+        }
+      }
+    } else if (r < 99) {
+      a.alloc.empty_cache();
+    } else {
+      // Another process takes or gives back memory.
+      a.sim->set_capacity(rng() % 2 == 0 ? 512 * MiB : 1 * GiB);
+    }
+    a.alloc.check_invariants();
+    const auto st = a.stats();
+    ASSERT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(st.reserved_bytes[0].current));
+    for (const live_block& b : live) {
+      const bool sleeping = b.domain != 0 && asleep[b.domain];
+      ASSERT_EQ(a.sim->accessible(b.p, b.bytes), !sleeping);
+    }
+  }
+  // The end: everything awake is freed first (under a limit the sleeping domains may not fit
+  // beside it), then each sleeping domain wakes with its contents and is freed.
+  a.sim->set_capacity(1 * GiB);
+  std::erase_if(live, [&](const live_block& b) {
+    if (b.domain != 0 && asleep[b.domain]) return false;
+    a.alloc.deallocate(b.p);
+    return true;
+  });
+  a.alloc.empty_cache();
+  for (auto& [s, is] : asleep) {
+    if (!is) continue;
+    a.alloc.wake(s);
+    a.alloc.check_invariants();
+    std::erase_if(live, [&](const live_block& b) {
+      if (b.domain != s) return false;
+      if (kept[s]) {
+        EXPECT_TRUE(holds(*a.sim, b.p, b.bytes, b.seed));
+      }
+      a.alloc.deallocate(b.p);
+      return true;
+    });
+    a.alloc.empty_cache();
+  }
+  EXPECT_TRUE(live.empty());
+  a.alloc.empty_cache();
+  a.alloc.check_invariants();
+  EXPECT_EQ(a.reserved(), 0);
+  EXPECT_GT(sleeps, 15u);
+  EXPECT_GT(wakes, 8u);
+  EXPECT_GT(refused, 0u);
+  RecordProperty("no_room_wakes", static_cast<int>(no_room));
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, random_sleep,
+                         ::testing::Values("", "memory_limit:256MiB",
+                                           "memory_limit:384MiB,garbage_collection_threshold:0.5"),
+                         [](const ::testing::TestParamInfo<std::string>& p) {
+                           return "config" + std::to_string(p.index);
+                         });
+
+}  // namespace
+}  // namespace cucache::test

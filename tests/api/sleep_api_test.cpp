@@ -1,0 +1,166 @@
+// Sleep and wake through the C API (cucacheMakeTagSleepable, cucacheSleep, cucacheWake,
+// cucacheGetSleepingBytes) on the simulated device: tags choose the placement, addresses stay,
+// reserved bytes fall and come back, statistics, memory_summary and the snapshot show sleeping
+// bytes, and every misuse returns its documented error with a message naming the problem and
+// nothing changed. Contents are checked at the allocator level (tests/allocator/sleep_test.cpp).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "api/registry.hpp"
+#include "cucache/cucache.h"
+#include "cucache/cucache.hpp"
+#include "cucache/observe.hpp"
+
+namespace {
+
+constexpr std::size_t k_mib = std::size_t{1} << 20;
+
+class SleepApi : public ::testing::Test {
+ protected:
+  void SetUp() override { restore("expandable_segments:True"); }
+  void TearDown() override {
+    while (cucachePopTag() == cudaSuccess) {
+    }
+    restore("");
+  }
+  static void restore(const char* conf) {
+    ::setenv("CUCACHE_BACKEND", "sim", 1);
+    ::setenv("CUCACHE_CONF", conf, 1);
+    cucache::detail::reset_for_testing();
+  }
+  static cucacheStats stats() {
+    cucacheStats s{};
+    EXPECT_EQ(cucacheGetStats(0, &s), cudaSuccess) << cucacheGetLastErrorMessage();
+    return s;
+  }
+  static std::string message() { return cucacheGetLastErrorMessage(); }
+  static void* alloc_under(const char* tag, std::size_t bytes) {
+    EXPECT_EQ(cucachePushTag(tag), cudaSuccess);
+    void* p = nullptr;
+    EXPECT_EQ(cucacheMalloc(&p, bytes), cudaSuccess) << message();
+    EXPECT_EQ(cucachePopTag(), cudaSuccess);
+    return p;
+  }
+};
+
+TEST_F(SleepApi, SleepAndWakeATagThroughTheCApi) {
+  ASSERT_EQ(cucacheMakeTagSleepable("train"), cudaSuccess) << message();
+  void* untagged = nullptr;
+  ASSERT_EQ(cucacheMalloc(&untagged, 3 * k_mib), cudaSuccess);
+  void* w = alloc_under("train", 40 * k_mib);
+  void* small = alloc_under("train", 4096);
+  const cucacheStats before = stats();
+  EXPECT_EQ(before.reservedBytes, 4 * k_mib + 40 * k_mib + 2 * k_mib);
+
+  ASSERT_EQ(cucacheSleep(0, "train", 1), cudaSuccess) << message();
+  cucacheStats s = stats();
+  EXPECT_EQ(s.reservedBytes, 4 * k_mib);  // the untagged block's pages
+  EXPECT_EQ(s.sleepingBytes, 42 * k_mib);
+  EXPECT_EQ(s.sleepingHostBytes, 40 * k_mib + 4096);
+  std::size_t dev = 0, host = 0;
+  ASSERT_EQ(cucacheGetSleepingBytes(0, "train", &dev, &host), cudaSuccess);
+  EXPECT_EQ(dev, 42 * k_mib);
+  EXPECT_EQ(host, 40 * k_mib + 4096);
+  const std::string summary = cucache::memory_summary(0);
+  EXPECT_NE(summary.find("Sleeping tags"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("Sleeping: 42.00 MiB released"), std::string::npos) << summary;
+  const std::string snap = cucache::snapshot();
+  EXPECT_NE(snap.find("\"asleep\":true"), std::string::npos);
+  EXPECT_NE(snap.find("\"sleep_tag\":\"train\""), std::string::npos);
+
+  ASSERT_EQ(cucacheWake(0, "train"), cudaSuccess) << message();
+  s = stats();
+  EXPECT_EQ(s.reservedBytes, before.reservedBytes);
+  EXPECT_EQ(s.sleepingBytes, 0u);
+  EXPECT_EQ(s.sleepingHostBytes, 0u);
+  ASSERT_EQ(cucacheGetSleepingBytes(0, "train", &dev, &host), cudaSuccess);
+  EXPECT_EQ(dev, 0u);
+  // Same pointers, freed as usual.
+  EXPECT_EQ(cucacheFree(w), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(small), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(untagged), cudaSuccess);
+  cucache::get(0).check_invariants();
+}
+
+TEST_F(SleepApi, EveryMisuseIsItsErrorWithNothingChanged) {
+  EXPECT_EQ(cucacheSleep(0, nullptr, 1), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheSleep(0, "nobody", 1), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("unknown tag 'nobody'"), std::string::npos) << message();
+  EXPECT_EQ(cucacheWake(0, "nobody"), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheMakeTagSleepable(""), cudaErrorInvalidValue);
+
+  // A tag that is not sleepable.
+  void* plain = alloc_under("plain", k_mib);
+  EXPECT_EQ(cucacheSleep(0, "plain", 1), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'plain' is not sleepable"), std::string::npos) << message();
+
+  // Blocks allocated under a tag before it was made sleepable share pages: refused.
+  void* early = alloc_under("late", k_mib);
+  ASSERT_EQ(cucacheMakeTagSleepable("late"), cudaSuccess);
+  EXPECT_EQ(cucacheSleep(0, "late", 1), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("allocated before make_sleepable"), std::string::npos) << message();
+  EXPECT_EQ(cucacheFree(early), cudaSuccess);
+  EXPECT_EQ(cucacheSleep(0, "late", 1), cudaSuccess) << message();  // nothing live: fine
+  EXPECT_EQ(cucacheWake(0, "late"), cudaSuccess) << message();
+
+  ASSERT_EQ(cucacheMakeTagSleepable("infer"), cudaSuccess);
+  void* kv = alloc_under("infer", 8 * k_mib);
+  EXPECT_EQ(cucacheWake(0, "infer"), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("is not asleep"), std::string::npos) << message();
+  ASSERT_EQ(cucacheSleep(0, "infer", 0), cudaSuccess) << message();
+  const cucacheStats asleep = stats();
+  EXPECT_EQ(cucacheSleep(0, "infer", 1), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("asleep already"), std::string::npos) << message();
+  EXPECT_EQ(cucacheFree(kv), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'infer', which is asleep"), std::string::npos) << message();
+  ASSERT_EQ(cucachePushTag("infer"), cudaSuccess);
+  void* p = nullptr;
+  EXPECT_EQ(cucacheMalloc(&p, k_mib), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'infer' is asleep"), std::string::npos) << message();
+  // A nested tag that is not sleepable places normally; popping back to "infer" refuses again.
+  ASSERT_EQ(cucachePushTag("plain"), cudaSuccess);
+  EXPECT_EQ(cucacheMalloc(&p, k_mib), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+  ASSERT_EQ(cucachePopTag(), cudaSuccess);
+  EXPECT_EQ(cucacheMalloc(&p, k_mib), cudaErrorInvalidValue);
+  ASSERT_EQ(cucachePopTag(), cudaSuccess);
+  const cucacheStats after = stats();
+  EXPECT_EQ(after.allocatedBytes, asleep.allocatedBytes);
+  EXPECT_EQ(after.sleepingBytes, asleep.sleepingBytes);
+  cucache::get(0).check_invariants();
+  ASSERT_EQ(cucacheWake(0, "infer"), cudaSuccess) << message();
+  EXPECT_EQ(cucacheWake(0, "infer"), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheFree(kv), cudaSuccess);
+  EXPECT_EQ(cucacheFree(plain), cudaSuccess);
+}
+
+TEST_F(SleepApi, WakeWithoutRoomSaysHowMuchIsMissing) {
+  restore("expandable_segments:True,memory_limit:64MiB");
+  ASSERT_EQ(cucacheMakeTagSleepable("gen"), cudaSuccess);
+  void* kv = alloc_under("gen", 30 * k_mib);
+  ASSERT_EQ(cucacheSleep(0, "gen", 1), cudaSuccess) << message();
+  void* other = nullptr;
+  ASSERT_EQ(cucacheMalloc(&other, 50 * k_mib), cudaSuccess) << message();
+  EXPECT_EQ(cucacheWake(0, "gen"), cudaErrorMemoryAllocation);
+  EXPECT_NE(message().find("needs 30.00 MiB"), std::string::npos) << message();
+  EXPECT_NE(message().find("16.00 MiB missing"), std::string::npos) << message();
+  std::size_t dev = 0, host = 0;
+  ASSERT_EQ(cucacheGetSleepingBytes(0, "gen", &dev, &host), cudaSuccess);
+  EXPECT_EQ(dev, 30 * k_mib);
+  ASSERT_EQ(cucacheFree(other), cudaSuccess);
+  ASSERT_EQ(cucacheWake(0, "gen"), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(kv), cudaSuccess);
+}
+
+TEST_F(SleepApi, DefaultModeIsRefused) {
+  restore("");
+  ASSERT_EQ(cucacheMakeTagSleepable("train"), cudaSuccess);
+  void* p = alloc_under("train", k_mib);
+  EXPECT_EQ(cucacheSleep(0, "train", 1), cudaErrorNotSupported);
+  EXPECT_NE(message().find("needs expandable segments"), std::string::npos) << message();
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+}
+
+}  // namespace

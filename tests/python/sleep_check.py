@@ -1,0 +1,85 @@
+"""Sleep and wake from Python (cucache.make_sleepable / tag(sleepable=True) / sleep / wake /
+sleeping) through the plug-in library on the simulated device, without torch: pointers stay, the
+reserved bytes fall and come back, memory_stats and memory_summary show the sleeping bytes, and
+every misuse raises with cucache's message and changes nothing. The torch loop of the same API
+on an H200 is bench/torch/sleep_wake.py (tools/gpu_sleep.sh).
+
+    CUCACHE_BACKEND=sim CUCACHE_CONF=expandable_segments:True CUCACHE_LIB=build/lib/libcucache_torch.so \\
+        PYTHONPATH=python python3 tests/python/sleep_check.py        (ctest python_sleep)
+"""
+
+from __future__ import annotations
+
+import os
+
+MIB = 1 << 20
+
+
+def expect(exc: type, fn, *args, match: str = "", **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        text = str(e)
+        assert match in text, f"{exc.__name__} without {match!r}: {text}"
+        return text
+    raise AssertionError(f"{fn.__name__}{args} did not raise {exc.__name__}")
+
+
+def main() -> None:
+    os.environ.setdefault("CUCACHE_BACKEND", "sim")
+    os.environ["CUCACHE_CONF"] = "expandable_segments:True"
+    import cucache
+
+    untagged = cucache.alloc(3 * MIB)
+    with cucache.tag("train", sleepable=True):
+        weights = cucache.alloc(40 * MIB)
+        small = cucache.alloc(4096)
+    with cucache.tag("infer", sleepable=True):
+        kv = cucache.alloc(10 * MIB)
+    before = cucache.memory_stats()
+    assert before["reserved_bytes.all.current"] == (4 + 40 + 2 + 10) * MIB, before
+
+    cucache.sleep("train")  # keep_contents=True
+    s = cucache.memory_stats()
+    assert s["reserved_bytes.all.current"] == before["reserved_bytes.all.current"] - 42 * MIB, s
+    assert s["sleeping_bytes"] == 42 * MIB, s
+    assert s["sleeping_host_bytes"] == 40 * MIB + 4096, s
+    sl = cucache.sleeping()
+    assert set(sl) == {"train"} and sl["train"]["bytes"] == 42 * MIB, sl
+    assert sl["train"]["host_bytes"] == 40 * MIB + 4096 and sl["train"]["copy_seconds"] >= 0, sl
+    assert "Sleeping tags" in cucache.memory_summary()
+    # Misuses: each a RuntimeError (MemoryError for an allocation) naming the problem.
+    expect(RuntimeError, cucache.sleep, "train", match="asleep already")
+    expect(RuntimeError, cucache.wake, "infer", match="is not asleep")
+    expect(RuntimeError, cucache.sleep, "nobody", match="unknown tag 'nobody'")
+    with cucache.tag("plain"):
+        plain = cucache.alloc(MIB)
+    expect(RuntimeError, cucache.sleep, "plain", match="is not sleepable")
+    with cucache.tag("train"):
+        expect(MemoryError, cucache.alloc, MIB, match="tag 'train' is asleep")
+    bad_before = cucache.bad_free_count()
+    cucache.free(weights, 40 * MIB)  # refused: the block stays allocated
+    assert cucache.bad_free_count() == bad_before + 1
+    assert "which is asleep" in cucache.last_error(), cucache.last_error()
+    assert cucache.memory_stats()["sleeping_bytes"] == 42 * MIB
+    expect(TypeError, cucache.sleep, 3)
+    expect(ValueError, cucache.sleep, "a\0b")
+
+    # Both asleep: the device holds only the untagged and the plain blocks.
+    cucache.sleep("infer", keep_contents=False)
+    assert cucache.memory_stats()["reserved_bytes.all.current"] == (4 + 2) * MIB
+    assert set(cucache.sleeping()) == {"train", "infer"}
+    assert cucache.wake("train") >= 0.0
+    assert cucache.wake("infer") == 0.0  # nothing kept
+    after = cucache.memory_stats()
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"] + 2 * MIB
+    assert after["sleeping_bytes"] == 0 and cucache.sleeping() == {}
+    for p, n in ((weights, 40 * MIB), (small, 4096), (kv, 10 * MIB), (untagged, 3 * MIB), (plain, MIB)):
+        cucache.free(p, n)
+    assert cucache.bad_free_count() == bad_before + 1
+    assert cucache.memory_stats()["allocated_bytes.all.current"] == 0
+    print("sleep_check: ok")
+
+
+if __name__ == "__main__":
+    main()
