@@ -767,10 +767,17 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
   const std::uint64_t n = p.quiet_frees++;
   if (n >= k_quiet_always && n % k_quiet_every != 0) return;
   if (!p.quiet() || graphs.any_capture() || sync_blocked()) return;
-  if (p.stream == per_thread_stream()) return;  // names another stream in every thread
+  // The legacy stream is never gone (its pool needs no retirement), and recording on it could
+  // touch a capture of another thread; the per-thread handle names another stream per thread.
+  if (p.stream == nullptr || p.stream == per_thread_stream()) return;
   try {
-    // An event recorded on a capturing stream would be a node of its graph, never complete.
-    if (p.stream != nullptr && raw->capture_status(p.stream).state != capture_state::none) return;
+    // The handle the caller named equals p's, but it may be a new stream that got a destroyed
+    // one's handle value (names_pool_stream): only p's own stream, by id, is recorded on. An
+    // event recorded on a capturing stream would be a node of its graph, never complete (and
+    // asking a capturing stream's id would invalidate its capture: identify asks it only when
+    // the stream is not captured).
+    const stream_identity who = raw->identify(p.stream);
+    if (who.capture.state != capture_state::none || who.id != p.key) return;
     if (p.quiet_event == nullptr) p.quiet_event = events.take();
     p.quiet_tick = stream_pool::k_never;  // no proof while the record is not done
     backend->event_record(p.quiet_event, p.stream);

@@ -89,6 +89,34 @@ TEST_P(StreamRetire, AGoneStreamsPoolWaitsForItsWork) {
   a.alloc.check_invariants();
 }
 
+// An ordered free of a gone stream's last block on a new stream that got its handle value: the
+// handles are equal, the streams are not, so no quiet event is recorded there (it would prove
+// only the new stream's work done) and the gone stream's pool is not handed on while its kernel
+// runs.
+TEST_P(StreamRetire, NoQuietEventOnANewStreamWithTheGoneOnesHandle) {
+  sim_allocator a = make(/*events_complete=*/false, /*host_memory=*/true);
+  const stream_handle s = a.sim->create_stream();
+  void* p = a.alloc.allocate(1 * MiB, s);
+  std::byte* p_bytes = a.sim->host_view(p, 512);
+  const event_handle kernel = a.sim->event_create();
+  a.sim->event_record(kernel, s);
+  a.sim->destroy_stream(s);
+  const stream_handle t = a.sim->create_stream();
+  ASSERT_EQ(t, s);
+  a.alloc.deallocate(p, t);
+  EXPECT_EQ(a.sim->calls(sim_call::event_record), 1u);  // the test's kernel only
+  a.sim->complete_stream(t);
+  const stream_handle u = a.sim->create_stream();
+  void* q = a.alloc.allocate(1 * MiB, u);
+  EXPECT_NE(a.sim->host_view(q, 512), p_bytes) << "the new stream got the running kernel's memory";
+  EXPECT_EQ(a.sim->destroyed_stream_calls(), 0u);
+  a.alloc.deallocate(q, u);
+  a.sim->destroy_stream(t);
+  a.sim->destroy_stream(u);
+  a.sim->event_destroy(kernel);
+  a.alloc.check_invariants();
+}
+
 // A live stream whose quiet pool went to another stream gets a pool of its own again, also through
 // this thread's pool cache, which still names the old pool.
 TEST_P(StreamRetire, ALiveStreamWhosePoolWentToAnotherGetsANewOne) {
