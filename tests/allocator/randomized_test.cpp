@@ -81,6 +81,13 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   auto steady_loop = [&] {
     for (std::size_t k = 0; k < k_sim_call_kinds; ++k) a.sim->fail_nth(static_cast<sim_call>(k), 0);
     const stream_handle s = pick_stream();
+    // Half of the loops start from an emptied cache, so that some find memory plentiful also
+    // where the pools of destroyed streams (turnover, below) hold idle pages until a device-wide
+    // path gives them back.
+    if (rng() % 2 == 0) {
+      a.sim->complete_all();
+      a.alloc.empty_cache();
+    }
     std::vector<std::size_t> sizes(1 + rng() % 5);
     std::size_t total = 0;
     for (auto& sz : sizes) total += (sz = random_size()) + 2 * 2 * MiB;  // and its edge pages
