@@ -1,6 +1,7 @@
 // A server that runs for weeks (issue 22): 100,000 cycles of stream create -> allocate and free
 // on it (in its order) -> destroy, on the simulated device, in both modes. No failure; host memory
-// (resident set) grows by at most 10 MB after the first 1,000 cycles; reserved memory stays within
+// (resident set) grows by at most 10 MB after the first 1,000 cycles (not checked under a
+// sanitizer); reserved memory stays within
 // the working set of one request (checked after every cycle); the simulated device sees no call on
 // a destroyed stream. The time per cycle over the first and the last 10% is printed, not asserted.
 //
@@ -21,6 +22,20 @@
 
 namespace cucache::test {
 namespace {
+
+// Under a sanitizer the runtime keeps freed heap memory in quarantine: the resident set then says
+// nothing about the allocator, and is printed only.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool k_sanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool k_sanitized = true;
+#else
+constexpr bool k_sanitized = false;
+#endif
+#else
+constexpr bool k_sanitized = false;
+#endif
 
 double stress_scale() {
   if (const char* s = std::getenv("CUCACHE_STRESS_SCALE")) {
@@ -82,7 +97,7 @@ TEST_P(StreamSoak, CreateAllocateFreeDestroy) {
   const std::size_t rss_end = resident_bytes();
   a.alloc.check_invariants();
   EXPECT_EQ(a.sim->destroyed_stream_calls(), 0u);
-  if (rss_after_warmup != 0 && rss_end != 0) {
+  if (!k_sanitized && rss_after_warmup != 0 && rss_end != 0) {
     EXPECT_LE(rss_end, rss_after_warmup + 10'000'000)
         << "resident set after 1,000 cycles " << rss_after_warmup << " bytes, at the end "
         << rss_end;
