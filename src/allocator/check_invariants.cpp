@@ -276,6 +276,7 @@ void device_allocator::check_invariants() const {
   // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
   // retention count is right; parts belong to their graph pool.
   m.graphs.check_invariants();
+  if (const std::string why = m.pools.check_map(); !why.empty()) violated(why);
   std::size_t handle_bytes = 0;
   if (m.pager) {
     std::lock_guard lock(m.budget.mu);

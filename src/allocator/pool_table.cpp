@@ -2,6 +2,9 @@
 #include "allocator/pool_table.hpp"
 
 #include <atomic>
+#include <unordered_set>
+
+#include <fmt/format.h>
 
 namespace cucache::detail {
 
@@ -122,6 +125,23 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key) {
     return d;
   }
   return nullptr;
+}
+
+std::string pool_table::check_map() const {
+  std::unordered_set<const stream_pool*> named;
+  for (const auto& [key, p] : pool_by_stream_) {
+    if (p->key != key) {
+      return fmt::format("the pool table maps stream key {:#x} to pool {}, whose key is {:#x}", key,
+                         p->index, p->key);
+    }
+    if (p->graph != nullptr) {
+      return fmt::format("the pool table maps stream key {:#x} to a graph pool's part", key);
+    }
+    if (!named.insert(p).second) {
+      return fmt::format("the pool table maps two stream keys to pool {}", p->index);
+    }
+  }
+  return {};
 }
 
 stream_pool& pool_table::new_pool(stream_handle stream, std::uint64_t key, graph_pool* g) {

@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -130,6 +131,10 @@ class pool_table {
   /// Candidates looked at per new pool in each queue (each: one try_lock, at most one event
   /// query).
   static constexpr int k_adopt_probes = 4;
+  /// The map and the pools agree: every stream pool the map names has that key, is no graph
+  /// pool's part, and is named once. Returns what is wrong, or an empty string. REQUIRES: the
+  /// list held (lock_all) and every pool locked.
+  [[nodiscard]] std::string check_map() const;
   /// Pools handed from a retired stream to a new one, since the table was made (for tests).
   [[nodiscard]] std::uint64_t adoptions() const noexcept {
     return adoptions_.load(std::memory_order_relaxed);
