@@ -25,7 +25,7 @@ run() {  # name, env..., binary, args...
   echo "$name: exit $rc in $((SECONDS - start)) s; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$name.log" | tr '\n' ' ')" | tee -a "$out/summary.txt"
   [[ $rc -ne 0 ]] && status=1
 }
-for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test allocator_suite_cuda_test \
+for t in cuda_backend_gpu_test allocator_gpu_test expandable_gpu_test global_gpu_test allocator_suite_cuda_test streams_gpu_test \
   graph_capture_gpu_test ipc_gpu_test multi_gpu_test; do
   [[ -x $bin/$t ]] || continue
   run "$t" "${prefix[@]}" "$bin/$t"

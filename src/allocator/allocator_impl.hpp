@@ -74,10 +74,11 @@ struct device_allocator::impl {
                             std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk);
   /// What the out-of-memory ladder gives back besides pending frees and settled graph pools.
   enum class ladder_release : bool { free_segments, idle_pages };
-  /// The out-of-memory ladder, one rung: unlocks p (held by lk), waits for every pending free,
+  /// The out-of-memory ladder, one rung: unlocks p (held by lk; p keeps its stream meanwhile), waits for every pending free,
   /// settles released graph pools and gives back what `what` names from every pool (unless a
   /// capture forbids synchronizing the device), and locks p again. The caller retries once.
-  void run_ladder(std::unique_lock<detail::pool_mutex>& lk, ladder_release what);
+  void run_ladder(detail::stream_pool& p, std::unique_lock<detail::pool_mutex>& lk,
+                  ladder_release what);
 
   /// A new device segment of `bytes` for p (its one block free and indexed); nullptr when the
   /// device or the memory limit refuses.
@@ -111,6 +112,14 @@ struct device_allocator::impl {
   /// their pools and their wholly free segments to the device. REQUIRES: all pools locked, no
   /// capture blocking.
   void settle_graph_pools();
+
+  // --- retirement of pools whose streams are gone (device_allocator.cpp) ---
+  /// An ordered free on p's own stream left p with no allocated block: records p's quiet event on
+  /// that stream (rate-limited) and queues p for retirement. REQUIRES: p.mu held.
+  void note_quiet(detail::stream_pool& p);
+  /// Quiet pools without device memory: their virtual ranges are given back and they are queued
+  /// for the next new stream. REQUIRES: all pools locked.
+  void retire_empty_pools();
 
   // --- graph pools: the public calls (device_allocator.cpp, on graphs) ---
   void begin_allocate_to_pool(graph_pool_id pool, stream_filter filter);

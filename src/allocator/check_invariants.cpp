@@ -4,6 +4,7 @@
 
 #include <map>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "allocator/allocator_impl.hpp"
 
@@ -132,13 +133,12 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
 void check_pending_queues(const detail::stream_pool& p) {
   std::size_t entries = 0;
   const auto& queues = p.pending.queues();
+  std::unordered_set<stream_handle> streams;
   for (std::size_t i = 0; i < queues.size(); ++i) {
     const auto& q = queues[i];
-    for (std::size_t j = i + 1; j < queues.size(); ++j) {
-      if (queues[j].stream == q.stream) {
-        violated(fmt::format("pool {}: two pending queues for stream {}", p.index,
-                             static_cast<const void*>(q.stream)));
-      }
+    if (!streams.insert(q.stream).second) {
+      violated(fmt::format("pool {}: two pending queues for stream {}", p.index,
+                           static_cast<const void*>(q.stream)));
     }
     if (q.head > q.items.size()) violated(fmt::format("pool {}: pending queue head", p.index));
     entries += q.items.size() - q.head;
@@ -355,6 +355,7 @@ void device_allocator::check_invariants() const {
   // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
   // retention count is right; parts belong to their graph pool.
   m.graphs.check_invariants();
+  if (const std::string why = m.pools.check_map(); !why.empty()) violated(why);
   std::size_t handle_bytes = 0;
   if (m.pager) {
     std::lock_guard lock(m.budget.mu);

@@ -96,6 +96,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
       pools(*raw),
       graphs(*raw, pools),
       events(*backend) {
+  pools.set_event_backend(backend.get());
   if (cfg.expandable_segments) {
     // (The pager gets the capture-safe backend too, and may not move idle pages while a capture
     // is underway: unmapping waits for a device synchronization.)
@@ -121,6 +122,12 @@ device_allocator::impl::~impl() {
   }
   free_spare_host_buffers();
   for (auto& p : pools) {
+    if (p->quiet_event != nullptr) {
+      try {
+        backend->event_destroy(p->quiet_event);
+      } catch (...) {
+      }
+    }
     p->pending.for_each([&](const detail::pending_free& pf) {
       try {
         backend->event_destroy(pf.event);
@@ -156,8 +163,14 @@ device_allocator::impl::~impl() {
 void device_allocator::impl::poll_pending(stream_pool& p) {
   // Per recording stream, oldest first, up to the first event that has not completed: the later
   // ones on that stream cannot have completed either. A query that fails counts as incomplete
-  // (the ladder and empty_cache synchronize it): a block is never lost, nor released early.
-  for (auto& q : p.pending.queues()) {
+  // (the ladder and empty_cache synchronize it): a block is never lost, nor released early. At
+  // most pending_frees::k_poll_queues queues per poll, in turn: behind many stalled streams an
+  // allocation costs a bounded number of queries, and every queue is looked at within
+  // queues / k_poll_queues polls.
+  auto& queues = p.pending.queues();
+  const auto [first, n] = p.pending.next_poll();
+  for (std::size_t i = 0; i < n; ++i) {
+    auto& q = queues[(first + i) % queues.size()];
     while (!q.empty()) {
       const detail::pending_free pf = q.front();
       bool done = false;
@@ -389,9 +402,33 @@ void device_allocator::impl::collect_garbage(std::size_t incoming) {
   const std::size_t gc_bytes = budget.gc_bytes;
   const std::size_t target = gc_bytes > incoming ? gc_bytes - incoming : 0;
   release_free_segments(target, /*oldest_first=*/true);
+  retire_empty_pools();
 }
 
 // --- pending blocks and graph pools ---------------------------------------------------------
+
+namespace {
+/// An allocation that unlocks its pool midway (the ladder, garbage collection) and locks it again
+/// before going on, also when what it did meanwhile throws. Meanwhile the pool is not quiet, so
+/// the pool table never hands it to another stream (stream_pool::unlocked_allocations).
+class unlocked_midway {
+ public:
+  unlocked_midway(stream_pool& p, std::unique_lock<detail::pool_mutex>& lk) : p_(p), lk_(lk) {
+    ++p_.unlocked_allocations;
+    lk_.unlock();
+  }
+  ~unlocked_midway() {
+    if (!lk_.owns_lock()) lk_.lock();
+    --p_.unlocked_allocations;
+  }
+  unlocked_midway(const unlocked_midway&) = delete;
+  unlocked_midway& operator=(const unlocked_midway&) = delete;
+
+ private:
+  stream_pool& p_;
+  std::unique_lock<detail::pool_mutex>& lk_;
+};
+}  // namespace
 
 void device_allocator::impl::mark_pending(stream_pool& p, block* b) {
   const pool_kind kind = b->seg->kind;
@@ -433,24 +470,23 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   }
   if (!blocked && budget.over_gc(seg_bytes)) {
     {
-      lk.unlock();
-      {
-        auto all = pools.lock_all();
-        if (!sync_blocked()) collect_garbage(seg_bytes);
-      }
-      lk.lock();
+      const unlocked_midway away(p, lk);
+      auto all = pools.lock_all();
+      if (!sync_blocked()) collect_garbage(seg_bytes);
+    }
+    {
       if (block* b = find_free(p, kind, rounded)) return b;
     }
   }
   if (segment* s = new_segment(p, kind, seg_bytes)) return s->first;
 
-  run_ladder(lk, ladder_release::free_segments);
+  run_ladder(p, lk, ladder_release::free_segments);
   if (block* b = find_free(p, kind, rounded)) return b;
   segment* s = new_segment(p, kind, seg_bytes);
   return s != nullptr ? s->first : nullptr;
 }
 
-void device_allocator::impl::run_ladder(std::unique_lock<detail::pool_mutex>& lk,
+void device_allocator::impl::run_ladder(stream_pool& p, std::unique_lock<detail::pool_mutex>& lk,
                                         ladder_release what) {
   // Out-of-memory ladder: wait for every pending free, settle released graph pools, give back
   // every whole free segment of every pool (default mode) or unmap every idle page of every pool
@@ -458,8 +494,8 @@ void device_allocator::impl::run_ladder(std::unique_lock<detail::pool_mutex>& lk
   // synchronizes the device: not while a capture is underway.
   budget.retry_count.fetch_add(1, std::memory_order_relaxed);
   const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
-  lk.unlock();
   {
+    const unlocked_midway away(p, lk);
     auto all = pools.lock_all();
     for (auto& q : pools) sync_pending(*q);
     if (!sync_blocked()) {
@@ -469,9 +505,9 @@ void device_allocator::impl::run_ladder(std::unique_lock<detail::pool_mutex>& lk
       } else {
         for (auto& q : pools) pager->unmap_idle(*q, /*release_handles=*/false);
       }
+      retire_empty_pools();
     }
   }
-  lk.lock();
 }
 
 // --- expandable segments: a range per pool kind, placement, the pager backs the pages -------
@@ -518,7 +554,7 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     if (attempt == 1) break;
     // The pager found no room even among the idle pages of the pools it could lock without
     // waiting: the ladder, and once more.
-    run_ladder(lk, ladder_release::idle_pages);
+    run_ladder(p, lk, ladder_release::idle_pages);
   }
   return nullptr;
 }
@@ -548,12 +584,16 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
     graph_part = graphs.part_for(stream, {});
   }
   // In expandable mode the thread's sleep domain (a sleepable tag) picks the pool of (stream,
-  // domain): its blocks share no page with anybody else's (tag_sleeper.hpp).
-  stream_pool& p =
+  // domain): its blocks share no page with anybody else's (tag_sleeper.hpp). (A pool found
+  // through the thread's cache may have been handed to another stream since: its key, read under
+  // its lock, then differs, and lock_pool_for looks again.)
+  detail::pool_table::locked_pool lp =
       graph_part != nullptr
-          ? *graph_part
-          : pools.pool_for(stream, key, cfg.expandable_segments ? detail::t_sleep_domain : 0);
-  std::unique_lock lk(p.mu);
+          ? detail::pool_table::locked_pool{graph_part, std::unique_lock(graph_part->mu)}
+          : pools.lock_pool_for(stream, key,
+                                cfg.expandable_segments ? detail::t_sleep_domain : 0);
+  stream_pool& p = *lp.pool;
+  std::unique_lock<detail::pool_mutex>& lk = lp.lock;
   if (!p.pending.empty()) poll_pending(p);
   if (cfg.expandable_segments && p.graph == nullptr) {
     // (Graph pools use segments in every mode: nothing of theirs may be unmapped or moved while
@@ -602,6 +642,10 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
   release_to_free_inline(p, b);
+  // An ordered free on the pool's own stream names that stream, alive, in this call: the moment
+  // a quiet event may be recorded on it (rate-limited, note_quiet).
+  if (ordered && p.stats.allocation_count[0].current == 0) [[unlikely]]
+    note_quiet(p);
   return true;
 }
 
@@ -647,6 +691,10 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
   const bool cross = b->uses != nullptr && !b->uses->streams.empty();
   if (!cross && own_capture == nullptr) {
     release_to_free(p, b);
+    if (ordered && own_capture == nullptr && pools.names_pool_stream(p, stream) &&
+        p.stats.allocation_count[0].current == 0) {
+      note_quiet(p);
+    }
     return true;
   }
   mark_pending(p, b);
@@ -719,6 +767,72 @@ void device_allocator::impl::empty_cache() {
     pager->release_unmapped(0);
   }
   release_free_segments(0, /*oldest_first=*/false);
+  retire_empty_pools();
+}
+
+// --- retirement: pools of streams that are gone ---------------------------------------------
+
+void device_allocator::impl::note_quiet(stream_pool& p) {
+  // REQUIRES: p.mu held, p's stream named alive by the caller in this call (an ordered free on
+  // it), p.stats.allocation_count[0].current == 0. A quiet event recorded now follows, on p's
+  // stream, every use of p's blocks there (each was queued before its block's free); once it has
+  // completed, and nothing was allocated or freed in p since (p.tick unchanged), p may serve
+  // another stream (pool_table::judge). Rate: the first k_quiet_always quiet frees of a pool,
+  // then one in k_quiet_every, so that a loop of ordered pairs on one stream records one event
+  // per k_quiet_every pairs. A pool left unproven is retired by the device-wide paths instead.
+  static constexpr std::uint64_t k_quiet_always = 8;
+  static constexpr std::uint64_t k_quiet_every = 256;
+  const std::uint64_t n = p.quiet_frees++;
+  if (n >= k_quiet_always && n % k_quiet_every != 0) return;
+  if (!p.quiet() || graphs.any_capture() || sync_blocked()) return;
+  // The legacy stream is never gone (its pool needs no retirement), and recording on it could
+  // touch a capture of another thread; the per-thread handle names another stream per thread.
+  if (p.stream == nullptr || p.stream == per_thread_stream()) return;
+  try {
+    // The handle the caller named equals p's, but it may be a new stream that got a destroyed
+    // one's handle value (names_pool_stream): only p's own stream, by id, is recorded on. An
+    // event recorded on a capturing stream would be a node of its graph, never complete (and
+    // asking a capturing stream's id would invalidate its capture: identify asks it only when
+    // the stream is not captured).
+    const stream_identity who = raw->identify(p.stream);
+    if (who.capture.state != capture_state::none || who.id != p.key) return;
+    if (p.quiet_event == nullptr) p.quiet_event = events.take();
+    p.quiet_tick = stream_pool::k_never;  // no proof while the record is not done
+    backend->event_record(p.quiet_event, p.stream);
+  } catch (...) {
+    return;  // no proof now; the pool is kept until a device-wide path retires it
+  }
+  p.quiet_tick = p.tick;
+  pools.queue_quiet(p);
+}
+
+void device_allocator::impl::retire_empty_pools() {
+  // REQUIRES: all pools locked. Quiet pools that hold no device memory (the device-wide path
+  // that called this gave it back, behind a device synchronization) give back their empty
+  // virtual ranges -- address space is reserved on demand and returned when empty -- and are
+  // queued for the next stream that needs a pool.
+  for (auto& p : pools) {
+    if (!p->quiet() || !p->holds_no_memory()) continue;
+    // A sleeping tag's pool keeps its ranges: wake maps its blocks' pages at their addresses.
+    if (p->domain != 0 && sleeper.asleep(p->domain)) continue;
+    if (cfg.expandable_segments) {
+      for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
+        segment* s = p->pages.ranges[static_cast<int>(kind)];
+        if (s == nullptr || s->vm->mapped_pages != 0) continue;
+        // Quiet: the range is one free block, no page mapped, nothing on the idle list.
+        p->index_of(kind).erase(s->first);
+        if (s->prev != nullptr) s->prev->next = s->next;
+        if (s->next != nullptr) s->next->prev = s->prev;
+        if (p->segments == s) p->segments = s->next;
+        pager->destroy_range(*s->vm);
+        delete s->vm;
+        p->block_arena.recycle(s->first);
+        p->segment_arena.recycle(s);
+        p->pages.ranges[static_cast<int>(kind)] = nullptr;
+      }
+    }
+    pools.queue_quiet(*p);
+  }
 }
 
 // --- graph pools: the public calls --------------------------------------------------------------

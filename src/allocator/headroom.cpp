@@ -50,8 +50,16 @@ std::size_t device_allocator::impl::largest_request_within(std::size_t rounded) 
 
 std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   // The pool before the locks: pool_for may create it (under pools_mu_, which lock_all shares).
-  stream_pool& own = pools.pool_for(stream);
-  auto all = pools.lock_all();
+  // Until every pool is locked another stream may be handed it: then look again.
+  const std::uint64_t key = pools.stream_key(stream);
+  stream_pool* own_pool = &pools.pool_for(stream, key);
+  detail::pool_table::all_locked all = pools.lock_all();
+  while (own_pool->key != key) {
+    all = {};
+    own_pool = &pools.pool_for(stream, key);
+    all = pools.lock_all();
+  }
+  stream_pool& own = *own_pool;
   // The ladder's first step, taken now: pending frees become free blocks (and may coalesce).
   for (auto& q : pools) sync_pending(*q);
   const bool blocked = sync_blocked();  // the ladder then releases nothing
@@ -172,8 +180,9 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
 
 void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return;
-  stream_pool& p = pools.pool_for(stream);
-  std::unique_lock lk(p.mu);
+  detail::pool_table::locked_pool lp = pools.lock_pool_for(stream);
+  stream_pool& p = *lp.pool;
+  std::unique_lock<detail::pool_mutex>& lk = lp.lock;
   if (!cfg.expandable_segments) {
     // One large-pool segment, through the path a request that misses the cache takes.
     const std::size_t seg = bytes > detail::k_max_request_bytes

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <unordered_map>
 #include <vector>
 
 #include "core/block.hpp"
@@ -25,6 +26,11 @@ struct pending_free {
 /// handle reused -- only delays a release until the ladder or empty_cache synchronizes: a block
 /// is never released early.) Steady state allocates nothing: a drained queue keeps its storage,
 /// and a queue's consumed prefix is compacted away once it is half of the queue.
+///
+/// Time is proportional to what changed, not to the streams ever used (issue 22): a push finds
+/// its stream's queue through a map (O(1)); a poll looks at no more than k_poll_queues queues,
+/// taking turns (next_poll); drained queues are forgotten once they are half of the queues
+/// (amortized O(1) per drained queue).
 class pending_frees {
  public:
   struct queue {
@@ -43,15 +49,17 @@ class pending_frees {
 
   /// Appends a free whose event was recorded on `stream`. May throw std::bad_alloc, adding nothing.
   void push(stream_handle stream, block* b, event_handle event) {
-    queue* q = nullptr;
-    for (queue& x : queues_) {
-      if (x.stream == stream) {
-        q = &x;
-        break;
-      }
+    auto found = where_.find(stream);
+    if (found == where_.end()) {
+      queues_.reserve(queues_.size() + 1);  // may throw: nothing added yet
+      found = where_.emplace(stream, queues_.size()).first;
+      queues_.push_back(queue{stream, {}, 0});
+      ++drained_;  // empty until the push below
     }
-    if (q == nullptr) q = &queues_.emplace_back(queue{stream, {}, 0});
-    q->items.push_back({b, event});
+    queue& q = queues_[found->second];
+    const bool was_empty = q.empty();
+    q.items.push_back({b, event});
+    if (was_empty) --drained_;
     ++count_;
   }
   /// Removes the oldest entry of q.
@@ -60,6 +68,7 @@ class pending_frees {
     if (++q.head == q.items.size()) {
       q.items.clear();
       q.head = 0;
+      ++drained_;
     } else if (q.head >= k_compact_at && 2 * q.head >= q.items.size()) {
       q.items.erase(q.items.begin(), q.items.begin() + static_cast<std::ptrdiff_t>(q.head));
       q.head = 0;
@@ -78,15 +87,38 @@ class pending_frees {
         --count_;
       }
     }
+    const bool had = q.head != q.items.size();
     q.items.erase(out, q.items.end());
     q.head = 0;
+    if (had && q.items.empty()) ++drained_;
   }
-  /// Forgets drained queues once there are more than a few: programs that record on a new stream
-  /// every step must not make every poll walk all the streams they ever used.
+  /// Forgets drained queues once there are more than a few and they are half of the queues:
+  /// programs that record on a new stream every step must not make every poll walk all the
+  /// streams they ever used, nor every poll walk the queues to find the drained ones.
   void drop_drained_queues() noexcept {
-    if (queues_.size() <= k_kept_drained) return;
+    if (drained_ <= k_kept_drained || 2 * drained_ < queues_.size()) return;
     std::erase_if(queues_, [](const queue& q) { return q.empty(); });
+    drained_ = 0;
+    next_poll_ = 0;
+    where_.clear();
+    try {
+      for (std::size_t i = 0; i < queues_.size(); ++i) where_.emplace(queues_[i].stream, i);
+    } catch (...) {
+      // Out of memory rebuilding the map: keep the queues, and the map partial -- a stream not
+      // found gets a second queue, which a poll also drains (two queues of one stream only delay
+      // a release, never make it early).
+    }
   }
+  /// The queues a poll looks at now: up to k_poll_queues of them from where the last poll
+  /// stopped, in turn ([first, first + n) modulo the number of queues). Each call advances.
+  [[nodiscard]] std::pair<std::size_t, std::size_t> next_poll() noexcept {
+    const std::size_t n = std::min(queues_.size(), k_poll_queues);
+    if (queues_.empty()) return {0, 0};
+    const std::size_t first = next_poll_ % queues_.size();
+    next_poll_ = (first + n) % queues_.size();
+    return {first, n};
+  }
+  static constexpr std::size_t k_poll_queues = 32;
   template <class F>
   void for_each(F&& f) const {
     for (const queue& q : queues_) {
@@ -98,7 +130,10 @@ class pending_frees {
   static constexpr std::size_t k_compact_at = 64;
   static constexpr std::size_t k_kept_drained = 8;
   std::vector<queue> queues_;
+  std::unordered_map<stream_handle, std::size_t> where_;  // stream -> its queue's index
   std::size_t count_ = 0;
+  std::size_t drained_ = 0;    // queues that are empty
+  std::size_t next_poll_ = 0;  // the queue the next poll starts at
 };
 
 }  // namespace cucache::detail

@@ -2,6 +2,9 @@
 #include "allocator/pool_table.hpp"
 
 #include <atomic>
+#include <unordered_set>
+
+#include <fmt/format.h>
 
 namespace cucache::detail {
 
@@ -30,14 +33,121 @@ stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t stream
     if (it != pool_by_stream_.end()) {
       p = it->second;
     } else {
-      pools_.push_back(
-          std::make_unique<stream_pool>(stream, stream_key, pools_.size(), nullptr, domain));
-      p = pools_.back().get();
+      if (domain == 0) p = adopt_locked(stream, stream_key);
+      if (p == nullptr) {
+        pools_.push_back(
+            std::make_unique<stream_pool>(stream, stream_key, pools_.size(), nullptr, domain));
+        p = pools_.back().get();
+      }
       pool_by_stream_.emplace(key, p);
     }
   }
   c = pool_cache_entry{id_, key, p};
   return *p;
+}
+
+void pool_table::queue_quiet(stream_pool& p) noexcept {
+  // A sleep domain's pool is never handed on: its ranges hold its tag's addresses.
+  if (p.queued || p.domain != 0) return;
+  std::lock_guard lock(quiet_mu_);
+  try {
+    (p.holds_no_memory() ? empty_ : quiet_).push_back(&p);
+    p.queued = true;
+  } catch (...) {
+  }
+}
+
+void pool_table::requeue(std::deque<stream_pool*>& q, stream_pool* d) noexcept {
+  std::lock_guard lock(quiet_mu_);
+  try {
+    q.push_back(d);
+  } catch (...) {
+    // Out of memory: d stays marked queued and is never looked at again -- kept, not lost (the
+    // device-wide paths still see it), only never handed to another stream.
+  }
+}
+
+pool_table::verdict pool_table::judge(stream_pool& d) const {
+  // Retired when no block of d is live, pending or held, and nothing d's stream did with its
+  // blocks can still run: either d holds no device memory (nothing of it is handed over; its
+  // virtual ranges were emptied behind a device synchronization), or the quiet event, recorded
+  // on d's stream after its last free (tick unchanged since), has completed. Work on other
+  // streams is covered by the pending frees' own events (none are left).
+  if (!d.quiet()) return verdict::stale;
+  if (d.holds_no_memory()) return verdict::retired;
+  if (d.quiet_event == nullptr || d.quiet_tick != d.tick || events_ == nullptr) {
+    return verdict::stale;
+  }
+  try {
+    return events_->event_query(d.quiet_event) ? verdict::retired : verdict::wait;
+  } catch (...) {
+    return verdict::stale;  // no proof: kept by its stream's key until a device-wide path
+  }
+}
+
+stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key) {
+  // REQUIRES: mu_ exclusive. Pools with cached memory first (the new stream gets their cache),
+  // then pools without. In each queue the oldest candidates first; one whose proof is not there
+  // yet goes to the back, one that is no longer quiet (or whose event a later activity made
+  // stale) leaves the queue until it is queued again.
+  for (int probe = 0; probe < 2 * k_adopt_probes; ++probe) {
+    std::deque<stream_pool*>& q = probe < k_adopt_probes ? quiet_ : empty_;
+    stream_pool* d = nullptr;
+    {
+      std::lock_guard lock(quiet_mu_);
+      if (q.empty()) {
+        if (probe < k_adopt_probes) {
+          probe = k_adopt_probes - 1;  // on to the pools without memory
+          continue;
+        }
+        return nullptr;
+      }
+      d = q.front();
+      q.pop_front();
+    }
+    std::unique_lock lk(d->mu, std::try_to_lock);  // never waits: d.mu comes after mu_ anyway
+    if (!lk.owns_lock()) {
+      requeue(q, d);  // d.queued stays true
+      continue;
+    }
+    const verdict v = judge(*d);
+    if (v == verdict::wait) {
+      lk.unlock();
+      requeue(q, d);
+      continue;
+    }
+    d->queued = false;
+    if (v == verdict::stale) continue;
+    // Retired: d serves the new stream from here, its free memory with it. Threads whose cache
+    // still names d under the old key find the key changed under d's lock (lock_pool_for).
+    if (auto it = pool_by_stream_.find(d->key); it != pool_by_stream_.end() && it->second == d) {
+      pool_by_stream_.erase(it);
+    }
+    d->key = key;
+    d->stream = stream;
+    d->quiet_tick = stream_pool::k_never;
+    d->quiet_frees = 0;
+    adoptions_.fetch_add(1, std::memory_order_relaxed);
+    return d;
+  }
+  return nullptr;
+}
+
+std::string pool_table::check_map() const {
+  std::unordered_set<const stream_pool*> named;
+  for (const auto& [key, p] : pool_by_stream_) {
+    if (domain_key(p->key, p->domain) != key) {
+      return fmt::format("the pool table maps stream key {:#x} to pool {}, whose key is {:#x}", key,
+                         p->index, p->key);
+    }
+    if (p->graph != nullptr) {
+      return fmt::format("the pool table maps stream key {:#x} to a graph pool's part", key);
+    }
+    if (!named.insert(p).second) {
+      return fmt::format("the pool table maps two stream keys to pool {}", p->index);
+    }
+  }
+  return {};
 }
 
 stream_pool& pool_table::new_pool(stream_handle stream, std::uint64_t key, graph_pool* g) {

@@ -1,17 +1,26 @@
 // pool_table: the stream pools of one allocator -- every pool in creation order, the map from a
 // stream's key to its pool, the thread-local one-entry cache in front of that map -- and the
 // keys streams are known by. Pools are created here (a stream's own pool on its first request, a
-// graph pool's part by graph_pools) and never destroyed before the allocator.
+// graph pool's part by graph_pools) and their objects are never destroyed before the allocator:
+// a stream's pool that is proven retired -- quiet (stream_pool::quiet) and either holding no
+// device memory or with a completed quiet event recorded after its last free -- is handed,
+// with its cached memory, to the next stream that needs a new pool (pool_for_key). So the
+// number of pools is the number of streams with blocks or unproven cache at once, not the
+// number of streams ever seen (docs/design.md, "What a stream costs").
 //
-// Locking: `mu_` guards the list and the map (shared to look up or walk, exclusive to add). Pools
-// are locked in creation order (`index`); lock_all takes the list shared and every pool. A pool's
-// contents are under its own mutex (stream_pool::mu), never under mu_.
+// Locking: `mu_` guards the list and the map (shared to look up or walk, exclusive to add or to
+// hand a pool to another stream). Pools are locked in creation order (`index`); lock_all takes
+// the list shared and every pool. A pool's contents are under its own mutex (stream_pool::mu),
+// never under mu_. `quiet_mu_` (a leaf) guards the queue of retirement candidates.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -97,8 +106,51 @@ class pool_table {
                                                           std::uint32_t domain) noexcept {
     return key ^ (static_cast<std::uint64_t>(domain) << 48);
   }
-  /// pool_for's miss of the thread's cache: out of line, so that the hit stays small.
+  /// pool_for's miss of the thread's cache: out of line, so that the hit stays small. A new
+  /// stream pool (domain 0) is a retired one when a candidate is proven retired (at most
+  /// k_adopt_probes looked at), else a new object; a sleep domain's pool is always new (those are
+  /// never retired: their ranges hold a sleeping tag's addresses).
   stream_pool& pool_for_key(stream_handle stream, std::uint64_t key, std::uint32_t domain = 0);
+  /// The pool of `stream`, locked. A pool found through the thread's cache may have been handed
+  /// to another stream since (its key then differs, read under its lock): looked up again.
+  struct locked_pool {
+    stream_pool* pool;
+    std::unique_lock<pool_mutex> lock;
+  };
+  [[nodiscard]] locked_pool lock_pool_for(stream_handle stream) {
+    return lock_pool_for(stream, stream_key(stream));
+  }
+  [[nodiscard]] locked_pool lock_pool_for(stream_handle stream, std::uint64_t key,
+                                          std::uint32_t domain = 0) {
+    stream_pool* p = &pool_for(stream, key, domain);
+    std::unique_lock lk(p->mu);
+    while (p->key != key) [[unlikely]] {
+      lk.unlock();
+      p = &pool_for_key(stream, key, domain);
+      lk = std::unique_lock(p->mu);
+    }
+    return {p, std::move(lk)};
+  }
+
+  // --- retirement ------------------------------------------------------------------------------
+  /// Where quiet events are queried (the capture-safe backend); set once by the allocator before
+  /// any pool is queued. Without it only pools that hold no device memory are retired.
+  void set_event_backend(device_backend* events) noexcept { events_ = events; }
+  /// Queues p (once) as a candidate for retirement: it went quiet with a quiet event recorded,
+  /// or holds no device memory. REQUIRES: p.mu held. Never throws (a pool not queued is only
+  /// kept longer).
+  void queue_quiet(stream_pool& p) noexcept;
+  /// Candidates looked at per new pool in each queue (each: one try_lock, at most one event
+  /// query).
+  static constexpr int k_adopt_probes = 4;
+  /// The map and the pools agree: every stream pool the map names has that key, is no graph
+  /// pool's part, and is named once. Returns what is wrong, or an empty string. REQUIRES: the
+  /// list held (lock_all) and every pool locked.
+  [[nodiscard]] std::string check_map() const;
+  /// Pools handed from a retired stream to a new one, since the table was made (for tests).
+  [[nodiscard]] std::uint64_t adoptions() const noexcept {
+    return adoptions_.load(std::memory_order_relaxed);
+  }
   /// The list lock, exclusive: for new_pool.
   [[nodiscard]] std::unique_lock<std::shared_mutex> lock_list() { return std::unique_lock(mu_); }
   /// A new pool outside the map (a graph pool's part). REQUIRES: lock_list() held.
@@ -123,11 +175,25 @@ class pool_table {
   }
 
  private:
+  enum class verdict { retired, wait, stale };
+  /// Whether candidate d (locked) may be handed to another stream now. REQUIRES: d.mu held.
+  verdict judge(stream_pool& d) const;
+  /// A retired pool for (stream, key), or nullptr. REQUIRES: mu_ exclusive.
+  stream_pool* adopt_locked(stream_handle stream, std::uint64_t key);
+  void requeue(std::deque<stream_pool*>& q, stream_pool* d) noexcept;
+
   device_backend& streams_;
+  device_backend* events_ = nullptr;
   const std::uint64_t id_;  // unique per table, for the thread-local cache
   mutable std::shared_mutex mu_;
   std::vector<std::unique_ptr<stream_pool>> pools_;                 // guarded by mu_
   std::unordered_map<std::uint64_t, stream_pool*> pool_by_stream_;  // guarded by mu_; by key
+  std::mutex quiet_mu_;                   // a leaf
+  // Guarded by quiet_mu_: the candidates for retirement, oldest first -- quiet pools that hold
+  // cached memory (proof: their quiet event), and pools that hold none (no proof needed).
+  std::deque<stream_pool*> quiet_;
+  std::deque<stream_pool*> empty_;
+  std::atomic<std::uint64_t> adoptions_{0};
 };
 
 }  // namespace cucache::detail

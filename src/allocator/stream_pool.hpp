@@ -29,11 +29,13 @@ class stream_pool {
               std::uint32_t d = 0)
       : stream(s), key(k), index(idx), graph(g), domain(d) {}
 
-  /// The handle the pool was created for. Another stream may have this value now (the runtime
-  /// hands a destroyed stream's handle to the next one it creates); `key` tells them apart.
-  const stream_handle stream;
+  /// The handle the pool serves. Another stream may have this value now (the runtime hands a
+  /// destroyed stream's handle to the next one it creates); `key` tells them apart. `stream` and
+  /// `key` change only when the pool table hands a retired pool to a new stream (pool_table::
+  /// pool_for_key), under both the table's list lock (exclusive) and `mu`: read them under either.
+  stream_handle stream;
   /// The stream's id (device_backend::stream_id), never reused: what pools are looked up by.
-  const std::uint64_t key;
+  std::uint64_t key;
   const std::size_t index;  // creation order; pools are always locked in this order
   /// Non-null for a part of a graph pool: only allocations routed to that pool reach it.
   graph_pool* const graph;
@@ -55,6 +57,33 @@ class stream_pool {
 
   /// Expandable segments: the pager's state for this pool (its ranges, idle mappings).
   pool_pages pages;
+
+  // --- retirement (pool_table, docs/design.md "What a stream costs"), under mu ---------------
+  static constexpr std::uint64_t k_never = ~std::uint64_t{0};
+  /// Recorded on `stream` while the program named it in a call (an ordered free on it that left
+  /// the pool quiet); nullptr until first needed, then kept for the pool's life.
+  event_handle quiet_event = nullptr;
+  /// `tick` when quiet_event was last recorded with the pool quiet: while tick still equals it,
+  /// nothing was allocated or freed since, so the event's completion proves that every use of
+  /// the pool's blocks on its stream has completed.
+  std::uint64_t quiet_tick = k_never;
+  std::uint64_t quiet_frees = 0;  // ordered frees that left the pool quiet (the record's rate)
+  bool queued = false;            // in the pool table's queue of retirement candidates
+  /// Allocations on this pool that unlocked it midway (the ladder, garbage collection) and will
+  /// lock it again to go on: while any is, the pool is not quiet, so it keeps its stream.
+  std::uint32_t unlocked_allocations = 0;
+
+  /// No block of the pool is allocated, pending or held for a graph, and it is a stream's own
+  /// pool: its cached memory is all free, and it may be retired once its stream's work on it is
+  /// proven complete.
+  [[nodiscard]] bool quiet() const noexcept {
+    return graph == nullptr && stats.allocation_count[0].current == 0 &&
+           stats.pending_count[0].current == 0 && retained == 0 && unlocked_allocations == 0;
+  }
+  /// The pool holds no device memory (no segment; in expandable mode, no mapped page).
+  [[nodiscard]] bool holds_no_memory() const noexcept {
+    return stats.reserved_bytes[0].current == 0;
+  }
 
   free_index& index_of(pool_kind k) noexcept { return free[static_cast<int>(k)]; }
   const free_index& index_of(pool_kind k) const noexcept { return free[static_cast<int>(k)]; }

@@ -41,7 +41,13 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   std::vector<live_block> live;
   shadow_blocks by_addr;  // shadow model: live ranges (requested sizes)
   const stream_handle streams[] = {nullptr, stream(0x10), stream(0x20), stream(0x30)};
-  std::size_t ooms = 0, allocs = 0, injected = 0;
+  // A stream the program creates and destroys (issue 22): blocks are allocated on it and freed in
+  // its order; it is destroyed, sometimes with work still queued and blocks still live, and a new
+  // one (often with the same handle value) takes its place. Only allocations and ordered frees
+  // of its own blocks name it, so that the program never names a destroyed stream -- and the
+  // allocator must not either (destroyed_stream_calls, checked after every operation).
+  stream_handle dyn = a.sim->create_stream();
+  std::size_t ooms = 0, allocs = 0, injected = 0, turnovers = 0;
 
   auto random_size = [&]() -> std::size_t {
     // Log-uniform from 1 B to 256 MiB.
@@ -75,6 +81,13 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   auto steady_loop = [&] {
     for (std::size_t k = 0; k < k_sim_call_kinds; ++k) a.sim->fail_nth(static_cast<sim_call>(k), 0);
     const stream_handle s = pick_stream();
+    // Half of the loops start from an emptied cache, so that some find memory plentiful also
+    // where the pools of destroyed streams (turnover, below) hold idle pages until a device-wide
+    // path gives them back.
+    if (rng() % 2 == 0) {
+      a.sim->complete_all();
+      a.alloc.empty_cache();
+    }
     std::vector<std::size_t> sizes(1 + rng() % 5);
     std::size_t total = 0;
     for (auto& sz : sizes) total += (sz = random_size()) + 2 * 2 * MiB;  // and its edge pages
@@ -113,7 +126,7 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
     try {
       if (r < 0.50 || live.empty()) {
         const std::size_t size = random_size();
-        const stream_handle s = pick_stream();
+        const stream_handle s = rng() % 10 == 0 ? dyn : pick_stream();
         void* p = nullptr;
         try {
           p = a.alloc.allocate(size, s);
@@ -137,7 +150,9 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
       } else if (r < 0.85) {
         const std::size_t i = rng() % live.size();
         void* p = reinterpret_cast<void*>(live[i].addr);
-        if (unit(rng) < 0.15) {
+        if (live[i].stream == dyn && unit(rng) < 0.5) {
+          a.alloc.deallocate(p, dyn);  // in its order: the moment a quiet event may be recorded
+        } else if (unit(rng) < 0.15) {
           a.alloc.deallocate(p, pick_stream());
         } else {
           a.alloc.deallocate(p);
@@ -147,10 +162,17 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
         const std::size_t i = rng() % live.size();
         a.alloc.record_stream(reinterpret_cast<void*>(live[i].addr), pick_stream());
       } else if (r < 0.96) {
-        if (unit(rng) < 0.5) {
+        const double c = unit(rng);
+        if (c < 0.45) {
           a.sim->complete_stream(pick_stream());
-        } else {
+        } else if (c < 0.9) {
           a.sim->complete_all();
+        } else {
+          // Stream turnover: its work done (or not), destroyed, replaced.
+          if (c < 0.95) a.sim->complete_stream(dyn);
+          a.sim->destroy_stream(dyn);
+          dyn = a.sim->create_stream();
+          ++turnovers;
         }
       } else if (r < 0.963) {
         a.alloc.empty_cache();
@@ -190,6 +212,7 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
       // ladder, or event_synchronize): the allocator must still be consistent.
     }
     ASSERT_NO_THROW(a.alloc.check_invariants());
+    ASSERT_EQ(a.sim->destroyed_stream_calls(), 0u) << "a call on a destroyed stream";
     // Every byte the device holds is accounted for: no leaked segment or handle.
     ASSERT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(a.stats().reserved_bytes[0].current));
     const auto s = a.stats();
@@ -208,6 +231,8 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   EXPECT_GT(allocs, ops / 4);
   EXPECT_GT(ooms, 0u) << "the program should reach the device's capacity";
   EXPECT_GT(injected, 0u);
+  EXPECT_GT(turnovers, 0u);
+  a.sim->destroy_stream(dyn);
   if (cfg.expandable_segments) {
     // The pager's paths were exercised: pages moved, also between streams' pools without the
     // ladder, memory reclaimed page by page when the device or the limit was short, and steady

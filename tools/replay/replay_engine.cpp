@@ -81,12 +81,11 @@ struct cucache_ops {
       return nullptr;  // counted by the pass; the trace goes on without this block
     }
   }
-  void deallocate(void* p, stream_handle stream, bool other_stream) {
-    if (other_stream) {
-      a->deallocate(p, stream);
-    } else {
-      a->deallocate(p);
-    }
+  /// In the order of the row's stream, as RMM frees (cudaFreeAsync): on the block's own stream
+  /// that is what the plain free does, and it also names the stream alive, so that the pool of
+  /// a stream the trace no longer uses can be handed on (docs/design.md, "What a stream costs").
+  void deallocate(void* p, stream_handle stream, bool /*other_stream*/) {
+    a->deallocate(p, stream);
   }
 };
 
