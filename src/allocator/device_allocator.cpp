@@ -535,6 +535,11 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
                                                   std::unique_lock<detail::pool_mutex>& lk) {
   if (budget.never_fits(rounded)) return nullptr;
   for (int attempt = 0; attempt < 2; ++attempt) {
+    // The ladder below unlocks p: a sleep of p's tag may have run meanwhile.
+    if (attempt > 0 && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
+      lk.unlock();
+      refuse_if_asleep(p, nullptr, "allocate");
+    }
     ensure_range(p, kind);
     block* b = detail::place_in_range(p.index_of(kind), rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted

@@ -33,7 +33,7 @@ stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t stream
     if (it != pool_by_stream_.end()) {
       p = it->second;
     } else {
-      if (domain == 0) p = adopt_locked(stream, stream_key);
+      p = adopt_locked(stream, stream_key, domain);
       if (p == nullptr) {
         pools_.push_back(
             std::make_unique<stream_pool>(stream, stream_key, pools_.size(), nullptr, domain));
@@ -47,8 +47,7 @@ stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t stream
 }
 
 void pool_table::queue_quiet(stream_pool& p) noexcept {
-  // A sleep domain's pool is never handed on: its ranges hold its tag's addresses.
-  if (p.queued || p.domain != 0) return;
+  if (p.queued) return;
   std::lock_guard lock(quiet_mu_);
   try {
     (p.holds_no_memory() ? empty_ : quiet_).push_back(&p);
@@ -85,7 +84,8 @@ pool_table::verdict pool_table::judge(stream_pool& d) const {
   }
 }
 
-stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key) {
+stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key,
+                                      std::uint32_t domain) {
   // REQUIRES: mu_ exclusive. Pools with cached memory first (the new stream gets their cache),
   // then pools without. In each queue the oldest candidates first; one whose proof is not there
   // yet goes to the back, one that is no longer quiet (or whose event a later activity made
@@ -105,6 +105,11 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key) {
       d = q.front();
       q.pop_front();
     }
+    // A pool of another sleep domain serves only that domain: its pages are that tag's alone.
+    if (d->domain != domain) {
+      requeue(q, d);
+      continue;
+    }
     std::unique_lock lk(d->mu, std::try_to_lock);  // never waits: d.mu comes after mu_ anyway
     if (!lk.owns_lock()) {
       requeue(q, d);  // d.queued stays true
@@ -120,10 +125,11 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key) {
     if (v == verdict::stale) continue;
     // Retired: d serves the new stream from here, its free memory with it. Threads whose cache
     // still names d under the old key find the key changed under d's lock (lock_pool_for).
-    if (auto it = pool_by_stream_.find(d->key); it != pool_by_stream_.end() && it->second == d) {
+    if (auto it = pool_by_stream_.find(domain_key(d->key, d->domain));
+        it != pool_by_stream_.end() && it->second == d) {
       pool_by_stream_.erase(it);
     }
-    d->key = key;
+    d->key = key;  // the stream's key; the map names d by domain_key(key, domain)
     d->stream = stream;
     d->quiet_tick = stream_pool::k_never;
     d->quiet_frees = 0;

@@ -4,9 +4,9 @@
 // graph pool's part by graph_pools) and their objects are never destroyed before the allocator:
 // a stream's pool that is proven retired -- quiet (stream_pool::quiet) and either holding no
 // device memory or with a completed quiet event recorded after its last free -- is handed,
-// with its cached memory, to the next stream that needs a new pool (pool_for_key). So the
-// number of pools is the number of streams with blocks or unproven cache at once, not the
-// number of streams ever seen (docs/design.md, "What a stream costs").
+// with its cached memory, to the next stream that needs a new pool of its sleep domain
+// (pool_for_key). So the number of pools is the number of (stream, domain) pairs with blocks or
+// unproven cache at once, not the number ever seen (docs/design.md, "What a stream costs").
 //
 // Locking: `mu_` guards the list and the map (shared to look up or walk, exclusive to add or to
 // hand a pool to another stream). Pools are locked in creation order (`index`); lock_all takes
@@ -107,9 +107,8 @@ class pool_table {
     return key ^ (static_cast<std::uint64_t>(domain) << 48);
   }
   /// pool_for's miss of the thread's cache: out of line, so that the hit stays small. A new
-  /// stream pool (domain 0) is a retired one when a candidate is proven retired (at most
-  /// k_adopt_probes looked at), else a new object; a sleep domain's pool is always new (those are
-  /// never retired: their ranges hold a sleeping tag's addresses).
+  /// pool is a retired one of the same sleep domain when a candidate is proven retired (at most
+  /// k_adopt_probes looked at), else a new object.
   stream_pool& pool_for_key(stream_handle stream, std::uint64_t key, std::uint32_t domain = 0);
   /// The pool of `stream`, locked. A pool found through the thread's cache may have been handed
   /// to another stream since (its key then differs, read under its lock): looked up again.
@@ -178,8 +177,9 @@ class pool_table {
   enum class verdict { retired, wait, stale };
   /// Whether candidate d (locked) may be handed to another stream now. REQUIRES: d.mu held.
   verdict judge(stream_pool& d) const;
-  /// A retired pool for (stream, key), or nullptr. REQUIRES: mu_ exclusive.
-  stream_pool* adopt_locked(stream_handle stream, std::uint64_t key);
+  /// A retired pool of sleep domain `domain` for (stream, key), or nullptr. REQUIRES: mu_
+  /// exclusive.
+  stream_pool* adopt_locked(stream_handle stream, std::uint64_t key, std::uint32_t domain);
   void requeue(std::deque<stream_pool*>& q, stream_pool* d) noexcept;
 
   device_backend& streams_;

@@ -30,8 +30,12 @@ void accumulate(stat_array& into, const detail::counter_array& from, bool first)
 device_stats device_allocator::impl::stats_locked() const {
   device_stats s;
   bool first = true;
+  std::size_t asleep_active = 0;  // active bytes of sleeping pools: no reserved page backs them
   for (const auto& p : pools) {
     const auto& ps = p->stats;
+    if (p->domain != 0 && sleeper.asleep(p->domain)) {
+      asleep_active += static_cast<std::size_t>(ps.active_bytes(0).current);
+    }
     accumulate(s.allocated_bytes, ps.allocated_bytes, first);
     accumulate(s.reserved_bytes, ps.reserved_bytes, first);
     accumulate(s.requested_bytes, ps.requested_bytes, first);
@@ -82,7 +86,9 @@ device_stats device_allocator::impl::stats_locked() const {
   if (cfg.expandable_segments) {
     // Free memory is physical: mapped pages no block uses (idle or partly used) and unmapped
     // handles.
-    const std::size_t active = static_cast<std::size_t>(s.active_bytes[0].current);
+    // (A sleeping tag's blocks stay active while no page backs them: only awake blocks count.)
+    const std::size_t active =
+        static_cast<std::size_t>(s.active_bytes[0].current) - asleep_active;
     s.free_bytes = reserved > active ? reserved - active : 0;
   }
   s.largest_free_block = largest_cached_request();

@@ -182,6 +182,60 @@ TEST(Sleep, WithoutContentsCopiesNothingAndReleasesCachedPagesToo) {
   expect_no_leak(a);
 }
 
+// A server that makes a stream per request under a sleepable tag: the gone streams' pools of that
+// domain are handed to the next stream of the same domain (never to another domain's, nor to
+// untagged requests), so address space and reservations stay bounded (issue 22 x issue 24).
+TEST(Sleep, AStreamPerRequestUnderASleepableTagReusesThatDomainsPools) {
+  sim_options o = host_backed();
+  o.events_complete_immediately = true;
+  sim_allocator a(expandable(), o);
+  for (int i = 0; i < 1500; ++i) {
+    const stream_handle s = a.sim->create_stream();
+    {
+      in_domain d(5);
+      void* p = a.alloc.allocate(1 * MiB, s);
+      ASSERT_NE(p, nullptr) << "request " << i;
+      a.alloc.deallocate(p, s);
+    }
+    void* q = a.alloc.allocate(1 * MiB, s);  // untagged, on the same stream: its own pool
+    a.alloc.deallocate(q, s);
+    a.sim->destroy_stream(s);
+  }
+  // Two pools' ranges (the domain's and the untagged one), each reserved once and reused.
+  EXPECT_EQ(a.sim->calls(sim_call::va_reserve), 2u);
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(2 * k_page));
+  EXPECT_EQ(a.sim->destroyed_stream_calls(), 0u);
+  a.alloc.check_invariants();
+  // The domain still sleeps and wakes: its pool kept only its own pages.
+  a.alloc.sleep(5, /*keep_contents=*/false);
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(k_page));
+  a.alloc.wake(5);
+  a.alloc.check_invariants();
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
+}
+
+// Free memory while a tag sleeps: its blocks stay allocated (active) but no reserved page backs
+// them, so they are not subtracted from what is reserved.
+TEST(Sleep, FreeBytesCountOnlyTheAwakeBlocks) {
+  sim_allocator a(expandable(), host_backed());
+  void* tagged = nullptr;
+  {
+    in_domain d(4);
+    tagged = a.alloc.allocate(8 * MiB);
+  }
+  void* cached = a.alloc.allocate(4 * MiB);  // untagged, freed: 2 idle pages
+  a.alloc.deallocate(cached);
+  EXPECT_EQ(a.stats().free_bytes, 4 * MiB);
+  a.alloc.sleep(4, /*keep_contents=*/false);
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(4 * MiB));
+  EXPECT_EQ(a.stats().free_bytes, 4 * MiB);  // was 0: 4 MiB reserved minus 8 MiB active
+  a.alloc.wake(4);
+  EXPECT_EQ(a.stats().free_bytes, 4 * MiB);
+  a.alloc.deallocate(tagged);
+  a.alloc.check_invariants();
+}
+
 TEST(Sleep, ADomainsBlocksShareNoPageWithOthers) {
   sim_allocator a(expandable(), host_backed());
   std::set<std::uintptr_t> untagged, tagged, other_tag;
