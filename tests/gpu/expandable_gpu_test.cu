@@ -39,17 +39,6 @@ __global__ void count_mismatches(const unsigned char* p, std::size_t n, unsigned
   if (local != 0) atomicAdd(bad, local);
 }
 
-__global__ void spin_then_fill(unsigned char* p, std::size_t n, unsigned char v,
-                               unsigned long long spin_ns) {
-  unsigned long long start = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  for (;;) {
-    unsigned long long now = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > spin_ns) break;
-  }
-  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
-}
 
 /// Idle pages stay mapped while memory is plentiful and move only when it is short: the tests
 /// that watch pages move give the allocator a memory limit (`limit`, a CUCACHE_CONF value).
@@ -147,7 +136,8 @@ TEST_F(ExpandableGpu, BlockUsedOnAnotherStreamIsNotRemappedWhileThatStreamRuns) 
   CUDA_CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
   void* a = alloc.allocate(8 * mib);
   CUDA_CHECK(cudaDeviceSynchronize());
-  spin_then_fill<<<1, 256, 0, s2>>>(static_cast<unsigned char*>(a), 8 * mib, 7, 200'000'000ull);
+  spin_then_fill<unsigned char><<<1, 256, 0, s2>>>(static_cast<unsigned char*>(a), 8 * mib, 7,
+                                                  200'000'000ull);
   CUDA_CHECK(cudaGetLastError());
   alloc.record_stream(a, s2);
   alloc.deallocate(a);

@@ -33,16 +33,6 @@ __global__ void fill_words(unsigned* p, std::size_t n, unsigned v) {
   }
 }
 
-__global__ void spin_then_fill(unsigned* p, std::size_t n, unsigned v, unsigned long long spin_ns) {
-  unsigned long long start = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  for (;;) {
-    unsigned long long now = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > spin_ns) break;
-  }
-  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
-}
 
 __global__ void count_not(const unsigned* p, std::size_t n, unsigned v, unsigned long long* bad) {
   unsigned long long local = 0;

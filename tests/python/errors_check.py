@@ -18,19 +18,9 @@ import sys
 import threading
 import types
 
+from check_support import expect  # this folder is on the path
+
 MIB = 1 << 20
-
-
-def expect(exc: type, fn, *args, match: str = "", **kwargs) -> str:
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        text = str(e)
-        assert match in text, f"{exc.__name__} without {match!r}: {text}"
-        return text
-    except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"{fn.__name__}{args}: {type(e).__name__} ({e}), not {exc.__name__}") from e
-    raise AssertionError(f"{fn.__name__}{args} did not raise {exc.__name__}")
 
 
 class FakeDevice:  # torch.device's shape: .type and .index

@@ -12,17 +12,9 @@ from __future__ import annotations
 
 import os
 
+from check_support import expect  # this folder is on the path
+
 MIB = 1 << 20
-
-
-def expect(exc: type, fn, *args, match: str = "", **kwargs) -> str:
-    try:
-        fn(*args, **kwargs)
-    except exc as e:
-        text = str(e)
-        assert match in text, f"{exc.__name__} without {match!r}: {text}"
-        return text
-    raise AssertionError(f"{fn.__name__}{args} did not raise {exc.__name__}")
 
 
 def main() -> None:
