@@ -145,6 +145,8 @@ class Loop:
         self.uses_cucache = self.mode in ("sleep", "nosleep", "train_alone", "infer_alone") and args.device != "cpu"
         self.cucache: Any = None
         self.tms: Any = None
+        # Threads that backward() ran on and that were given the "train" tag (see tag_backward).
+        self.tagged_threads: set[int] = set()
         if self.uses_cucache:
             import cucache.torch
 
@@ -182,11 +184,14 @@ class Loop:
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(f"torch_memory_saver does not import here: {type(e).__name__}: {e}") from e
         saver = getattr(tms_mod, "torch_memory_saver", None) or tms_mod.TorchMemorySaver()
-        if hasattr(saver, "hook_mode"):
-            try:
-                saver.hook_mode = "torch"  # 0.0.8+: a CUDAPluggableAllocator, no LD_PRELOAD needed
-            except Exception:  # noqa: BLE001
-                pass
+        # 0.0.8+: hook_mode "torch" is a CUDAPluggableAllocator, no LD_PRELOAD needed. Set it
+        # unconditionally: its property has a setter but a getter that raises AttributeError, so
+        # hasattr() says no (0.0.10), and the default "preload" mode refuses to start without
+        # LD_PRELOAD.
+        try:
+            saver.hook_mode = "torch"
+        except Exception as e:  # noqa: BLE001
+            self.result["tms_hook_mode_error"] = f"{type(e).__name__}: {e}"
         self.result["tms_version"] = getattr(tms_mod, "__version__", "?")
         return saver
 
@@ -203,6 +208,25 @@ class Loop:
             except TypeError:
                 return self.tms.region(tag=tag)
         return contextlib.nullcontext()
+
+    def tag_backward(self, loss: Any, tag: str) -> None:
+        """Tags are per thread, and torch runs the backward pass of CUDA tensors on its own worker
+        thread: without this, the gradients and backward temporaries are untagged -- cached apart
+        from the sleepable tag's pages, and not given back by its sleep. A hook on the loss runs on
+        that thread before the first backward node; it pushes the tag there once (the worker does
+        only backward work, so the tag stays). docs/python.md, "Tags and threads"."""
+        if self.cucache is None:
+            return
+        import threading
+
+        def hook(grad: Any) -> Any:
+            t = threading.get_ident()
+            if t not in self.tagged_threads:
+                self.cucache.push_tag(tag)
+                self.tagged_threads.add(t)
+            return grad
+
+        loss.register_hook(hook)
 
     def sync(self) -> None:
         if self.dev.type == "cuda":
@@ -308,6 +332,7 @@ class Loop:
                 x, y = self.batch(r, s)
                 logits = self.trainer(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                self.tag_backward(loss, "train")
                 loss.backward()
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
