@@ -472,7 +472,8 @@ TEST_P(GraphCapture, RandomizedCapturesNeverShareAGraphsMemory) {
     if (c != 0) protect[c].push_back({addr(p), addr(p) + bytes});
   };
   auto size = [&] { return rng() % 4 == 0 ? (1 + rng() % 32) * MiB : 512 * (1 + rng() % 2048); };
-  for (int op = 0; op < 6000 && !HasFatalFailure(); ++op) {
+  const auto ops = static_cast<int>(scaled_ops(6000, 1000));
+  for (int op = 0; op < ops && !HasFatalFailure(); ++op) {
     const auto dice = rng() % 100;
     const int si = static_cast<int>(rng() % k_streams);
     const auto su = static_cast<std::size_t>(si);

@@ -249,7 +249,7 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
 TEST_P(randomized, InvariantsHoldAfterEveryOperation) {
   const config cfg = parse_config(GetParam());
   const std::uint64_t seed = seed_from_env(0xC0CAC4E5EEDULL + std::hash<std::string>{}(GetParam()));
-  run_program(cfg, seed, GetParam().empty() ? 100'000 : 40'000);
+  run_program(cfg, seed, scaled_ops(GetParam().empty() ? 100'000 : 40'000, 2'000));
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, randomized,

@@ -483,7 +483,7 @@ TEST_P(random_sleep, InvariantsHoldAfterEveryOperation) {
   const stream_handle streams[] = {nullptr, stream(0x10)};
   std::size_t sleeps = 0, wakes = 0, refused = 0, no_room = 0;
   std::uint8_t next_seed = 0;
-  const std::size_t ops = 2000;
+  const std::size_t ops = scaled_ops(2000, 500);
   for (std::size_t op = 0; op < ops; ++op) {
     SCOPED_TRACE("operation " + std::to_string(op));
     const unsigned r = static_cast<unsigned>(rng() % 100);

@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -68,5 +70,20 @@ class shadow_blocks {
  private:
   std::map<std::uintptr_t, std::size_t> live_;
 };
+
+/// The factor CUCACHE_STRESS_SCALE gives the long randomized and stress runs (1 when unset or not
+/// a positive number): tools/run_sanitizers.sh runs them smaller under the sanitizers.
+inline double stress_scale() {
+  if (const char* s = std::getenv("CUCACHE_STRESS_SCALE")) {
+    const double v = std::strtod(s, nullptr);
+    if (v > 0) return v;
+  }
+  return 1.0;
+}
+
+/// `ops` operations scaled by stress_scale(), never fewer than `at_least`.
+inline std::size_t scaled_ops(std::size_t ops, std::size_t at_least) {
+  return std::max(at_least, static_cast<std::size_t>(static_cast<double>(ops) * stress_scale()));
+}
 
 }  // namespace cucache::test

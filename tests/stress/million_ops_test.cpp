@@ -35,14 +35,6 @@ constexpr std::size_t k_ops_per_run = 36'000;
 constexpr std::size_t k_size_max = std::numeric_limits<std::size_t>::max();
 constexpr std::size_t k_capacity = 3 * GiB;
 
-double stress_scale() {
-  if (const char* s = std::getenv("CUCACHE_STRESS_SCALE")) {
-    const double v = std::strtod(s, nullptr);
-    if (v > 0) return v;
-  }
-  return 1.0;
-}
-
 // Every config key (trace is the registry's, tested there), alone and combined, in both modes.
 const std::vector<std::string>& configs() {
   static const std::vector<std::string> all = {

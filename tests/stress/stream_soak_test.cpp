@@ -37,14 +37,6 @@ constexpr bool k_sanitized = false;
 constexpr bool k_sanitized = false;
 #endif
 
-double stress_scale() {
-  if (const char* s = std::getenv("CUCACHE_STRESS_SCALE")) {
-    const double v = std::strtod(s, nullptr);
-    if (v > 0) return v;
-  }
-  return 1.0;
-}
-
 /// The process's resident set in bytes (/proc/self/statm), 0 where unknown.
 std::size_t resident_bytes() {
   std::ifstream statm("/proc/self/statm");

@@ -33,14 +33,6 @@ constexpr int k_phases = 6;
 constexpr int k_ops_per_phase = 1'000;  // per thread
 constexpr std::size_t k_max_live_per_thread = 24;
 
-double stress_scale() {
-  if (const char* s = std::getenv("CUCACHE_STRESS_SCALE")) {
-    const double v = std::strtod(s, nullptr);
-    if (v > 0) return v;
-  }
-  return 1.0;
-}
-
 struct block {
   void* ptr;
   std::size_t size;
