@@ -145,8 +145,6 @@ class Loop:
         self.uses_cucache = self.mode in ("sleep", "nosleep", "train_alone", "infer_alone") and args.device != "cpu"
         self.cucache: Any = None
         self.tms: Any = None
-        # Threads that backward() ran on and that were given the "train" tag (see tag_backward).
-        self.tagged_threads: set[int] = set()
         if self.uses_cucache:
             import cucache.torch
 
@@ -211,22 +209,11 @@ class Loop:
 
     def tag_backward(self, loss: Any, tag: str) -> None:
         """Tags are per thread, and torch runs the backward pass of CUDA tensors on its own worker
-        thread: without this, the gradients and backward temporaries are untagged -- cached apart
-        from the sleepable tag's pages, and not given back by its sleep. A hook on the loss runs on
-        that thread before the first backward node; it pushes the tag there once (the worker does
-        only backward work, so the tag stays). docs/python.md, "Tags and threads"."""
-        if self.cucache is None:
-            return
-        import threading
-
-        def hook(grad: Any) -> Any:
-            t = threading.get_ident()
-            if t not in self.tagged_threads:
-                self.cucache.push_tag(tag)
-                self.tagged_threads.add(t)
-            return grad
-
-        loss.register_hook(hook)
+        thread: cucache.tag_backward tags that thread too, or the gradients and backward
+        temporaries would be untagged (cached apart from the sleepable tag's pages, and not given
+        back by its sleep; docs/python.md, "Tags and threads")."""
+        if self.cucache is not None:
+            self.cucache.tag_backward(loss, tag)
 
     def sync(self) -> None:
         if self.dev.type == "cuda":

@@ -41,6 +41,7 @@ from ._lib import (
     snapshot,
     snapshot_json,
     tag,
+    tag_backward,
     tag_stats,
     wake,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "snapshot",
     "snapshot_json",
     "tag",
+    "tag_backward",
     "tag_stats",
     "wake",
 ]

@@ -11,6 +11,7 @@ import operator
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -463,12 +464,9 @@ def leak_report(steps: int = 0) -> dict[str, Any]:
 
 def push_tag(name: str) -> None:
     """Makes `name` the calling thread's current tag (tags nest); see tag()."""
-    if not isinstance(name, str):
-        raise TypeError(f"cucache: a tag is a str, not {type(name).__name__}")
-    if "\0" in name:
-        raise ValueError(f"cucache: tag {name!r} contains a NUL character")
+    encoded = _tag_name(name)
     _configured()
-    _check(library().cucache_torch_push_tag(name.encode()), "push_tag")
+    _check(library().cucache_torch_push_tag(encoded), "push_tag")
 
 
 def pop_tag() -> None:
@@ -482,6 +480,46 @@ def _tag_name(name: str) -> bytes:
     if "\0" in name:
         raise ValueError(f"cucache: tag {name!r} contains a NUL character")
     return name.encode()
+
+
+# The tag tag_backward() pushed on each thread that ran a hook of it (thread ident -> name).
+_backward_tags: dict[int, str] = {}
+_backward_lock = threading.Lock()
+
+
+def tag_backward(tensor: Any, name: str, sleepable: bool = False) -> None:
+    """Tags the backward pass of `tensor` (a torch tensor that requires grad: the loss) with `name`.
+
+    Tags belong to threads, and torch runs the backward pass of CUDA tensors on its own worker
+    thread, so `with tag(name): loss.backward()` leaves the gradients and backward temporaries
+    untagged (and, for a sleepable tag, outside its pages: sleep(name) does not give them back).
+    This registers a hook on `tensor`, which torch runs on the thread that runs its backward,
+    before the first backward node; on a thread other than the caller's it makes `name` that
+    thread's tag, once (the worker runs only backward work, so the tag stays until a later
+    tag_backward names another one there). On the caller's own thread (a CPU backward) it does
+    nothing: the caller's tags apply there. sleepable=True makes the tag sleepable first."""
+    _tag_name(name)
+    if not hasattr(tensor, "register_hook"):
+        raise TypeError(f"cucache: tag_backward needs a tensor with register_hook, not "
+                        f"{type(tensor).__name__}")
+    if sleepable:
+        make_sleepable(name)
+    caller = threading.get_ident()
+
+    def hook(grad: Any) -> Any:
+        me = threading.get_ident()
+        if me == caller:
+            return grad
+        with _backward_lock:
+            current = _backward_tags.get(me)
+            if current != name:
+                if current is not None:
+                    pop_tag()
+                push_tag(name)
+                _backward_tags[me] = name
+        return grad
+
+    tensor.register_hook(hook)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from ._lib import (
     snapshot,
     snapshot_json,
     tag,
+    tag_backward,
     wake,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "sleep",
     "sleeping",
     "tag",
+    "tag_backward",
     "wake",
 ]
 

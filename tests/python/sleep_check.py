@@ -11,6 +11,7 @@ on an H200 is bench/torch/sleep_wake.py (tools/gpu_sleep.sh).
 from __future__ import annotations
 
 import os
+import threading
 
 from check_support import expect  # this folder is on the path
 
@@ -70,7 +71,55 @@ def main() -> None:
         cucache.free(p, n)
     assert cucache.bad_free_count() == bad_before + 1
     assert cucache.memory_stats()["allocated_bytes.all.current"] == 0
+    check_tag_backward(cucache)
     print("sleep_check: ok")
+
+
+class FakeLoss:
+    """What tag_backward needs of a torch tensor: register_hook; backward() runs the hooks on a
+    worker thread, as torch's engine does for CUDA tensors, then allocates there (a gradient)."""
+
+    def __init__(self, cucache: object, grad_bytes: int) -> None:
+        self.cucache, self.grad_bytes, self.hooks = cucache, grad_bytes, []
+
+    def register_hook(self, fn: object) -> None:
+        self.hooks.append(fn)
+
+    def run_hooks_and_allocate(self) -> int:
+        for h in self.hooks:
+            assert h("grad") == "grad"
+        return self.cucache.alloc(self.grad_bytes)
+
+    def backward(self) -> int:
+        out: list[int] = []
+        t = threading.Thread(target=lambda: out.append(self.run_hooks_and_allocate()))
+        t.start()
+        t.join()
+        return out[0]
+
+
+def check_tag_backward(cucache: object) -> None:
+    """tag_backward: the worker thread's gradient counts for the tag and sleeps with it; on the
+    caller's own thread the hook changes nothing; bad arguments raise."""
+    before = cucache.tag_stats().get("actor", {}).get("current_bytes", 0)
+    loss = FakeLoss(cucache, 6 * MIB)
+    cucache.tag_backward(loss, "actor", sleepable=True)
+    grad = loss.backward()
+    stats = cucache.tag_stats()
+    assert stats["actor"]["current_bytes"] == before + 6 * MIB, stats
+    cucache.sleep("actor", keep_contents=False)
+    assert cucache.sleeping()["actor"]["bytes"] == 6 * MIB, cucache.sleeping()
+    cucache.wake("actor")
+    # A CPU backward runs the hook on the caller's thread: the caller's tags stay as they were.
+    cpu_loss = FakeLoss(cucache, MIB)
+    cucache.tag_backward(cpu_loss, "actor")
+    untagged = cpu_loss.run_hooks_and_allocate()
+    assert cucache.tag_stats()["actor"]["current_bytes"] == before + 6 * MIB
+    expect(TypeError, cucache.tag_backward, object(), "actor", match="register_hook")
+    expect(ValueError, cucache.tag_backward, loss, "a\0b")
+    expect(TypeError, cucache.tag_backward, loss, 7)
+    cucache.free(grad, 6 * MIB)
+    cucache.free(untagged, MIB)
 
 
 if __name__ == "__main__":
