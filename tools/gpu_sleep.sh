@@ -5,7 +5,7 @@
 # BIN: the folder holding libcucache_torch.so (a build's lib/, e.g. build/lib); OUT: where the
 # logs, one JSON per mode, summary.txt and verdict.txt go. Needs python3 with torch (CUDA) on the
 # machine. Environment: SIZE (h200 | small | tiny; default h200), ROUNDS (default 5), MODES (default
-# "sleep nosleep train_alone infer_alone tms"). torch_memory_saver is tried if it imports
+# "sleep nosleep train_alone infer_alone tms"), TMS_LIMIT (seconds for the tms mode, default 100). torch_memory_saver is tried if it imports
 # (pip install torch_memory_saver, its wheel carried to the machine); the tms mode otherwise
 # reports that it does not import. Exit status 0 only if the verdicts pass (tms aside).
 set -uo pipefail
@@ -24,7 +24,7 @@ export PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}" CUCACHE_LIB="$lib"
 export CUCACHE_CONF=${CUCACHE_CONF:-expandable_segments:True}
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 # Seconds per mode: the loop with sleep first (the point), the reference, the two alone, tms last.
-declare -A limit=([sleep]=150 [nosleep]=120 [train_alone]=90 [infer_alone]=75 [tms]=100)
+declare -A limit=([sleep]=150 [nosleep]=120 [train_alone]=90 [infer_alone]=75 [tms]=${TMS_LIMIT:-100})
 for m in $modes; do
   run "$m" "${limit[$m]:-120}" python3 "$repo/bench/torch/sleep_wake.py" --mode "$m" \
     --size "$size" --rounds "$rounds" --out "$out/$m.json"

@@ -376,6 +376,9 @@ class Loop:
                                            "peak_so_far": self.reserved_peak(),
                                            "device_used": self.device_used(),
                                            "s": time.perf_counter() - t0})
+        p = self.result["phase_peaks"][-1]
+        print(f"sleep_wake {self.mode}: round {r} {name} done in {p['s']:.1f} s, reserved now "
+              f"{p['reserved_now'] / GB:.2f} GB", file=sys.stderr, flush=True)
 
     def warm_up(self) -> None:
         """Untagged, before any tagged allocation: the workspaces torch's BLAS handles allocate at
