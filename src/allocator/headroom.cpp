@@ -51,15 +51,19 @@ std::size_t device_allocator::impl::largest_request_within(std::size_t rounded) 
 std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   // The pool before the locks: pool_for may create it (under pools_mu_, which lock_all shares).
   // Until every pool is locked another stream may be handed it: then look again.
+  // In expandable mode the thread's sleep domain picks the pool, as in allocate.
   const std::uint64_t key = pools.stream_key(stream);
-  stream_pool* own_pool = &pools.pool_for(stream, key);
+  const std::uint32_t domain = cfg.expandable_segments ? detail::t_sleep_domain : 0;
+  stream_pool* own_pool = &pools.pool_for(stream, key, domain);
   detail::pool_table::all_locked all = pools.lock_all();
   while (own_pool->key != key) {
     all = {};
-    own_pool = &pools.pool_for(stream, key);
+    own_pool = &pools.pool_for(stream, key, domain);
     all = pools.lock_all();
   }
   stream_pool& own = *own_pool;
+  // An allocation under a sleeping tag is refused: nothing would be served.
+  if (own.domain != 0 && sleeper.asleep(own.domain)) return 0;
   // The ladder's first step, taken now: pending frees become free blocks (and may coalesce).
   for (auto& q : pools) sync_pending(*q);
   const bool blocked = sync_blocked();  // the ladder then releases nothing
@@ -180,9 +184,13 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
 
 void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return;
-  detail::pool_table::locked_pool lp = pools.lock_pool_for(stream);
+  // In expandable mode the thread's sleep domain picks the pool, as in allocate: the pages
+  // reserved under a sleepable tag are that tag's, given back by its sleep.
+  detail::pool_table::locked_pool lp = pools.lock_pool_for(
+      stream, pools.stream_key(stream), cfg.expandable_segments ? detail::t_sleep_domain : 0);
   stream_pool& p = *lp.pool;
   std::unique_lock<detail::pool_mutex>& lk = lp.lock;
+  refuse_if_asleep(p, nullptr, "reserve");
   if (!cfg.expandable_segments) {
     // One large-pool segment, through the path a request that misses the cache takes.
     const std::size_t seg = bytes > detail::k_max_request_bytes

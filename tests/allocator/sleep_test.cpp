@@ -182,6 +182,37 @@ TEST(Sleep, WithoutContentsCopiesNothingAndReleasesCachedPagesToo) {
   expect_no_leak(a);
 }
 
+// reserve and max_allocatable answer for the pool an allocation on this thread would use: under a
+// sleepable tag, that tag's pool. Reserved pages are then the tag's (its sleep gives them back),
+// and while it sleeps nothing can be allocated under it: max_allocatable says 0, reserve refuses.
+TEST(Sleep, ReserveAndMaxAllocatableUnderASleepableTagUseItsPool) {
+  sim_allocator a(expandable(), host_backed());
+  {
+    in_domain d(4);
+    a.alloc.reserve(8 * MiB);
+  }
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(8 * MiB));
+  a.alloc.sleep(4, /*keep_contents=*/false);
+  EXPECT_EQ(a.reserved(), 0);  // the reserved pages were the tag's
+  a.alloc.check_invariants();
+  {
+    in_domain d(4);
+    EXPECT_EQ(a.alloc.max_allocatable(), 0u);
+    const std::uint64_t before = a.sim->calls(sim_call::phys_create);
+    EXPECT_THROW(a.alloc.reserve(2 * MiB), invalid_argument);
+    EXPECT_EQ(a.sim->calls(sim_call::phys_create), before);
+  }
+  EXPECT_GT(a.alloc.max_allocatable(), 0u);  // untagged requests are served
+  a.alloc.wake(4);
+  {
+    in_domain d(4);
+    EXPECT_GT(a.alloc.max_allocatable(), 0u);
+  }
+  a.alloc.check_invariants();
+  a.alloc.empty_cache();
+  expect_no_leak(a);
+}
+
 // A server that makes a stream per request under a sleepable tag: the gone streams' pools of that
 // domain are handed to the next stream of the same domain (never to another domain's, nor to
 // untagged requests), so address space and reservations stay bounded (issue 22 x issue 24).
