@@ -2,7 +2,10 @@
 // measured through cuda_backend (the calls the allocator makes, with its flags): physical handle
 // create/release, map, set-access, unmap at several sizes, an idle device synchronization and a
 // memory-info query. Prints one line per call and size: median and range of microseconds over
-// N rounds. Needs a GPU; exits 77 without one.
+// N rounds. Then whether handle creation scales with threads (issue 20: could creating pages ahead
+// on other threads hide it?): T threads (1, 2, 4, 8) each create and then release ROUNDS handles
+// of one page at once; prints the wall time per handle over all threads. Needs a GPU; exits 77
+// without one.
 //
 //   cucache-vm-cost [ROUNDS]      (default 20)
 #include <algorithm>
@@ -10,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "cucache/cuda_backend.hpp"
@@ -82,6 +86,42 @@ int main(int argc, char** argv) {
     report("set_access", bytes, access);
     report("unmap", bytes, unmap);
     report("phys_release", bytes, release);
+  }
+  // Creation from several threads at once: wall microseconds per handle (create; release).
+  for (int threads : {1, 2, 4, 8}) {
+    std::vector<std::vector<cucache::phys_handle>> made(static_cast<std::size_t>(threads));
+    auto t0 = clock_type::now();
+    {
+      std::vector<std::jthread> workers;
+      for (int t = 0; t < threads; ++t) {
+        workers.emplace_back([&, t] {
+          for (int i = 0; i < rounds; ++i) {
+            if (const auto h = b.phys_create(page)) made[static_cast<std::size_t>(t)].push_back(*h);
+          }
+        });
+      }
+    }
+    const double create_us = us_since(t0);
+    std::size_t n = 0;
+    for (const auto& m : made) n += m.size();
+    t0 = clock_type::now();
+    {
+      std::vector<std::jthread> workers;
+      for (int t = 0; t < threads; ++t) {
+        workers.emplace_back([&, t] {
+          for (const auto& h : made[static_cast<std::size_t>(t)]) b.phys_release(h);
+        });
+      }
+    }
+    const double release_us = us_since(t0);
+    std::printf("phys_create x%d threads  %zu handles of %zu MiB: %.1f us per handle (wall); "
+                "phys_release %.1f us per handle\n",
+                threads, n, page >> 20, n ? create_us / static_cast<double>(n) : 0.0,
+                n ? release_us / static_cast<double>(n) : 0.0);
+    if (n != static_cast<std::size_t>(threads * rounds)) {
+      std::fprintf(stderr, "phys_create failed %zu times\n", static_cast<std::size_t>(threads * rounds) - n);
+      return 1;
+    }
   }
   return 0;
 }

@@ -11,7 +11,8 @@ mkdir -p "$dest/bin" "$dest/lib"
 bins=(allocator_gpu_test allocator_suite_cuda_test cuda_backend_gpu_test dead_stream_test
   expandable_gpu_test global_gpu_test graph_capture_gpu_test graph_capture_test ipc_gpu_test
   multi_gpu_test stream_reuse_test streams_gpu_test process_exit_gpu_check preload_program_shared
-  preload_program_static cucache-bench cucache-fastpath cucache-pair-count cucache-replay)
+  preload_program_static cucache-bench cucache-fastpath cucache-pair-count cucache-replay
+  cucache-vm-cost)
 for b in "${bins[@]}" "${@:3}"; do
   if [[ -x $build/bin/$b ]]; then
     strip -o "$dest/bin/$b" "$build/bin/$b"
