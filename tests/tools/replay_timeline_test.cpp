@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -224,6 +225,122 @@ TEST_P(replay_timeline_resnet, peak_is_the_replays) {
 
 INSTANTIATE_TEST_SUITE_P(modes, replay_timeline_resnet,
                          ::testing::Values("", "expandable_segments:True"));
+
+// Sleep and wake rows (cucache's trace extension): a tag's allocations go to its sleep domain,
+// the sleep gives its pages back and the wake maps them again at the same addresses.
+options sim_expandable() {
+  options o = sim();
+  o.cfg.expandable_segments = true;
+  return o;
+}
+
+trace_builder sleeping_trace() {
+  trace_builder t{1, "00:00:02"};
+  t.alloc(0x1000, 1 << 20)                       // 0: untagged, 1 MiB
+      .alloc_tagged(0x2000, 4 << 20, "train")    // 1: the tag's, 4 MiB: two 2 MiB pages
+      .alloc_tagged(0x3000, 1000, "train")       // 2: the tag's small block: a page of its own
+      .sleep("train", 6 << 20)                   // 3
+      .wake("train", 6 << 20);                   // 4
+  return t;
+}
+
+TEST(replay_timeline, sleep_and_wake_by_hand) {
+  trace_builder t = sleeping_trace();
+  t.free(0x2000, 4 << 20).free(0x3000, 1000).free(0x1000, 1 << 20);  // 5, 6, 7
+  const std::vector<trace_event> events = parse_trace(t.text(), "sleepy");
+  const prepared_trace trace = prepare(events, "sleepy");
+  EXPECT_EQ(trace.sleep_tags, std::vector<std::string>{"train"});
+  EXPECT_EQ(trace.sleeps, 1u);
+  EXPECT_EQ(trace.first_sleep_line, 5u);
+  const json d = timeline_data(trace, &events, sim_expandable());
+  ASSERT_EQ(d["buckets"], 8);
+  using v = std::vector<std::int64_t>;
+  const v reserved = values(series(d, "all", "reserved"), "max");
+  const v sleeping = values(series(d, "all", "sleeping"), "max");
+  EXPECT_EQ(sleeping, (v{0, 0, 0, 6 * k_mib, 0, 0, 0, 0}));
+  // Reserved falls at the sleep by the tag's 6 MiB and returns at the wake. 8 MiB before: the
+  // untagged 1 MiB block's small page, the tag's own small page and its two large pages. A
+  // bucket's envelope holds every value reserved took in its event: the sleep releases page by
+  // page down to its min, the wake maps them back up to its max.
+  ASSERT_EQ(reserved.size(), 8u);
+  const v reserved_min = values(series(d, "all", "reserved"), "min");
+  EXPECT_EQ(reserved[2], 8 * k_mib);
+  EXPECT_EQ(reserved_min[3], 2 * k_mib) << d["series"].dump();
+  EXPECT_EQ(reserved[3], 6 * k_mib);  // after the first page released
+  EXPECT_EQ(reserved_min[4], 4 * k_mib);
+  EXPECT_EQ(reserved[4], 8 * k_mib);
+  EXPECT_EQ(reserved_min[5], 8 * k_mib);  // nothing is given back at the frees (cached)
+  // Allocated bytes are the program's: a sleeping block is still allocated.
+  EXPECT_EQ(values(series(d, "all", "requested"), "max")[3], (1 << 20) + (4 << 20) + 1000);
+  const json* sleep_mark = mark(d, "sleep");
+  const json* wake_mark = mark(d, "wake");
+  ASSERT_NE(sleep_mark, nullptr);
+  ASSERT_NE(wake_mark, nullptr);
+  EXPECT_EQ((*sleep_mark)["buckets"], json::array({3}));
+  EXPECT_EQ((*wake_mark)["buckets"], json::array({4}));
+  EXPECT_EQ(d["totals"]["sleeps"], 1);
+  EXPECT_EQ(d["totals"]["wakes"], 1);
+  EXPECT_EQ(d["totals"]["peak_sleeping_bytes"], 6 * k_mib);
+  EXPECT_EQ(d["peak"]["event"], 2);  // reached before the sleep; the wake only returns to it
+
+  // The replay's report: the same peak, the sleeping peak and the counts.
+  const trace_result r = replay_trace(trace, sim_expandable());
+  EXPECT_EQ(r.figures.peak_reserved_bytes, d["peak"]["reserved_bytes"].get<std::size_t>());
+  EXPECT_EQ(r.figures.sleeps, 1u);
+  EXPECT_EQ(r.figures.wakes, 1u);
+  EXPECT_EQ(r.figures.peak_sleeping_bytes, std::size_t{6} << 20);
+  const json j = to_json(r);
+  EXPECT_EQ(j["sleeps"], 1);
+  EXPECT_EQ(j["wakes"], 1);
+  EXPECT_EQ(j["peak_sleeping_bytes"], 6 * k_mib);
+  const trace_result rs[] = {r};
+  EXPECT_NE(format_table(rs).find("sleep and wake"), std::string::npos) << format_table(rs);
+
+  // The page carries the sleeping series and the marks.
+  const std::string html = timeline_html(d);
+  EXPECT_NE(html.find("\"metric\":\"sleeping\""), std::string::npos);
+  EXPECT_NE(html.find("\"name\":\"sleep\""), std::string::npos);
+  EXPECT_NE(html.find("\"name\":\"wake\""), std::string::npos);
+}
+
+TEST(replay_timeline, a_woken_tag_keeps_its_addresses) {
+  // The peak's allocations list addresses: before the sleep (the trace above) and after the wake
+  // (one more block after it moves the peak there), the tag's blocks are at the same ones.
+  trace_builder before = sleeping_trace();
+  trace_builder after = sleeping_trace();
+  after.alloc(0x4000, 8 << 20);
+  const auto addresses = [](const trace_builder& t) {
+    const std::vector<trace_event> events = parse_trace(t.text());
+    const json d = timeline_data(prepare(events, "t"), &events, sim_expandable());
+    std::map<std::size_t, std::uintptr_t> by_line;
+    for (const json& a : d["peak"]["allocations"]) by_line[a["line"]] = a["address"];
+    return std::make_pair(d["peak"]["event"].get<std::size_t>(), by_line);
+  };
+  const auto [peak_before, at_before] = addresses(before);
+  const auto [peak_after, at_after] = addresses(after);
+  EXPECT_EQ(peak_before, 2u);
+  EXPECT_EQ(peak_after, 5u);
+  ASSERT_EQ(at_before.size(), 3u);
+  ASSERT_EQ(at_after.size(), 4u);
+  for (const std::size_t line : {2u, 3u, 4u}) EXPECT_EQ(at_after.at(line), at_before.at(line));
+}
+
+TEST(replay_timeline, sleep_in_default_mode_names_the_first_sleep_row) {
+  const std::vector<trace_event> events = parse_trace(sleeping_trace().text());
+  const prepared_trace trace = prepare(events, "sleepy");
+  for (const auto& attempt : {+[](const prepared_trace& t) { (void)timeline_data(t, nullptr, sim()); },
+                              +[](const prepared_trace& t) { (void)replay_trace(t, sim()); }}) {
+    try {
+      attempt(trace);
+      ADD_FAILURE() << "no exception";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("sleepy:5: the trace sleeps tag 'train', and sleep "
+                                           "needs expandable segments"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
 
 TEST(replay_timeline, page_is_self_contained) {
   trace_builder t{7, "00:00:01"};
