@@ -23,6 +23,9 @@
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/trace.hpp"
+#include "api/registry.hpp"
+#include "cucache/cucache.hpp"
+#include "cucache/observe.hpp"
 #include "progress.hpp"
 #include "replay_engine.hpp"
 #include "timeline.hpp"
@@ -451,6 +454,80 @@ TEST(replay_timeline, from_a_trace_recorded_from_a_live_allocator) {
   EXPECT_EQ(nlohmann::json::parse(r.out)["peak_reserved_bytes"], 24 * k_mib);
   EXPECT_EQ(d["streams"], json::array({"0x0", "0x30"}));
   EXPECT_TRUE(fs::exists(out));
+}
+
+TEST(replay_timeline, a_recorded_sleep_and_wake_replay_to_the_programs_figures) {
+  // A program on the simulated device (CUCACHE_CONF=trace:PATH, expandable segments) allocates
+  // under a sleepable tag and untagged, sleeps the tag (keeping contents), wakes it and frees:
+  // the recorded trace names the tag and the sleep and wake, and replays to the program's peak
+  // reserved and sleeping bytes.
+  temp_dir dir("cucache_timeline_sleep_roundtrip");
+  const fs::path csv = dir.path() / "sleepy.csv";
+  ::setenv("CUCACHE_BACKEND", "sim", 1);
+  ::setenv("CUCACHE_CONF", ("expandable_segments:True,trace:" + csv.string()).c_str(), 1);
+  detail::reset_for_testing();
+  std::size_t program_peak = 0, program_sleeping = 0;
+  {
+    make_sleepable("infer");
+    void* untagged = cucache::malloc(3 << 20);
+    push_tag("infer");
+    void* weights = cucache::malloc(40 << 20);
+    void* cache = cucache::malloc(4096);
+    pop_tag();
+    sleep(0, "infer", /*keep_contents=*/true);
+    program_sleeping = get(0).stats().sleeping_bytes;
+    void* other = cucache::malloc(20 << 20);  // uses the room the sleep gave back
+    wake(0, "infer");
+    cucache::free(weights);
+    cucache::free(cache);
+    cucache::free(other);
+    cucache::free(untagged);
+    program_peak = static_cast<std::size_t>(get(0).stats().reserved_bytes[0].peak);
+    flush_trace();
+  }
+  detail::reset_for_testing();
+  ::setenv("CUCACHE_CONF", "", 1);
+  detail::reset_for_testing();
+  ASSERT_GT(program_sleeping, 0u);
+
+  std::ifstream in(csv);
+  std::string header;
+  std::getline(in, header);
+  EXPECT_EQ(header, "Thread,Time,Action,Pointer,Size,Stream,Tag");
+  const std::vector<trace_event> events = read_trace(csv);
+  ASSERT_EQ(events.size(), 10u);
+  EXPECT_EQ(events[1].tag, "infer");
+  EXPECT_EQ(events[2].tag, "infer");
+  EXPECT_EQ(events[0].tag, "");
+  EXPECT_EQ(events[3].act, trace_event::action::sleep);
+  EXPECT_TRUE(events[3].keep_contents);
+  EXPECT_EQ(events[3].size, program_sleeping);
+  EXPECT_EQ(events[5].act, trace_event::action::wake);
+  EXPECT_EQ(events[5].size, program_sleeping);
+
+  const prepared_trace trace = prepare(events, "sleepy");
+  const trace_result r = replay_trace(trace, sim_expandable());
+  EXPECT_EQ(r.figures.peak_reserved_bytes, program_peak);
+  EXPECT_EQ(r.figures.peak_sleeping_bytes, program_sleeping);
+  EXPECT_EQ(r.figures.sleeps, 1u);
+  EXPECT_EQ(r.figures.wakes, 1u);
+  const json d = timeline_data(trace, &events, sim_expandable());
+  EXPECT_EQ(d["peak"]["reserved_bytes"], program_peak);
+  EXPECT_EQ(d["totals"]["peak_sleeping_bytes"], program_sleeping);
+  // The command line too: the JSON report carries the figures.
+  const fs::path out = dir.path() / "sleepy.html";
+  const cli_run c = run({"--backend", "sim", "--config", "expandable_segments:True", "--json",
+                         "--timeline", out.string(), csv.string()});
+  ASSERT_EQ(c.status, 0) << c.err;
+  const json j = json::parse(c.out);
+  EXPECT_EQ(j["peak_reserved_bytes"], program_peak);
+  EXPECT_EQ(j["peak_sleeping_bytes"], program_sleeping);
+  EXPECT_EQ(j["sleeps"], 1);
+  EXPECT_EQ(j["wakes"], 1);
+  // In default mode the replay refuses it, naming the sleep row (line 5: header, three allocates).
+  const cli_run dflt = run({"--backend", "sim", "--json", csv.string()});
+  EXPECT_EQ(dflt.status, 1);
+  EXPECT_NE(dflt.err.find("sleepy:5: the trace sleeps tag 'infer'"), std::string::npos) << dflt.err;
 }
 
 TEST(replay_progress, off_unless_stderr_is_the_terminal) {
