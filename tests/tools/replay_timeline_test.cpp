@@ -328,6 +328,41 @@ TEST(replay_timeline, a_woken_tag_keeps_its_addresses) {
   for (const std::size_t line : {2u, 3u, 4u}) EXPECT_EQ(at_after.at(line), at_before.at(line));
 }
 
+TEST(replay_timeline, a_wake_without_room_is_refused_and_the_replay_goes_on) {
+  // Under a 10 MiB capacity: the tag sleeps (8 MiB reserved -> 2), an 8 MiB block takes the room,
+  // and the wake, needing the tag's 6 MiB again, is refused; the tag stays asleep and its frees
+  // make no call. With room the same trace fits.
+  trace_builder u{1, "00:00:02"};
+  u.alloc(0x1000, 1 << 20)
+      .alloc_tagged(0x2000, 4 << 20, "train")
+      .alloc_tagged(0x3000, 1000, "train")
+      .sleep("train", 6 << 20)
+      .alloc(0x4000, 8 << 20)
+      .wake("train", 6 << 20)
+      .free(0x2000, 4 << 20)
+      .free(0x3000, 1000)
+      .free(0x4000, 8 << 20);
+  const prepared_trace trace = prepare(parse_trace(u.text()), "tight");
+  options o = sim_expandable();
+  o.capacity_bytes = std::size_t{10} << 20;
+  const trace_result r = replay_trace(trace, o);
+  EXPECT_EQ(r.figures.failed_wakes, 1u);
+  EXPECT_EQ(r.figures.wakes, 0u);
+  EXPECT_EQ(r.figures.sleeps, 1u);
+  EXPECT_EQ(r.figures.oom_count, 0u);
+  EXPECT_EQ(r.fits, false);
+  const json d = timeline_data(trace, nullptr, o);
+  ASSERT_NE(mark(d, "out of memory"), nullptr);
+  EXPECT_EQ((*mark(d, "out of memory"))["buckets"], json::array({5}));
+  EXPECT_EQ(mark(d, "wake"), nullptr);
+  EXPECT_EQ(values(series(d, "all", "sleeping"), "max").back(), 6 * k_mib);
+  o.capacity_bytes = std::size_t{16} << 20;
+  const trace_result roomy = replay_trace(trace, o);
+  EXPECT_EQ(roomy.figures.failed_wakes, 0u);
+  EXPECT_EQ(roomy.figures.wakes, 1u);
+  EXPECT_EQ(roomy.fits, true);
+}
+
 TEST(replay_timeline, sleep_in_default_mode_names_the_first_sleep_row) {
   const std::vector<trace_event> events = parse_trace(sleeping_trace().text());
   const prepared_trace trace = prepare(events, "sleepy");

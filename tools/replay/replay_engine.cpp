@@ -237,9 +237,9 @@ memory_figures figures_of(const device_stats& s) {
 std::string describe(const memory_figures& f) {
   return fmt::format(
       "peak reserved {}, peak allocated {}, peak requested {}, device allocs {}, device frees {}, "
-      "ooms {}, sleeps {}, wakes {}, peak sleeping {}",
+      "ooms {}, sleeps {}, wakes {} ({} refused), peak sleeping {}",
       f.peak_reserved_bytes, f.peak_allocated_bytes, f.peak_requested_bytes, f.device_alloc_calls,
-      f.device_free_calls, f.oom_count, f.sleeps, f.wakes, f.peak_sleeping_bytes);
+      f.device_free_calls, f.oom_count, f.sleeps, f.wakes, f.failed_wakes, f.peak_sleeping_bytes);
 }
 
 double median(std::vector<double> v) {
@@ -412,7 +412,8 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     cucache_ops ops{&a};
     const pass_result pass = run_pass(trace, streams, slots, ops);
     r.host_ns_per_op_runs.push_back(per_op(pass.elapsed, trace));
-    const memory_figures f = figures_of(a, ops);
+    memory_figures f = figures_of(a, ops);
+    f.failed_wakes = pass.failed_wakes;
     // A refused wake is no allocation the allocator counts as out of memory.
     if (f.oom_count != pass.failed_allocations - pass.failed_wakes) {
       throw error(fmt::format("{}: the allocator counted {} out-of-memory errors, the replay {}",
@@ -465,7 +466,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     std::uint64_t seen = 0;
     bool sampled = false;
     fragmentation_sample best;
-    run_pass(trace, streams, slots, ops, [&](std::size_t) {
+    const pass_result sampled_pass = run_pass(trace, streams, slots, ops, [&](std::size_t) {
       if (counting->growths() == seen) return;
       seen = counting->growths();
       const device_stats s = a.stats();
@@ -480,7 +481,8 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
       best.largest_free_block = s.largest_free_block;
       best.stats = s;
     });
-    const memory_figures f = figures_of(a, ops);
+    memory_figures f = figures_of(a, ops);
+    f.failed_wakes = sampled_pass.failed_wakes;
     if (sim && f != r.figures) {
       throw error(fmt::format("{}: the sampling replay disagrees with the timed one: {} vs {}",
                               trace.name, describe(f), describe(r.figures)));
@@ -518,7 +520,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   }
   r.reserved_over_requested = ratio(static_cast<double>(r.figures.peak_reserved_bytes),
                                     static_cast<double>(r.peak_requested_bytes));
-  if (opts.capacity_bytes) r.fits = r.figures.oom_count == 0;
+  if (opts.capacity_bytes) r.fits = r.figures.oom_count == 0 && r.figures.failed_wakes == 0;
 
   for (peer* p : peers) {
     peer_result pr;
@@ -781,6 +783,7 @@ nlohmann::json to_json(const trace_result& r) {
   j["sleeps"] = r.figures.sleeps;
   j["wakes"] = r.figures.wakes;
   j["peak_sleeping_bytes"] = r.figures.peak_sleeping_bytes;
+  j["failed_wakes"] = r.figures.failed_wakes;
   j["host_ns_per_op"] = r.host_ns_per_op;
   j["host_ns_per_op_runs"] = r.host_ns_per_op_runs;
   j["repeat"] = r.host_ns_per_op_runs.size();
@@ -865,10 +868,12 @@ std::string format_table(std::span<const trace_result> results) {
                                   [](const trace_result& r) { return r.figures.sleeps != 0; });
   if (sleeps) {
     s += fmt::format("\nsleep and wake (tags the trace sleeps)\n");
-    s += fmt::format("{:<20} {:>8} {:>8} {:>13}\n", "trace", "sleeps", "wakes", "peak asleep");
+    s += fmt::format("{:<20} {:>8} {:>8} {:>13} {:>8}\n", "trace", "sleeps", "wakes",
+                     "peak asleep", "refused");
     for (const trace_result& r : results) {
-      s += fmt::format("{:<20} {:>8} {:>8} {:>13}\n", r.trace, r.figures.sleeps, r.figures.wakes,
-                       gib(r.figures.peak_sleeping_bytes));
+      s += fmt::format("{:<20} {:>8} {:>8} {:>13} {:>8}\n", r.trace, r.figures.sleeps,
+                       r.figures.wakes, gib(r.figures.peak_sleeping_bytes),
+                       r.figures.failed_wakes);
     }
   }
   if (first.warm) {

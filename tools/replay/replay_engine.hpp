@@ -135,6 +135,8 @@ struct memory_figures {
   std::uint64_t sleeps = 0;
   std::uint64_t wakes = 0;
   std::size_t peak_sleeping_bytes = 0;
+  /// Wakes refused for lack of room (under a capacity): the tag stayed asleep.
+  std::uint64_t failed_wakes = 0;
 
   friend bool operator==(const memory_figures&, const memory_figures&) = default;
 };
