@@ -140,6 +140,10 @@ struct trace_summary {
 /// Thread is a small id (1, 2, ...) given to each thread on its first record on this recorder;
 /// Time is the local wall clock as HH:MM:SS.ffffff, read by each thread when it records (rows of
 /// different threads may therefore be a few microseconds out of time order).
+///
+/// The header is written with the first rows (the first flush): six columns, or seven
+/// (k_trace_header_tagged) when any of those rows carries a tag. A row with a tag gets its
+/// seventh field whatever the header (docs/replay.md, "Tags, sleep and wake").
 class trace_recorder {
  public:
   /// Creates (truncates) the file and writes the header. Throws cucache::invalid_argument naming

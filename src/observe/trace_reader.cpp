@@ -12,6 +12,11 @@
 // recorder write bare hex with the default stream as 0, so "10" is stream 0x10, never ten. Sizes
 // are decimal. Live requested bytes are summed with overflow checks, and an allocate failure names
 // no pointer.
+//
+// cucache's extension (docs/replay.md, "Tags, sleep and wake"): an optional seventh field, Tag
+// (CSV-quoted when it holds a comma or a quote; only the last field can be, so the first six
+// split on commas as before), and sleep / wake rows, checked against the tags asleep as the API
+// checks them.
 #include <zlib.h>
 
 #include <algorithm>
@@ -38,8 +43,8 @@ namespace {
 
 constexpr std::size_t k_fields = 6;  // RMM's; cucache's Tag makes a seventh
 // The longest line accepted. A row is about a hundred bytes at most (six fields, the longest a
-// 20-digit size), the header 50: anything longer is not a trace, and the reader's buffer holds
-// k_chunk + k_max_line bytes whatever the file.
+// 20-digit size) plus its tag, the header 50: anything longer is not a trace, and the reader's
+// buffer holds k_chunk + k_max_line bytes whatever the file.
 constexpr std::size_t k_max_line = 4096;
 constexpr std::size_t k_chunk = std::size_t{1} << 16;
 // Offending text is quoted in messages, but a corrupt file can have megabyte-long "lines".
