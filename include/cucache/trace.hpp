@@ -46,14 +46,21 @@ struct trace_event {
   std::uintptr_t stream = 0;
   /// 1-based line in the file (the header is line 1); 0 for events that did not come from text.
   std::size_t line = 0;
-  /// The Tag column (cucache's extension): for an allocate, the tag it was made under (empty:
-  /// none); for sleep and wake, the tag slept or woken. Empty in RMM's six-column rows.
-  std::string tag;
+  /// The Tag column (cucache's extension), as an id of trace_tag_name (0: none): for an
+  /// allocate, the tag it was made under; for sleep and wake, the tag slept or woken. 0 in RMM's
+  /// six-column rows. An id, not the text, so that an event stays 64 bytes.
+  std::uint32_t tag = 0;
   /// sleep only: the keep-contents flag ("sleep keep contents" in the Action column).
   bool keep_contents = false;
 
   friend bool operator==(const trace_event&, const trace_event&) = default;
 };
+
+/// The name of trace tag id `id` ("" for 0). Tags are interned process-wide, for good (as the
+/// library's own tags are): ids are equal exactly when names are. Thread-safe.
+[[nodiscard]] std::string_view trace_tag_name(std::uint32_t id);
+/// The id of tag `name`, interned; 0 for an empty name. Thread-safe.
+[[nodiscard]] std::uint32_t trace_tag_id(std::string_view name);
 
 /// The Action column's spelling: "allocate", "free", "allocate failure", "sleep" (or, with
 /// keep_contents, "sleep keep contents", which to_string(const trace_event&) gives), "wake".

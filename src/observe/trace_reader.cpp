@@ -24,9 +24,11 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <istream>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <system_error>
 #include <unordered_map>
@@ -188,21 +190,23 @@ class line_parser {
   struct live_allocation {
     std::size_t line;
     std::size_t size;
-    std::uint32_t tag;  // index + 1 in tag_lines_ (0: none)
+    std::uint32_t tag;  // its tag's id (0: none)
   };
-  /// The index + 1 of `tag` among the tags seen, interned.
-  std::uint32_t tag_index(const std::string& tag) {
-    const auto [it, added] =
-        tag_ids_.try_emplace(tag, static_cast<std::uint32_t>(asleep_since_.size() + 1));
-    if (added) asleep_since_.push_back(0);
-    return it->second;
-  }
-  std::string tag_name(std::uint32_t index) const {
-    for (const auto& [tag, id] : tag_ids_) {
-      if (id == index) return tag;
+  /// The tag id of the Tag field's text: the last one is kept, so that a run of rows under one
+  /// tag takes the process-wide table's lock once.
+  std::uint32_t tag_id_of(std::string&& text) {
+    if (text != last_tag_text_) {
+      last_tag_id_ = trace_tag_id(text);
+      last_tag_text_ = std::move(text);
     }
-    return {};
+    return last_tag_id_;
   }
+  /// Whether tag `id` sleeps: the line of its sleep, 0 when awake.
+  std::size_t& asleep_since(std::uint32_t id) {
+    if (asleep_since_.size() <= id) asleep_since_.resize(id + 1, 0);
+    return asleep_since_[id];
+  }
+  static std::string_view tag_text(std::uint32_t id) { return trace_tag_name(id); }
   /// The Tag field's text: unquoted as CSV quotes it ("" for a quote inside quotes).
   std::string parse_tag(std::string_view field, std::size_t line_no) const {
     if (!field.starts_with('"')) {
@@ -234,8 +238,9 @@ class line_parser {
     }
     return out;
   }
-  std::unordered_map<std::string, std::uint32_t> tag_ids_;
-  std::vector<std::size_t> asleep_since_;  // by tag index: the line of its sleep, 0 when awake
+  std::string last_tag_text_;
+  std::uint32_t last_tag_id_ = 0;
+  std::vector<std::size_t> asleep_since_;  // by tag id: the line of its sleep, 0 when awake
   std::string_view name_;
   std::vector<trace_event> events_;
   std::unordered_map<std::uintptr_t, live_allocation> live_;
@@ -318,11 +323,11 @@ void line_parser::line(std::string_view line) {
   }
 
   if (ev.act == trace_event::action::sleep) ev.keep_contents = field[2] != "sleep";
-  if (has_tag) ev.tag = parse_tag(tag_field, line_no);
+  if (has_tag && !tag_field.empty()) ev.tag = tag_id_of(parse_tag(tag_field, line_no));
   const bool sleep_or_wake =
       ev.act == trace_event::action::sleep || ev.act == trace_event::action::wake;
   if (sleep_or_wake) {
-    if (ev.tag.empty()) {
+    if (ev.tag == 0) {
       fail(name, line_no,
            fmt::format("{} row without a tag (expected the tag in the seventh column, Tag)",
                        field[2]));
@@ -332,17 +337,17 @@ void line_parser::line(std::string_view line) {
            fmt::format("{} row with pointer {:#x} (expected (nil), 0x0 or empty)", field[2],
                        ev.pointer));
     }
-    std::size_t& since = asleep_since_[tag_index(ev.tag) - 1];
+    std::size_t& since = asleep_since(ev.tag);
     if (ev.act == trace_event::action::sleep) {
       if (since != 0) {
         fail(name, line_no,
              fmt::format("sleep of tag {}, which is already asleep (slept at line {})",
-                         quoted(std::string_view(ev.tag)), since));
+                         quoted(tag_text(ev.tag)), since));
       }
       since = line_no;
     } else {
       if (since == 0) {
-        fail(name, line_no, fmt::format("wake of tag {}, which is not asleep", quoted(std::string_view(ev.tag))));
+        fail(name, line_no, fmt::format("wake of tag {}, which is not asleep", quoted(tag_text(ev.tag))));
       }
       since = 0;
     }
@@ -355,12 +360,12 @@ void line_parser::line(std::string_view line) {
   }
   if (ev.pointer != 0) {
     if (ev.act == trace_event::action::allocate) {
-      const std::uint32_t tag = ev.tag.empty() ? 0 : tag_index(ev.tag);
-      if (tag != 0 && asleep_since_[tag - 1] != 0) {
+      const std::uint32_t tag = ev.tag;
+      if (tag != 0 && asleep_since(tag) != 0) {
         fail(name, line_no,
              fmt::format("allocate under tag {}, which is asleep (slept at line {}; the API "
                          "refuses it)",
-                         quoted(std::string_view(ev.tag)), asleep_since_[tag - 1]));
+                         quoted(tag_text(ev.tag)), asleep_since(tag)));
       }
       auto [it, inserted] = live_.try_emplace(ev.pointer, live_allocation{line_no, ev.size, tag});
       if (!inserted) {
@@ -381,12 +386,11 @@ void line_parser::line(std::string_view line) {
              fmt::format("free of {:#x}, which is not live (never allocated or already freed)",
                          ev.pointer));
       }
-      if (const std::uint32_t tag = it->second.tag; tag != 0 && asleep_since_[tag - 1] != 0) {
+      if (const std::uint32_t tag = it->second.tag; tag != 0 && asleep_since(tag) != 0) {
         fail(name, line_no,
              fmt::format("free of {:#x}, allocated at line {} under tag {}, which is asleep "
                          "(slept at line {}; the API refuses it)",
-                         ev.pointer, it->second.line, quoted(std::string_view(tag_name(tag))),
-                         asleep_since_[tag - 1]));
+                         ev.pointer, it->second.line, quoted(tag_text(tag)), asleep_since(tag)));
       }
       live_bytes_ -= it->second.size;
       live_.erase(it);
@@ -467,6 +471,37 @@ bool is_gzip(const std::filesystem::path& path) {
 
 }  // namespace
 
+namespace {
+// Never destroyed: ids and the names' storage stay valid for the life of the process.
+struct trace_tag_table {
+  std::mutex mu;
+  std::deque<std::string> names;  // id - 1 -> name; a deque keeps references stable
+  std::unordered_map<std::string_view, std::uint32_t> ids;
+};
+trace_tag_table& trace_tags() {
+  static auto* t = new trace_tag_table();
+  return *t;
+}
+}  // namespace
+
+std::string_view trace_tag_name(std::uint32_t id) {
+  if (id == 0) return {};
+  trace_tag_table& t = trace_tags();
+  std::lock_guard lock(t.mu);
+  return id > t.names.size() ? std::string_view() : std::string_view(t.names[id - 1]);
+}
+
+std::uint32_t trace_tag_id(std::string_view name) {
+  if (name.empty()) return 0;
+  trace_tag_table& t = trace_tags();
+  std::lock_guard lock(t.mu);
+  if (auto it = t.ids.find(name); it != t.ids.end()) return it->second;
+  t.names.emplace_back(name);
+  const auto id = static_cast<std::uint32_t>(t.names.size());
+  t.ids.emplace(t.names.back(), id);
+  return id;
+}
+
 std::string_view to_string(trace_event::action act) noexcept {
   switch (act) {
     case trace_event::action::allocate:
@@ -526,7 +561,7 @@ trace_summary summarize(const std::vector<trace_event>& events) {
     switch (ev.act) {
       case trace_event::action::allocate:
         ++s.allocations;
-        if (!ev.tag.empty()) ++s.tagged_allocations;
+        if (ev.tag != 0) ++s.tagged_allocations;
         if (ev.pointer == 0) break;
         if (auto [it, inserted] = live.try_emplace(ev.pointer, ev.size); !inserted) {
           // Unvalidated input: treat a repeated allocate as replacing the older one.

@@ -135,6 +135,7 @@ TEST(TraceRecorder, ThreadIdsArePerRecorderAndStartAtOne) {
 
 TEST(TraceRecorder, RoundTripsThroughTheReader) {
   const file_remover file{temp_path("cucache_rec_roundtrip")};
+  const std::uint32_t train = trace_tag_id("train");
   const std::vector<trace_event> written = {
       {1, 0, act::allocate, 0x7f77cfe00000, 37632, 0, 0, {}, false},
       {1, 0, act::allocate, 0x7f77cfe09400, 256, 0x5603a1b0, 0, {}, false},
@@ -144,12 +145,12 @@ TEST(TraceRecorder, RoundTripsThroughTheReader) {
       {1, 0, act::allocate, 0x1, 0, 0, 0, {}, false},
       {1, 0, act::free, 0x7f77cfe09400, 256, 0x5603a1b0, 0, {}, false},
       // cucache's extension: tags (one CSV-quoted) and sleep / wake rows.
-      {1, 0, act::allocate, 0x7f77d0000000, 4096, 0, 0, "train", false},
-      {1, 0, act::allocate, 0x7f77d0200000, 10, 0, 0, "a,\"b\"", false},
-      {1, 0, act::sleep, 0, 2097152, 0, 0, "train", true},
-      {1, 0, act::wake, 0, 2097152, 0, 0, "train", false},
-      {1, 0, act::sleep, 0, 2097152, 0, 0, "train", false},
-      {1, 0, act::wake, 0, 2097152, 0, 0, "train", false},
+      {1, 0, act::allocate, 0x7f77d0000000, 4096, 0, 0, train, false},
+      {1, 0, act::allocate, 0x7f77d0200000, 10, 0, 0, trace_tag_id("a,\"b\""), false},
+      {1, 0, act::sleep, 0, 2097152, 0, 0, train, true},
+      {1, 0, act::wake, 0, 2097152, 0, 0, train, false},
+      {1, 0, act::sleep, 0, 2097152, 0, 0, train, false},
+      {1, 0, act::wake, 0, 2097152, 0, 0, train, false},
   };
   {
     trace_recorder rec(file.path);
@@ -158,13 +159,13 @@ TEST(TraceRecorder, RoundTripsThroughTheReader) {
       void* const s = fake(ev.stream);
       switch (ev.act) {
         case act::allocate:
-          rec.record_allocate(p, ev.size, s, ev.tag);
+          rec.record_allocate(p, ev.size, s, trace_tag_name(ev.tag));
           break;
         case act::sleep:
-          rec.record_sleep(ev.tag, ev.keep_contents, ev.size);
+          rec.record_sleep(trace_tag_name(ev.tag), ev.keep_contents, ev.size);
           break;
         case act::wake:
-          rec.record_wake(ev.tag, ev.size);
+          rec.record_wake(trace_tag_name(ev.tag), ev.size);
           break;
         case act::free:
           rec.record_free(p, ev.size, s);

@@ -531,9 +531,9 @@ TEST(replay_timeline, a_recorded_sleep_and_wake_replay_to_the_programs_figures) 
   EXPECT_EQ(header, "Thread,Time,Action,Pointer,Size,Stream,Tag");
   const std::vector<trace_event> events = read_trace(csv);
   ASSERT_EQ(events.size(), 10u);
-  EXPECT_EQ(events[1].tag, "infer");
-  EXPECT_EQ(events[2].tag, "infer");
-  EXPECT_EQ(events[0].tag, "");
+  EXPECT_EQ(trace_tag_name(events[1].tag), "infer");
+  EXPECT_EQ(trace_tag_name(events[2].tag), "infer");
+  EXPECT_EQ(events[0].tag, 0u);
   EXPECT_EQ(events[3].act, trace_event::action::sleep);
   EXPECT_TRUE(events[3].keep_contents);
   EXPECT_EQ(events[3].size, program_sleeping);

@@ -279,7 +279,7 @@ prepared_trace prepare(const std::vector<trace_event>& events, std::string name)
   t.summary = summarize(events);
   t.ops.resize(events.size());
   // The tags the trace sleeps get sleep domains, by first appearance.
-  std::unordered_map<std::string, std::uint16_t> domains;
+  std::unordered_map<std::uint32_t, std::uint16_t> domains;  // trace tag id -> sleep domain
   for (const trace_event& ev : events) {
     if (ev.act != trace_event::action::sleep || domains.contains(ev.tag)) continue;
     if (t.sleep_tags.size() >= k_max_replay_domains) {
@@ -287,11 +287,11 @@ prepared_trace prepare(const std::vector<trace_event>& events, std::string name)
                                          "that can be sleepable",
                                          t.name, ev.line, k_max_replay_domains));
     }
-    t.sleep_tags.push_back(ev.tag);
+    t.sleep_tags.emplace_back(trace_tag_name(ev.tag));
     domains.emplace(ev.tag, static_cast<std::uint16_t>(t.sleep_tags.size()));
   }
-  const auto domain_of = [&](const std::string& tag) -> std::uint16_t {
-    if (tag.empty() || domains.empty()) return 0;
+  const auto domain_of = [&](std::uint32_t tag) -> std::uint16_t {
+    if (tag == 0 || domains.empty()) return 0;
     const auto it = domains.find(tag);
     return it == domains.end() ? 0 : it->second;
   };
@@ -350,7 +350,7 @@ prepared_trace prepare(const std::vector<trace_event>& events, std::string name)
           // The reader refuses a wake of a tag not asleep; events built by hand may not.
           throw invalid_argument(fmt::format("{}:{}: wake of tag '{}', which the trace never "
                                              "sleeps",
-                                             t.name, ev.line, ev.tag));
+                                             t.name, ev.line, trace_tag_name(ev.tag)));
         }
         break;
     }
