@@ -24,11 +24,9 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <istream>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <system_error>
 #include <unordered_map>
@@ -38,6 +36,7 @@
 
 #include "cucache/errors.hpp"
 #include "cucache/trace.hpp"
+#include "observe/name_table.hpp"
 
 namespace cucache {
 
@@ -472,34 +471,19 @@ bool is_gzip(const std::filesystem::path& path) {
 }  // namespace
 
 namespace {
-// Never destroyed: ids and the names' storage stay valid for the life of the process.
-struct trace_tag_table {
-  std::mutex mu;
-  std::deque<std::string> names;  // id - 1 -> name; a deque keeps references stable
-  std::unordered_map<std::string_view, std::uint32_t> ids;
-};
-trace_tag_table& trace_tags() {
-  static auto* t = new trace_tag_table();
+// The tags of the traces read (name_table.hpp: never destroyed), apart from the library's own.
+detail::name_table& trace_tags() {
+  static auto* t = new detail::name_table();
   return *t;
 }
 }  // namespace
 
 std::string_view trace_tag_name(std::uint32_t id) {
-  if (id == 0) return {};
-  trace_tag_table& t = trace_tags();
-  std::lock_guard lock(t.mu);
-  return id > t.names.size() ? std::string_view() : std::string_view(t.names[id - 1]);
+  return trace_tags().name(id);
 }
 
 std::uint32_t trace_tag_id(std::string_view name) {
-  if (name.empty()) return 0;
-  trace_tag_table& t = trace_tags();
-  std::lock_guard lock(t.mu);
-  if (auto it = t.ids.find(name); it != t.ids.end()) return it->second;
-  t.names.emplace_back(name);
-  const auto id = static_cast<std::uint32_t>(t.names.size());
-  t.ids.emplace(t.names.back(), id);
-  return id;
+  return name.empty() ? 0 : trace_tags().intern(name);
 }
 
 std::string_view to_string(trace_event::action act) noexcept {
