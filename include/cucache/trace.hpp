@@ -89,8 +89,8 @@ inline constexpr std::string_view k_trace_header_tagged =
 /// wake row names its tag, a null pointer and in Size the bytes released or mapped again.
 ///
 /// Validation: the first line must be the header; every other non-blank line must have six
-/// fields (seven with a Tag) that parse; a free must name a pointer that is live (allocated and not yet freed) and an
-/// allocate must not name one that is; an allocate failure must have a null pointer; the
+/// fields (seven with a Tag) that parse; a free must name a pointer that is live (allocated and
+/// not yet freed) and an allocate must not name one that is; an allocate failure must have a null pointer; the
 /// requested bytes of the live allocations must not overflow size_t (no process can hold more).
 /// Null pointers are exempt from the liveness rules, since an allocation of zero bytes may
 /// legitimately return null. A free's size is not checked against its allocation's. A sleep must

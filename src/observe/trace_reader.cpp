@@ -346,7 +346,8 @@ void line_parser::line(std::string_view line) {
       since = line_no;
     } else {
       if (since == 0) {
-        fail(name, line_no, fmt::format("wake of tag {}, which is not asleep", quoted(tag_text(ev.tag))));
+        fail(name, line_no,
+             fmt::format("wake of tag {}, which is not asleep", quoted(tag_text(ev.tag))));
       }
       since = 0;
     }

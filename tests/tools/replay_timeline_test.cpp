@@ -366,8 +366,10 @@ TEST(replay_timeline, a_wake_without_room_is_refused_and_the_replay_goes_on) {
 TEST(replay_timeline, sleep_in_default_mode_names_the_first_sleep_row) {
   const std::vector<trace_event> events = parse_trace(sleeping_trace().text());
   const prepared_trace trace = prepare(events, "sleepy");
-  for (const auto& attempt : {+[](const prepared_trace& t) { (void)timeline_data(t, nullptr, sim()); },
-                              +[](const prepared_trace& t) { (void)replay_trace(t, sim()); }}) {
+  using replay_fn = void (*)(const prepared_trace&);
+  const replay_fn timeline = [](const prepared_trace& t) { (void)timeline_data(t, nullptr, sim()); };
+  const replay_fn replay = [](const prepared_trace& t) { (void)replay_trace(t, sim()); };
+  for (const replay_fn attempt : {timeline, replay}) {
     try {
       attempt(trace);
       ADD_FAILURE() << "no exception";

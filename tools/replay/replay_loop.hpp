@@ -51,8 +51,8 @@ struct no_hook {
 ///   void* allocate(std::size_t bytes, stream_handle stream)   -- nullptr when out of memory
 ///   void deallocate(void* ptr, stream_handle stream, bool other_stream)
 /// `slots` (one per operation) receives the replay pointers; `after_allocate(i)` runs after each
-/// successful allocation (and wake). Pointers still live at the end (or at the failure that stopped the pass)
-/// stay in `slots` for the caller to free.
+/// successful allocation (and wake). Pointers still live at the end (or at the failure that
+/// stopped the pass) stay in `slots` for the caller to free.
 template <on_failure failure = on_failure::go_on, class Allocator, class Hook = no_hook>
 pass_result run_pass(const prepared_trace& trace, std::span<const stream_handle> streams,
                      std::span<void*> slots, Allocator& a, Hook&& after_allocate = {}) {

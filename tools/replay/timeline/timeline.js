@@ -34,7 +34,8 @@
   function bucketFirstEvent(b) { return Math.ceil(b * N / B); }  // first event of bucket b
 
   // --- series and their pyramids ---------------------------------------------------------------
-  var METRIC_COLORS = { reserved: '#d62728', allocated: '#1f77b4', requested: '#2ca02c', sleeping: '#9467bd' };
+  var METRIC_COLORS = { reserved: '#d62728', allocated: '#1f77b4', requested: '#2ca02c',
+                        sleeping: '#9467bd' };
   var GROUP_COLORS = ['#444444', '#9467bd', '#ff7f0e', '#17becf', '#8c564b', '#e377c2', '#bcbd22', '#7f7f7f'];
   var METRIC_DASH = { reserved: [], allocated: [6, 3], requested: [2, 3], sleeping: [8, 4] };
   var series = D.series.map(function (s, i) {
