@@ -29,7 +29,9 @@ namespace cucache {
 
 /// One row of a trace.
 struct trace_event {
-  enum class action : std::uint8_t { allocate, free, allocate_failure };
+  /// sleep and wake are cucache's extension (docs/replay.md, "Trace format"): a call of
+  /// cucacheSleep / cucacheWake on the tag in `tag`.
+  enum class action : std::uint8_t { allocate, free, allocate_failure, sleep, wake };
 
   std::uint32_t thread = 0;
   /// Wall-clock time of day in microseconds since local midnight (the format carries no date, so
@@ -44,15 +46,33 @@ struct trace_event {
   std::uintptr_t stream = 0;
   /// 1-based line in the file (the header is line 1); 0 for events that did not come from text.
   std::size_t line = 0;
+  /// The Tag column (cucache's extension), as an id of trace_tag_name (0: none): for an
+  /// allocate, the tag it was made under; for sleep and wake, the tag slept or woken. 0 in RMM's
+  /// six-column rows. An id, not the text, so that an event stays 64 bytes.
+  std::uint32_t tag = 0;
+  /// sleep only: the keep-contents flag ("sleep keep contents" in the Action column).
+  bool keep_contents = false;
 
   friend bool operator==(const trace_event&, const trace_event&) = default;
 };
 
-/// The Action column's spelling: "allocate", "free", "allocate failure".
+/// The name of trace tag id `id` ("" for 0). Tags are interned process-wide, for good (as the
+/// library's own tags are): ids are equal exactly when names are. Thread-safe.
+[[nodiscard]] std::string_view trace_tag_name(std::uint32_t id);
+/// The id of tag `name`, interned; 0 for an empty name. Thread-safe.
+[[nodiscard]] std::uint32_t trace_tag_id(std::string_view name);
+
+/// The Action column's spelling: "allocate", "free", "allocate failure", "sleep" (or, with
+/// keep_contents, "sleep keep contents", which to_string(const trace_event&) gives), "wake".
 [[nodiscard]] std::string_view to_string(trace_event::action act) noexcept;
+/// The Action column of `ev`: to_string(ev.act), or "sleep keep contents" for such a sleep.
+[[nodiscard]] std::string_view action_text(const trace_event& ev) noexcept;
 
 /// The header line every trace starts with.
 inline constexpr std::string_view k_trace_header = "Thread,Time,Action,Pointer,Size,Stream";
+/// The header of a trace whose rows may carry cucache's seventh column, Tag.
+inline constexpr std::string_view k_trace_header_tagged =
+    "Thread,Time,Action,Pointer,Size,Stream,Tag";
 
 /// Reads a trace file, plain CSV or gzip (told apart by the gzip magic bytes, not the name).
 ///
@@ -62,12 +82,20 @@ inline constexpr std::string_view k_trace_header = "Thread,Time,Action,Pointer,S
 /// always hex, with or without the 0x prefix, since RMM's traces and trace_recorder write bare hex
 /// with the default stream as 0: "10" is stream 0x10, never ten.
 ///
+/// cucache's extension (docs/replay.md, "Trace format"): a seventh column, Tag, and the actions
+/// "sleep", "sleep keep contents" and "wake". The header may name the Tag column
+/// (k_trace_header_tagged); a row under either header has six fields or seven, the seventh its
+/// tag (CSV-quoted when it holds a comma or a quote); a row of six fields has no tag. A sleep or
+/// wake row names its tag, a null pointer and in Size the bytes released or mapped again.
+///
 /// Validation: the first line must be the header; every other non-blank line must have six
-/// fields that parse; a free must name a pointer that is live (allocated and not yet freed) and an
-/// allocate must not name one that is; an allocate failure must have a null pointer; the
+/// fields (seven with a Tag) that parse; a free must name a pointer that is live (allocated and
+/// not yet freed) and an allocate must not name one that is; an allocate failure must have a null pointer; the
 /// requested bytes of the live allocations must not overflow size_t (no process can hold more).
 /// Null pointers are exempt from the liveness rules, since an allocation of zero bytes may
-/// legitimately return null. A free's size is not checked against its allocation's. Any
+/// legitimately return null. A free's size is not checked against its allocation's. A sleep must
+/// name a tag that is awake, a wake one that sleeps; no allocate may be made under a sleeping tag
+/// nor a free name a block of one (the API refuses each). Any
 /// violation throws cucache::invalid_argument as "<name>:<line>: <reason>".
 /// A file that cannot be opened or decompressed throws cucache::invalid_argument naming it.
 /// The file is read in chunks and parsed as it arrives, so memory follows the events, not the
@@ -89,6 +117,11 @@ struct trace_summary {
   std::size_t allocations = 0;
   std::size_t frees = 0;
   std::size_t failures = 0;
+  /// sleep and wake rows.
+  std::size_t sleeps = 0;
+  std::size_t wakes = 0;
+  /// Allocate rows made under a tag.
+  std::size_t tagged_allocations = 0;
   /// The highest sum of requested sizes of live allocations at any point of the trace.
   std::size_t peak_requested_bytes = 0;
   /// Allocations never freed by the end of the trace (null pointers excluded).
@@ -114,6 +147,10 @@ struct trace_summary {
 /// Thread is a small id (1, 2, ...) given to each thread on its first record on this recorder;
 /// Time is the local wall clock as HH:MM:SS.ffffff, read by each thread when it records (rows of
 /// different threads may therefore be a few microseconds out of time order).
+///
+/// The header is written with the first rows (the first flush): six columns, or seven
+/// (k_trace_header_tagged) when any of those rows carries a tag. A row with a tag gets its
+/// seventh field whatever the header (docs/replay.md, "Tags, sleep and wake").
 class trace_recorder {
  public:
   /// Creates (truncates) the file and writes the header. Throws cucache::invalid_argument naming
@@ -126,10 +163,16 @@ class trace_recorder {
 
   // Record calls never throw for I/O errors (they run inside allocate/free); a failed write is
   // remembered and reported by the next flush(). They may throw std::bad_alloc.
-  void record_allocate(const void* ptr, std::size_t size, stream_handle stream);
+  /// `tag`: the tag the allocation was made under (empty: none), written in the Tag column.
+  void record_allocate(const void* ptr, std::size_t size, stream_handle stream,
+                       std::string_view tag = {});
   void record_free(const void* ptr, std::size_t size, stream_handle stream);
   /// An allocation of `size` bytes that failed; the row's pointer is null.
   void record_failure(std::size_t size, stream_handle stream);
+  /// A sleep of `tag` (cucache::sleep) that released `bytes` device bytes; a wake that mapped
+  /// `bytes` again. Rows "sleep" / "sleep keep contents" / "wake" with the tag in the Tag column.
+  void record_sleep(std::string_view tag, bool keep_contents, std::size_t bytes);
+  void record_wake(std::string_view tag, std::size_t bytes);
   /// A row that could not be buffered (host out of memory): the next flush() reports the trace as
   /// incomplete.
   void note_lost_row() noexcept;
@@ -143,7 +186,8 @@ class trace_recorder {
   struct thread_buffer;  // one per recording thread (trace_recorder.cpp)
 
  private:
-  void record(trace_event::action act, const void* ptr, std::size_t size, stream_handle stream);
+  void record(std::string_view act, const void* ptr, std::size_t size, stream_handle stream,
+              std::string_view tag = {});
   thread_buffer& buffer_of_this_thread();
   void write_all_locked();  // REQUIRES mutex_
 
@@ -155,6 +199,9 @@ class trace_recorder {
   std::mutex mutex_;  // the file, the buffer list and the thread ids
   std::FILE* file_ = nullptr;
   bool write_failed_ = false;
+  /// The header goes out with the first rows: it names the Tag column when any of them has one.
+  bool header_written_ = false;
+  std::atomic<bool> tagged_rows_{false};
   std::vector<std::shared_ptr<thread_buffer>> buffers_;
   std::unordered_map<std::thread::id, std::size_t> thread_ids_;  // -> index in buffers_
 };

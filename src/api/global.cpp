@@ -14,6 +14,7 @@
 
 #include "allocator/tag_sleeper.hpp"
 #include "api/registry.hpp"
+#include "cucache/trace.hpp"
 #include "observe/observe_hub.hpp"
 
 namespace cucache {
@@ -151,6 +152,14 @@ void follow_current_tag() {
   device_allocator::set_thread_sleep_domain(id != 0 && sleepable_id(id) ? id : 0);
 }
 
+/// The device bytes domain `id` releases while asleep (0 when awake): a sleep or wake row's Size.
+std::size_t sleeping_bytes_of(const device_allocator& a, std::uint32_t id) {
+  for (const device_allocator::sleep_state& st : a.sleeping()) {
+    if (st.domain == id) return st.bytes;
+  }
+  return 0;
+}
+
 /// The id of a tag that sleep or wake may act on: known and sleepable, else invalid_argument.
 std::uint32_t sleepable_tag(std::string_view tag, const char* function) {
   const std::uint32_t id = tag.empty() ? 0 : detail::find_tag_id(tag);
@@ -220,10 +229,27 @@ void sleep(int device, std::string_view tag, bool keep_contents) {
     }
   }
   a.sleep(id, keep_contents, tag);
+  if (trace_recorder* rec = registry::instance().recorder()) {
+    try {
+      rec->record_sleep(tag, keep_contents, sleeping_bytes_of(a, id));
+    } catch (...) {
+      rec->note_lost_row();  // as the allocation rows: the sleep the program asked for stands
+    }
+  }
 }
 
 void wake(int device, std::string_view tag) {
-  get(device).wake(sleepable_tag(tag, "wake"), tag);
+  const std::uint32_t id = sleepable_tag(tag, "wake");
+  device_allocator& a = get(device);
+  const std::size_t bytes = sleeping_bytes_of(a, id);
+  a.wake(id, tag);
+  if (trace_recorder* rec = registry::instance().recorder()) {
+    try {
+      rec->record_wake(tag, bytes);
+    } catch (...) {
+      rec->note_lost_row();
+    }
+  }
 }
 
 double last_wake_copy_seconds(int device, std::string_view tag) {

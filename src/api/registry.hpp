@@ -96,6 +96,9 @@ class registry {
   /// The observer every allocator of this registry reports to: device traces, live records, tags
   /// and step markers (observe/observe_hub.hpp).
   [[nodiscard]] observe_hub& hub() const noexcept { return *hub_; }
+  /// The trace recorder (CUCACHE_CONF=trace:PATH), or nullptr when tracing is off: sleep and wake
+  /// write their rows to it.
+  [[nodiscard]] trace_recorder* recorder() const noexcept { return trace_.get(); }
   /// Gives every device allocator the observe hub's observer, now and at creation, once the
   /// program uses a feature that needs it while none configured one (a tag): until then the
   /// allocators have no observer and pay nothing for it. Idempotent, thread-safe.

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 
 #include "cucache/errors.hpp"
+#include "observe/name_table.hpp"
 
 namespace cucache::detail {
 
@@ -15,15 +15,9 @@ namespace cucache::detail {
 
 namespace {
 
-// Never destroyed: ids stay valid for the life of the process (threads may still hold them while
-// static destructors run).
-struct tag_table {
-  std::mutex mu;
-  std::deque<std::string> names;  // id - 1 -> name; a deque keeps references stable
-  std::unordered_map<std::string_view, std::uint32_t> ids;
-};
-tag_table& tags() {
-  static auto* t = new tag_table();
+// The library's tags (name_table.hpp: never destroyed).
+name_table& tags() {
+  static auto* t = new name_table();
   return *t;
 }
 
@@ -45,27 +39,16 @@ std::uint32_t current_tag_id() noexcept {
 }
 
 std::string tag_name(std::uint32_t id) {
-  tag_table& t = tags();
-  std::lock_guard lock(t.mu);
-  return id == 0 || id > t.names.size() ? std::string() : t.names[id - 1];
+  return std::string(tags().name(id));
 }
 
 std::uint32_t tag_id(std::string_view name) {
   if (name.empty()) throw invalid_argument("cucache: push_tag: the tag is empty");
-  tag_table& t = tags();
-  std::lock_guard lock(t.mu);
-  if (auto it = t.ids.find(name); it != t.ids.end()) return it->second;
-  t.names.emplace_back(name);
-  const auto id = static_cast<std::uint32_t>(t.names.size());
-  t.ids.emplace(t.names.back(), id);
-  return id;
+  return tags().intern(name);
 }
 
 std::uint32_t find_tag_id(std::string_view name) {
-  tag_table& t = tags();
-  std::lock_guard lock(t.mu);
-  auto it = t.ids.find(name);
-  return it == t.ids.end() ? 0 : it->second;
+  return tags().find(name);
 }
 
 void push_tag_id(std::uint32_t id) {

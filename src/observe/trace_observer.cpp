@@ -2,9 +2,25 @@
 #include <memory>
 
 #include "cucache/trace.hpp"
+#include "observe/observe_hub.hpp"
 
 namespace cucache {
 namespace {
+
+/// The name of the calling thread's current tag (empty: none), for the Tag column. Names never
+/// change once interned, so the last one is kept per thread: the tag table's lock is taken only
+/// when the thread's tag changes.
+std::string_view current_tag_name() {
+  thread_local std::uint32_t cached_id = 0;
+  thread_local std::string cached_name;
+  const std::uint32_t id = detail::current_tag_id();
+  if (id == 0) return {};
+  if (id != cached_id) {
+    cached_name = detail::tag_name(id);
+    cached_id = id;
+  }
+  return cached_name;
+}
 
 class trace_observer final : public allocation_observer {
  public:
@@ -15,7 +31,7 @@ class trace_observer final : public allocation_observer {
   // allocation the program asked for.
   void on_allocate(const void* ptr, std::size_t requested, stream_handle stream) noexcept override {
     try {
-      recorder_->record_allocate(ptr, requested, stream);
+      recorder_->record_allocate(ptr, requested, stream, current_tag_name());
     } catch (...) {
       recorder_->note_lost_row();
     }

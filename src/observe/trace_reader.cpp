@@ -12,6 +12,11 @@
 // recorder write bare hex with the default stream as 0, so "10" is stream 0x10, never ten. Sizes
 // are decimal. Live requested bytes are summed with overflow checks, and an allocate failure names
 // no pointer.
+//
+// cucache's extension (docs/replay.md, "Tags, sleep and wake"): an optional seventh field, Tag
+// (CSV-quoted when it holds a comma or a quote; only the last field can be, so the first six
+// split on commas as before), and sleep / wake rows, checked against the tags asleep as the API
+// checks them.
 #include <zlib.h>
 
 #include <algorithm>
@@ -31,15 +36,16 @@
 
 #include "cucache/errors.hpp"
 #include "cucache/trace.hpp"
+#include "observe/name_table.hpp"
 
 namespace cucache {
 
 namespace {
 
-constexpr std::size_t k_fields = 6;
+constexpr std::size_t k_fields = 6;  // RMM's; cucache's Tag makes a seventh
 // The longest line accepted. A row is about a hundred bytes at most (six fields, the longest a
-// 20-digit size), the header 50: anything longer is not a trace, and the reader's buffer holds
-// k_chunk + k_max_line bytes whatever the file.
+// 20-digit size) plus its tag, the header 50: anything longer is not a trace, and the reader's
+// buffer holds k_chunk + k_max_line bytes whatever the file.
 constexpr std::size_t k_max_line = 4096;
 constexpr std::size_t k_chunk = std::size_t{1} << 16;
 // Offending text is quoted in messages, but a corrupt file can have megabyte-long "lines".
@@ -135,6 +141,10 @@ bool parse_action(std::string_view text, trace_event::action& out) {
     out = trace_event::action::free;
   } else if (text == "allocate failure") {
     out = trace_event::action::allocate_failure;
+  } else if (text == "sleep" || text == "sleep keep contents") {
+    out = trace_event::action::sleep;
+  } else if (text == "wake") {
+    out = trace_event::action::wake;
   } else {
     return false;
   }
@@ -179,7 +189,57 @@ class line_parser {
   struct live_allocation {
     std::size_t line;
     std::size_t size;
+    std::uint32_t tag;  // its tag's id (0: none)
   };
+  /// The tag id of the Tag field's text: the last one is kept, so that a run of rows under one
+  /// tag takes the process-wide table's lock once.
+  std::uint32_t tag_id_of(std::string&& text) {
+    if (text != last_tag_text_) {
+      last_tag_id_ = trace_tag_id(text);
+      last_tag_text_ = std::move(text);
+    }
+    return last_tag_id_;
+  }
+  /// Whether tag `id` sleeps: the line of its sleep, 0 when awake.
+  std::size_t& asleep_since(std::uint32_t id) {
+    if (asleep_since_.size() <= id) asleep_since_.resize(id + 1, 0);
+    return asleep_since_[id];
+  }
+  static std::string_view tag_text(std::uint32_t id) { return trace_tag_name(id); }
+  /// The Tag field's text: unquoted as CSV quotes it ("" for a quote inside quotes).
+  std::string parse_tag(std::string_view field, std::size_t line_no) const {
+    if (!field.starts_with('"')) {
+      if (field.find('"') != std::string_view::npos) {
+        fail(name_, line_no,
+             fmt::format("bad Tag {}: a quote in an unquoted field (quote the whole field and "
+                         "double the quote)",
+                         quoted(field)));
+      }
+      return std::string(field);
+    }
+    std::string out;
+    std::size_t i = 1;
+    for (; i < field.size(); ++i) {
+      if (field[i] != '"') {
+        out.push_back(field[i]);
+      } else if (i + 1 < field.size() && field[i + 1] == '"') {
+        out.push_back('"');
+        ++i;
+      } else {
+        break;
+      }
+    }
+    if (i + 1 != field.size()) {
+      fail(name_, line_no,
+           fmt::format("bad Tag {}: a quoted field must end with its closing quote and double "
+                       "every quote inside",
+                       quoted(field)));
+    }
+    return out;
+  }
+  std::string last_tag_text_;
+  std::uint32_t last_tag_id_ = 0;
+  std::vector<std::size_t> asleep_since_;  // by tag id: the line of its sleep, 0 when awake
   std::string_view name_;
   std::vector<trace_event> events_;
   std::unordered_map<std::uintptr_t, live_allocation> live_;
@@ -201,7 +261,7 @@ void line_parser::line(std::string_view line) {
   if (!have_header_) {
     // Skip a UTF-8 byte-order mark that an editor may have added.
     if (line.starts_with("\xEF\xBB\xBF")) line.remove_prefix(3);
-    if (line != k_trace_header) {
+    if (line != k_trace_header && line != k_trace_header_tagged) {
       fail(name, line_no,
            fmt::format("expected header '{}', found {}", k_trace_header, quoted(line)));
     }
@@ -213,16 +273,28 @@ void line_parser::line(std::string_view line) {
   std::array<std::string_view, k_fields> field;
   std::size_t count = 0;
   std::size_t start = 0;
+  std::string_view tag_field;  // the seventh field (Tag), as written
+  bool has_tag = false;
   for (std::size_t i = 0; i <= line.size(); ++i) {
     if (i < line.size() && line[i] != ',') continue;
     if (count < k_fields) field[count] = line.substr(start, i - start);
     ++count;
     start = i + 1;
+    if (count == k_fields && i < line.size()) {
+      // The rest is the Tag: CSV-quoted when it holds a comma or a quote.
+      tag_field = line.substr(start);
+      has_tag = true;
+      ++count;
+      if (!tag_field.starts_with('"')) {
+        count += static_cast<std::size_t>(std::count(tag_field.begin(), tag_field.end(), ','));
+      }
+      break;
+    }
   }
-  if (count != k_fields) {
+  if (count != k_fields && count != k_fields + 1) {
     fail(name, line_no,
-         fmt::format("wrong field count: expected {}, found {} in {}", k_fields, count,
-                     quoted(line)));
+         fmt::format("wrong field count: expected {} (or {} with a Tag), found {} in {}",
+                     k_fields, k_fields + 1, count, quoted(line)));
   }
 
   trace_event ev;
@@ -235,7 +307,8 @@ void line_parser::line(std::string_view line) {
   }
   if (!parse_action(field[2], ev.act)) {
     fail(name, line_no,
-         fmt::format("unknown action {} (expected allocate, free or allocate failure)",
+         fmt::format("unknown action {} (expected allocate, free, allocate failure, sleep, sleep "
+                     "keep contents or wake)",
                      quoted(field[2])));
   }
   if (!parse_pointer(field[3], ev.pointer)) {
@@ -248,6 +321,37 @@ void line_parser::line(std::string_view line) {
     fail(name, line_no, fmt::format("bad number in Stream: {}", quoted(field[5])));
   }
 
+  if (ev.act == trace_event::action::sleep) ev.keep_contents = field[2] != "sleep";
+  if (has_tag && !tag_field.empty()) ev.tag = tag_id_of(parse_tag(tag_field, line_no));
+  const bool sleep_or_wake =
+      ev.act == trace_event::action::sleep || ev.act == trace_event::action::wake;
+  if (sleep_or_wake) {
+    if (ev.tag == 0) {
+      fail(name, line_no,
+           fmt::format("{} row without a tag (expected the tag in the seventh column, Tag)",
+                       field[2]));
+    }
+    if (ev.pointer != 0) {
+      fail(name, line_no,
+           fmt::format("{} row with pointer {:#x} (expected (nil), 0x0 or empty)", field[2],
+                       ev.pointer));
+    }
+    std::size_t& since = asleep_since(ev.tag);
+    if (ev.act == trace_event::action::sleep) {
+      if (since != 0) {
+        fail(name, line_no,
+             fmt::format("sleep of tag {}, which is already asleep (slept at line {})",
+                         quoted(tag_text(ev.tag)), since));
+      }
+      since = line_no;
+    } else {
+      if (since == 0) {
+        fail(name, line_no,
+             fmt::format("wake of tag {}, which is not asleep", quoted(tag_text(ev.tag))));
+      }
+      since = 0;
+    }
+  }
   if (ev.act == trace_event::action::allocate_failure && ev.pointer != 0) {
     fail(name, line_no,
          fmt::format("allocate failure with pointer {:#x}: a failed allocation returns none "
@@ -256,7 +360,14 @@ void line_parser::line(std::string_view line) {
   }
   if (ev.pointer != 0) {
     if (ev.act == trace_event::action::allocate) {
-      auto [it, inserted] = live_.try_emplace(ev.pointer, live_allocation{line_no, ev.size});
+      const std::uint32_t tag = ev.tag;
+      if (tag != 0 && asleep_since(tag) != 0) {
+        fail(name, line_no,
+             fmt::format("allocate under tag {}, which is asleep (slept at line {}; the API "
+                         "refuses it)",
+                         quoted(tag_text(ev.tag)), asleep_since(tag)));
+      }
+      auto [it, inserted] = live_.try_emplace(ev.pointer, live_allocation{line_no, ev.size, tag});
       if (!inserted) {
         fail(name, line_no,
              fmt::format("allocate of {:#x}, which is already live (allocated at line {})",
@@ -274,6 +385,12 @@ void line_parser::line(std::string_view line) {
         fail(name, line_no,
              fmt::format("free of {:#x}, which is not live (never allocated or already freed)",
                          ev.pointer));
+      }
+      if (const std::uint32_t tag = it->second.tag; tag != 0 && asleep_since(tag) != 0) {
+        fail(name, line_no,
+             fmt::format("free of {:#x}, allocated at line {} under tag {}, which is asleep "
+                         "(slept at line {}; the API refuses it)",
+                         ev.pointer, it->second.line, quoted(tag_text(tag)), asleep_since(tag)));
       }
       live_bytes_ -= it->second.size;
       live_.erase(it);
@@ -354,6 +471,22 @@ bool is_gzip(const std::filesystem::path& path) {
 
 }  // namespace
 
+namespace {
+// The tags of the traces read (name_table.hpp: never destroyed), apart from the library's own.
+detail::name_table& trace_tags() {
+  static auto* t = new detail::name_table();
+  return *t;
+}
+}  // namespace
+
+std::string_view trace_tag_name(std::uint32_t id) {
+  return trace_tags().name(id);
+}
+
+std::uint32_t trace_tag_id(std::string_view name) {
+  return name.empty() ? 0 : trace_tags().intern(name);
+}
+
 std::string_view to_string(trace_event::action act) noexcept {
   switch (act) {
     case trace_event::action::allocate:
@@ -362,8 +495,17 @@ std::string_view to_string(trace_event::action act) noexcept {
       return "free";
     case trace_event::action::allocate_failure:
       return "allocate failure";
+    case trace_event::action::sleep:
+      return "sleep";
+    case trace_event::action::wake:
+      return "wake";
   }
   return "?";
+}
+
+std::string_view action_text(const trace_event& ev) noexcept {
+  if (ev.act == trace_event::action::sleep && ev.keep_contents) return "sleep keep contents";
+  return to_string(ev.act);
 }
 
 std::vector<trace_event> parse_trace(std::string_view text, std::string_view name) {
@@ -404,6 +546,7 @@ trace_summary summarize(const std::vector<trace_event>& events) {
     switch (ev.act) {
       case trace_event::action::allocate:
         ++s.allocations;
+        if (ev.tag != 0) ++s.tagged_allocations;
         if (ev.pointer == 0) break;
         if (auto [it, inserted] = live.try_emplace(ev.pointer, ev.size); !inserted) {
           // Unvalidated input: treat a repeated allocate as replacing the older one.
@@ -427,6 +570,12 @@ trace_summary summarize(const std::vector<trace_event>& events) {
         break;
       case trace_event::action::allocate_failure:
         ++s.failures;
+        break;
+      case trace_event::action::sleep:
+        ++s.sleeps;
+        break;
+      case trace_event::action::wake:
+        ++s.wakes;
         break;
     }
   }

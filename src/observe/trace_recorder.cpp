@@ -55,11 +55,9 @@ trace_recorder::trace_recorder(const std::filesystem::path& path)
     throw invalid_argument(fmt::format("cannot open trace file '{}' for writing: {}", path.string(),
                                        std::strerror(errno)));
   }
-  // Rows are batched by flush(); a second stdio buffer would only copy them again.
+  // Rows are batched by flush(); a second stdio buffer would only copy them again. The header
+  // goes out with the first batch (write_all_locked), when it is known whether rows carry tags.
   std::setvbuf(file_, nullptr, _IONBF, 0);
-  std::string header(k_trace_header);
-  header.push_back('\n');
-  if (std::fwrite(header.data(), 1, header.size(), file_) != header.size()) write_failed_ = true;
 }
 
 trace_recorder::~trace_recorder() {
@@ -71,16 +69,28 @@ trace_recorder::~trace_recorder() {
   std::fclose(file_);
 }
 
-void trace_recorder::record_allocate(const void* ptr, std::size_t size, stream_handle stream) {
-  record(trace_event::action::allocate, ptr, size, stream);
+void trace_recorder::record_allocate(const void* ptr, std::size_t size, stream_handle stream,
+                                     std::string_view tag) {
+  record(to_string(trace_event::action::allocate), ptr, size, stream, tag);
 }
 
 void trace_recorder::record_free(const void* ptr, std::size_t size, stream_handle stream) {
-  record(trace_event::action::free, ptr, size, stream);
+  record(to_string(trace_event::action::free), ptr, size, stream);
 }
 
 void trace_recorder::record_failure(std::size_t size, stream_handle stream) {
-  record(trace_event::action::allocate_failure, nullptr, size, stream);
+  record(to_string(trace_event::action::allocate_failure), nullptr, size, stream);
+}
+
+void trace_recorder::record_sleep(std::string_view tag, bool keep_contents, std::size_t bytes) {
+  trace_event ev;
+  ev.act = trace_event::action::sleep;
+  ev.keep_contents = keep_contents;
+  record(action_text(ev), nullptr, bytes, nullptr, tag);
+}
+
+void trace_recorder::record_wake(std::string_view tag, std::size_t bytes) {
+  record(to_string(trace_event::action::wake), nullptr, bytes, nullptr, tag);
 }
 
 void trace_recorder::note_lost_row() noexcept {
@@ -119,8 +129,32 @@ trace_recorder::thread_buffer& trace_recorder::buffer_of_this_thread() {
   return *c.buffer;
 }
 
-void trace_recorder::record(trace_event::action act, const void* ptr, std::size_t size,
-                            stream_handle stream) {
+namespace {
+
+/// The Tag field: as is, or CSV-quoted ("" for a quote) when it holds a comma or a quote. The
+/// reader reads a line at a time, so line breaks and other control bytes are written as '?'.
+void append_tag(std::string& out, std::string_view tag) {
+  const bool quote = tag.find_first_of(",\"") != std::string_view::npos;
+  if (quote) out.push_back('"');
+  for (const char c : tag) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      out.push_back('?');
+    } else {
+      if (c == '"') out.push_back('"');
+      out.push_back(c);
+    }
+  }
+  if (quote) out.push_back('"');
+}
+
+}  // namespace
+
+void trace_recorder::record(std::string_view act, const void* ptr, std::size_t size,
+                            stream_handle stream, std::string_view tag) {
+  if (!tag.empty() && !tagged_rows_.load(std::memory_order_relaxed)) {
+    tagged_rows_.store(true, std::memory_order_relaxed);
+  }
   thread_buffer& b = buffer_of_this_thread();
   bool full = false;
   {
@@ -143,14 +177,19 @@ void trace_recorder::record(trace_event::action act, const void* ptr, std::size_
       auto out = std::back_inserter(b.text);
       out = fmt::format_to(out, "{},", b.id);
       b.text.append(b.cached_hms, sizeof b.cached_hms);
-      out = fmt::format_to(out, ".{:06},{},", now.tv_usec, to_string(act));
+      out = fmt::format_to(out, ".{:06},{},", now.tv_usec, act);
       // Pointers as glibc's %p prints them; streams in bare hex, the default stream as 0.
       if (ptr == nullptr) {
         b.text.append("(nil)");
       } else {
         out = fmt::format_to(out, "{:#x}", reinterpret_cast<std::uintptr_t>(ptr));
       }
-      fmt::format_to(out, ",{},{:x}\n", size, reinterpret_cast<std::uintptr_t>(stream));
+      fmt::format_to(out, ",{},{:x}", size, reinterpret_cast<std::uintptr_t>(stream));
+      if (!tag.empty()) {
+        b.text.push_back(',');
+        append_tag(b.text, tag);
+      }
+      b.text.push_back('\n');
       b.rows.emplace_back(row, static_cast<std::uint32_t>(b.text.size()));
     } catch (...) {
       b.text.resize(start);
@@ -176,6 +215,16 @@ void trace_recorder::write_all_locked() {
     std::uint32_t size;
   };
   std::vector<piece> pieces;
+  if (!header_written_) {
+    // The first batch (or an empty trace's flush): the header names the Tag column when any row
+    // so far has one. A tag first used after this batch still gets its seventh field; the reader
+    // takes rows of six or seven fields under either header (docs/replay.md).
+    std::string header(tagged_rows_.load(std::memory_order_relaxed) ? k_trace_header_tagged
+                                                                       : k_trace_header);
+    header.push_back('\n');
+    if (std::fwrite(header.data(), 1, header.size(), file_) != header.size()) write_failed_ = true;
+    header_written_ = true;
+  }
   for (auto& b : buffers_) {
     std::uint32_t begin = 0;
     for (const auto& [row, end] : b->rows) {

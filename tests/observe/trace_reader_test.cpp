@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -77,7 +78,7 @@ const std::string k_small = with_header(
 TEST(TraceReader, ParsesEveryField) {
   const auto events = parse_trace(std::string_view(k_small), "small");
   ASSERT_EQ(events.size(), 7U);
-  const trace_event first{1, k_t0, act::allocate, 0x7f77cfe00000, 37632, 0, 2};
+  const trace_event first{1, k_t0, act::allocate, 0x7f77cfe00000, 37632, 0, 2, {}, false};
   EXPECT_EQ(events[0], first);
   EXPECT_EQ(events[1].stream, 0x7bU);
   EXPECT_EQ(events[2].act, act::allocate_failure);
@@ -163,8 +164,19 @@ TEST(TraceReader, RejectsMalformedRowsNamingFileLineAndReason) {
     std::string reason;
   };
   const bad_case cases[] = {
-      {"1,00:00:00.000000,allocate,0x10,1", "wrong field count: expected 6, found 5"},
-      {"1,00:00:00.000000,allocate,0x10,1,0,0", "wrong field count: expected 6, found 7"},
+      {"1,00:00:00.000000,allocate,0x10,1",
+       "wrong field count: expected 6 (or 7 with a Tag), found 5"},
+      {"1,00:00:00.000000,allocate,0x10,1,0,a,b",
+       "wrong field count: expected 6 (or 7 with a Tag), found 8"},
+      // cucache's extension: the Tag column and sleep / wake rows.
+      {"1,00:00:00.000000,allocate,0x10,1,0,a\"b", "bad Tag 'a\"b': a quote in an unquoted field"},
+      {"1,00:00:00.000000,allocate,0x10,1,0,\"a", "bad Tag '\"a': a quoted field must end"},
+      {"1,00:00:00.000000,allocate,0x10,1,0,\"a\"b\"", "bad Tag"},
+      {"1,00:00:00.000000,sleep,,4096,0", "sleep row without a tag"},
+      {"1,00:00:00.000000,wake,,4096,0,", "wake row without a tag"},
+      {"1,00:00:00.000000,wake,,4096,0,t", "wake of tag 't', which is not asleep"},
+      {"1,00:00:00.000000,sleep,0x10,4096,0,t", "sleep row with pointer 0x10"},
+      {"1,00:00:00.000000,sleeps,,4096,0,t", "unknown action 'sleeps'"},
       {"x,00:00:00.000000,allocate,0x10,1,0", "bad number in Thread: 'x'"},
       {"-1,00:00:00.000000,allocate,0x10,1,0", "bad number in Thread"},
       {"99999999999,00:00:00.000000,allocate,0x10,1,0", "bad number in Thread"},
@@ -210,6 +222,64 @@ TEST(TraceReader, RejectsMissingOrWrongHeader) {
             std::string::npos);
   EXPECT_NE(rejection("thread,time,action,pointer,size,stream\n").find("t.csv:1:"),
             std::string::npos);
+}
+
+// cucache's extension (docs/replay.md, "Trace format"): the Tag column and sleep / wake rows.
+TEST(TraceReader, ReadsTagsAndSleepAndWakeRowsUnderEitherHeader) {
+  const std::string rows =
+      "1,00:00:00.000000,allocate,0x1000,8,0,train\n"
+      "1,00:00:00.000001,allocate,0x2000,9,0\n"
+      "1,00:00:00.000002,allocate,0x3000,10,0,\"a,\"\"b\"\"\"\n"
+      "1,00:00:00.000003,sleep keep contents,(nil),2097152,0,train\n"
+      "1,00:00:00.000004,wake,,2097152,0,train\n"
+      "1,00:00:00.000005,sleep,(nil),2097152,0,train\n"
+      "1,00:00:00.000006,wake,(nil),2097152,0,train\n"
+      "1,00:00:00.000007,free,0x1000,8,0\n";
+  for (const std::string_view header : {k_trace_header, k_trace_header_tagged}) {
+    const auto ev = parse_trace(std::string(header) + "\n" + rows, "t.csv");
+    ASSERT_EQ(ev.size(), 8U);
+    EXPECT_EQ(trace_tag_name(ev[0].tag), "train");
+    EXPECT_EQ(ev[1].tag, 0U);
+    EXPECT_EQ(trace_tag_name(ev[2].tag), "a,\"b\"");
+    EXPECT_EQ(ev[3].act, act::sleep);
+    EXPECT_TRUE(ev[3].keep_contents);
+    EXPECT_EQ(action_text(ev[3]), "sleep keep contents");
+    EXPECT_EQ(ev[3].size, 2097152U);
+    EXPECT_EQ(ev[3].tag, ev[0].tag);  // ids are equal exactly when names are
+    EXPECT_EQ(ev[4].act, act::wake);
+    EXPECT_EQ(ev[5].act, act::sleep);
+    EXPECT_FALSE(ev[5].keep_contents);
+    EXPECT_EQ(action_text(ev[5]), "sleep");
+    // sleeps, wakes, tagged allocations of all allocations, peak requested bytes.
+    const trace_summary s = summarize(ev);
+    using counts = std::array<std::size_t, 5>;
+    EXPECT_EQ((counts{s.sleeps, s.wakes, s.tagged_allocations, s.allocations,
+                      s.peak_requested_bytes}),
+              (counts{2, 2, 2, 3, 27}));
+  }
+}
+
+TEST(TraceReader, RejectsWhatTheApiRefusesOfASleepingTag) {
+  const std::string start =
+      "1,00:00:00.000000,allocate,0x1000,8,0,train\n"
+      "1,00:00:00.000001,sleep,(nil),2097152,0,train\n";
+  std::string msg = rejection(with_header(start + "1,00:00:00.000002,sleep,,0,0,train\n"));
+  EXPECT_NE(msg.find("t.csv:4: sleep of tag 'train', which is already asleep (slept at line 3)"),
+            std::string::npos)
+      << msg;
+  msg = rejection(with_header(start + "1,00:00:00.000002,allocate,0x2000,8,0,train\n"));
+  EXPECT_NE(msg.find("t.csv:4: allocate under tag 'train', which is asleep (slept at line 3"),
+            std::string::npos)
+      << msg;
+  msg = rejection(with_header(start + "1,00:00:00.000002,free,0x1000,8,0\n"));
+  EXPECT_NE(msg.find("t.csv:4: free of 0x1000, allocated at line 2 under tag 'train', which is "
+                     "asleep (slept at line 3"),
+            std::string::npos)
+      << msg;
+  // Other tags and untagged blocks are unaffected.
+  EXPECT_NO_THROW((void)parse_trace(with_header(start +
+                                                "1,00:00:00.000002,allocate,0x2000,8,0,infer\n"
+                                                "1,00:00:00.000003,allocate,0x3000,8,0\n")));
 }
 
 TEST(TraceReader, QuotesOnlyAPrefixOfAHugeField) {
@@ -472,8 +542,8 @@ TEST(TraceReader, RejectsLiveBytesThatOverflow) {
 TEST(TraceSummary, RefusesEventsWhoseLiveBytesOverflow) {
   // Events built by hand skip the reader's check; summarize refuses them rather than wrap.
   std::vector<trace_event> events(2);
-  events[0] = {1, 0, act::allocate, 0x10, std::size_t{1} << 63, 0, 7};
-  events[1] = {1, 0, act::allocate, 0x20, std::size_t{1} << 63, 0, 8};
+  events[0] = {1, 0, act::allocate, 0x10, std::size_t{1} << 63, 0, 7, {}, false};
+  events[1] = {1, 0, act::allocate, 0x20, std::size_t{1} << 63, 0, 8, {}, false};
   try {
     (void)summarize(events);
     ADD_FAILURE() << "no error";
@@ -503,7 +573,7 @@ TEST(TraceReader, BundledResnet50Trace) {
   EXPECT_EQ(s.live_at_end, 3U);
   EXPECT_EQ(s.streams, 1U);
   EXPECT_EQ(s.threads, 1U);
-  const trace_event first{1, k_t0, act::allocate, 0x7f77cfe00000, 37632, 0, 2};
+  const trace_event first{1, k_t0, act::allocate, 0x7f77cfe00000, 37632, 0, 2, {}, false};
   EXPECT_EQ(events.front(), first);
   EXPECT_EQ(events.back().line, 13684U);
 }

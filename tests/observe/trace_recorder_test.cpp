@@ -135,14 +135,22 @@ TEST(TraceRecorder, ThreadIdsArePerRecorderAndStartAtOne) {
 
 TEST(TraceRecorder, RoundTripsThroughTheReader) {
   const file_remover file{temp_path("cucache_rec_roundtrip")};
+  const std::uint32_t train = trace_tag_id("train");
   const std::vector<trace_event> written = {
-      {1, 0, act::allocate, 0x7f77cfe00000, 37632, 0, 0},
-      {1, 0, act::allocate, 0x7f77cfe09400, 256, 0x5603a1b0, 0},
-      {1, 0, act::allocate_failure, 0, 1ULL << 45, 0x5603a1b0, 0},
-      {1, 0, act::free, 0x7f77cfe00000, 37632, 0, 0},
-      {1, 0, act::allocate, 0x7f77cfe00000, 1, 0xffffffffffffULL, 0},
-      {1, 0, act::allocate, 0x1, 0, 0, 0},
-      {1, 0, act::free, 0x7f77cfe09400, 256, 0x5603a1b0, 0},
+      {1, 0, act::allocate, 0x7f77cfe00000, 37632, 0, 0, {}, false},
+      {1, 0, act::allocate, 0x7f77cfe09400, 256, 0x5603a1b0, 0, {}, false},
+      {1, 0, act::allocate_failure, 0, 1ULL << 45, 0x5603a1b0, 0, {}, false},
+      {1, 0, act::free, 0x7f77cfe00000, 37632, 0, 0, {}, false},
+      {1, 0, act::allocate, 0x7f77cfe00000, 1, 0xffffffffffffULL, 0, {}, false},
+      {1, 0, act::allocate, 0x1, 0, 0, 0, {}, false},
+      {1, 0, act::free, 0x7f77cfe09400, 256, 0x5603a1b0, 0, {}, false},
+      // cucache's extension: tags (one CSV-quoted) and sleep / wake rows.
+      {1, 0, act::allocate, 0x7f77d0000000, 4096, 0, 0, train, false},
+      {1, 0, act::allocate, 0x7f77d0200000, 10, 0, 0, trace_tag_id("a,\"b\""), false},
+      {1, 0, act::sleep, 0, 2097152, 0, 0, train, true},
+      {1, 0, act::wake, 0, 2097152, 0, 0, train, false},
+      {1, 0, act::sleep, 0, 2097152, 0, 0, train, false},
+      {1, 0, act::wake, 0, 2097152, 0, 0, train, false},
   };
   {
     trace_recorder rec(file.path);
@@ -151,7 +159,13 @@ TEST(TraceRecorder, RoundTripsThroughTheReader) {
       void* const s = fake(ev.stream);
       switch (ev.act) {
         case act::allocate:
-          rec.record_allocate(p, ev.size, s);
+          rec.record_allocate(p, ev.size, s, trace_tag_name(ev.tag));
+          break;
+        case act::sleep:
+          rec.record_sleep(trace_tag_name(ev.tag), ev.keep_contents, ev.size);
+          break;
+        case act::wake:
+          rec.record_wake(trace_tag_name(ev.tag), ev.size);
           break;
         case act::free:
           rec.record_free(p, ev.size, s);
@@ -171,6 +185,30 @@ TEST(TraceRecorder, RoundTripsThroughTheReader) {
     EXPECT_EQ(read[i], expected) << "row " << i;
     EXPECT_LT(read[i].time_us, 86'400'000'000ULL);
   }
+}
+
+TEST(TraceRecorder, NamesTheTagColumnOnlyWhenRowsCarryTags) {
+  const file_remover file{temp_path("cucache_rec_tags")};
+  {
+    trace_recorder rec(file.path);
+    rec.record_allocate(fake(0x1000), 8, nullptr);
+    rec.record_allocate(fake(0x2000), 8, nullptr, "infer");
+    rec.record_sleep("infer", false, 2097152);
+    rec.record_wake("infer", 2097152);
+  }
+  const auto lines = read_lines(file.path);
+  ASSERT_EQ(lines.size(), 5U);
+  EXPECT_EQ(lines[0], "Thread,Time,Action,Pointer,Size,Stream,Tag");
+  EXPECT_TRUE(lines[1].ends_with(",allocate,0x1000,8,0")) << lines[1];
+  EXPECT_TRUE(lines[2].ends_with(",allocate,0x2000,8,0,infer")) << lines[2];
+  EXPECT_TRUE(lines[3].ends_with(",sleep,(nil),2097152,0,infer")) << lines[3];
+  EXPECT_TRUE(lines[4].ends_with(",wake,(nil),2097152,0,infer")) << lines[4];
+  // Without tags the file is RMM's six columns.
+  {
+    trace_recorder rec(file.path);
+    rec.record_allocate(fake(0x1000), 8, nullptr);
+  }
+  EXPECT_EQ(read_lines(file.path).front(), "Thread,Time,Action,Pointer,Size,Stream");
 }
 
 TEST(TraceRecorder, ManyThreadsRecordConcurrently) {

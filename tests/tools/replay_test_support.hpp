@@ -28,17 +28,31 @@ class trace_builder {
   trace_builder& free(std::uintptr_t ptr, std::size_t size, std::uintptr_t stream = 0) {
     return row("free", ptr, size, stream);
   }
+  /// cucache's extension (docs/replay.md, "Trace format"): an allocation under `tag`, and sleep
+  /// and wake rows of a tag, with the bytes released / mapped again in Size.
+  trace_builder& alloc_tagged(std::uintptr_t ptr, std::size_t size, const std::string& tag,
+                              std::uintptr_t stream = 0) {
+    return row("allocate", ptr, size, stream, tag);
+  }
+  trace_builder& sleep(const std::string& tag, std::size_t bytes, bool keep_contents = false) {
+    return row(keep_contents ? "sleep keep contents" : "sleep", 0, bytes, 0, tag);
+  }
+  trace_builder& wake(const std::string& tag, std::size_t bytes) {
+    return row("wake", 0, bytes, 0, tag);
+  }
   [[nodiscard]] std::string text() const {
     return std::string(k_trace_header) + "\n" + rows_.str();
   }
 
  private:
   trace_builder& row(const char* action, std::uintptr_t ptr, std::size_t size,
-                     std::uintptr_t stream) {
+                     std::uintptr_t stream, const std::string& tag = {}) {
     ++n_;
     rows_ << thread_ << ',' << clock_ << '.' << std::setw(6) << std::setfill('0') << n_ << ','
           << action << ",0x" << std::hex << ptr << std::dec << ',' << size << ",0x" << std::hex
-          << stream << std::dec << '\n';
+          << stream << std::dec;
+    if (!tag.empty()) rows_ << ',' << tag;
+    rows_ << '\n';
     return *this;
   }
   unsigned thread_;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -22,6 +23,9 @@
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/trace.hpp"
+#include "api/registry.hpp"
+#include "cucache/cucache.hpp"
+#include "cucache/observe.hpp"
 #include "progress.hpp"
 #include "replay_engine.hpp"
 #include "timeline.hpp"
@@ -225,6 +229,159 @@ TEST_P(replay_timeline_resnet, peak_is_the_replays) {
 INSTANTIATE_TEST_SUITE_P(modes, replay_timeline_resnet,
                          ::testing::Values("", "expandable_segments:True"));
 
+// Sleep and wake rows (cucache's trace extension): a tag's allocations go to its sleep domain,
+// the sleep gives its pages back and the wake maps them again at the same addresses.
+options sim_expandable() {
+  options o = sim();
+  o.cfg.expandable_segments = true;
+  return o;
+}
+
+trace_builder sleeping_trace() {
+  trace_builder t{1, "00:00:02"};
+  t.alloc(0x1000, 1 << 20)                       // 0: untagged, 1 MiB
+      .alloc_tagged(0x2000, 4 << 20, "train")    // 1: the tag's, 4 MiB: two 2 MiB pages
+      .alloc_tagged(0x3000, 1000, "train")       // 2: the tag's small block: a page of its own
+      .sleep("train", 6 << 20)                   // 3
+      .wake("train", 6 << 20);                   // 4
+  return t;
+}
+
+TEST(replay_timeline, sleep_and_wake_by_hand) {
+  trace_builder t = sleeping_trace();
+  t.free(0x2000, 4 << 20).free(0x3000, 1000).free(0x1000, 1 << 20);  // 5, 6, 7
+  const std::vector<trace_event> events = parse_trace(t.text(), "sleepy");
+  const prepared_trace trace = prepare(events, "sleepy");
+  EXPECT_EQ(trace.sleep_tags, std::vector<std::string>{"train"});
+  EXPECT_EQ(trace.sleeps, 1u);
+  EXPECT_EQ(trace.first_sleep_line, 5u);
+  const json d = timeline_data(trace, &events, sim_expandable());
+  ASSERT_EQ(d["buckets"], 8);
+  using v = std::vector<std::int64_t>;
+  const v reserved = values(series(d, "all", "reserved"), "max");
+  const v sleeping = values(series(d, "all", "sleeping"), "max");
+  EXPECT_EQ(sleeping, (v{0, 0, 0, 6 * k_mib, 0, 0, 0, 0}));
+  // Reserved falls at the sleep by the tag's 6 MiB and returns at the wake. 8 MiB before: the
+  // untagged 1 MiB block's small page, the tag's own small page and its two large pages. A
+  // bucket's envelope holds every value reserved took in its event: the sleep releases page by
+  // page down to its min, the wake maps them back up to its max.
+  ASSERT_EQ(reserved.size(), 8u);
+  const v reserved_min = values(series(d, "all", "reserved"), "min");
+  EXPECT_EQ(reserved[2], 8 * k_mib);
+  EXPECT_EQ(reserved_min[3], 2 * k_mib) << d["series"].dump();
+  EXPECT_EQ(reserved[3], 6 * k_mib);  // after the first page released
+  EXPECT_EQ(reserved_min[4], 4 * k_mib);
+  EXPECT_EQ(reserved[4], 8 * k_mib);
+  EXPECT_EQ(reserved_min[5], 8 * k_mib);  // nothing is given back at the frees (cached)
+  // Allocated bytes are the program's: a sleeping block is still allocated.
+  EXPECT_EQ(values(series(d, "all", "requested"), "max")[3], (1 << 20) + (4 << 20) + 1000);
+  const json* sleep_mark = mark(d, "sleep");
+  const json* wake_mark = mark(d, "wake");
+  ASSERT_NE(sleep_mark, nullptr);
+  ASSERT_NE(wake_mark, nullptr);
+  EXPECT_EQ((*sleep_mark)["buckets"], json::array({3}));
+  EXPECT_EQ((*wake_mark)["buckets"], json::array({4}));
+  EXPECT_EQ(d["totals"]["sleeps"], 1);
+  EXPECT_EQ(d["totals"]["wakes"], 1);
+  EXPECT_EQ(d["totals"]["peak_sleeping_bytes"], 6 * k_mib);
+  EXPECT_EQ(d["peak"]["event"], 2);  // reached before the sleep; the wake only returns to it
+
+  // The replay's report: the same peak, the sleeping peak and the counts.
+  const trace_result r = replay_trace(trace, sim_expandable());
+  EXPECT_EQ(r.figures.peak_reserved_bytes, d["peak"]["reserved_bytes"].get<std::size_t>());
+  EXPECT_EQ(r.figures.sleeps, 1u);
+  EXPECT_EQ(r.figures.wakes, 1u);
+  EXPECT_EQ(r.figures.peak_sleeping_bytes, std::size_t{6} << 20);
+  const json j = to_json(r);
+  EXPECT_EQ(j["sleeps"], 1);
+  EXPECT_EQ(j["wakes"], 1);
+  EXPECT_EQ(j["peak_sleeping_bytes"], 6 * k_mib);
+  const trace_result rs[] = {r};
+  EXPECT_NE(format_table(rs).find("sleep and wake"), std::string::npos) << format_table(rs);
+
+  // The page carries the sleeping series and the marks.
+  const std::string html = timeline_html(d);
+  EXPECT_NE(html.find("\"metric\":\"sleeping\""), std::string::npos);
+  EXPECT_NE(html.find("\"name\":\"sleep\""), std::string::npos);
+  EXPECT_NE(html.find("\"name\":\"wake\""), std::string::npos);
+}
+
+TEST(replay_timeline, a_woken_tag_keeps_its_addresses) {
+  // The peak's allocations list addresses: before the sleep (the trace above) and after the wake
+  // (one more block after it moves the peak there), the tag's blocks are at the same ones.
+  trace_builder before = sleeping_trace();
+  trace_builder after = sleeping_trace();
+  after.alloc(0x4000, 8 << 20);
+  const auto addresses = [](const trace_builder& t) {
+    const std::vector<trace_event> events = parse_trace(t.text());
+    const json d = timeline_data(prepare(events, "t"), &events, sim_expandable());
+    std::map<std::size_t, std::uintptr_t> by_line;
+    for (const json& a : d["peak"]["allocations"]) by_line[a["line"]] = a["address"];
+    return std::make_pair(d["peak"]["event"].get<std::size_t>(), by_line);
+  };
+  const auto [peak_before, at_before] = addresses(before);
+  const auto [peak_after, at_after] = addresses(after);
+  EXPECT_EQ(peak_before, 2u);
+  EXPECT_EQ(peak_after, 5u);
+  ASSERT_EQ(at_before.size(), 3u);
+  ASSERT_EQ(at_after.size(), 4u);
+  for (const std::size_t line : {2u, 3u, 4u}) EXPECT_EQ(at_after.at(line), at_before.at(line));
+}
+
+TEST(replay_timeline, a_wake_without_room_is_refused_and_the_replay_goes_on) {
+  // Under a 10 MiB capacity: the tag sleeps (8 MiB reserved -> 2), an 8 MiB block takes the room,
+  // and the wake, needing the tag's 6 MiB again, is refused; the tag stays asleep and its frees
+  // make no call. With room the same trace fits.
+  trace_builder u{1, "00:00:02"};
+  u.alloc(0x1000, 1 << 20)
+      .alloc_tagged(0x2000, 4 << 20, "train")
+      .alloc_tagged(0x3000, 1000, "train")
+      .sleep("train", 6 << 20)
+      .alloc(0x4000, 8 << 20)
+      .wake("train", 6 << 20)
+      .free(0x2000, 4 << 20)
+      .free(0x3000, 1000)
+      .free(0x4000, 8 << 20);
+  const prepared_trace trace = prepare(parse_trace(u.text()), "tight");
+  options o = sim_expandable();
+  o.capacity_bytes = std::size_t{10} << 20;
+  const trace_result r = replay_trace(trace, o);
+  EXPECT_EQ(r.figures.failed_wakes, 1u);
+  EXPECT_EQ(r.figures.wakes, 0u);
+  EXPECT_EQ(r.figures.sleeps, 1u);
+  EXPECT_EQ(r.figures.oom_count, 0u);
+  EXPECT_EQ(r.fits, false);
+  const json d = timeline_data(trace, nullptr, o);
+  ASSERT_NE(mark(d, "out of memory"), nullptr);
+  EXPECT_EQ((*mark(d, "out of memory"))["buckets"], json::array({5}));
+  EXPECT_EQ(mark(d, "wake"), nullptr);
+  EXPECT_EQ(values(series(d, "all", "sleeping"), "max").back(), 6 * k_mib);
+  o.capacity_bytes = std::size_t{16} << 20;
+  const trace_result roomy = replay_trace(trace, o);
+  EXPECT_EQ(roomy.figures.failed_wakes, 0u);
+  EXPECT_EQ(roomy.figures.wakes, 1u);
+  EXPECT_EQ(roomy.fits, true);
+}
+
+TEST(replay_timeline, sleep_in_default_mode_names_the_first_sleep_row) {
+  const std::vector<trace_event> events = parse_trace(sleeping_trace().text());
+  const prepared_trace trace = prepare(events, "sleepy");
+  using replay_fn = void (*)(const prepared_trace&);
+  const replay_fn timeline = [](const prepared_trace& t) { (void)timeline_data(t, nullptr, sim()); };
+  const replay_fn replay = [](const prepared_trace& t) { (void)replay_trace(t, sim()); };
+  for (const replay_fn attempt : {timeline, replay}) {
+    try {
+      attempt(trace);
+      ADD_FAILURE() << "no exception";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("sleepy:5: the trace sleeps tag 'train', and sleep "
+                                           "needs expandable segments"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(replay_timeline, page_is_self_contained) {
   trace_builder t{7, "00:00:01"};
   t.alloc(0x1000, 4096).free(0x1000, 4096);
@@ -334,6 +491,80 @@ TEST(replay_timeline, from_a_trace_recorded_from_a_live_allocator) {
   EXPECT_EQ(nlohmann::json::parse(r.out)["peak_reserved_bytes"], 24 * k_mib);
   EXPECT_EQ(d["streams"], json::array({"0x0", "0x30"}));
   EXPECT_TRUE(fs::exists(out));
+}
+
+TEST(replay_timeline, a_recorded_sleep_and_wake_replay_to_the_programs_figures) {
+  // A program on the simulated device (CUCACHE_CONF=trace:PATH, expandable segments) allocates
+  // under a sleepable tag and untagged, sleeps the tag (keeping contents), wakes it and frees:
+  // the recorded trace names the tag and the sleep and wake, and replays to the program's peak
+  // reserved and sleeping bytes.
+  temp_dir dir("cucache_timeline_sleep_roundtrip");
+  const fs::path csv = dir.path() / "sleepy.csv";
+  ::setenv("CUCACHE_BACKEND", "sim", 1);
+  ::setenv("CUCACHE_CONF", ("expandable_segments:True,trace:" + csv.string()).c_str(), 1);
+  detail::reset_for_testing();
+  std::size_t program_peak = 0, program_sleeping = 0;
+  {
+    make_sleepable("infer");
+    void* untagged = cucache::malloc(3 << 20);
+    push_tag("infer");
+    void* weights = cucache::malloc(40 << 20);
+    void* cache = cucache::malloc(4096);
+    pop_tag();
+    sleep(0, "infer", /*keep_contents=*/true);
+    program_sleeping = get(0).stats().sleeping_bytes;
+    void* other = cucache::malloc(20 << 20);  // uses the room the sleep gave back
+    wake(0, "infer");
+    cucache::free(weights);
+    cucache::free(cache);
+    cucache::free(other);
+    cucache::free(untagged);
+    program_peak = static_cast<std::size_t>(get(0).stats().reserved_bytes[0].peak);
+    flush_trace();
+  }
+  detail::reset_for_testing();
+  ::setenv("CUCACHE_CONF", "", 1);
+  detail::reset_for_testing();
+  ASSERT_GT(program_sleeping, 0u);
+
+  std::ifstream in(csv);
+  std::string header;
+  std::getline(in, header);
+  EXPECT_EQ(header, "Thread,Time,Action,Pointer,Size,Stream,Tag");
+  const std::vector<trace_event> events = read_trace(csv);
+  ASSERT_EQ(events.size(), 10u);
+  EXPECT_EQ(trace_tag_name(events[1].tag), "infer");
+  EXPECT_EQ(trace_tag_name(events[2].tag), "infer");
+  EXPECT_EQ(events[0].tag, 0u);
+  EXPECT_EQ(events[3].act, trace_event::action::sleep);
+  EXPECT_TRUE(events[3].keep_contents);
+  EXPECT_EQ(events[3].size, program_sleeping);
+  EXPECT_EQ(events[5].act, trace_event::action::wake);
+  EXPECT_EQ(events[5].size, program_sleeping);
+
+  const prepared_trace trace = prepare(events, "sleepy");
+  const trace_result r = replay_trace(trace, sim_expandable());
+  EXPECT_EQ(r.figures.peak_reserved_bytes, program_peak);
+  EXPECT_EQ(r.figures.peak_sleeping_bytes, program_sleeping);
+  EXPECT_EQ(r.figures.sleeps, 1u);
+  EXPECT_EQ(r.figures.wakes, 1u);
+  const json d = timeline_data(trace, &events, sim_expandable());
+  EXPECT_EQ(d["peak"]["reserved_bytes"], program_peak);
+  EXPECT_EQ(d["totals"]["peak_sleeping_bytes"], program_sleeping);
+  // The command line too: the JSON report carries the figures.
+  const fs::path out = dir.path() / "sleepy.html";
+  const cli_run c = run({"--backend", "sim", "--config", "expandable_segments:True", "--json",
+                         "--timeline", out.string(), csv.string()});
+  ASSERT_EQ(c.status, 0) << c.err;
+  const json j = json::parse(c.out);
+  EXPECT_EQ(j["peak_reserved_bytes"], program_peak);
+  EXPECT_EQ(j["peak_sleeping_bytes"], program_sleeping);
+  EXPECT_EQ(j["sleeps"], 1);
+  EXPECT_EQ(j["wakes"], 1);
+  // In default mode the replay refuses it, naming the sleep row (line 5: header, three allocates).
+  const cli_run dflt = run({"--backend", "sim", "--json", csv.string()});
+  EXPECT_EQ(dflt.status, 1);
+  EXPECT_NE(dflt.err.find("sleepy:5: the trace sleeps tag 'infer'"), std::string::npos) << dflt.err;
 }
 
 TEST(replay_progress, off_unless_stderr_is_the_terminal) {

@@ -50,6 +50,11 @@ check "no error was reported in #errors" '<div id="errors" data-count="0"'
 check "the peak shown is the replay's, $peak bytes" "id=\"peak-reserved\" data-bytes=\"$peak\""
 grouped=$(printf "%s" "$peak" | rev | sed -E 's/([0-9]{3})/\1,/g; s/,$//' | rev)
 check "the peak's text reads $grouped bytes" ">$grouped bytes<"
+# A trace that sleeps tags (docs/timeline.md, "Sleep and wake"): the sleeping series is offered
+# among the "all" group's series and the sleep and wake lanes are drawn.
+if grep -q '"sleeps":[1-9]' "$work/$name.json"; then
+  check "the sleeping series is offered" '<input type="checkbox"[^>]*><span class="swatch"[^>]*></span>sleeping</label>'
+fi
 if grep -q 'id="errors"' "$dom"; then
   sed -n 's/.*<div id="errors"[^>]*>\([^<]*\(<div>[^<]*<\/div>\)*\).*/\1/p' "$dom" | head -c 2000
 fi

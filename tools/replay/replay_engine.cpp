@@ -74,6 +74,36 @@ std::string trace_name(const std::filesystem::path& path) {
 
 struct cucache_ops {
   device_allocator* a;
+  // Sleep and wake rows (sleeping_allocator in replay_loop.hpp): the calls made and the most
+  // device bytes asleep at once.
+  std::uint64_t sleeps = 0;
+  std::uint64_t wakes = 0;
+  std::size_t peak_sleeping_bytes = 0;
+  std::uint32_t domain = 0;  // the calling thread's sleep domain as this replay last set it
+
+  ~cucache_ops() {
+    if (domain != 0) device_allocator::set_thread_sleep_domain(0);
+  }
+  void set_domain(std::uint16_t d) {
+    if (d == domain) return;
+    device_allocator::set_thread_sleep_domain(d);
+    domain = d;
+  }
+  void sleep(std::uint16_t d, bool keep_contents) {
+    a->sleep(d, keep_contents);
+    ++sleeps;
+    peak_sleeping_bytes = std::max(peak_sleeping_bytes, a->stats().sleeping_bytes);
+  }
+  bool wake(std::uint16_t d) {
+    try {
+      a->wake(d);
+    } catch (const out_of_memory&) {
+      return false;  // counted by the pass; the tag stays asleep
+    }
+    ++wakes;
+    return true;
+  }
+  bool asleep(std::uint16_t d) const { return a->is_asleep(d); }
   void* allocate(std::size_t bytes, stream_handle stream) {
     try {
       return a->allocate(bytes, stream);
@@ -170,6 +200,22 @@ class counting_backend final : public forwarding_backend {
   std::unordered_map<phys_handle, std::size_t> handle_bytes_;
 };
 
+memory_figures figures_of(const device_stats& s);
+
+/// Wakes every tag a pass left asleep, so that its blocks can be freed (--warm).
+void wake_all(device_allocator& a) {
+  for (const device_allocator::sleep_state& st : a.sleeping()) a.wake(st.domain);
+}
+
+/// The figures of a cucache pass: the allocator's, and the sleeps the replay made.
+memory_figures figures_of(const device_allocator& a, const cucache_ops& ops) {
+  memory_figures f = figures_of(a.stats());
+  f.sleeps = ops.sleeps;
+  f.wakes = ops.wakes;
+  f.peak_sleeping_bytes = ops.peak_sleeping_bytes;
+  return f;
+}
+
 memory_figures figures_of(const device_stats& s) {
   memory_figures f;
   f.peak_reserved_bytes = static_cast<std::size_t>(s.reserved_bytes[0].peak);
@@ -191,9 +237,9 @@ memory_figures figures_of(const device_stats& s) {
 std::string describe(const memory_figures& f) {
   return fmt::format(
       "peak reserved {}, peak allocated {}, peak requested {}, device allocs {}, device frees {}, "
-      "ooms {}",
+      "ooms {}, sleeps {}, wakes {} ({} refused), peak sleeping {}",
       f.peak_reserved_bytes, f.peak_allocated_bytes, f.peak_requested_bytes, f.device_alloc_calls,
-      f.device_free_calls, f.oom_count);
+      f.device_free_calls, f.oom_count, f.sleeps, f.wakes, f.failed_wakes, f.peak_sleeping_bytes);
 }
 
 double median(std::vector<double> v) {
@@ -221,6 +267,9 @@ std::string gib(std::size_t bytes) {
 
 // --- preparation ------------------------------------------------------------------------------
 
+/// The most tags a replay can sleep: the allocator's sleep domains (1 .. 2^14 - 1).
+constexpr std::size_t k_max_replay_domains = (std::size_t{1} << 14) - 1;
+
 prepared_trace prepare(const std::vector<trace_event>& events, std::string name) {
   if (events.size() > std::numeric_limits<std::uint32_t>::max()) {
     throw invalid_argument(fmt::format("{}: too many events ({})", name, events.size()));
@@ -229,6 +278,23 @@ prepared_trace prepare(const std::vector<trace_event>& events, std::string name)
   t.name = std::move(name);
   t.summary = summarize(events);
   t.ops.resize(events.size());
+  // The tags the trace sleeps get sleep domains, by first appearance.
+  std::unordered_map<std::uint32_t, std::uint16_t> domains;  // trace tag id -> sleep domain
+  for (const trace_event& ev : events) {
+    if (ev.act != trace_event::action::sleep || domains.contains(ev.tag)) continue;
+    if (t.sleep_tags.size() >= k_max_replay_domains) {
+      throw invalid_argument(fmt::format("{}:{}: the trace sleeps more than {} tags, the most "
+                                         "that can be sleepable",
+                                         t.name, ev.line, k_max_replay_domains));
+    }
+    t.sleep_tags.emplace_back(trace_tag_name(ev.tag));
+    domains.emplace(ev.tag, static_cast<std::uint16_t>(t.sleep_tags.size()));
+  }
+  const auto domain_of = [&](std::uint32_t tag) -> std::uint16_t {
+    if (tag == 0 || domains.empty()) return 0;
+    const auto it = domains.find(tag);
+    return it == domains.end() ? 0 : it->second;
+  };
   std::unordered_map<std::uintptr_t, std::uint32_t> live;  // trace pointer -> its allocate's slot
   std::unordered_map<std::uintptr_t, std::uint32_t> stream_index;
   for (std::size_t i = 0; i < events.size(); ++i) {
@@ -249,6 +315,7 @@ prepared_trace prepare(const std::vector<trace_event>& events, std::string name)
         } else {
           op.kind = op_kind::allocate;
           op.size = ev.size;
+          op.domain = domain_of(ev.tag);
         }
         if (ev.pointer != 0) live[ev.pointer] = index;
         break;
@@ -260,6 +327,7 @@ prepared_trace prepare(const std::vector<trace_event>& events, std::string name)
         op.slot = it->second;
         if (alloc.kind == op_kind::allocate) {
           op.kind = alloc.stream == op.stream ? op_kind::free : op_kind::free_on_other_stream;
+          op.domain = alloc.domain;
         }
         live.erase(it);
         break;
@@ -267,9 +335,43 @@ prepared_trace prepare(const std::vector<trace_event>& events, std::string name)
       case trace_event::action::allocate_failure:
         ++t.skipped_failures;
         break;
+      case trace_event::action::sleep:
+        op.kind = ev.keep_contents ? op_kind::sleep_keep : op_kind::sleep;
+        op.domain = domain_of(ev.tag);
+        op.size = ev.size;
+        if (t.sleeps++ == 0) t.first_sleep_line = ev.line;
+        break;
+      case trace_event::action::wake:
+        op.kind = op_kind::wake;
+        op.domain = domain_of(ev.tag);
+        op.size = ev.size;
+        ++t.wakes;
+        if (op.domain == 0) {
+          // The reader refuses a wake of a tag not asleep; events built by hand may not.
+          throw invalid_argument(fmt::format("{}:{}: wake of tag '{}', which the trace never "
+                                             "sleeps",
+                                             t.name, ev.line, trace_tag_name(ev.tag)));
+        }
+        break;
     }
   }
   return t;
+}
+
+void check_sleep_replayable(const prepared_trace& trace, bool expandable, bool peers) {
+  if (trace.sleeps == 0) return;
+  if (!expandable) {
+    throw invalid_argument(fmt::format(
+        "{}:{}: the trace sleeps tag '{}', and sleep needs expandable segments (the API refuses "
+        "it in default mode): replay with --config expandable_segments:True",
+        trace.name, trace.first_sleep_line, trace.sleep_tags.front()));
+  }
+  if (peers) {
+    throw invalid_argument(fmt::format(
+        "{}:{}: the trace sleeps tag '{}', which the peers cannot replay (they have no sleep): "
+        "replay it with --peers none",
+        trace.name, trace.first_sleep_line, trace.sleep_tags.front()));
+  }
 }
 
 prepared_trace load_trace(const std::filesystem::path& path) {
@@ -281,6 +383,7 @@ prepared_trace load_trace(const std::filesystem::path& path) {
 trace_result replay_trace(const prepared_trace& trace, const options& opts,
                           std::span<peer* const> peers) {
   if (opts.repeat == 0) throw invalid_argument("repeat must be at least 1");
+  check_sleep_replayable(trace, opts.cfg.expandable_segments, !peers.empty());
   trace_result r;
   r.trace = trace.name;
   r.backend = to_string(opts.backend);
@@ -309,8 +412,10 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     cucache_ops ops{&a};
     const pass_result pass = run_pass(trace, streams, slots, ops);
     r.host_ns_per_op_runs.push_back(per_op(pass.elapsed, trace));
-    const memory_figures f = figures_of(a.stats());
-    if (f.oom_count != pass.failed_allocations) {
+    memory_figures f = figures_of(a, ops);
+    f.failed_wakes = pass.failed_wakes;
+    // A refused wake is no allocation the allocator counts as out of memory.
+    if (f.oom_count != pass.failed_allocations - pass.failed_wakes) {
       throw error(fmt::format("{}: the allocator counted {} out-of-memory errors, the replay {}",
                               trace.name, f.oom_count, pass.failed_allocations));
     }
@@ -324,7 +429,8 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     }
     if (opts.warm) {
       // The second pass, through the cache the first one filled: what the first left live is
-      // freed first, untimed.
+      // freed first, untimed (tags left asleep woken first).
+      wake_all(a);
       for (std::size_t i = 0; i < slots.size(); ++i) {
         if (slots[i] != nullptr) a.deallocate(slots[i]);
         slots[i] = nullptr;
@@ -360,7 +466,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     std::uint64_t seen = 0;
     bool sampled = false;
     fragmentation_sample best;
-    run_pass(trace, streams, slots, ops, [&](std::size_t) {
+    const pass_result sampled_pass = run_pass(trace, streams, slots, ops, [&](std::size_t) {
       if (counting->growths() == seen) return;
       seen = counting->growths();
       const device_stats s = a.stats();
@@ -375,7 +481,8 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
       best.largest_free_block = s.largest_free_block;
       best.stats = s;
     });
-    const memory_figures f = figures_of(a.stats());
+    memory_figures f = figures_of(a, ops);
+    f.failed_wakes = sampled_pass.failed_wakes;
     if (sim && f != r.figures) {
       throw error(fmt::format("{}: the sampling replay disagrees with the timed one: {} vs {}",
                               trace.name, describe(f), describe(r.figures)));
@@ -393,6 +500,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
     if (r.warm) {
       // The second pass of the sampling run, through the same allocator: its driver calls are
       // the difference of the counts (figures only: the timed runs measured its host time).
+      wake_all(a);
       for (void*& slot : slots) {
         if (slot != nullptr) a.deallocate(slot);
         slot = nullptr;
@@ -412,7 +520,7 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   }
   r.reserved_over_requested = ratio(static_cast<double>(r.figures.peak_reserved_bytes),
                                     static_cast<double>(r.peak_requested_bytes));
-  if (opts.capacity_bytes) r.fits = r.figures.oom_count == 0;
+  if (opts.capacity_bytes) r.fits = r.figures.oom_count == 0 && r.figures.failed_wakes == 0;
 
   for (peer* p : peers) {
     peer_result pr;
@@ -565,6 +673,7 @@ fit_result fit_trace(const prepared_trace& trace, const options& opts, const fit
                      std::span<peer* const> peers) {
   check_fit(opts, fit);
   check_fit_inputs(trace, fit);
+  check_sleep_replayable(trace, opts.cfg.expandable_segments, !peers.empty());
   for (const peer* p : peers) require_limitable(*p);  // before cucache's fit, not after it
   fit_result r;
   r.trace = trace.name;
@@ -670,6 +779,11 @@ nlohmann::json to_json(const trace_result& r) {
   j["device_synchronizations"] = r.figures.vm_sync_calls;
   j["vm_splits"] = r.figures.vm_splits;
   j["vm_reclaims"] = r.figures.vm_reclaims;
+  // Sleep and wake rows (cucache's trace extension) replayed, and the most bytes asleep at once.
+  j["sleeps"] = r.figures.sleeps;
+  j["wakes"] = r.figures.wakes;
+  j["peak_sleeping_bytes"] = r.figures.peak_sleeping_bytes;
+  j["failed_wakes"] = r.figures.failed_wakes;
   j["host_ns_per_op"] = r.host_ns_per_op;
   j["host_ns_per_op_runs"] = r.host_ns_per_op_runs;
   j["repeat"] = r.host_ns_per_op_runs.size();
@@ -749,6 +863,18 @@ std::string format_table(std::span<const trace_result> results) {
     if (capacity)
       s += fmt::format(" {:>5} {:>6}", r.fits.value_or(false) ? "yes" : "no", r.figures.oom_count);
     s += '\n';
+  }
+  const bool sleeps = std::any_of(results.begin(), results.end(),
+                                  [](const trace_result& r) { return r.figures.sleeps != 0; });
+  if (sleeps) {
+    s += fmt::format("\nsleep and wake (tags the trace sleeps)\n");
+    s += fmt::format("{:<20} {:>8} {:>8} {:>13} {:>8}\n", "trace", "sleeps", "wakes",
+                     "peak asleep", "refused");
+    for (const trace_result& r : results) {
+      s += fmt::format("{:<20} {:>8} {:>8} {:>13} {:>8}\n", r.trace, r.figures.sleeps,
+                       r.figures.wakes, gib(r.figures.peak_sleeping_bytes),
+                       r.figures.failed_wakes);
+    }
   }
   if (first.warm) {
     s += fmt::format("\nwarm (second pass through the cache the first filled)\n");

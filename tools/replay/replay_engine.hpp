@@ -24,7 +24,17 @@ namespace cucache::replay {
 
 /// What one event does in a replay. Events that need no call (failure rows, null or zero-byte
 /// allocations and their frees) stay in the array as `none` so event indices stay slot indices.
-enum class op_kind : std::uint8_t { none, allocate, free, free_on_other_stream };
+/// sleep, sleep_keep (keep contents) and wake are a trace's sleep and wake rows: calls of the
+/// allocator's sleep / wake on the op's sleep domain (expandable mode).
+enum class op_kind : std::uint8_t {
+  none,
+  allocate,
+  free,
+  free_on_other_stream,
+  sleep,
+  sleep_keep,
+  wake
+};
 
 /// One trace event, resolved ahead of the timed loop so the loop does no lookups.
 struct replay_op {
@@ -34,6 +44,9 @@ struct replay_op {
   /// Index into prepared_trace::stream_ids.
   std::uint32_t stream = 0;
   op_kind kind = op_kind::none;
+  /// allocate: the sleep domain it is made in (0: none); sleep and wake: the domain they act on.
+  /// Domain d is prepared_trace::sleep_tags[d - 1].
+  std::uint16_t domain = 0;
 };
 
 /// A trace ready to replay.
@@ -49,7 +62,20 @@ struct prepared_trace {
   std::size_t skipped_failures = 0;
   /// Allocations of a null pointer or of zero bytes, which make no call.
   std::size_t skipped_empty = 0;
+  /// The tags the trace sleeps, by first appearance: replayed as sleepable tags, allocations
+  /// under them in their sleep domain (index + 1). Tags never slept are replayed untagged, as
+  /// the allocator places an unsleepable tag's blocks like untagged ones.
+  std::vector<std::string> sleep_tags;
+  /// sleep and wake rows, and the trace line of the first sleep (0: none).
+  std::size_t sleeps = 0;
+  std::size_t wakes = 0;
+  std::size_t first_sleep_line = 0;
 };
+
+/// Throws cucache::invalid_argument naming the first sleep row when `trace` sleeps and `opts`
+/// cannot replay it: default mode (sleep needs expandable segments, as the API says), or peers
+/// (which have no sleep).
+void check_sleep_replayable(const prepared_trace& trace, bool expandable, bool peers);
 
 /// Resolves events: every free gets the slot of the latest live allocate of its pointer.
 [[nodiscard]] prepared_trace prepare(const std::vector<trace_event>& events, std::string name);
@@ -105,6 +131,12 @@ struct memory_figures {
   std::uint64_t vm_sync_calls = 0;  // device synchronizations before unmaps
   std::uint64_t vm_splits = 0;      // idle mappings released because a block used them in part
   std::uint64_t vm_reclaims = 0;    // times memory was short and idle memory was given back
+  // Sleep and wake rows replayed, and the most device bytes asleep at once (sleeping_bytes).
+  std::uint64_t sleeps = 0;
+  std::uint64_t wakes = 0;
+  std::size_t peak_sleeping_bytes = 0;
+  /// Wakes refused for lack of room (under a capacity): the tag stayed asleep.
+  std::uint64_t failed_wakes = 0;
 
   friend bool operator==(const memory_figures&, const memory_figures&) = default;
 };

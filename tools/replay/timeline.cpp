@@ -46,12 +46,15 @@ enum mark_kind : std::size_t {
   mk_retry,
   mk_reclaim,
   mk_oom,
+  mk_sleep,  // a trace's sleep row (cucache's extension): the tag's pages released
+  mk_wake,   // its wake: the pages mapped again at the same addresses
   mk_count
 };
 constexpr const char* k_mark_names[mk_count] = {
     "cudaMalloc",    "cudaFree",   "cudaMalloc refused", "VM reserve", "VM free",
     "VM create",     "VM create refused", "VM map", "VM unmap",   "VM release",
-    "synchronize",   "retry (cache flushed)", "reclaim (idle memory returned)", "out of memory"};
+    "synchronize",   "retry (cache flushed)", "reclaim (idle memory returned)", "out of memory",
+    "sleep",         "wake"};
 
 constexpr std::size_t k_pools = 2;  // small, large
 constexpr std::size_t kind_of(std::size_t requested) noexcept {
@@ -199,7 +202,8 @@ struct series_set {
 };
 
 // Series layout: group g (0 all, 1 small, 2 large, 3 + k stream k) x metric m (0 requested,
-// 1 allocated, 2 reserved): index 3 * g + m.
+// 1 allocated, 2 reserved): index 3 * g + m; then one more, "all" / "sleeping": the device bytes
+// sleeping tags have given back (the allocator's sleeping_bytes).
 constexpr std::size_t k_metrics = 3;
 
 struct live_block {
@@ -252,6 +256,7 @@ class timeline_replay final : public recording_backend::watcher {
   }
   void put_all() {
     const std::size_t b = series_.bucket_of(cur_event_);
+    series_.put(sleeping_series_, b, sleeping_);
     series_.put(0, b, req_total_);
     series_.put(1, b, alloc_total_);
     for (std::size_t k = 0; k < k_pools; ++k) {
@@ -282,6 +287,9 @@ class timeline_replay final : public recording_backend::watcher {
   std::array<std::vector<std::pair<std::size_t, std::uint64_t>>, mk_count> marks_;
   std::array<std::uint64_t, mk_count> mark_totals_{};
   std::int64_t req_total_ = 0, alloc_total_ = 0;
+  std::int64_t sleeping_ = 0, peak_sleeping_ = 0;  // the allocator's sleeping_bytes
+  std::size_t sleeping_series_ = 0;
+  std::uint64_t sleeps_ = 0, wakes_ = 0;
   std::array<std::int64_t, k_pools> req_pool_{}, alloc_pool_{};
   std::vector<std::int64_t> req_stream_, alloc_stream_;
   std::int64_t peak_reserved_ = -1, peak_alloc_ = 0, peak_req_ = 0;
@@ -298,6 +306,13 @@ device_stats timeline_replay::pass(std::size_t stop, bool record, nlohmann::json
   rec_ = rec.get();
   recording_ = record;
   device_allocator a(rec, effective_config(opts_));
+  // Allocations under a tag the trace sleeps go to its sleep domain (prepare); the thread's
+  // domain is set per allocation and reset when the pass ends.
+  struct domain_reset {
+    ~domain_reset() { device_allocator::set_thread_sleep_domain(0); }
+  } reset_domain;
+  sleeping_ = 0;
+  if (record) sleeps_ = wakes_ = 0;
   slots_.assign(t_.ops.size(), nullptr);
   live_.assign(t_.ops.size(), {});
   req_total_ = alloc_total_ = 0;
@@ -311,6 +326,8 @@ device_stats timeline_replay::pass(std::size_t stop, bool record, nlohmann::json
     calls_in_event_ = 0;
     switch (op.kind) {
       case op_kind::allocate: {
+        if (op.domain != 0 && a.is_asleep(op.domain)) break;  // its wake was refused
+        device_allocator::set_thread_sleep_domain(op.domain);
         rec->cur_stream = op.stream;
         rec->cur_kind = kind_of(op.size);
         void* p = nullptr;
@@ -340,6 +357,7 @@ device_stats timeline_replay::pass(std::size_t stop, bool record, nlohmann::json
       case op_kind::free:
       case op_kind::free_on_other_stream:
         if (void* p = slots_[op.slot]; p != nullptr) {
+          if (op.domain != 0 && a.is_asleep(op.domain)) break;  // its wake was refused
           rec->cur_stream = op.stream;
           const live_block& lb = live_[op.slot];
           rec->cur_kind = kind_of(lb.requested);
@@ -359,6 +377,25 @@ device_stats timeline_replay::pass(std::size_t stop, bool record, nlohmann::json
           req_stream_[lb.stream] -= req;
           alloc_stream_[lb.stream] -= rnd;
         }
+        break;
+      case op_kind::sleep:
+      case op_kind::sleep_keep:
+        if (a.is_asleep(op.domain)) break;  // its last wake was refused
+        a.sleep(op.domain, op.kind == op_kind::sleep_keep);
+        count_mark(mk_sleep);
+        if (record) ++sleeps_;
+        sleeping_ = static_cast<std::int64_t>(a.stats().sleeping_bytes);
+        peak_sleeping_ = std::max(peak_sleeping_, sleeping_);
+        break;
+      case op_kind::wake:
+        try {
+          a.wake(op.domain);
+          count_mark(mk_wake);
+          if (record) ++wakes_;
+        } catch (const out_of_memory&) {
+          count_mark(mk_oom);  // no room: the tag stays asleep, its blocks untouched
+        }
+        sleeping_ = static_cast<std::int64_t>(a.stats().sleeping_bytes);
         break;
       case op_kind::none:
         break;
@@ -408,7 +445,8 @@ nlohmann::json timeline_replay::run() {
   using nlohmann::json;
   const std::size_t n = t_.ops.size();
   const std::size_t streams = t_.stream_ids.size();
-  series_.init(k_metrics * (3 + streams), n, topts_.max_buckets);
+  sleeping_series_ = k_metrics * (3 + streams);
+  series_.init(sleeping_series_ + 1, n, topts_.max_buckets);
 
   const device_stats end = pass(n, /*record=*/true, nullptr);
   if (peak_reserved_ < 0) peak_reserved_ = 0;
@@ -472,6 +510,10 @@ nlohmann::json timeline_replay::run() {
                         {"max", series_.hi[s]}});
     }
   }
+  series.push_back({{"group", "all"},
+                    {"metric", "sleeping"},
+                    {"min", series_.lo[sleeping_series_]},
+                    {"max", series_.hi[sleeping_series_]}});
   json marks = json::array();
   for (std::size_t k = 0; k < mk_count; ++k) {
     if (mark_totals_[k] == 0) continue;
@@ -527,7 +569,10 @@ nlohmann::json timeline_replay::run() {
         {"vm_create_calls", opts_.cfg.expandable_segments ? end.device_alloc_count : 0},
         {"vm_map_calls", end.vm_map_count},
         {"vm_unmap_calls", end.vm_unmap_count},
-        {"vm_release_calls", opts_.cfg.expandable_segments ? end.device_free_count : 0}}},
+        {"vm_release_calls", opts_.cfg.expandable_segments ? end.device_free_count : 0},
+        {"sleeps", sleeps_},
+        {"wakes", wakes_},
+        {"peak_sleeping_bytes", peak_sleeping_}}},
   };
 }
 
@@ -545,6 +590,7 @@ void substitute(std::string& page, std::string_view marker, std::string_view tex
 nlohmann::json timeline_data(const prepared_trace& trace, const std::vector<trace_event>* events,
                              const options& opts, const timeline_options& topts) {
   if (topts.max_buckets == 0) throw invalid_argument("timeline: max_buckets must be positive");
+  check_sleep_replayable(trace, opts.cfg.expandable_segments, /*peers=*/false);
   timeline_replay r(trace, events, opts, topts);
   return r.run();
 }

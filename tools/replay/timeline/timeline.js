@@ -34,9 +34,10 @@
   function bucketFirstEvent(b) { return Math.ceil(b * N / B); }  // first event of bucket b
 
   // --- series and their pyramids ---------------------------------------------------------------
-  var METRIC_COLORS = { reserved: '#d62728', allocated: '#1f77b4', requested: '#2ca02c' };
+  var METRIC_COLORS = { reserved: '#d62728', allocated: '#1f77b4', requested: '#2ca02c',
+                        sleeping: '#9467bd' };
   var GROUP_COLORS = ['#444444', '#9467bd', '#ff7f0e', '#17becf', '#8c564b', '#e377c2', '#bcbd22', '#7f7f7f'];
-  var METRIC_DASH = { reserved: [], allocated: [6, 3], requested: [2, 3] };
+  var METRIC_DASH = { reserved: [], allocated: [6, 3], requested: [2, 3], sleeping: [8, 4] };
   var series = D.series.map(function (s, i) {
     var g = Math.floor(i / 3);
     var levels = [{ lo: Float64Array.from(s.min), hi: Float64Array.from(s.max) }];
@@ -50,12 +51,16 @@
       }
       levels.push({ lo: lo, hi: hi });
     }
+    // The last series, "all" / "sleeping", is the device bytes sleeping tags gave back: drawn
+    // with the totals (group 0), dashed.
+    if (s.metric === 'sleeping') g = 0;
     return {
       group: s.group, metric: s.metric, groupIndex: g, levels: levels,
       color: g === 0 ? METRIC_COLORS[s.metric] : GROUP_COLORS[(g - 1) % GROUP_COLORS.length],
-      dash: g === 0 ? [] : METRIC_DASH[s.metric],
+      dash: s.metric === 'sleeping' ? METRIC_DASH.sleeping : g === 0 ? [] : METRIC_DASH[s.metric],
       width: s.metric === 'reserved' ? 2 : 1.5,
-      visible: g === 0
+      // The sleeping series shows only when a tag slept (it is zero throughout otherwise).
+      visible: g === 0 && (s.metric !== 'sleeping' || s.max.some(function (v) { return v > 0; }))
     };
   });
   // Min and max of series s over buckets [a, b): aligned power-of-two runs from the pyramid.
