@@ -291,6 +291,8 @@ class sim_backend final : public device_backend {
   };
 
   bool should_fail(sim_call kind);  // REQUIRES: mu_ held; counts the call
+  /// identify of the legacy stream's handles and cudaStreamPerThread (out of line: rare here).
+  [[gnu::noinline]] stream_identity identify_special(stream_handle stream);
   /// The id of `stream`; for a destroyed one, the id it had. REQUIRES: mu_ held.
   std::uint64_t id_of_locked(stream_handle stream) const;
   /// Throws cuda_error (900) when a potentially unsafe call is illegal now. REQUIRES: mu_ held.

@@ -540,7 +540,8 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
       lk.unlock();
       refuse_if_asleep(p, nullptr, "allocate");
     }
-    ensure_range(p, kind);
+    if (p.pages.ranges[static_cast<int>(kind)] == nullptr) [[unlikely]]
+      ensure_range(p, kind);
     block* b = detail::place_in_range(p.index_of(kind), rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
     b = carve(p, b, kind, rounded, bytes);

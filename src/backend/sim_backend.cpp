@@ -794,22 +794,25 @@ stream_identity sim_backend::identify(stream_handle stream) {
   // stream none (it cannot be captured -- begin_capture refuses it as the runtime does -- nor
   // destroyed: its id is constant), cudaStreamPerThread the capture query and, once per thread,
   // the id; any other stream both.
-  if (is_special_stream(stream)) [[unlikely]] {
-    if (is_legacy_stream(stream)) return {{}, k_sim_legacy_stream_id};
-    const capture_info capture = capture_status(stream);
-    if (capture.state != capture_state::none) return {capture, 0};
-    per_thread_id_entry& kept = t_per_thread_id;
-    if (kept.serial != serial_) [[unlikely]]
-      kept = {serial_, stream_id(stream)};
-    return {capture, kept.id};
-  }
   const auto v = reinterpret_cast<std::uintptr_t>(stream);
   const bool created = v >= k_stream_base && v < next_stream_.load(std::memory_order_acquire);
-  if (!created && capturing_.load(std::memory_order_acquire) == 0 &&
+  if (!created && !is_special_stream(stream) && capturing_.load(std::memory_order_acquire) == 0 &&
       query_fast(sim_call::capture_status) && query_fast(sim_call::stream_id)) {
     return {{}, k_fake_stream_id_tag | v};
   }
+  if (is_special_stream(stream)) [[unlikely]]
+    return identify_special(stream);
   return device_backend::identify(stream);
+}
+
+stream_identity sim_backend::identify_special(stream_handle stream) {
+  if (is_legacy_stream(stream)) return {{}, k_sim_legacy_stream_id};
+  const capture_info capture = capture_status(stream);
+  if (capture.state != capture_state::none) return {capture, 0};
+  per_thread_id_entry& kept = t_per_thread_id;
+  if (kept.serial != serial_) [[unlikely]]
+    kept = {serial_, stream_id(stream)};
+  return {capture, kept.id};
 }
 
 capture_mode sim_backend::exchange_capture_mode(capture_mode mode) {
