@@ -584,6 +584,10 @@ stream_identity cuda_backend::identify(stream_handle stream) {
   //   work the program enqueues on it then fails in the runtime, not here.)
   // - cudaStreamPerThread: the capture query stays (its capture is allowed and may begin between
   //   any two allocations); its id is fixed for the thread's life, so kept per thread and device.
+  //   The id kept is that of this backend's device (asked with it current), the capture query
+  //   asks about the current device's per-thread stream, as the runtime resolves the handle:
+  //   the two agree when the allocation's device is current, as with every front end (the C API
+  //   allocates on the current device; PyTorch makes the tensor's device current).
   // - Any other stream: both queries. A destroyed stream's handle value is handed to the next
   //   stream the runtime creates, and nothing cheaper than cuStreamGetId tells the two apart
   //   (docs/design.md, "Streams that die"): ~55 ns of driver queries on the H200.
