@@ -26,6 +26,21 @@ TEST(FreeIndex, BinsAreMonotonicAndExactBelowSixteenUnits) {
   EXPECT_LT(free_index::bin_of(std::size_t{1} << 62), free_index::k_bins);
 }
 
+using size_model = std::set<std::pair<std::size_t, std::uintptr_t>>;  // (size, addr)
+
+/// best_fit(want) is the model's smallest (size, addr) with size >= want, or nullptr.
+void expect_best_fit(const free_index& idx, const size_model& model, std::size_t want) {
+  const block* got = idx.best_fit(want);
+  auto it = model.lower_bound({want, 0});
+  if (it == model.end()) {
+    ASSERT_EQ(got, nullptr);
+  } else {
+    ASSERT_NE(got, nullptr);
+    ASSERT_EQ(got->size, it->first);
+    ASSERT_EQ(got->addr, it->second);
+  }
+}
+
 TEST(FreeIndex, BestFitMatchesBruteForceModel) {
   std::mt19937_64 rng(42);
   std::deque<block> storage;
@@ -50,16 +65,7 @@ TEST(FreeIndex, BestFitMatchesBruteForceModel) {
       in[i] = in.back();
       in.pop_back();
     } else {
-      const std::size_t want = 512 * (1 + rng() % 120'000);
-      block* got = idx.best_fit(want);
-      auto it = model.lower_bound({want, 0});
-      if (it == model.end()) {
-        ASSERT_EQ(got, nullptr);
-      } else {
-        ASSERT_NE(got, nullptr);
-        ASSERT_EQ(got->size, it->first);
-        ASSERT_EQ(got->addr, it->second);
-      }
+      ASSERT_NO_FATAL_FAILURE(expect_best_fit(idx, model, 512 * (1 + rng() % 120'000)));
     }
     ASSERT_EQ(idx.count(), model.size());
     if (!model.empty()) {
@@ -115,16 +121,7 @@ TEST(FreeIndex, ReplaceMatchesBruteForceModel) {
       ASSERT_TRUE(idx.contains(b));
       ASSERT_EQ(idx.count(), model.size());
       ASSERT_EQ(idx.bytes(), bytes - out->size + b->size);
-      const std::size_t want = random_size();
-      block* got = idx.best_fit(want);
-      auto it = model.lower_bound({want, 0});
-      if (it == model.end()) {
-        ASSERT_EQ(got, nullptr);
-      } else {
-        ASSERT_NE(got, nullptr);
-        ASSERT_EQ(got->size, it->first);
-        ASSERT_EQ(got->addr, it->second);
-      }
+      ASSERT_NO_FATAL_FAILURE(expect_best_fit(idx, model, random_size()));
       ASSERT_EQ(idx.largest()->size, model.rbegin()->first);
     }
     std::size_t walked = 0;
