@@ -225,12 +225,14 @@ class c10_alloc {
 
 // --- pair: one size, cache hit ------------------------------------------------------------------
 
-/// One alloc+free pair per iteration on stream 0, after one untimed pair has warmed the cache.
+/// One alloc+free pair per iteration on stream 0 (a created, non-blocking stream on the GPU), or
+/// with `legacy` on the legacy default stream (nullptr: PyTorch's default stream, the one
+/// stream cucache asks the driver nothing about), after one untimed pair has warmed the cache.
 template <class A>
-void bm_pair(benchmark::State& state, std::size_t bytes) {
+void bm_pair(benchmark::State& state, std::size_t bytes, bool legacy) {
   try {
     A alloc;
-    const stream_handle stream = A::stream(0);
+    const stream_handle stream = legacy ? nullptr : A::stream(0);
     alloc.deallocate(alloc.allocate(bytes, stream), stream);
     const std::int64_t start = now_ns();
     for (auto _ : state) {
@@ -638,9 +640,14 @@ void register_observe() {
 
 template <class A>
 void register_pairs() {
-  for (const pair_size& size : k_pair_sizes) {
-    const std::string name = std::string("pair/") + A::k_name + "/" + size.label;
-    benchmark::RegisterBenchmark(name.c_str(), bm_pair<A>, size.bytes);
+  // pair/: on a created stream (two stream queries per allocation on the GPU); pair_legacy/: on
+  // the legacy default stream (none).
+  for (const bool legacy : {false, true}) {
+    for (const pair_size& size : k_pair_sizes) {
+      const std::string name =
+          std::string(legacy ? "pair_legacy/" : "pair/") + A::k_name + "/" + size.label;
+      benchmark::RegisterBenchmark(name.c_str(), bm_pair<A>, size.bytes, legacy);
+    }
   }
 }
 

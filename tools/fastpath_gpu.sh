@@ -4,8 +4,9 @@
 #   1. stream_query: each candidate stream query alone (runtime wrappers, driver entry points,
 #      cucache's backend calls), 1, 8 and 16 threads -- which calls the hot path should make;
 #   2. the pair, churn and threads tables of cucache (both modes, GPU and simulated device) against
-#      c10 and cudaMallocAsync, in one cucache-bench run (report/report.md; threads.md with the
-#      one-stream case);
+#      c10 and cudaMallocAsync, in one cucache-bench run (pair.md: the pair on a created stream and
+#      on the legacy default stream, which cucache asks the driver nothing about; churn.md;
+#      threads.md with the one-stream case);
 #   3. cucache-fastpath: the simulated device's pair on this host, both modes (the allocator's own
 #      host cost, no stream query), and under callgrind where valgrind is installed;
 #   4. the safety tests: graph_capture_gpu_test and cuda_backend_gpu_test on the GPU,
@@ -63,12 +64,45 @@ cat "$out/stream_query.md"
 
 # 2. Pairs, churn and threads, cucache against its peers, one run.
 run bench 240 "$bin/cucache-bench" \
-  '--benchmark_filter=^(pair|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|cucache_sim|cucache_sim_expandable|c10|cudaMallocAsync)/' \
+  '--benchmark_filter=^(pair|pair_legacy|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|cucache_sim|cucache_sim_expandable|c10|cudaMallocAsync)(/|$)' \
   --benchmark_min_time=0.05 --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true \
   --benchmark_report_aggregates_only=true --benchmark_format=json "--benchmark_out=$out/bench.json"
-python3 "$repo/tools/bench_report.py" "$out/report" "$out/bench.json" > "$out/bench_report.log" 2>&1 \
-  || { echo "bench_report.py failed" | tee -a "$out/summary.txt"; status=1; }
-# Threads, a stream per thread and one shared stream (bench_report.py charts the first only).
+# Pairs by size, on a created stream and on the legacy default stream; churn. (The report script
+# this step called, tools/bench_report.py, is gone: tools/charts.py draws docs/benchmarks.md's
+# charts from docs/results.)
+python3 - "$out/bench.json" "$out/churn.md" > "$out/pair.md" <<'EOF'
+import json, sys
+try:
+    benchmarks = json.load(open(sys.argv[1]))["benchmarks"]
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f"no bench results ({e})")
+pairs, churn, sizes = {}, {}, []
+for b in benchmarks:
+    if b.get("aggregate_name") != "median":
+        continue
+    parts = b["run_name"].split("/")
+    if parts[0] in ("pair", "pair_legacy"):
+        if parts[2] not in sizes:
+            sizes.append(parts[2])
+        pairs.setdefault(parts[1], {})[(parts[0], parts[2])] = b.get("ns_per_pair", float("nan"))
+    elif parts[0] in ("churn_small", "churn_large"):
+        churn.setdefault(parts[1], {})[parts[0]] = b.get("ns_per_op", float("nan"))
+nan = float("nan")
+print("ns per cache-hit pair, median of the repetitions; each cell: created stream / legacy "
+      "default stream (nullptr)\n")
+print("| allocator | " + " | ".join(sizes) + " |")
+print("| --- |" + " --- |" * len(sizes))
+for alloc, r in pairs.items():
+    cells = [f"{r.get(('pair', s), nan):.1f} / {r.get(('pair_legacy', s), nan):.1f}" for s in sizes]
+    print(f"| {alloc} | " + " | ".join(cells) + " |")
+with open(sys.argv[2], "w") as f:
+    f.write("ns per churn operation (free one random live block, allocate another), median\n\n")
+    f.write("| allocator | churn_small | churn_large |\n| --- | --- | --- |\n")
+    for alloc, r in churn.items():
+        f.write(f"| {alloc} | {r.get('churn_small', nan):.1f} | {r.get('churn_large', nan):.1f} |\n")
+EOF
+cat "$out/pair.md" "$out/churn.md"
+# Threads, a stream per thread and one shared stream.
 python3 - "$out/bench.json" > "$out/threads.md" <<'EOF'
 import json, sys
 try:

@@ -31,6 +31,23 @@ using phys_handle = std::uint64_t;
 [[nodiscard]] inline stream_handle per_thread_stream() noexcept {
   return reinterpret_cast<stream_handle>(std::uintptr_t{0x2});
 }
+/// The runtime's cudaStreamLegacy: the legacy default stream, as nullptr names it.
+[[nodiscard]] inline stream_handle legacy_stream() noexcept {
+  return reinterpret_cast<stream_handle>(std::uintptr_t{0x1});
+}
+/// True for the two handles of the legacy default stream, nullptr and cudaStreamLegacy (0x1). That
+/// stream is never destroyed and can never be captured (cudaStreamBeginCapture: "Capture may not
+/// be initiated if stream is cudaStreamLegacy", CUDA Runtime API reference; cuStreamBeginCapture
+/// says the same of CU_STREAM_LEGACY), so its identity is constant per device and nobody needs
+/// to ask the driver about it per allocation.
+[[nodiscard]] inline bool is_legacy_stream(stream_handle stream) noexcept {
+  return reinterpret_cast<std::uintptr_t>(stream) <= 0x1;
+}
+/// True for the legacy stream's handles and cudaStreamPerThread: the handles whose identity a
+/// backend keeps instead of asking per allocation (device_backend::identify).
+[[nodiscard]] inline bool is_special_stream(stream_handle stream) noexcept {
+  return reinterpret_cast<std::uintptr_t>(stream) <= 0x2;
+}
 
 /// Whether a stream is being captured into a CUDA graph (cudaStreamCaptureStatus).
 enum class capture_state : std::uint8_t {
@@ -158,8 +175,13 @@ class device_backend {
   [[nodiscard]] virtual capture_info capture_status(stream_handle stream) = 0;
   /// capture_status(stream), then stream_id(stream) only if it is not being captured: what every
   /// allocation on a stream other than the legacy default one asks, in one call, so that a backend
-  /// can answer both at its cheapest (cuda_backend: the driver's entry points, not the runtime's
-  /// wrappers). The default makes the two calls. REQUIRES: stream is alive and not nullptr.
+  /// can answer both at its cheapest. The rule every backend follows (docs/design.md, "Streams
+  /// that die"): the legacy stream (is_legacy_stream: nullptr, cudaStreamLegacy) costs no query
+  /// -- it cannot be captured nor destroyed, so its id is asked once and kept; cudaStreamPerThread
+  /// costs the capture query only -- its id is fixed for the thread's life, kept per thread; any
+  /// other stream costs both -- a destroyed stream's handle value comes back with the next created
+  /// stream, and nothing cheaper than the id query tells the two apart. The default makes the two
+  /// calls for every stream (correct for any backend, only slower). REQUIRES: stream is alive.
   [[nodiscard]] virtual stream_identity identify(stream_handle stream) {
     const capture_info capture = capture_status(stream);
     if (capture.state != capture_state::none) return {capture, 0};

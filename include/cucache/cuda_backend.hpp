@@ -89,7 +89,9 @@ class cuda_backend final : public device_backend {
   [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override;
   /// cuStreamGetCaptureInfo (cudaStreamGetCaptureInfo where the driver call fails).
   [[nodiscard]] capture_info capture_status(stream_handle stream) override;
-  /// capture_status, then stream_id when not capturing: two driver calls.
+  /// capture_status, then stream_id when not capturing: two driver calls on a created stream;
+  /// on cudaStreamPerThread the capture query only (its id kept per thread); on the legacy stream
+  /// (nullptr, cudaStreamLegacy) none (its id asked once per backend).
   [[nodiscard]] stream_identity identify(stream_handle stream) override;
   /// cudaThreadExchangeStreamCaptureMode.
   capture_mode exchange_capture_mode(capture_mode mode) override;
@@ -101,6 +103,10 @@ class cuda_backend final : public device_backend {
 
  private:
   void require_vmm(const char* call) const;
+  /// stream_id of cudaStreamLegacy or cudaStreamPerThread with this device current.
+  std::uint64_t special_stream_id(stream_handle stream);
+
+  static constexpr std::uint64_t k_unknown_id = ~std::uint64_t{0};
 
   int device_;
   int cu_device_ = 0;  // The driver's CUdevice for device_.
@@ -109,6 +115,7 @@ class cuda_backend final : public device_backend {
   mutable std::mutex access_mu_;
   std::vector<int> access_devices_;  // runtime ordinals, this device first
   std::vector<int> access_cu_;       // their CUdevice numbers
+  std::atomic<std::uint64_t> legacy_id_{k_unknown_id};  // the legacy stream's id, once asked
 };
 
 }  // namespace cucache

@@ -71,7 +71,7 @@ inline constexpr int k_sim_capture_unsupported = 900;
 inline constexpr int k_sim_capture_invalidated = 901;
 /// cudaErrorStreamCaptureWrongThread's number: a non-relaxed capture ended on another thread.
 inline constexpr int k_sim_capture_wrong_thread = 908;
-/// The id stream_id gives the legacy default stream (nullptr).
+/// The id stream_id gives the legacy default stream (nullptr and cudaStreamLegacy, 0x1).
 inline constexpr std::uint64_t k_sim_legacy_stream_id = std::uint64_t{1} << 61;
 
 /// Options of a simulated device.
@@ -153,23 +153,28 @@ class sim_backend final : public device_backend {
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
   [[nodiscard]] std::uint64_t stream_id(stream_handle stream) override;
   [[nodiscard]] capture_info capture_status(stream_handle stream) override;
-  /// capture_status then stream_id, counted as those two calls, with one test of the lock-free
-  /// case (a handle the sim did not create, no capture anywhere) for both.
+  /// cuda_backend's rule, counted as the calls it makes: the legacy stream (nullptr,
+  /// cudaStreamLegacy) none; cudaStreamPerThread capture_status, and stream_id once per thread;
+  /// any other stream capture_status then stream_id, with one test of the lock-free case (a
+  /// handle the sim did not create, no capture anywhere) for both.
   [[nodiscard]] stream_identity identify(stream_handle stream) override;
   capture_mode exchange_capture_mode(capture_mode mode) override;
 
   // --- Streams ----------------------------------------------------------------------------------
   // The driver rejects a destroyed stream (cudaErrorInvalidResourceHandle) -- or, on a real
   // device, may crash on the dangling handle -- so the sim keeps a registry: streams it created
-  // (create_stream) are alive until destroy_stream; every handle it never created (nullptr, the
-  // legacy default stream, and the fake values tests pass, e.g. reinterpret_cast<stream_handle>(1))
-  // counts as alive. event_record and stream_synchronize on a destroyed stream
-  // throw cuda_error with code 400 (k_sim_invalid_resource_handle). Work recorded on a stream
-  // before it was destroyed still completes (complete_stream, complete_all, device_synchronize),
-  // as on the driver. Like the runtime, create_stream hands a destroyed stream's handle value to
-  // the next stream it creates (sim_options::reuse_stream_handles), which is then alive again; the
-  // stream id (stream_id) is never reused: every created stream has its own, counted from 1.
-  // Handles the sim did not create have the id (1 << 62) | value, nullptr k_sim_legacy_stream_id.
+  // (create_stream) are alive until destroy_stream; every handle it never created (the legacy
+  // default stream and the fake values tests pass, e.g. reinterpret_cast<stream_handle>(0x100))
+  // counts as alive. The legacy stream has two handles, nullptr and cudaStreamLegacy (0x1, so no
+  // fake stream of its own): one id, k_sim_legacy_stream_id, and never a capture.
+  // event_record and stream_synchronize on a destroyed stream throw cuda_error with code 400
+  // (k_sim_invalid_resource_handle). Work recorded on a stream before it was destroyed still
+  // completes (complete_stream, complete_all, device_synchronize), as on the driver. Like the
+  // runtime, create_stream hands a destroyed stream's handle value to the next stream it creates
+  // (sim_options::reuse_stream_handles), which is then alive again; the stream id (stream_id) is
+  // never reused: every created stream has its own, counted from 1. Other handles the sim did not
+  // create have the id (1 << 62) | value; cudaStreamPerThread (0x2) is one such handle, the same
+  // stream in every thread (the sim does not model a stream per thread).
   /// A new stream (cudaStreamCreate): a non-null handle no test's fake stream collides with.
   [[nodiscard]] stream_handle create_stream();
   /// Destroys a stream from create_stream (cudaStreamDestroy). Throws cuda_error (400) for a
@@ -194,7 +199,8 @@ class sim_backend final : public device_backend {
   // (capture_violations) and invalidates the captures that made it illegal: their end_capture
   // throws 901. event_record, event_create and event_destroy are always legal.
   /// Begins capturing `stream` (cudaStreamBeginCapture) in `mode` on the calling thread; returns
-  /// the capture id (1, 2, ...). Throws cuda_error for nullptr, a destroyed stream or one already
+  /// the capture id (1, 2, ...). Throws cuda_error for the legacy stream (nullptr or
+  /// cudaStreamLegacy: code 1, cudaErrorInvalidValue), a destroyed stream or one already
   /// capturing.
   std::uint64_t begin_capture(stream_handle stream, capture_mode mode = capture_mode::global);
   /// Ends the capture of `stream` (cudaStreamEndCapture); returns its id. Throws cuda_error 901
@@ -285,6 +291,8 @@ class sim_backend final : public device_backend {
   };
 
   bool should_fail(sim_call kind);  // REQUIRES: mu_ held; counts the call
+  /// identify of the legacy stream's handles and cudaStreamPerThread (out of line: rare here).
+  [[gnu::noinline]] stream_identity identify_special(stream_handle stream);
   /// The id of `stream`; for a destroyed one, the id it had. REQUIRES: mu_ held.
   std::uint64_t id_of_locked(stream_handle stream) const;
   /// Throws cuda_error (900) when a potentially unsafe call is illegal now. REQUIRES: mu_ held.
@@ -303,6 +311,7 @@ class sim_backend final : public device_backend {
   std::size_t page_round(std::size_t bytes) const;
 
   sim_options options_;
+  const std::uint64_t serial_;  // unique per sim in the process (identify's per-thread keeping)
   mutable std::mutex mu_;
   std::array<std::atomic<std::uint64_t>, k_sim_call_kinds> calls_{};
   std::array<std::uint64_t, k_sim_call_kinds> fail_at_{};  // absolute call number to fail; 0 = none

@@ -1,5 +1,6 @@
 // The invariant checker of device_allocator: walks every pool, segment and block and compares the
 // structures and the statistics against a recount. Used by the tests after every operation.
+#include <algorithm>
 #include <fmt/format.h>
 
 #include <map>
@@ -124,6 +125,31 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     prev_end = u->end;
     ++idle_runs;
     idle_pages += u->pages();
+  }
+  // The parked span (the pool's most recently idle pages, outside the runs): named by the pool
+  // exactly when not empty, mapped, disjoint from every idle run.
+  const bool parked = r.parked_end != r.parked_first;
+  if (parked != (p.pages.parked == &r)) {
+    violated(fmt::format("range {:#x}: parked span [{}, {}) but pool {} {} it", r.base,
+                         r.parked_first, r.parked_end, p.index,
+                         p.pages.parked == &r ? "names" : "does not name"));
+  }
+  if (parked) {
+    if (r.parked_end < r.parked_first || r.parked_end > r.page_count ||
+        !r.all_mapped(r.parked_first, r.parked_end - 1) || r.idle_owner != &p.pages) {
+      violated(fmt::format("range {:#x}: parked span [{}, {}) is malformed, unmapped or not "
+                           "owned by pool {}",
+                           r.base, r.parked_first, r.parked_end, p.index));
+    }
+    auto it = r.idle_runs.lower_bound(r.parked_first);
+    const bool overlaps_next = it != r.idle_runs.end() && it->first < r.parked_end;
+    const bool overlaps_prev =
+        it != r.idle_runs.begin() && std::prev(it)->second->end > r.parked_first;
+    if (overlaps_next || overlaps_prev) {
+      violated(fmt::format("range {:#x}: parked span [{}, {}) overlaps an idle run", r.base,
+                           r.parked_first, r.parked_end));
+    }
+    idle_pages += r.parked_end - r.parked_first;
   }
   mapped_total += mapped_pages * r.page_bytes;
 }
@@ -271,13 +297,26 @@ void device_allocator::check_invariants() const {
     if (idle_last != p.pages.idle_tail) {
       violated(fmt::format("pool {}: idle list tail is not its last run", p.index));
     }
-    if (idle_listed != idle_runs_seen || idle_listed_pages != idle_pages_seen ||
-        idle_listed_pages * m.page_bytes != p.pages.idle_bytes) {
+    // The parked span went idle after every listed run.
+    std::size_t parked_pages = 0;
+    if (const detail::vm_range* pr = p.pages.parked) {
+      parked_pages = pr->parked_end - pr->parked_first;
+      const bool own = std::any_of(std::begin(p.pages.ranges), std::end(p.pages.ranges),
+                                   [&](const segment* s) { return s != nullptr && s->vm == pr; });
+      if (!own) violated(fmt::format("pool {}: parked span in a range not its own", p.index));
+      if (p.pages.idle_head != nullptr && p.pages.idle_head->epoch > pr->parked_epoch) {
+        violated(fmt::format("pool {}: the parked span has an earlier epoch than the idle list's "
+                             "head",
+                             p.index));
+      }
+    }
+    if (idle_listed != idle_runs_seen || idle_listed_pages + parked_pages != idle_pages_seen ||
+        (idle_listed_pages + parked_pages) * m.page_bytes != p.pages.idle_bytes) {
       violated(
           fmt::format("pool {}: idle list holds {} runs / {} pages, page tables show {} runs / {} "
-                      "pages, pool says {} bytes",
+                      "pages, pool says {} bytes ({} pages parked)",
                       p.index, idle_listed, idle_listed_pages, idle_runs_seen, idle_pages_seen,
-                      p.pages.idle_bytes));
+                      p.pages.idle_bytes, parked_pages));
     }
     if (pending_blocks_events != p.pending.size() + p.retained) {
       violated(

@@ -540,7 +540,8 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
       lk.unlock();
       refuse_if_asleep(p, nullptr, "allocate");
     }
-    ensure_range(p, kind);
+    if (p.pages.ranges[static_cast<int>(kind)] == nullptr) [[unlikely]]
+      ensure_range(p, kind);
     block* b = detail::place_in_range(p.index_of(kind), rounded);
     if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
     b = carve(p, b, kind, rounded, bytes);
@@ -573,13 +574,14 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   const std::size_t rounded = *rounded_or;
   const pool_kind kind = detail::size_policy::pool_for(rounded);
   // A stream that is being captured allocates from its capture's pool: the graph keeps using the
-  // address at every replay, so nobody else may get it. (The legacy stream cannot be captured.)
+  // address at every replay, so nobody else may get it. (The legacy stream -- nullptr or
+  // cudaStreamLegacy -- cannot be captured nor destroyed: one fixed key, no backend call.)
   // One backend call asks both what the capture check and the pool key need: the capture status
   // first, and the stream id only when the stream is not being captured (asking the id of a
   // capturing stream would invalidate its capture).
   stream_pool* graph_part = nullptr;
   std::uint64_t key = detail::k_legacy_stream_key;
-  if (stream != nullptr) {
+  if (!is_legacy_stream(stream)) [[likely]] {
     const stream_identity who = raw->identify(stream);
     if (who.capture.state != capture_state::none || sync_blocked()) [[unlikely]] {
       graph_part = graphs.part_for(stream, who.capture);
@@ -792,7 +794,7 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
   if (!p.quiet() || graphs.any_capture() || sync_blocked()) return;
   // The legacy stream is never gone (its pool needs no retirement), and recording on it could
   // touch a capture of another thread; the per-thread handle names another stream per thread.
-  if (p.stream == nullptr || p.stream == per_thread_stream()) return;
+  if (is_special_stream(p.stream)) return;
   try {
     // The handle the caller named equals p's, but it may be a new stream that got a destroyed
     // one's handle value (names_pool_stream): only p's own stream, by id, is recorded on. An

@@ -41,8 +41,16 @@ std::unique_ptr<vm_range> pager::reserve_range(pool_kind kind) {
 }
 
 void pager::destroy_range(vm_range& r) noexcept {
-  // Its idle runs leave their pool's list (the pool may outlive the range).
+  // Its idle runs leave their pool's list (the pool may outlive the range), its parked span the
+  // pool.
   if (pool_pages* owner = r.idle_owner) {
+    if (owner->parked == &r) {
+      const std::size_t bytes = (r.parked_end - r.parked_first) * page_bytes_;
+      owner->idle_bytes -= bytes;
+      idle_total_.fetch_sub(bytes, std::memory_order_relaxed);
+      owner->parked = nullptr;
+      r.parked_first = r.parked_end = 0;
+    }
     for (auto& [first, u] : r.idle_runs) {
       (u->newer != nullptr ? u->newer->older : owner->idle_head) = u->older;
       (u->older != nullptr ? u->older->newer : owner->idle_tail) = u->newer;
@@ -69,7 +77,8 @@ void pager::destroy_range(vm_range& r) noexcept {
 
 // --- the idle runs ------------------------------------------------------------------------------
 
-void pager::add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept {
+// The helpers of a cache hit's touch are inlined into it (CUCACHE_HOT; used in this file only).
+CUCACHE_HOT void pager::add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept {
   const std::size_t bytes = pages * page_bytes_;
   if (add) {
     p.pages.idle_bytes += bytes;
@@ -88,12 +97,43 @@ void pager::list_unlink(stream_pool& p, idle_run* u) noexcept {
 
 void pager::idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) {
   // REQUIRES: every page of [first, end) mapped, touched by no block, in no idle run.
+  unpark(p);  // the parked pages went idle before these
+  link_run(p, r, first, end, syncs_started_.load(std::memory_order_seq_cst));
+  add_idle_bytes(p, end - first, true);
+}
+
+CUCACHE_HOT void pager::park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) {
+  // REQUIRES: as idle_add.
   const std::uint64_t epoch = syncs_started_.load(std::memory_order_seq_cst);
+  if (p.pages.parked == &r && r.parked_end == first && r.parked_epoch == epoch) {
+    r.parked_end = end;  // continues the parked span, as idle_add joins the head run
+    add_idle_bytes(p, end - first, true);
+    return;
+  }
+  if (p.pages.parked != nullptr) unpark(p);
+  r.idle_owner = &p.pages;
+  r.parked_first = first;
+  r.parked_end = end;
+  r.parked_epoch = epoch;
+  p.pages.parked = &r;
+  add_idle_bytes(p, end - first, true);
+}
+
+void pager::unpark(stream_pool& p) {
+  vm_range* r = p.pages.parked;
+  if (r == nullptr) [[likely]]
+    return;
+  link_run(p, *r, r->parked_first, r->parked_end, r->parked_epoch);  // may throw: nothing changed
+  r->parked_first = r->parked_end = 0;
+  p.pages.parked = nullptr;
+}
+
+void pager::link_run(stream_pool& p, vm_range& r, std::size_t first, std::size_t end,
+                     std::uint64_t epoch) {
   r.idle_owner = &p.pages;
   idle_run* h = p.pages.idle_head;
   if (h != nullptr && h->range == &r && h->end == first && h->epoch == epoch) {
     h->end = end;  // the head's pages went idle just before, in address order: one run
-    add_idle_bytes(p, end - first, true);
     return;
   }
   idle_run* u = p.pages.runs.make();
@@ -110,19 +150,43 @@ void pager::idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t
   u->older = h;
   (h != nullptr ? h->newer : p.pages.idle_tail) = u;
   p.pages.idle_head = u;
-  add_idle_bytes(p, end - first, true);
 }
 
-void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) {
-  if (r.all_mapped(first, last)) {
-    idle_add(p, r, first, last + 1);
+CUCACHE_HOT void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first,
+                                  std::size_t last) {
+  if (r.all_mapped(first, last)) [[likely]] {
+    park(p, r, first, last + 1);
     return;
   }
   r.for_each_mapped_run(first, last,
                         [&](std::size_t a, std::size_t e) { idle_add(p, r, a, e); });
 }
 
+CUCACHE_HOT bool pager::take_parked(stream_pool& p, vm_range& r, std::size_t first,
+                                    std::size_t last) noexcept {
+  // A carve of the block just freed (a cache hit): the span, or one end of it, leaves.
+  if (r.parked_first == first && r.parked_end > last) {
+    add_idle_bytes(p, last + 1 - first, false);
+    r.parked_first = last + 1;
+    if (r.parked_first == r.parked_end) {
+      r.parked_first = r.parked_end = 0;
+      p.pages.parked = nullptr;
+    }
+    return true;
+  }
+  if (r.parked_first < first && r.parked_end == last + 1) {
+    add_idle_bytes(p, last + 1 - first, false);
+    r.parked_end = first;
+    return true;
+  }
+  return false;
+}
+
 void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) {
+  if (r.parked_end > first && r.parked_first <= last) {  // [first, last] meets the parked span
+    if (take_parked(p, r, first, last)) return;
+    unpark(p);  // a split of the span, or pages beyond it: the runs' general path
+  }
   auto it = r.idle_runs.end();
   if (const idle_run* h = p.pages.idle_head;
       h != nullptr && h->range == &r && h->first <= first && h->end > last) {
@@ -194,6 +258,8 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
     // inside it when last <= first + 1: then, with both edges touched, nothing leaves the idle
     // runs (a small block carved beside live ones: no lookup).
     if (last <= first + 1 && first_use != 0 && last_use != 0) return;
+    if (take_parked(p, r, first, last)) [[likely]]
+      return;
     idle_remove(p, r, first, last);
     return;
   }
@@ -279,6 +345,7 @@ phys_handle pager::unmap(stream_pool& p, vm_range& r, std::size_t pg) {
 }
 
 void pager::release_oldest_idle(stream_pool& q) {
+  unpark(q);
   idle_run* u = q.pages.idle_tail;
   wait_until_unmappable(u->epoch);
   release(unmap(q, *u->range, u->first), page_bytes_);
@@ -387,6 +454,7 @@ idle_run* pager::idle_within(const stream_pool& q, std::size_t want) const {
 }
 
 std::optional<pager::piece> pager::take_idle(stream_pool& p, std::size_t want) {
+  unpark(p);
   idle_run* u = idle_within(p, want);
   if (u == nullptr) return std::nullopt;
   wait_until_unmappable(u->epoch);
@@ -400,6 +468,7 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
+    unpark(*q);
     idle_run* u = idle_within(*q, want);
     if (u == nullptr) continue;
     wait_until_unmappable(u->epoch);
@@ -455,6 +524,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   // creates anything, so releasing one only to create another would gain no room. Idle pages,
   // least recently idle first: this pool's, then the other pools'.
   if (!may_synchronize_()) return false;
+  unpark(p);
   while (p.pages.idle_tail != nullptr) {
     release_oldest_idle(p);
     if (fits(bytes)) return true;
@@ -465,6 +535,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
+    unpark(*q);
     while (q->pages.idle_tail != nullptr) {
       release_oldest_idle(*q);
       if (fits(bytes)) return true;
@@ -489,7 +560,7 @@ pager::span_state pager::scan(const vm_range& r, const block* b) const {
   return st;
 }
 
-bool pager::back(stream_pool& p, const block* b) {
+bool pager::back_slow(stream_pool& p, const block* b) {
   vm_range& r = *b->seg->vm;
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
@@ -610,6 +681,7 @@ bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std
 
 void pager::unmap_idle(stream_pool& p, bool release_handles) {
   // Most recently idle first: the head run's last page.
+  unpark(p);
   while (idle_run* u = p.pages.idle_head) {
     wait_until_unmappable(u->epoch);
     const phys_handle h = unmap(p, *u->range, u->end - 1);
@@ -624,6 +696,7 @@ void pager::unmap_idle(stream_pool& p, bool release_handles) {
 // --- sleep ---------------------------------------------------------------------------------------
 
 std::size_t pager::evict(stream_pool& p, bool synchronize) {
+  unpark(p);
   if (synchronize) synchronize_device();
   std::size_t released = 0;
   for (segment* seg : p.pages.ranges) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "allocator/device_budget.hpp"
+#include "allocator/hot.hpp"
 #include "allocator/pool_table.hpp"
 #include "allocator/stream_pool.hpp"
 #include "core/vm_range.hpp"
@@ -105,8 +106,15 @@ class pager {
   /// hit). False when no physical memory could be
   /// found (the pages already mapped stay mapped, with access, idle once the caller un-carves b).
   /// A failed VM call throws and leaves no half-mapped block (what this call mapped is unmapped
-  /// again) and no untracked handle.
-  [[nodiscard]] bool back(stream_pool& p, const block* b);
+  /// again) and no untracked handle. Inline when every page of b is mapped with access (a cache
+  /// hit: no call).
+  [[nodiscard]] CUCACHE_HOT bool back(stream_pool& p, const block* b) {
+    const vm_range& r = *b->seg->vm;
+    if (r.no_access_pages == 0 &&
+        r.all_mapped(r.page_of(b->addr), r.page_of(b->addr + b->size - 1))) [[likely]]
+      return true;
+    return back_slow(p, b);
+  }
 
   /// Bytes that backing new pages could take without a new device allocation now or after the
   /// out-of-memory ladder: the unmapped handles kept for reuse and, when `with_idle` (the ladder
@@ -204,6 +212,9 @@ class pager {
   };
   /// What b's pages lack: O(log runs) when every page is mapped.
   span_state scan(const vm_range& r, const block* b) const;
+  /// back() past its inline test: some page of b unmapped, or some mapped page of r without
+  /// access.
+  bool back_slow(stream_pool& p, const block* b);
   /// back() without the access grant: maps pieces over b's missing pages.
   bool back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t missing,
                   std::vector<std::size_t>& batch);
@@ -220,12 +231,26 @@ class pager {
   /// idle list (joined to the head run when it continues it with the same epoch: the order of the
   /// pages is the same).
   void idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end);
+  /// idle_add for the free of a block whose pages are all mapped: the pages become the pool's
+  /// parked span (vm_range::parked_first) instead of a run, the span parked before is linked
+  /// first (unpark) unless the new pages continue it.
+  void park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end);
+  /// Links p's parked span, if any, as the head run of its idle list (the idle list then holds
+  /// every idle page of p). Changes nothing when it throws.
+  void unpark(stream_pool& p);
+  /// Links [first, end) of r, of epoch `epoch`, as the head run of p's idle list (joined to the
+  /// head run when it continues it with the same epoch). Counts no bytes.
+  void link_run(stream_pool& p, vm_range& r, std::size_t first, std::size_t end,
+                std::uint64_t epoch);
   /// The mapped pages of [first, last] of r, untouched now, went idle: one run per run of mapped
   /// pages, in address order (one run when all are mapped, as on every free after back()).
   void make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last);
   /// Pages [first, last] of r are idle no more (touched, or unmapped): they leave the idle runs,
   /// which are trimmed or split in place (the rest keeps its order). O(log runs + runs removed).
   void idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last);
+  /// idle_remove's case of a cache hit: [first, last] is the parked span or one end of it, and
+  /// leaves it. False (nothing changed) otherwise.
+  bool take_parked(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) noexcept;
   void list_unlink(stream_pool& p, idle_run* u) noexcept;
   void add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept;
 

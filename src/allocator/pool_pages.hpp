@@ -18,7 +18,11 @@ struct pool_pages {
   /// pages went idle (within a run, lower pages first), kept when a carve splits a run.
   idle_run* idle_head = nullptr;
   idle_run* idle_tail = nullptr;  // least recently idle
-  std::size_t idle_bytes = 0;     // bytes of the pages of the idle runs
+  std::size_t idle_bytes = 0;     // bytes of the pages of the idle runs and the parked span
+  /// The range holding the pool's parked span (vm_range::parked_first), or nullptr: the most
+  /// recently idle pages, not linked in the idle list until something else needs the list.
+  vm_range* parked = nullptr;
+  [[nodiscard]] bool has_idle() const noexcept { return idle_head != nullptr || parked != nullptr; }
   object_arena<idle_run> runs;    // storage of this pool's idle runs
 };
 

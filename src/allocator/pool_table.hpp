@@ -30,8 +30,9 @@
 
 namespace cucache::detail {
 
-/// The pool key of the legacy default stream (nullptr), which is never destroyed nor captured:
-/// no stream_id call for it. Real and simulated stream ids never take this value.
+/// The pool key of the legacy default stream (nullptr or cudaStreamLegacy: is_legacy_stream),
+/// which is never destroyed nor captured: no backend call for it. Real and simulated stream ids
+/// never take this value.
 inline constexpr std::uint64_t k_legacy_stream_key = ~std::uint64_t{0};
 
 /// The thread's last pool lookup: the table that made it, the stream key, the pool.
@@ -52,7 +53,7 @@ class pool_table {
   // --- keys -----------------------------------------------------------------------------------
   /// The key of `stream`'s pool: its stream id.
   [[nodiscard]] std::uint64_t stream_key(stream_handle stream) const {
-    return stream == nullptr ? k_legacy_stream_key : streams_.stream_id(stream);
+    return is_legacy_stream(stream) ? k_legacy_stream_key : streams_.stream_id(stream);
   }
   /// The key of a stream that is being captured. cudaStreamGetId is refused on a capturing stream
   /// in every capture mode, relaxed included, and the refusal invalidates the capture (seen on the
@@ -66,7 +67,7 @@ class pool_table {
   static constexpr std::uint64_t k_capture_key_tag = std::uint64_t{1} << 63;
   /// The key of any stream: its capture key while it is being captured, its id otherwise.
   [[nodiscard]] std::uint64_t any_stream_key(stream_handle stream) const {
-    if (stream == nullptr) return k_legacy_stream_key;
+    if (is_legacy_stream(stream)) return k_legacy_stream_key;
     const stream_identity who = streams_.identify(stream);
     return who.capture.state != capture_state::none ? capture_key(stream) : who.id;
   }
@@ -75,8 +76,11 @@ class pool_table {
   /// on the allocation path (keys differ); here equal handles of different streams can only mean
   /// that p's stream was destroyed, and p's blocks are then reachable only through paths that
   /// synchronize the device, so treating them as p's own stream is safe.
+  /// The legacy stream's two handles (nullptr, cudaStreamLegacy) name one stream.
   [[nodiscard]] bool names_pool_stream(const stream_pool& p, stream_handle stream) const {
-    return stream == p.stream && (stream != per_thread_stream() || any_stream_key(stream) == p.key);
+    if (stream != p.stream) [[unlikely]]
+      return is_legacy_stream(stream) && is_legacy_stream(p.stream);
+    return stream != per_thread_stream() || any_stream_key(stream) == p.key;
   }
 
   // --- lookup and creation --------------------------------------------------------------------

@@ -276,7 +276,7 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
   std::size_t room = pager->room_bytes();
   for (const auto& q : pools) {
     if (room >= needed) break;
-    if (q->domain == domain || q->pages.idle_head == nullptr) continue;
+    if (q->domain == domain || !q->pages.has_idle()) continue;
     pager->unmap_idle(*q, /*release=*/true);
     room = pager->room_bytes();
   }

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -553,8 +554,60 @@ capture_info cuda_backend::capture_status(stream_handle stream) {
   return detail::runtime_capture_info(stream);
 }
 
+namespace {
+// The id of each device's per-thread stream in this thread, plus one (0: not asked yet), by
+// runtime ordinal; devices beyond the table ask every time. A thread's per-thread stream of a
+// device lives as long as the thread (and the device's primary context: cudaDeviceReset ends
+// both, and everything an allocator holds with them).
+constexpr int k_cached_devices = 64;
+thread_local std::array<std::uint64_t, k_cached_devices> t_per_thread_ids{};
+}  // namespace
+
+std::uint64_t cuda_backend::special_stream_id(stream_handle stream) {
+  // cudaStreamLegacy and cudaStreamPerThread name the stream of the *current* context: asked
+  // with this backend's device current, so that the id kept is this device's.
+  const detail::device_guard guard(device_);
+  return cuda_backend::stream_id(stream);
+}
+
 stream_identity cuda_backend::identify(stream_handle stream) {
-  // The base's rule, with the two calls bound statically (no virtual dispatch per allocation).
+  // The base's rule (backend.hpp), with the calls bound statically (no virtual dispatch per
+  // allocation), and the two special handles answered from what was asked before:
+  //
+  // - The legacy stream (nullptr, cudaStreamLegacy): no driver call. It can never be captured --
+  //   cudaStreamBeginCapture: "Capture may not be initiated if stream is cudaStreamLegacy" (CUDA
+  //   Runtime API reference, Stream Management; cuStreamBeginCapture: "... if hStream is
+  //   CU_STREAM_LEGACY") -- and never destroyed, so its capture status is always none and its id
+  //   is constant per device: asked once (cuStreamGetId) and kept in legacy_id_. (While another,
+  //   blocking stream captures, cudaStreamIsCapturing on the legacy stream is refused with
+  //   cudaErrorStreamCaptureImplicit -- the legacy stream itself is still not captured, and
+  //   work the program enqueues on it then fails in the runtime, not here.)
+  // - cudaStreamPerThread: the capture query stays (its capture is allowed and may begin between
+  //   any two allocations); its id is fixed for the thread's life, so kept per thread and device.
+  //   The id kept is that of this backend's device (asked with it current), the capture query
+  //   asks about the current device's per-thread stream, as the runtime resolves the handle:
+  //   the two agree when the allocation's device is current, as with every front end (the C API
+  //   allocates on the current device; PyTorch makes the tensor's device current).
+  // - Any other stream: both queries. A destroyed stream's handle value is handed to the next
+  //   stream the runtime creates, and nothing cheaper than cuStreamGetId tells the two apart
+  //   (docs/design.md, "Streams that die"): ~55 ns of driver queries on the H200.
+  if (is_special_stream(stream)) [[unlikely]] {
+    if (is_legacy_stream(stream)) {
+      std::uint64_t id = legacy_id_.load(std::memory_order_acquire);
+      if (id == k_unknown_id) [[unlikely]] {
+        id = special_stream_id(legacy_stream());
+        legacy_id_.store(id, std::memory_order_release);  // racing threads store the same id
+      }
+      return {{}, id};
+    }
+    const capture_info capture = cuda_backend::capture_status(stream);
+    if (capture.state != capture_state::none) return {capture, 0};
+    if (device_ < 0 || device_ >= k_cached_devices) return {capture, special_stream_id(stream)};
+    std::uint64_t& slot = t_per_thread_ids[static_cast<std::size_t>(device_)];
+    if (slot == 0) [[unlikely]]
+      slot = special_stream_id(stream) + 1;
+    return {capture, slot - 1};
+  }
   const capture_info capture = cuda_backend::capture_status(stream);
   if (capture.state != capture_state::none) return {capture, 0};
   return {capture, cuda_backend::stream_id(stream)};

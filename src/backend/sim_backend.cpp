@@ -36,6 +36,15 @@ constexpr std::uint64_t k_fake_stream_id_tag = std::uint64_t{1} << 62;
 // The calling thread's capture mode: per thread, shared by every simulated device, as in CUDA.
 thread_local capture_mode t_capture_mode = capture_mode::global;
 
+// identify's per-thread keeping of cudaStreamPerThread's id, as cuda_backend keeps it: the sim it
+// was asked of (by serial number: an address may be reused by a later sim) and the id.
+std::atomic<std::uint64_t> g_sim_serials{0};
+struct per_thread_id_entry {
+  std::uint64_t serial = 0;  // 0: nothing kept
+  std::uint64_t id = 0;
+};
+thread_local per_thread_id_entry t_per_thread_id;
+
 const char* to_string(capture_mode mode) noexcept {
   switch (mode) {
     case capture_mode::global:
@@ -161,7 +170,10 @@ const char* to_string(sim_call call) noexcept {
   return "unknown";
 }
 
-sim_backend::sim_backend(sim_options options) : options_(options), next_stream_(k_stream_base) {
+sim_backend::sim_backend(sim_options options)
+    : options_(options),
+      serial_(g_sim_serials.fetch_add(1, std::memory_order_relaxed) + 1),
+      next_stream_(k_stream_base) {
   if (options_.malloc_page_bytes == 0) options_.malloc_page_bytes = 1;
   if (options_.device < 0 || options_.device >= k_max_devices) {
     throw invalid_argument(
@@ -186,7 +198,7 @@ bool sim_backend::should_fail(sim_call kind) {
 }
 
 std::uint64_t sim_backend::id_of_locked(stream_handle stream) const {
-  if (stream == nullptr) return k_sim_legacy_stream_id;
+  if (is_legacy_stream(stream)) return k_sim_legacy_stream_id;
   if (auto it = live_streams_.find(stream); it != live_streams_.end()) return it->second;
   if (auto it = destroyed_streams_.find(stream); it != destroyed_streams_.end()) return it->second;
   return k_fake_stream_id_tag | reinterpret_cast<std::uintptr_t>(stream);
@@ -237,7 +249,7 @@ bool sim_backend::query_fast(sim_call kind) noexcept {
 }
 
 void sim_backend::require_live_stream(sim_call kind, stream_handle stream) {
-  if (stream == nullptr || !destroyed_streams_.contains(stream)) return;
+  if (is_legacy_stream(stream) || !destroyed_streams_.contains(stream)) return;
   ++destroyed_stream_calls_;
   fail(kind, fmt::format("stream {} has been destroyed", static_cast<const void*>(stream)),
        k_sim_invalid_resource_handle);
@@ -740,7 +752,7 @@ std::uint64_t sim_backend::stream_id(stream_handle stream) {
   // Handles the sim never created need no lookup (the benchmarks' and most tests' streams), and
   // have the id (1 << 62) | value -- unless a capture might be asked about.
   const bool created = v >= k_stream_base && v < next_stream_.load(std::memory_order_acquire);
-  const std::uint64_t fake = stream == nullptr ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
+  const std::uint64_t fake = is_legacy_stream(stream) ? k_sim_legacy_stream_id : k_fake_stream_id_tag | v;
   if (!created && capturing_.load(std::memory_order_acquire) == 0 &&
       query_fast(sim_call::stream_id)) {
     return fake;
@@ -771,20 +783,36 @@ capture_info sim_backend::capture_status(stream_handle stream) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::capture_status)) fail(sim_call::capture_status, "injected failure");
   require_live_stream(sim_call::capture_status, stream);
-  auto it = stream != nullptr ? captures_.find(stream) : captures_.end();
+  auto it = !is_legacy_stream(stream) ? captures_.find(stream) : captures_.end();
   if (it == captures_.end()) return {};
   return {it->second.invalidated ? capture_state::invalidated : capture_state::active,
           it->second.id};
 }
 
 stream_identity sim_backend::identify(stream_handle stream) {
+  // cuda_backend's rule (backend.hpp, identify), with the same queries counted: the legacy
+  // stream none (it cannot be captured -- begin_capture refuses it as the runtime does -- nor
+  // destroyed: its id is constant), cudaStreamPerThread the capture query and, once per thread,
+  // the id; any other stream both.
   const auto v = reinterpret_cast<std::uintptr_t>(stream);
   const bool created = v >= k_stream_base && v < next_stream_.load(std::memory_order_acquire);
-  if (!created && stream != nullptr && capturing_.load(std::memory_order_acquire) == 0 &&
+  if (!created && !is_special_stream(stream) && capturing_.load(std::memory_order_acquire) == 0 &&
       query_fast(sim_call::capture_status) && query_fast(sim_call::stream_id)) {
     return {{}, k_fake_stream_id_tag | v};
   }
+  if (is_special_stream(stream)) [[unlikely]]
+    return identify_special(stream);
   return device_backend::identify(stream);
+}
+
+stream_identity sim_backend::identify_special(stream_handle stream) {
+  if (is_legacy_stream(stream)) return {{}, k_sim_legacy_stream_id};
+  const capture_info capture = capture_status(stream);
+  if (capture.state != capture_state::none) return {capture, 0};
+  per_thread_id_entry& kept = t_per_thread_id;
+  if (kept.serial != serial_) [[unlikely]]
+    kept = {serial_, stream_id(stream)};
+  return {capture, kept.id};
 }
 
 capture_mode sim_backend::exchange_capture_mode(capture_mode mode) {
@@ -799,7 +827,11 @@ capture_mode sim_backend::exchange_capture_mode(capture_mode mode) {
 
 std::uint64_t sim_backend::begin_capture(stream_handle stream, capture_mode mode) {
   std::lock_guard lock(mu_);
-  if (stream == nullptr) {
+  // "Capture may not be initiated if stream is cudaStreamLegacy" (CUDA Runtime API reference,
+  // cudaStreamBeginCapture), whichever handle names it: nullptr or cudaStreamLegacy (0x1). The
+  // reference lists cudaErrorInvalidValue among the call's errors and names no code for this
+  // case; the sim answers that one.
+  if (is_legacy_stream(stream)) {
     throw cuda_error("sim begin_capture", k_sim_invalid_value,
                      "the legacy default stream cannot be captured");
   }

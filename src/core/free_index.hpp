@@ -157,6 +157,21 @@ inline void free_index::replace(block* out, block* in) noexcept {
     out->free_prev = out->free_next = nullptr;
     return;
   }
+  if (p == nullptr && n == nullptr && heads_[bin] == nullptr) {
+    // out alone in its bin, in's bin empty (a split or merge of a segment's tail, every cache-hit
+    // pair of a small block): the two heads and their bits, no walk.
+    const std::uint32_t old_bin = out->bin;
+    heads_[old_bin] = nullptr;
+    auto& old_sub = sub_map_[old_bin / k_sub_bins];
+    old_sub &= ~(1u << (old_bin % k_sub_bins));
+    if (old_sub == 0) level_map_ &= ~(std::uint64_t{1} << (old_bin / k_sub_bins));
+    in->bin = bin;
+    in->free_prev = in->free_next = nullptr;
+    heads_[bin] = in;
+    level_map_ |= std::uint64_t{1} << (bin / k_sub_bins);
+    sub_map_[bin / k_sub_bins] |= 1u << (bin % k_sub_bins);
+    return;
+  }
   unplace(out);
   place(in, bin);
 }

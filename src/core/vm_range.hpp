@@ -134,6 +134,14 @@ struct vm_range {
   std::vector<std::map<std::size_t, idle_run*>::node_type> spare_nodes;
   static constexpr std::size_t k_spare_nodes = 8;
   pool_pages* idle_owner = nullptr;  // the pool's pages whose idle list holds these idle runs
+  /// The pool's parked span, when pool_pages::parked names this range: idle pages
+  /// [parked_first, parked_end) that went idle after every run of the idle list, kept out of
+  /// idle_runs and the list (one per pool). A cache-hit pair frees a block (its pages park) and
+  /// carves it again (they leave the parked span): no map insert or erase, no list link. Any
+  /// other use of the idle list first links the span as a run (pager::unpark). Empty: 0, 0.
+  std::size_t parked_first = 0;
+  std::size_t parked_end = 0;
+  std::uint64_t parked_epoch = 0;  // as idle_run::epoch
   std::size_t mapped_pages = 0;
   std::size_t no_access_pages = 0;  // mapped pages without access (a batch being backed, a
                                     // failed undo)
@@ -205,8 +213,9 @@ struct vm_range {
     }
     return next;
   }
-  /// pg is in an idle run (mapped, touched by no block). O(log runs).
+  /// pg is in an idle run or the parked span (mapped, touched by no block). O(log runs).
   [[nodiscard]] bool idle(std::size_t pg) const {
+    if (pg >= parked_first && pg < parked_end) return true;
     auto it = idle_runs.upper_bound(pg);
     return it != idle_runs.begin() && std::prev(it)->second->end > pg;
   }

@@ -76,8 +76,9 @@ TEST(MaxAllocatable, ACachedBlockInsideAPinnedSegmentIsTheLargest) {
   expect_exact(a.alloc, nullptr, "cached block");
   // Another stream's pool cannot use that block: there the device's 16 MiB are the room (a 14 MiB
   // request gets its own 14 MiB segment; under 10 MiB a 20 MiB one, which does not fit).
-  EXPECT_EQ(a.alloc.max_allocatable(stream(1)), 16 * MiB);
-  expect_exact(a.alloc, stream(1), "other stream");
+  // (stream(1) would be cudaStreamLegacy: the legacy stream, as nullptr.)
+  EXPECT_EQ(a.alloc.max_allocatable(stream(4)), 16 * MiB);
+  expect_exact(a.alloc, stream(4), "other stream");
   for (void* p : others) a.alloc.deallocate(p);
   a.alloc.deallocate(pin);
 }

@@ -148,12 +148,13 @@ TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
   EXPECT_EQ(r.range->mapped_runs.size(), 1u);       // one run of mapped pages
   EXPECT_TRUE(r.range->idle_runs.empty());
   r.free(b);
-  // Its 256 pages went idle as one run: the bookkeeping of a free is one entry, not 256.
-  ASSERT_EQ(r.range->idle_runs.size(), 1u);
-  ASSERT_NE(r.pool.pages.idle_head, nullptr);
-  EXPECT_EQ(r.pool.pages.idle_head, r.pool.pages.idle_tail);
-  EXPECT_EQ(r.pool.pages.idle_head->first, 0u);
-  EXPECT_EQ(r.pool.pages.idle_head->end, 256u);
+  // Its 256 pages went idle as one span: the bookkeeping of a free is one entry, not 256 -- the
+  // pool's parked span (no idle run yet: a cache hit takes it back without touching the runs).
+  EXPECT_TRUE(r.range->idle_runs.empty());
+  EXPECT_EQ(r.pool.pages.idle_head, nullptr);
+  ASSERT_EQ(r.pool.pages.parked, r.range.get());
+  EXPECT_EQ(r.range->parked_first, 0u);
+  EXPECT_EQ(r.range->parked_end, 256u);
   EXPECT_EQ(r.pool.pages.idle_bytes, 512 * MiB);
   const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create) +
                                  r.calls(sim_call::set_access);
@@ -163,6 +164,7 @@ TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
             vm_calls);
   EXPECT_TRUE(r.range->idle_runs.empty());
   EXPECT_EQ(r.pool.pages.idle_head, nullptr);
+  EXPECT_EQ(r.pool.pages.parked, nullptr);
   EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
   // The page table holds one chunk of 512 pages, not the range's 1,024 pages; the edge counts
   // one chunk (pages 0 and 255) and the spare left when the free emptied it.
@@ -264,6 +266,17 @@ void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live
     newer = u;
   }
   ASSERT_EQ(newer, r.pool.pages.idle_tail);
+  // The parked span: the most recently idle pages, outside the runs.
+  if (r.pool.pages.parked != nullptr) {
+    ASSERT_EQ(r.pool.pages.parked, &v);
+    ASSERT_LT(v.parked_first, v.parked_end);
+    if (r.pool.pages.idle_head != nullptr) {
+      ASSERT_LE(r.pool.pages.idle_head->epoch, v.parked_epoch);
+    }
+    listed += v.parked_end - v.parked_first;
+  } else {
+    ASSERT_EQ(v.parked_first, v.parked_end);
+  }
   ASSERT_EQ(listed, idle_pages);
   ASSERT_EQ(listed_runs, v.idle_runs.size());
   ASSERT_EQ(r.pool.pages.idle_bytes, idle_pages * 2 * MiB);

@@ -8,6 +8,7 @@
 
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
@@ -151,6 +152,51 @@ TEST(StreamReuseCost, OneIdAndOneCaptureQueryPerAllocationNoneForTheLegacyStream
   a.alloc.deallocate(a.alloc.allocate(4 * KiB, nullptr));
   EXPECT_EQ(a.sim->calls(sim_call::stream_id), 2u);
   EXPECT_EQ(a.sim->calls(sim_call::capture_status), 2u);
+}
+
+TEST(StreamReuseCost, QueriesPerAllocationByHandleKind) {
+  // Issue 21: what an allocation asks the device, by the kind of handle. The legacy stream by
+  // either handle (nullptr, cudaStreamLegacy) nothing -- it is never captured nor destroyed;
+  // cudaStreamPerThread its capture every time and its id once per thread; a created stream both,
+  // every time (its handle may be a destroyed stream's, reused). Before issue 21,
+  // cudaStreamLegacy and cudaStreamPerThread cost both queries every time.
+  for (const char* conf : {"", "expandable_segments:True"}) {
+    SCOPED_TRACE(conf);
+    sim_allocator a(parse_config(conf));
+    const stream_handle created = a.sim->create_stream();
+    using counts = std::pair<std::uint64_t, std::uint64_t>;  // (capture queries, id queries)
+    const auto queries_of_pairs = [&](stream_handle s, int n) {
+      const counts before{a.sim->calls(sim_call::capture_status),
+                          a.sim->calls(sim_call::stream_id)};
+      // (Unordered frees: an ordered one may ask too -- a quiet event's proof, the per-thread
+      // handle's owner -- and a free is not what this counts.)
+      for (int i = 0; i < n; ++i) a.alloc.deallocate(a.alloc.allocate(4 * KiB, s));
+      return counts{a.sim->calls(sim_call::capture_status) - before.first,
+                    a.sim->calls(sim_call::stream_id) - before.second};
+    };
+    EXPECT_EQ(queries_of_pairs(nullptr, 10), (counts{0, 0}));
+    EXPECT_EQ(queries_of_pairs(legacy_stream(), 10), (counts{0, 0}));
+    EXPECT_EQ(queries_of_pairs(per_thread_stream(), 10), (counts{10, 1}));
+    EXPECT_EQ(queries_of_pairs(per_thread_stream(), 10), (counts{10, 0}));
+    EXPECT_EQ(queries_of_pairs(created, 10), (counts{10, 10}));
+    a.alloc.check_invariants();
+  }
+}
+
+TEST(StreamReuseCost, TheLegacyStreamsTwoHandlesShareOnePool) {
+  // nullptr and cudaStreamLegacy name one stream: a block freed on one is the other's cache hit,
+  // and a free naming the other handle is a free on the block's own stream (no event).
+  sim_allocator a;
+  void* p = a.alloc.allocate(4 * KiB, nullptr);
+  a.alloc.deallocate(p, legacy_stream());
+  EXPECT_EQ(a.sim->calls(sim_call::event_record), 0u);
+  EXPECT_EQ(a.alloc.allocate(4 * KiB, legacy_stream()), p);
+  a.alloc.deallocate(p, nullptr);
+  EXPECT_EQ(a.alloc.allocate(4 * KiB, nullptr), p);
+  a.alloc.deallocate(p);
+  EXPECT_EQ(a.sim->calls(sim_call::event_record), 0u);
+  EXPECT_EQ(a.mallocs(), 1u);
+  a.alloc.check_invariants();
 }
 
 TEST(StreamReuseCost, AFailingIdQueryChangesNothing) {

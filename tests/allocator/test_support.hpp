@@ -23,6 +23,10 @@ inline constexpr std::size_t GiB = std::size_t{1} << 30;
 /// The sim backend's first address: every scenario starts here.
 inline constexpr std::uintptr_t k_base = 0x7f0000000000ULL;
 
+/// A stream handle the sim did not create. stream(1) and stream(2) are the runtime's special
+/// handles -- cudaStreamLegacy (the legacy stream, as nullptr: never captured, one pool with
+/// nullptr) and cudaStreamPerThread -- and the allocator and the sim treat them so; a test that
+/// needs a third ordinary stream takes another id.
 inline stream_handle stream(std::uintptr_t id) {
   return reinterpret_cast<stream_handle>(id);
 }

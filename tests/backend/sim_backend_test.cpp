@@ -9,6 +9,7 @@
 #include <thread>
 
 #include <string>
+#include <utility>
 
 #include "cucache/errors.hpp"
 
@@ -303,6 +304,61 @@ TEST(SimStreams, IdentifyAsksTheIdOnlyOutsideACapture) {
   ASSERT_EQ(b, a);
   EXPECT_NE(s.identify(b).id, old_id);
   EXPECT_EQ(s.identify(b).id, s.stream_id(b));
+}
+
+TEST(SimStreams, IdentifyAsksNothingOfTheLegacyStreamAndOnlyTheCaptureOfThePerThreadOne) {
+  // cuda_backend's rule, which the sim models call for call: the legacy stream (nullptr,
+  // cudaStreamLegacy) is never captured nor destroyed, so identify asks nothing; the per-thread
+  // stream's id is kept per thread, its capture asked every time; any other stream costs both.
+  sim_backend s;
+  const auto queries = [&] {
+    return std::pair{s.calls(sim_call::capture_status), s.calls(sim_call::stream_id)};
+  };
+  const auto asked = [&](stream_handle h, int n) {
+    const auto before = queries();
+    stream_identity who{};
+    for (int i = 0; i < n; ++i) who = s.identify(h);
+    const auto after = queries();
+    EXPECT_EQ(who.capture.state, capture_state::none);
+    EXPECT_EQ(who.id, s.stream_id(h));
+    return std::pair{after.first - before.first, after.second - before.second};
+  };
+  using counts = std::pair<std::uint64_t, std::uint64_t>;  // (capture queries, id queries)
+  EXPECT_EQ(asked(nullptr, 100), (counts{0, 0}));
+  EXPECT_EQ(asked(legacy_stream(), 100), (counts{0, 0}));
+  EXPECT_EQ(s.identify(legacy_stream()).id, k_sim_legacy_stream_id);
+  EXPECT_EQ(s.stream_id(legacy_stream()), s.stream_id(nullptr));  // one stream, two handles
+  EXPECT_EQ(asked(per_thread_stream(), 1), (counts{1, 1}));  // the id once per thread
+  EXPECT_EQ(asked(per_thread_stream(), 100), (counts{100, 0}));
+  std::thread([&] {  // another thread asks the id once too
+    EXPECT_EQ(asked(per_thread_stream(), 100), (counts{100, 1}));
+  }).join();
+  const stream_handle a = s.create_stream();
+  EXPECT_EQ(asked(a, 100), (counts{100, 100}));
+  const auto fake = reinterpret_cast<stream_handle>(0x5000);
+  EXPECT_EQ(asked(fake, 100), (counts{100, 100}));
+
+  // The per-thread stream's capture is still seen, and its id is not asked while it captures.
+  const std::uint64_t capture = s.begin_capture(per_thread_stream());
+  const auto before = queries();
+  const stream_identity who = s.identify(per_thread_stream());
+  EXPECT_EQ(who.capture.state, capture_state::active);
+  EXPECT_EQ(who.capture.id, capture);
+  EXPECT_EQ(queries().second, before.second);
+  EXPECT_EQ(s.end_capture(per_thread_stream()), capture);
+  EXPECT_EQ(s.capture_violations(), 0u);
+}
+
+TEST(SimStreams, TheLegacyStreamCannotBeCapturedByEitherHandle) {
+  // "Capture may not be initiated if stream is cudaStreamLegacy" (CUDA Runtime API reference,
+  // cudaStreamBeginCapture): nullptr and cudaStreamLegacy name that stream.
+  sim_backend s;
+  for (const stream_handle legacy : {stream_handle{nullptr}, legacy_stream()}) {
+    EXPECT_EQ(code_of([&] { (void)s.begin_capture(legacy); }), 1);  // cudaErrorInvalidValue
+    EXPECT_EQ(code_of([&] { (void)s.begin_capture(legacy, capture_mode::relaxed); }), 1);
+    EXPECT_EQ(s.capture_status(legacy).state, capture_state::none);
+  }
+  EXPECT_EQ(s.active_captures(), 0u);
 }
 
 TEST(SimCapture, GlobalModeRefusesUnsafeCallsFromEveryThreadAndInvalidates) {
