@@ -30,7 +30,7 @@ from pathlib import Path
 FIT_EXPANDABLE = ("h200/2026-12-01b/fit_expandable.jsonl", "0fbabf6")  # cucache + c10, expandable
 FIT_PEERS = ("h200/2026-12-01/fit_default.jsonl", "0b39047")  # c10 default, cudaMallocAsync
 TORCH_STEPS = ("h200/2026-12-02b/torch_expandable.jsonl", "c7aa86a")
-BENCH = ("h200/2026-12-01c/bench.json", "bb3702f")
+BENCH = ("h200/2026-12-02c/bench.json", "b6d2391")
 
 COLORS = {"cucache": "#1f77b4", "cucache (default)": "#9ecae1", "PyTorch (default)": "#ff7f0e",
           "PyTorch (expandable)": "#ffbb78", "cudaMallocAsync": "#2ca02c"}
