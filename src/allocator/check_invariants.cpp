@@ -316,7 +316,7 @@ void device_allocator::check_invariants() const {
           fmt::format("pool {}: idle list holds {} runs / {} pages, page tables show {} runs / {} "
                       "pages, pool says {} bytes ({} pages parked)",
                       p.index, idle_listed, idle_listed_pages, idle_runs_seen, idle_pages_seen,
-                      p.pages.idle_bytes, parked_pages));
+                      static_cast<std::size_t>(p.pages.idle_bytes), parked_pages));
     }
     if (pending_blocks_events != p.pending.size() + p.retained) {
       violated(

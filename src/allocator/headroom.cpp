@@ -124,7 +124,8 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   // and needs physical memory for the pages of its span that no other block touches. The pager
   // finds it on the device, in unmapped handles and -- the ladder unmapping every idle page of
   // every pool -- in idle mappings, under the memory limit.
-  const std::size_t reclaimable = pager->reclaimable_bytes(/*with_idle=*/!blocked);
+  const std::size_t reclaimable =
+      pager->reclaimable_bytes(blocked ? 0 : pager->idle_bytes_of_every_pool_locked());
   std::size_t avail = std::min(device_free + reclaimable, device_total);
   if (limit != 0) avail = std::min(avail, limit - std::min(limit, reserved_now - reclaimable));
   const std::size_t cap_all = limit != 0 ? std::min(device_total, limit) : device_total;
@@ -186,6 +187,8 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return;
   // In expandable mode the thread's sleep domain picks the pool, as in allocate: the pages
   // reserved under a sleepable tag are that tag's, given back by its sleep.
+  // Every pool's idle bytes (what the ladder could unmap), read before any pool lock is held.
+  const std::size_t idle_now = cfg.expandable_segments ? pager->idle_bytes_of_every_pool() : 0;
   detail::pool_table::locked_pool lp = pools.lock_pool_for(
       stream, pools.stream_key(stream), cfg.expandable_segments ? detail::t_sleep_domain : 0);
   stream_pool& p = *lp.pool;
@@ -228,7 +231,7 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (room) {
     // Nothing partial: refuse before mapping anything when the device or the limit lacks room.
     const std::size_t device_free = backend->mem_get_info().free_bytes;
-    const std::size_t reclaimable = pager->reclaimable_bytes(!sync_blocked());
+    const std::size_t reclaimable = pager->reclaimable_bytes(sync_blocked() ? 0 : idle_now);
     const std::size_t reserved_now = budget.reserved_bytes();
     room = want <= device_free + reclaimable &&
            (budget.limit == 0 || reserved_now - reclaimable + want <= budget.limit);

@@ -47,7 +47,6 @@ void pager::destroy_range(vm_range& r) noexcept {
     if (owner->parked == &r) {
       const std::size_t bytes = (r.parked_end - r.parked_first) * page_bytes_;
       owner->idle_bytes -= bytes;
-      idle_total_.fetch_sub(bytes, std::memory_order_relaxed);
       owner->parked = nullptr;
       r.parked_first = r.parked_end = 0;
     }
@@ -55,7 +54,6 @@ void pager::destroy_range(vm_range& r) noexcept {
       (u->newer != nullptr ? u->newer->older : owner->idle_head) = u->older;
       (u->older != nullptr ? u->older->newer : owner->idle_tail) = u->newer;
       owner->idle_bytes -= u->pages() * page_bytes_;
-      idle_total_.fetch_sub(u->pages() * page_bytes_, std::memory_order_relaxed);
       owner->runs.recycle(u);
     }
     r.idle_runs.clear();
@@ -82,10 +80,8 @@ CUCACHE_HOT void pager::add_idle_bytes(stream_pool& p, std::size_t pages, bool a
   const std::size_t bytes = pages * page_bytes_;
   if (add) {
     p.pages.idle_bytes += bytes;
-    idle_total_.fetch_add(bytes, std::memory_order_relaxed);
   } else {
     p.pages.idle_bytes -= bytes;
-    idle_total_.fetch_sub(bytes, std::memory_order_relaxed);
   }
 }
 

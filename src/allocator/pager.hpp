@@ -117,12 +117,26 @@ class pager {
   }
 
   /// Bytes that backing new pages could take without a new device allocation now or after the
-  /// out-of-memory ladder: the unmapped handles kept for reuse and, when `with_idle` (the ladder
-  /// may unmap), the idle mappings of every pool (max_allocatable, headroom.cpp).
-  [[nodiscard]] std::size_t reclaimable_bytes(bool with_idle) const {
-    std::size_t n = with_idle ? idle_total_.load(std::memory_order_relaxed) : 0;
+  /// out-of-memory ladder: the unmapped handles kept for reuse plus `idle` (the caller's sum of
+  /// the idle mappings the ladder may unmap: impl::idle_bytes_of_every_pool, or 0 when it may
+  /// not; max_allocatable and reserve, headroom.cpp).
+  [[nodiscard]] std::size_t reclaimable_bytes(std::size_t idle) const {
     std::lock_guard lock(budget_.mu);
-    return n + free_handle_bytes;
+    return idle + free_handle_bytes;
+  }
+
+  /// The idle bytes of every pool, read without their locks (a snapshot, as any figure about
+  /// other pools is once read). REQUIRES: the caller holds the pool table's list lock (lock_all).
+  [[nodiscard]] std::size_t idle_bytes_of_every_pool_locked() const noexcept {
+    std::size_t n = 0;
+    for (const auto& q : pools_) n += q->pages.idle_bytes;
+    return n;
+  }
+  /// The same, under the list lock taken here. REQUIRES: the caller holds no pool lock nor the
+  /// list lock.
+  [[nodiscard]] std::size_t idle_bytes_of_every_pool() const {
+    std::shared_lock list(pools_mu_);
+    return idle_bytes_of_every_pool_locked();
   }
 
   /// reserve: maps every unmapped page of [addr, addr + bytes) of r with a handle of its own (an
@@ -285,7 +299,6 @@ class pager {
   std::function<bool()> may_synchronize_ = [] { return true; };
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
-  std::atomic<std::size_t> idle_total_{0};  // bytes of idle pages, every pool
 };
 
 }  // namespace cucache::detail

@@ -3,6 +3,7 @@
 // mutex; only the pager and the allocator's placement of blocks in the ranges touch it.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 
 #include "allocator/object_arena.hpp"
@@ -11,6 +12,26 @@
 
 namespace cucache::detail {
 
+/// A byte count written by one thread at a time (under its pool's mutex) and read by others
+/// without that mutex: relaxed loads and stores, plain moves on x86 -- no read-modify-write of a
+/// line that other pools' threads write (a device-wide atomic sum did that on every expandable
+/// cache hit).
+class owned_bytes {
+ public:
+  owned_bytes& operator+=(std::size_t n) noexcept {
+    v_.store(v_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+    return *this;
+  }
+  owned_bytes& operator-=(std::size_t n) noexcept {
+    v_.store(v_.load(std::memory_order_relaxed) - n, std::memory_order_relaxed);
+    return *this;
+  }
+  operator std::size_t() const noexcept { return v_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<std::size_t> v_{0};
+};
+
 struct pool_pages {
   /// One range per pool kind, created on first use (the segment that owns the vm_range).
   segment* ranges[2] = {nullptr, nullptr};
@@ -18,7 +39,9 @@ struct pool_pages {
   /// pages went idle (within a run, lower pages first), kept when a carve splits a run.
   idle_run* idle_head = nullptr;
   idle_run* idle_tail = nullptr;  // least recently idle
-  std::size_t idle_bytes = 0;     // bytes of the pages of the idle runs and the parked span
+  /// Bytes of the pages of the idle runs and the parked span. Written under the pool's mutex;
+  /// read without it by idle_bytes_of_every_pool (reserve, max_allocatable).
+  owned_bytes idle_bytes;
   /// The range holding the pool's parked span (vm_range::parked_first), or nullptr: the most
   /// recently idle pages, not linked in the idle list until something else needs the list.
   vm_range* parked = nullptr;

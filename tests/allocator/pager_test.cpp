@@ -116,8 +116,8 @@ TEST(Pager, AFreedBlocksPagesGoIdleAndAreUsedInPlaceWithoutAnyCall) {
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));
   r.free(b);
   EXPECT_EQ(r.pool.pages.idle_bytes, 8 * MiB);
-  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 8 * MiB);
-  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/false), 0u);
+  EXPECT_EQ(r.pg.reclaimable_bytes(r.pg.idle_bytes_of_every_pool()), 8 * MiB);
+  EXPECT_EQ(r.pg.reclaimable_bytes(0), 0u);
   const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create);
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB));  // the same pages
   EXPECT_EQ(r.calls(sim_call::map) + r.calls(sim_call::phys_create), vm_calls);
@@ -138,7 +138,7 @@ TEST(Pager, ABlockUsingPartOfIdleMemoryPinsOnlyItsOwnPages) {
   EXPECT_EQ(r.calls(sim_call::device_synchronize), 0u);
   EXPECT_EQ(r.reserved(), 8 * MiB);             // memory is plentiful: idle pages stay mapped
   EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);  // pages 1-3, each reclaimable on its own
-  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/true), 6 * MiB);
+  EXPECT_EQ(r.pg.reclaimable_bytes(r.pg.idle_bytes_of_every_pool()), 6 * MiB);
 }
 
 TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
@@ -394,7 +394,7 @@ TEST(Pager, UnmappedHandlesAreKeptReusedAndReleased) {
   EXPECT_EQ(r.calls(sim_call::unmap), 3u);
   EXPECT_EQ(r.pg.free_handle_bytes, 6 * MiB);
   EXPECT_EQ(r.pg.free_handles.size(), 3u);
-  EXPECT_EQ(r.pg.reclaimable_bytes(/*with_idle=*/false), 6 * MiB);
+  EXPECT_EQ(r.pg.reclaimable_bytes(0), 6 * MiB);
   EXPECT_EQ(r.reserved(), 6 * MiB);  // unmapped handles are still reserved
   // A 1-page block elsewhere takes an unmapped handle: no new memory.
   ASSERT_TRUE(r.carve_and_back(20 * MiB, 2 * MiB));
