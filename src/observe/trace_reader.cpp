@@ -208,6 +208,16 @@ class line_parser {
   static std::string_view tag_text(std::uint32_t id) { return trace_tag_name(id); }
   /// The Tag field's text: unquoted as CSV quotes it ("" for a quote inside quotes).
   std::string parse_tag(std::string_view field, std::size_t line_no) const {
+    // The recorder writes control bytes of a tag as '?': a tag holding one did not come from it,
+    // and could not be written back (a carriage return would read as the line's end).
+    if (std::any_of(field.begin(), field.end(), [](char c) {
+          const auto u = static_cast<unsigned char>(c);
+          return u < 0x20 || u == 0x7f;
+        })) {
+      fail(name_, line_no,
+           fmt::format("bad Tag {}: a control character in a tag (the recorder writes them as '?')",
+                       quoted(field)));
+    }
     if (!field.starts_with('"')) {
       if (field.find('"') != std::string_view::npos) {
         fail(name_, line_no,

@@ -22,15 +22,28 @@ cucache::fuzz::counters<5> g_counts({"inputs", "rejected (invalid_argument)", "a
                                      "rows accepted", "round-trip checked"});
 
 std::string write_back(const std::vector<cucache::trace_event>& events) {
-  std::string out(cucache::k_trace_header);
+  std::string out(cucache::k_trace_header_tagged);
   out += '\n';
   for (const auto& ev : events) {
     const std::uint64_t us = ev.time_us;
     const std::uint64_t s = us / 1'000'000;
     out += fmt::format("{},{:02}:{:02}:{:02}.{:06},{},", ev.thread, s / 3600, s / 60 % 60, s % 60,
-                       us % 1'000'000, cucache::to_string(ev.act));
+                       us % 1'000'000, cucache::action_text(ev));
     out += ev.pointer == 0 ? std::string("(nil)") : fmt::format("{:#x}", ev.pointer);
-    out += fmt::format(",{},{:x}\n", ev.size, ev.stream);
+    out += fmt::format(",{},{:x}", ev.size, ev.stream);
+    if (ev.tag != 0) {
+      // The Tag column, CSV-quoted ("" for a quote) when it holds a comma or a quote.
+      const std::string_view tag = cucache::trace_tag_name(ev.tag);
+      const bool quote = tag.find_first_of(",\"") != std::string_view::npos;
+      out += ',';
+      if (quote) out += '"';
+      for (const char c : tag) {
+        if (c == '"') out += '"';
+        out += c;
+      }
+      if (quote) out += '"';
+    }
+    out += '\n';
   }
   return out;
 }
@@ -52,7 +65,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (std::size_t i = 0; i < events.size(); ++i) g_counts.add(rows);
   const cucache::trace_summary s = cucache::summarize(events);
   CUCACHE_FUZZ_CHECK(s.events == events.size());
-  CUCACHE_FUZZ_CHECK(s.allocations + s.frees + s.failures == events.size());
+  CUCACHE_FUZZ_CHECK(s.allocations + s.frees + s.failures + s.sleeps + s.wakes == events.size());
   CUCACHE_FUZZ_CHECK(s.live_at_end <= s.allocations);
   CUCACHE_FUZZ_CHECK(s.threads <= events.size() && s.streams <= events.size());
   std::uint64_t sum = 0;  // the peak is at most every allocation's size added up

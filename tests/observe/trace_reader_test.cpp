@@ -171,6 +171,7 @@ TEST(TraceReader, RejectsMalformedRowsNamingFileLineAndReason) {
       // cucache's extension: the Tag column and sleep / wake rows.
       {"1,00:00:00.000000,allocate,0x10,1,0,a\"b", "bad Tag 'a\"b': a quote in an unquoted field"},
       {"1,00:00:00.000000,allocate,0x10,1,0,\"a", "bad Tag '\"a': a quoted field must end"},
+      {"1,00:00:00.000000,allocate,0x10,1,0,a\tb", "a control character in a tag"},
       {"1,00:00:00.000000,allocate,0x10,1,0,\"a\"b\"", "bad Tag"},
       {"1,00:00:00.000000,sleep,,4096,0", "sleep row without a tag"},
       {"1,00:00:00.000000,wake,,4096,0,", "wake row without a tag"},
