@@ -67,6 +67,9 @@ struct trace_event {
 [[nodiscard]] std::string_view to_string(trace_event::action act) noexcept;
 /// The Action column of `ev`: to_string(ev.act), or "sleep keep contents" for such a sleep.
 [[nodiscard]] std::string_view action_text(const trace_event& ev) noexcept;
+/// Appends `tag` as the Tag field is written: as is, or CSV-quoted ("" for a quote) when it holds
+/// a comma or a quote; control bytes as '?' (the reader refuses them in a tag).
+void append_trace_tag(std::string& out, std::string_view tag);
 
 /// The header line every trace starts with.
 inline constexpr std::string_view k_trace_header = "Thread,Time,Action,Pointer,Size,Stream";

@@ -129,11 +129,9 @@ trace_recorder::thread_buffer& trace_recorder::buffer_of_this_thread() {
   return *c.buffer;
 }
 
-namespace {
-
-/// The Tag field: as is, or CSV-quoted ("" for a quote) when it holds a comma or a quote. The
-/// reader reads a line at a time, so line breaks and other control bytes are written as '?'.
-void append_tag(std::string& out, std::string_view tag) {
+void append_trace_tag(std::string& out, std::string_view tag) {
+  // As is, or CSV-quoted ("" for a quote) when it holds a comma or a quote. The reader reads a
+  // line at a time, so line breaks and other control bytes are written as '?'.
   const bool quote = tag.find_first_of(",\"") != std::string_view::npos;
   if (quote) out.push_back('"');
   for (const char c : tag) {
@@ -147,8 +145,6 @@ void append_tag(std::string& out, std::string_view tag) {
   }
   if (quote) out.push_back('"');
 }
-
-}  // namespace
 
 void trace_recorder::record(std::string_view act, const void* ptr, std::size_t size,
                             stream_handle stream, std::string_view tag) {
@@ -187,7 +183,7 @@ void trace_recorder::record(std::string_view act, const void* ptr, std::size_t s
       fmt::format_to(out, ",{},{:x}", size, reinterpret_cast<std::uintptr_t>(stream));
       if (!tag.empty()) {
         b.text.push_back(',');
-        append_tag(b.text, tag);
+        append_trace_tag(b.text, tag);
       }
       b.text.push_back('\n');
       b.rows.emplace_back(row, static_cast<std::uint32_t>(b.text.size()));

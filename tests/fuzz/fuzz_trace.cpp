@@ -32,16 +32,8 @@ std::string write_back(const std::vector<cucache::trace_event>& events) {
     out += ev.pointer == 0 ? std::string("(nil)") : fmt::format("{:#x}", ev.pointer);
     out += fmt::format(",{},{:x}", ev.size, ev.stream);
     if (ev.tag != 0) {
-      // The Tag column, CSV-quoted ("" for a quote) when it holds a comma or a quote.
-      const std::string_view tag = cucache::trace_tag_name(ev.tag);
-      const bool quote = tag.find_first_of(",\"") != std::string_view::npos;
       out += ',';
-      if (quote) out += '"';
-      for (const char c : tag) {
-        if (c == '"') out += '"';
-        out += c;
-      }
-      if (quote) out += '"';
+      cucache::append_trace_tag(out, cucache::trace_tag_name(ev.tag));
     }
     out += '\n';
   }
