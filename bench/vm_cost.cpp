@@ -58,6 +58,10 @@ int main(int argc, char** argv) {
   }
   for (std::size_t bytes : {page, 16 * page, 128 * page}) {
     void* va = b.va_reserve(bytes);
+    if (va == nullptr) {
+      std::fprintf(stderr, "va_reserve(%zu) found no address space\n", bytes);
+      return 1;
+    }
     std::vector<double> create, map, access, unmap, release;
     for (int i = 0; i < rounds; ++i) {
       auto t0 = clock_type::now();

@@ -113,7 +113,8 @@ class device_backend {
   // --- Virtual memory (cuMemAddressReserve, cuMemCreate, cuMemMap, ...) ------------------------
   /// Allocation granularity of physical handles; 0 if the device has no virtual memory support.
   [[nodiscard]] virtual std::size_t vm_granularity() = 0;
-  /// Reserves `bytes` of virtual address space (multiple of the granularity). Throws on failure.
+  /// Reserves `bytes` of virtual address space (multiple of the granularity). nullptr means the
+  /// address space has no room (CUDA_ERROR_OUT_OF_MEMORY); other failures throw.
   [[nodiscard]] virtual void* va_reserve(std::size_t bytes) = 0;
   /// Releases a reservation; every mapping inside it must have been unmapped.
   virtual void va_free(void* base, std::size_t bytes) = 0;

@@ -222,8 +222,9 @@ class sim_backend final : public device_backend {
   void complete_all();
   /// Number of recorded events that have not completed.
   [[nodiscard]] std::size_t pending_events() const;
-  /// Makes the n-th future call of `kind` fail (n = 1: the next one). For segment_malloc and
-  /// phys_create the failure is out-of-memory; for every other call a thrown cuda_error.
+  /// Makes the n-th future call of `kind` fail (n = 1: the next one). For segment_malloc,
+  /// phys_create and va_reserve the failure is out-of-memory (of the device, or of address
+  /// space); for every other call a thrown cuda_error.
   void fail_nth(sim_call kind, std::uint64_t n);
   /// Makes every call of `kind` fail (or stop failing) until changed.
   void fail_always(sim_call kind, bool enabled = true);

@@ -68,10 +68,12 @@ struct device_allocator::impl {
   /// if the device refuses, the out-of-memory ladder.
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                       std::unique_lock<detail::pool_mutex>& lk);
-  /// The expandable path: place in p's range, back the pages, the ladder once if that fails.
-  /// nullptr when nothing could serve the request.
+  /// The expandable path: place in p's ranges (a new range if none holds it), back the pages,
+  /// the ladder once if that fails. nullptr when nothing could serve the request; then
+  /// `no_address_space` says whether the last try found no address space for a new range.
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                            std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk);
+                            std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk,
+                            bool& no_address_space);
   /// What the out-of-memory ladder gives back besides pending frees and settled graph pools.
   enum class ladder_release : bool { free_segments, idle_pages };
   /// The out-of-memory ladder, one rung: unlocks p (held by lk; p keeps its stream meanwhile), waits for every pending free,
@@ -83,8 +85,17 @@ struct device_allocator::impl {
   /// A new device segment of `bytes` for p (its one block free and indexed); nullptr when the
   /// device or the memory limit refuses.
   detail::segment* new_segment(detail::stream_pool& p, detail::pool_kind kind, std::size_t bytes);
-  /// p's virtual range of `kind` (expandable mode), reserved on first use.
-  detail::segment* ensure_range(detail::stream_pool& p, detail::pool_kind kind);
+  /// Expandable mode: where a request of `rounded` bytes of `kind` goes in p -- the placement
+  /// rule's free block of p's ranges, else the one free block of a new range of p that holds it
+  /// (pager::next_range_bytes). nullptr when the address space has no room for that range.
+  detail::block* place_or_grow(detail::stream_pool& p, detail::pool_kind kind,
+                               std::size_t rounded);
+  /// A new virtual range of p for `kind` that holds `need` bytes, its one block free and
+  /// indexed; nullptr when the address space has no room.
+  detail::segment* add_range(detail::stream_pool& p, detail::pool_kind kind, std::size_t need);
+  /// Gives range s of p back: its one free block leaves the index, its segment the pool, its
+  /// address space the process. REQUIRES: s is empty (one free block, no page mapped).
+  void drop_range(detail::stream_pool& p, detail::segment* s) noexcept;
   detail::block* carve(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
                        std::size_t rounded, std::size_t requested);
   /// Takes a carved block that could not be backed back to free (expandable mode).
@@ -118,7 +129,8 @@ struct device_allocator::impl {
   /// that stream (rate-limited) and queues p for retirement. REQUIRES: p.mu held.
   void note_quiet(detail::stream_pool& p);
   /// Quiet pools without device memory: their virtual ranges are given back and they are queued
-  /// for the next new stream. REQUIRES: all pools locked.
+  /// for the next new stream; other pools give back every empty range but the newest of each
+  /// kind (expandable mode). REQUIRES: all pools locked.
   void retire_empty_pools();
 
   // --- graph pools: the public calls (device_allocator.cpp, on graphs) ---
@@ -151,7 +163,10 @@ struct device_allocator::impl {
   void refuse_if_asleep(const detail::stream_pool& p, const void* ptr, const char* what) const;
 
   // --- errors (oom_report.cpp) ---
-  [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream);
+  /// What an out-of-memory error reports as its cause.
+  enum class oom_cause : bool { memory, address_space };
+  [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream,
+                              oom_cause cause = oom_cause::memory);
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
 

@@ -190,9 +190,31 @@ void device_allocator::check_invariants() const {
   std::size_t allocated_blocks = 0;
   std::size_t reserved_total = 0;
   std::size_t mapped_total = 0;
+  std::size_t address_total = 0;  // the address space of every range
   std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain, recounted
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
+    // The pool's range list: exactly its segments that own a vm_range, each once, their sizes
+    // summed per kind.
+    std::size_t range_bytes[2] = {0, 0};
+    std::size_t ranges_seen = 0;
+    for (const segment* s = p.segments; s != nullptr; s = s->next) {
+      if (s->vm == nullptr) continue;
+      ++ranges_seen;
+      range_bytes[static_cast<int>(s->kind)] += s->size;
+      if (std::count(p.pages.ranges.begin(), p.pages.ranges.end(), s) != 1) {
+        violated(fmt::format("pool {}: range {:#x} is not listed once in its pool's ranges",
+                             p.index, s->base));
+      }
+    }
+    if (ranges_seen != p.pages.ranges.size() || range_bytes[0] != p.pages.range_bytes[0] ||
+        range_bytes[1] != p.pages.range_bytes[1]) {
+      violated(fmt::format("pool {}: {} ranges of {} + {} bytes listed as {} of {} + {} bytes",
+                           p.index, ranges_seen, range_bytes[0], range_bytes[1],
+                           p.pages.ranges.size(), p.pages.range_bytes[0],
+                           p.pages.range_bytes[1]));
+    }
+    address_total += range_bytes[0] + range_bytes[1];
     std::size_t free_count[2] = {0, 0};
     std::size_t free_bytes[2] = {0, 0};
     std::int64_t alloc_bytes[2] = {0, 0}, alloc_count[2] = {0, 0};
@@ -396,6 +418,10 @@ void device_allocator::check_invariants() const {
   m.graphs.check_invariants();
   if (const std::string why = m.pools.check_map(); !why.empty()) violated(why);
   std::size_t handle_bytes = 0;
+  if (m.pager && m.pager->reserved_address_bytes() != address_total) {
+    violated(fmt::format("the pager counts {} bytes of address space, the ranges span {}",
+                         m.pager->reserved_address_bytes(), address_total));
+  }
   if (m.pager) {
     std::lock_guard lock(m.budget.mu);
     for (const auto& [bytes, h] : m.pager->free_handles) handle_bytes += bytes;

@@ -510,16 +510,49 @@ void device_allocator::impl::run_ladder(stream_pool& p, std::unique_lock<detail:
   }
 }
 
-// --- expandable segments: a range per pool kind, placement, the pager backs the pages -------
+// --- expandable segments: ranges per pool, placement, the pager backs the pages ---------------
 
-segment* device_allocator::impl::ensure_range(stream_pool& p, pool_kind kind) {
+segment* device_allocator::impl::add_range(stream_pool& p, pool_kind kind, std::size_t need) {
   const int k = static_cast<int>(kind);
-  if (p.pages.ranges[k] != nullptr) return p.pages.ranges[k];
-  std::unique_ptr<vm_range> range = pager->reserve_range(kind);
-  segment* s = add_segment(p, kind, range->base, range->size, range.get());
-  range.release();  // owned by the segment from here (~impl destroys and deletes it)
-  p.pages.ranges[k] = s;
+  p.pages.ranges.reserve(p.pages.ranges.size() + 1);  // nothing can fail once reserved below
+  const std::size_t bytes = pager->next_range_bytes(kind, need, p.pages.range_bytes[k]);
+  std::unique_ptr<vm_range> range = pager->reserve_range(kind, bytes);
+  if (range == nullptr) return nullptr;
+  segment* s = nullptr;
+  try {
+    s = add_segment(p, kind, range->base, range->size, range.get());
+  } catch (...) {
+    pager->destroy_range(*range);
+    throw;
+  }
+  range.release();  // owned by the segment from here (drop_range or ~impl destroys it)
+  p.pages.ranges.push_back(s);
+  p.pages.range_bytes[k] += s->size;
   return s;
+}
+
+block* device_allocator::impl::place_or_grow(stream_pool& p, pool_kind kind,
+                                             std::size_t rounded) {
+  if (block* b = detail::place_in_range(p.index_of(kind), rounded)) [[likely]]
+    return b;
+  // No free block of p's ranges holds it (no range yet, or holes too small): a new range, whose
+  // one free block the placement rule then finds.
+  if (add_range(p, kind, rounded) == nullptr) return nullptr;
+  return detail::place_in_range(p.index_of(kind), rounded);
+}
+
+void device_allocator::impl::drop_range(stream_pool& p, segment* s) noexcept {
+  p.index_of(s->kind).erase(s->first);
+  if (s->prev != nullptr) s->prev->next = s->next;
+  if (s->next != nullptr) s->next->prev = s->prev;
+  if (p.segments == s) p.segments = s->next;
+  auto& ranges = p.pages.ranges;
+  ranges.erase(std::find(ranges.begin(), ranges.end(), s));
+  p.pages.range_bytes[static_cast<int>(s->kind)] -= s->size;
+  pager->destroy_range(*s->vm);
+  delete s->vm;
+  p.block_arena.recycle(s->first);
+  p.segment_arena.recycle(s);
 }
 
 void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
@@ -532,7 +565,8 @@ void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
 
 void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind,
                                                   std::size_t rounded, std::size_t bytes,
-                                                  std::unique_lock<detail::pool_mutex>& lk) {
+                                                  std::unique_lock<detail::pool_mutex>& lk,
+                                                  bool& no_address_space) {
   if (budget.never_fits(rounded)) return nullptr;
   for (int attempt = 0; attempt < 2; ++attempt) {
     // The ladder below unlocks p: a sleep of p's tag may have run meanwhile.
@@ -540,10 +574,13 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
       lk.unlock();
       refuse_if_asleep(p, nullptr, "allocate");
     }
-    if (p.pages.ranges[static_cast<int>(kind)] == nullptr) [[unlikely]]
-      ensure_range(p, kind);
-    block* b = detail::place_in_range(p.index_of(kind), rounded);
-    if (b == nullptr) return nullptr;  // the virtual range itself is exhausted
+    block* b = place_or_grow(p, kind, rounded);
+    no_address_space = b == nullptr;
+    if (b == nullptr) {  // the process's address space has no room for a range that holds it
+      if (attempt == 1) break;
+      run_ladder(p, lk, ladder_release::idle_pages);  // gives empty ranges back
+      continue;
+    }
     b = carve(p, b, kind, rounded, bytes);
     bool mapped = false;
     try {
@@ -607,10 +644,12 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
     // a graph may replay on it.)
     if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
       refuse_if_asleep(p, nullptr, "allocate");
-    void* ptr = allocate_expandable(p, kind, rounded, bytes, lk);
+    bool no_address_space = false;
+    void* ptr = allocate_expandable(p, kind, rounded, bytes, lk, no_address_space);
     if (ptr == nullptr) {
       lk.unlock();
-      throw_oom(bytes, rounded, stream);
+      throw_oom(bytes, rounded, stream,
+                no_address_space ? oom_cause::address_space : oom_cause::memory);
     }
     return ptr;
   }
@@ -814,31 +853,31 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
 }
 
 void device_allocator::impl::retire_empty_pools() {
-  // REQUIRES: all pools locked. Quiet pools that hold no device memory (the device-wide path
-  // that called this gave it back, behind a device synchronization) give back their empty
-  // virtual ranges -- address space is reserved on demand and returned when empty -- and are
-  // queued for the next stream that needs a pool.
+  // REQUIRES: all pools locked. Address space is reserved on demand and returned when empty:
+  // quiet pools that hold no device memory (the device-wide path that called this gave it back,
+  // behind a device synchronization) give back every range and are queued for the next stream
+  // that needs a pool; other pools give back their empty ranges but the newest of each kind
+  // (the one their next growth would use).
   for (auto& p : pools) {
-    if (!p->quiet() || !p->holds_no_memory()) continue;
     // A sleeping tag's pool keeps its ranges: wake maps its blocks' pages at their addresses.
     if (p->domain != 0 && sleeper.asleep(p->domain)) continue;
-    if (cfg.expandable_segments) {
-      for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
-        segment* s = p->pages.ranges[static_cast<int>(kind)];
-        if (s == nullptr || s->vm->mapped_pages != 0) continue;
-        // Quiet: the range is one free block, no page mapped, nothing on the idle list.
-        p->index_of(kind).erase(s->first);
-        if (s->prev != nullptr) s->prev->next = s->next;
-        if (s->next != nullptr) s->next->prev = s->prev;
-        if (p->segments == s) p->segments = s->next;
-        pager->destroy_range(*s->vm);
-        delete s->vm;
-        p->block_arena.recycle(s->first);
-        p->segment_arena.recycle(s);
-        p->pages.ranges[static_cast<int>(kind)] = nullptr;
+    const bool retire = p->quiet() && p->holds_no_memory();
+    if (cfg.expandable_segments && p->graph == nullptr) {
+      auto& ranges = p->pages.ranges;
+      for (std::size_t i = ranges.size(); i-- > 0;) {
+        segment* s = ranges[i];
+        // Empty: one free block, no page mapped (so nothing on the idle list either).
+        if (s->vm->mapped_pages != 0 || s->first->next != nullptr ||
+            s->first->state != block_state::free) {
+          continue;
+        }
+        const bool newest_of_kind = std::none_of(
+            ranges.begin() + static_cast<std::ptrdiff_t>(i) + 1, ranges.end(),
+            [&](const segment* t) { return t->kind == s->kind; });
+        if (retire || !newest_of_kind) drop_range(*p, s);
       }
     }
-    pools.queue_quiet(*p);
+    if (retire) pools.queue_quiet(*p);
   }
 }
 

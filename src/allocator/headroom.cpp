@@ -120,19 +120,22 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
     return best;
   }
 
-  // Expandable segments: a request goes to the best fit in the pool's virtual range of its kind
-  // and needs physical memory for the pages of its span that no other block touches. The pager
-  // finds it on the device, in unmapped handles and -- the ladder unmapping every idle page of
-  // every pool -- in idle mappings, under the memory limit.
+  // Expandable segments: a request goes to the best fit among the free blocks of the pool's
+  // virtual ranges of its kind, else to a new range (place_or_grow), and needs physical memory
+  // for the pages of its span that no other block touches. The pager finds it on the device, in
+  // unmapped handles and -- the ladder unmapping every idle page of every pool -- in idle
+  // mappings, under the memory limit.
   const std::size_t reclaimable =
       pager->reclaimable_bytes(blocked ? 0 : pager->idle_bytes_of_every_pool_locked());
   std::size_t avail = std::min(device_free + reclaimable, device_total);
   if (limit != 0) avail = std::min(avail, limit - std::min(limit, reserved_now - reclaimable));
   const std::size_t cap_all = limit != 0 ? std::min(device_total, limit) : device_total;
   for (pool_kind kind : {pool_kind::small, pool_kind::large}) {
-    segment* range = ensure_range(own, kind);
-    const detail::vm_range& vm = *range->vm;
-    auto needed = [&](std::uintptr_t addr, std::size_t bytes) {
+    // The pages a request of `bytes` placed at `addr` of hole h needs; a new range's one block
+    // (h == nullptr) shares no page.
+    auto needed = [&](const block* h, std::uintptr_t addr, std::size_t bytes) {
+      if (h == nullptr) return detail::round_up(bytes, page_bytes);
+      const detail::vm_range& vm = *h->seg->vm;
       const std::size_t first = vm.page_of(addr);
       const std::size_t last = vm.page_of(addr + bytes - 1);
       std::size_t pages = last - first + 1;
@@ -142,34 +145,40 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
       if (last > first) pages -= vm.edge(last) > 0;
       return pages * page_bytes;
     };
-    std::vector<block*> holes;
-    for (block* b = range->first; b != nullptr; b = b->next) {
-      if (b->state == block_state::free) holes.push_back(b);
+    std::vector<const block*> holes;
+    for (const segment* range : own.pages.ranges) {
+      if (range->kind != kind) continue;
+      for (const block* b = range->first; b != nullptr; b = b->next) {
+        if (b->state == block_state::free) holes.push_back(b);
+      }
     }
     std::sort(holes.begin(), holes.end(), [](const block* a, const block* b) {
       return a->size != b->size ? a->size < b->size : a->addr < b->addr;
     });
+    holes.push_back(nullptr);  // what no hole holds goes to a new range, as large as need be
     const std::size_t kind_lo = kind == pool_kind::small ? 0 : detail::k_small_request_max_bytes;
     const std::size_t kind_hi =
         kind == pool_kind::small ? detail::k_small_request_max_bytes : cap_all;
     std::size_t lo = 0;  // rounded sizes up to lo land in a smaller hole
     for (const block* h : holes) {
-      if (h->size == lo) continue;  // an equal hole at a higher address never gets the request
-      // Rounded sizes in (lo, h->size] land in h: the largest of them whose pages fit.
+      const std::size_t size = h == nullptr ? kind_hi : h->size;
+      if (size <= lo) continue;  // an equal hole at a higher address never gets the request
+      // Rounded sizes in (lo, size] land in h: the largest of them whose pages fit.
       const std::size_t from = std::max(lo, kind_lo);
-      const std::size_t to = std::min(h->size, kind_hi);
-      lo = h->size;
+      const std::size_t to = std::min(size, kind_hi);
+      lo = size;
       if (to <= from) continue;
+      const std::uintptr_t addr = h == nullptr ? 0 : h->addr;
       std::size_t good = 0;
       std::size_t a = round_down(from, k_granule) / k_granule;  // in granules; a*g <= from
       std::size_t z = round_down(to, k_granule) / k_granule;
       if (z * k_granule <= from) continue;
-      if (needed(h->addr, z * k_granule) <= avail) {
+      if (needed(h, addr, z * k_granule) <= avail) {
         good = z * k_granule;
       } else {
         while (z - a > 1) {  // invariant: z fails; a*g <= from or a passes
           const std::size_t mid = a + (z - a) / 2;
-          (needed(h->addr, mid * k_granule) <= avail ? a : z) = mid;
+          (needed(h, addr, mid * k_granule) <= avail ? a : z) = mid;
         }
         if (a * k_granule > from) good = a * k_granule;
       }
@@ -219,27 +228,27 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
         "room for a segment of {} bytes",
         bytes, backend->device(), backend->name(), seg));
   }
-  // Expandable: back the pages at the front of the large range's best fit, as a block there
-  // would be placed, without carving one: the new mappings are idle from the start, cached
-  // memory that the first requests placed there use in place, one handle per page as back()
-  // makes them.
-  segment* range = ensure_range(p, pool_kind::large);
+  // Expandable: back the pages at the front of the large ranges' best fit (a new range when no
+  // free block holds them), as a block there would be placed, without carving one: the new
+  // mappings are idle from the start, cached memory that the first requests placed there use in
+  // place, one handle per page as back() makes them.
   const std::size_t want =
-      bytes > range->size ? 0 : (bytes + page_bytes - 1) / page_bytes * page_bytes;
-  block* hole = want == 0 ? nullptr : detail::place_in_range(p.index_of(pool_kind::large), want);
-  bool room = hole != nullptr;
+      bytes > budget.device_total ? 0 : (bytes + page_bytes - 1) / page_bytes * page_bytes;
+  bool room = want != 0;
   if (room) {
-    // Nothing partial: refuse before mapping anything when the device or the limit lacks room.
+    // Nothing partial: refuse before reserving or mapping anything when the device or the limit
+    // lacks room.
     const std::size_t device_free = backend->mem_get_info().free_bytes;
     const std::size_t reclaimable = pager->reclaimable_bytes(sync_blocked() ? 0 : idle_now);
     const std::size_t reserved_now = budget.reserved_bytes();
     room = want <= device_free + reclaimable &&
            (budget.limit == 0 || reserved_now - reclaimable + want <= budget.limit);
   }
-  if (room) {
+  block* hole = room ? place_or_grow(p, pool_kind::large, want) : nullptr;
+  if (hole != nullptr) {
     bool mapped = false;
     try {
-      mapped = pager->map_idle_pages(p, *range->vm, hole->addr, want);
+      mapped = pager->map_idle_pages(p, *hole->seg->vm, hole->addr, want);
     } catch (...) {
       pager->unmap_idle(p, /*release=*/true);
       throw;
@@ -250,9 +259,14 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   lk.unlock();
   if (want == 0) {
     throw out_of_memory(fmt::format(
-        "cucache: reserve({} bytes) on device {} ({}): larger than the device's address range "
-        "for expandable segments ({} bytes)",
-        bytes, backend->device(), backend->name(), range->size));
+        "cucache: reserve({} bytes) on device {} ({}): larger than the device ({} bytes)", bytes,
+        backend->device(), backend->name(), budget.device_total));
+  }
+  if (room) {
+    throw out_of_memory(fmt::format(
+        "cucache: reserve({} bytes) on device {} ({}): no virtual address space left for a "
+        "range of {} bytes",
+        bytes, backend->device(), backend->name(), want));
   }
   throw out_of_memory(fmt::format(
       "cucache: reserve({} bytes) on device {} ({}): the device (or the memory limit) has no "

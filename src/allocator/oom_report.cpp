@@ -11,7 +11,7 @@ namespace cucache {
 using detail::format_bytes;
 
 void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
-                                       stream_handle stream) {
+                                       stream_handle stream, oom_cause cause) {
   budget.oom_count.fetch_add(1, std::memory_order_relaxed);
   device_stats s;
   {
@@ -38,6 +38,13 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
       100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation());
   if (budget.limit != 0) {
     msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(budget.limit)));
+  }
+  if (cause == oom_cause::address_space) {
+    msg += fmt::format(
+        " The process's virtual address space has no room for a new range of expandable "
+        "segments (cuMemAddressReserve refused it; cucache's ranges on this device span {}): "
+        "fewer streams holding cached memory at once, or empty_cache, give address space back.",
+        format_bytes(static_cast<double>(pager->reserved_address_bytes())));
   }
   if (sync_blocked()) {
     msg +=

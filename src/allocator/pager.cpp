@@ -29,15 +29,38 @@ pager::~pager() {
 
 // --- ranges and the page table ------------------------------------------------------------------
 
-std::unique_ptr<vm_range> pager::reserve_range(pool_kind kind) {
-  // Virtual space is cheap: twice the device for the large pool, once for the small one, so that
-  // holes between live blocks never exhaust it. The page table's storage follows what is mapped
-  // and used, not this size (vm_range.hpp).
-  const std::size_t bytes =
+std::size_t pager::next_range_bytes(pool_kind kind, std::size_t need,
+                                    std::size_t held) const noexcept {
+  // Virtual space is cheap but not endless: the process's address space holds a few hundred
+  // ranges of a large device's size (the H200 refused cuMemAddressReserve after ~935 of 141 GB,
+  // 128 TiB in all). So full-size ranges -- the layout every program with a few streams gets --
+  // only while the device's ranges stay within the budget, and small ones that double after it.
+  // The page table's storage follows what is mapped and used, not a range's size (vm_range.hpp).
+  const std::size_t full =
       round_up(kind == pool_kind::small ? device_total_ : 2 * device_total_, page_bytes_);
-  void* va = backend_.va_reserve(bytes);
-  return std::make_unique<vm_range>(reinterpret_cast<std::uintptr_t>(va), bytes, page_bytes_,
-                                    kind);
+  const std::size_t needed = round_up(need, page_bytes_);
+  if (held == 0 && reserved_address_bytes() + full <= k_address_budget_devices * device_total_) {
+    return std::max(full, needed);
+  }
+  const std::size_t grown = std::max(k_first_small_range_pages * page_bytes_, 2 * held);
+  return std::max(std::min(grown, full), needed);
+}
+
+std::unique_ptr<vm_range> pager::reserve_range(pool_kind kind, std::size_t bytes) {
+  void* va = timed(counters.vm_ns, [&] { return backend_.va_reserve(bytes); });
+  if (va == nullptr) return nullptr;  // no address space left
+  std::unique_ptr<vm_range> r;
+  try {
+    r = std::make_unique<vm_range>(reinterpret_cast<std::uintptr_t>(va), bytes, page_bytes_, kind);
+  } catch (...) {
+    try {
+      backend_.va_free(va, bytes);
+    } catch (...) {
+    }
+    throw;
+  }
+  address_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  return r;
 }
 
 void pager::destroy_range(vm_range& r) noexcept {
@@ -71,6 +94,7 @@ void pager::destroy_range(vm_range& r) noexcept {
     backend_.va_free(reinterpret_cast<void*>(r.base), r.size);
   } catch (...) {
   }
+  address_bytes_.fetch_sub(r.size, std::memory_order_relaxed);
 }
 
 // --- the idle runs ------------------------------------------------------------------------------
@@ -696,7 +720,6 @@ std::size_t pager::evict(stream_pool& p, bool synchronize) {
   if (synchronize) synchronize_device();
   std::size_t released = 0;
   for (segment* seg : p.pages.ranges) {
-    if (seg == nullptr) continue;
     vm_range& r = *seg->vm;
     // The mapped pages first: unmapping frees the page table's chunks that empty, which a walk
     // over the table must not see.
@@ -725,7 +748,7 @@ std::size_t pager::room_bytes() {
 
 std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
                                           const size_policy& policy) const {
-  // A request placed in p's range (best fit, at the front of the free block: impl's placement)
+  // A request placed in p's ranges (best fit, at the front of the free block: impl's placement)
   // is served from cached memory when back() finds every page it touches mapped or backed by an
   // unmapped handle (each one page): nothing is created. Idle mappings elsewhere are not counted:
   // back() moves them only when memory is not plentiful, which depends on the device's free
@@ -742,12 +765,10 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     const std::size_t r = policy.largest_rounded_within(std::min(bytes, hi));
     return r > lo && r > best ? r : 0;
   };
-  const segment* seg = p.pages.ranges[static_cast<int>(kind)];
-  if (seg == nullptr) return consider(handles * page_bytes_);  // reserved, backed from handles
-  const vm_range& range = *seg->vm;
   const free_index& index = p.index_of(kind);
   index.for_each([&](const block* f) {
     if (consider(f->size) == 0) return;
+    const vm_range& range = *f->seg->vm;
     const std::size_t fp = range.page_of(f->addr);
     const std::size_t fl = range.page_of(f->addr + f->size - 1);
     // The pages a request placed in f may end on: no further than the handles can back.
@@ -769,6 +790,12 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
       }
     }
   });
+  // A request larger than every free block goes to a new range (no range yet, or holes too
+  // small), whose pages the unmapped handles alone back.
+  const block* top = index.largest();
+  if (const std::size_t r = consider(handles * page_bytes_); r > (top == nullptr ? 0 : top->size)) {
+    best = r;
+  }
   return best;
 }
 

@@ -88,11 +88,31 @@ class pager {
   /// nor reclaimed, and back() uses only unmapped handles and new memory.
   void set_synchronization_gate(std::function<bool()> gate) { may_synchronize_ = std::move(gate); }
 
-  /// Reserves a virtual range for one pool kind and its (empty) page table.
-  [[nodiscard]] std::unique_ptr<vm_range> reserve_range(pool_kind kind);
+  /// Address space for a pool's next range of kind `kind`, given that its ranges of that kind
+  /// span `held` bytes already and that the range must hold a request of `need` bytes
+  /// (docs/design.md, "What a stream costs"). A pool's first range of a kind spans the device's
+  /// capacity (twice for the large kind: holes between live blocks then never exhaust it) while
+  /// the ranges of every pool of the device span less than k_address_budget_devices times the
+  /// device; past that budget -- many pools live at once -- a first range spans
+  /// k_first_small_range_pages and each later one doubles what the pool holds, up to the
+  /// full size: a pool's address space stays within about twice what it has needed.
+  [[nodiscard]] std::size_t next_range_bytes(pool_kind kind, std::size_t need,
+                                             std::size_t held) const noexcept;
+  /// Reserves a virtual range of `bytes` (a multiple of the page) for one pool kind and its
+  /// (empty) page table; nullptr when the process's address space has no room for it (the
+  /// backend's out-of-memory error). Other failures throw.
+  [[nodiscard]] std::unique_ptr<vm_range> reserve_range(pool_kind kind, std::size_t bytes);
   /// Unmaps and releases every mapping of r, takes its idle runs off their pool's idle list and
   /// frees its virtual range. Never throws.
   void destroy_range(vm_range& r) noexcept;
+  /// The address space every range of the device spans now.
+  [[nodiscard]] std::size_t reserved_address_bytes() const noexcept {
+    return address_bytes_.load(std::memory_order_relaxed);
+  }
+  /// The budget of address space within which pools get full-size first ranges, in devices.
+  static constexpr std::size_t k_address_budget_devices = 32;
+  /// The pages of a pool's first range of a kind once the budget is spent (64 MiB of 2 MiB pages).
+  static constexpr std::size_t k_first_small_range_pages = 32;
 
   /// Adds delta (+1 carve, -1 free) to the use of the pages b touches: its edge pages' counts;
   /// on a carve its span leaves the idle runs, on a free the mapped pages of its span that no
@@ -299,6 +319,10 @@ class pager {
   std::function<bool()> may_synchronize_ = [] { return true; };
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
+  /// The address space of every range of the device (reserve_range adds, destroy_range
+  /// subtracts; ranges are made and destroyed under their pool's lock, so pools of the device
+  /// change it concurrently).
+  std::atomic<std::size_t> address_bytes_{0};
 };
 
 }  // namespace cucache::detail

@@ -1,10 +1,11 @@
-// pool_pages: the pager's state for one stream_pool in expandable mode -- its two virtual ranges,
+// pool_pages: the pager's state for one stream_pool in expandable mode -- its virtual ranges,
 // its idle list and its storage. One member of the pool (stream_pool::pages), under the pool's
 // mutex; only the pager and the allocator's placement of blocks in the ranges touch it.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
+#include <vector>
 
 #include "allocator/object_arena.hpp"
 #include "core/block.hpp"
@@ -33,8 +34,13 @@ class owned_bytes {
 };
 
 struct pool_pages {
-  /// One range per pool kind, created on first use (the segment that owns the vm_range).
-  segment* ranges[2] = {nullptr, nullptr};
+  /// The pool's virtual ranges, both kinds, oldest first: each the segment that owns its vm_range,
+  /// also linked in the pool's segment list. A range is added when no free block of the pool's
+  /// ranges of its kind holds a request (pager::next_range_bytes sizes it) and given back when it
+  /// is empty (impl::retire_empty_ranges).
+  std::vector<segment*> ranges;
+  /// The address space those ranges span, per pool kind.
+  std::size_t range_bytes[2] = {0, 0};
   /// The idle runs of this pool's ranges, most recently idle first: the order in which their
   /// pages went idle (within a run, lower pages first), kept when a carve splits a run.
   idle_run* idle_head = nullptr;

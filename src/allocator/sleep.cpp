@@ -54,7 +54,6 @@ domain_walk walk_domain(const detail::pool_table& pools, std::uint32_t domain) {
     if (q->domain != domain || q->graph != nullptr) continue;
     w.pools.push_back(q.get());
     for (const segment* seg : q->pages.ranges) {
-      if (seg == nullptr) continue;
       const detail::vm_range& r = *seg->vm;
       bool counted_any = false;
       std::size_t last_counted = 0;  // the last page counted in this range
@@ -254,7 +253,6 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
   std::size_t missing_pages = 0;
   for (stream_pool* q : w.pools) {
     for (const segment* seg : q->pages.ranges) {
-      if (seg == nullptr) continue;
       const detail::vm_range& r = *seg->vm;
       bool counted_any = false;
       std::size_t last_counted = 0;  // a page two blocks share is counted once
@@ -310,7 +308,6 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
   try {
     for (stream_pool* q : w.pools) {
       for (segment* seg : q->pages.ranges) {
-        if (seg == nullptr) continue;
         for (block* b = seg->first; b != nullptr; b = b->next) {
           if (b->state == block_state::free) continue;
           if (!pager->back(*q, b)) throw no_room(pager->room_bytes());

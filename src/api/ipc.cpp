@@ -279,6 +279,12 @@ void* ipc_open_handle(const cucacheIpcHandle& h) {
   v->backend = &b;
   v->reserved = (h.span + g - 1) / g * g;
   v->va = b.va_reserve(v->reserved);
+  if (v->va == nullptr) {
+    throw out_of_memory(fmt::format(
+        "cucache::ipc_open_handle: no virtual address space left for the {} bytes of the "
+        "handle's memory on device {}",
+        v->reserved, device));
+  }
   try {
     std::size_t off = 0;
     for (int i = 0; i < h.pieceCount; ++i) {

@@ -249,8 +249,9 @@ void* cuda_backend::va_reserve(std::size_t bytes) {
   require_vmm("cuMemAddressReserve");
   const detail::device_guard guard(device_);
   CUdeviceptr base = 0;
-  detail::check_driver(detail::driver().mem_address_reserve(&base, bytes, granularity_, 0, 0),
-                       "cuMemAddressReserve");
+  const CUresult code = detail::driver().mem_address_reserve(&base, bytes, granularity_, 0, 0);
+  if (code == CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
+  detail::check_driver(code, "cuMemAddressReserve");
   return detail::from_device_ptr(base);
 }
 

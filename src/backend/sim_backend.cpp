@@ -339,7 +339,7 @@ std::size_t sim_backend::vm_granularity() {
 
 void* sim_backend::va_reserve(std::size_t bytes) {
   std::lock_guard lock(mu_);
-  if (should_fail(sim_call::va_reserve)) fail(sim_call::va_reserve, "injected failure", 2);
+  if (should_fail(sim_call::va_reserve)) return nullptr;  // an injected out-of-memory
   require_capture_safe(sim_call::va_reserve);
   if (options_.granularity_bytes == 0) fail(sim_call::va_reserve, "virtual memory not supported");
   if (bytes == 0 || bytes % options_.granularity_bytes != 0) {
@@ -348,7 +348,7 @@ void* sim_backend::va_reserve(std::size_t bytes) {
          k_sim_invalid_value);
   }
   const std::uintptr_t addr = take_address(bytes, options_.granularity_bytes);
-  if (addr == 0) fail(sim_call::va_reserve, "address space exhausted", 2);
+  if (addr == 0) return nullptr;  // the address space is exhausted
   reservations_.emplace(addr, bytes);
   return reinterpret_cast<void*>(addr);
 }

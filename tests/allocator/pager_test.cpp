@@ -31,7 +31,8 @@ struct pager_rig {
         pools(*sim),
         pg(*sim, budget, 2 * MiB, pools),
         pool(pools.pool_for(nullptr)),
-        range(pg.reserve_range(pool_kind::large)) {
+        range(pg.reserve_range(pool_kind::large,
+                               pg.next_range_bytes(pool_kind::large, 2 * MiB, 0))) {
     seg.base = range->base;
     seg.size = range->size;
     seg.kind = pool_kind::large;
@@ -430,7 +431,7 @@ TEST(Pager, TheDryRunServesWhatIsMappedAndPlacesAsTheAllocatorDoes) {
   hole.seg = &r.seg;
   hole.state = block_state::free;
   r.seg.first = &hole;
-  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = &r.seg;
+  r.pool.pages.ranges.push_back(&r.seg);
   r.pool.index_of(pool_kind::large).insert(&hole);
   EXPECT_EQ(detail::place_in_range(r.pool.index_of(pool_kind::large), 8 * MiB), &hole);
   EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 0u);  // nothing mapped
@@ -439,7 +440,48 @@ TEST(Pager, TheDryRunServesWhatIsMappedAndPlacesAsTheAllocatorDoes) {
   EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 8 * MiB);
   EXPECT_EQ(r.calls(sim_call::phys_create), 4u);  // the dry run made no call
   r.pool.index_of(pool_kind::large).erase(&hole);
-  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = nullptr;
+  r.pool.pages.ranges.clear();
+}
+
+
+// The size of a pool's next range (docs/design.md, "What a stream costs"): the device's size
+// (twice for the large kind) for a pool's first range while the device's ranges span less than
+// 32 devices, else 64 MiB for a first range and twice what the pool holds for a later one, never
+// above the full size, always at least the request.
+TEST(PagerRanges, NextRangeBytesFollowsTheAddressBudget) {
+  pager_rig r;  // 64 MiB device; the rig's own range: 128 MiB
+  using detail::pager;
+  EXPECT_EQ(r.pg.reserved_address_bytes(), 128 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::large, 2 * MiB, 0), 128 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::small, 512 * KiB, 0), 64 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::large, 3 * MiB + 1, 64 * MiB), 128 * MiB);
+  // Spend the budget (32 x 64 MiB = 2 GiB): 15 more ranges of 128 MiB make 2 GiB.
+  std::vector<std::unique_ptr<detail::vm_range>> more;
+  while (r.pg.reserved_address_bytes() + 128 * MiB <= pager::k_address_budget_devices * 64 * MiB) {
+    more.push_back(r.pg.reserve_range(pool_kind::large, 128 * MiB));
+    ASSERT_NE(more.back(), nullptr);
+  }
+  EXPECT_EQ(more.size(), 15u);
+  EXPECT_EQ(r.pg.reserved_address_bytes(), 2 * GiB);
+  // Past it: 64 MiB first, then double what the pool holds, up to the full size; never less
+  // than the request.
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::large, 2 * MiB, 0), 64 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::small, 4 * KiB, 0), 64 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::large, 40 * MiB, 64 * MiB), 128 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::large, 40 * MiB, 100 * MiB), 128 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::large, 100 * MiB + 1, 0), 102 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::small, 4 * KiB, 48 * MiB), 64 * MiB);
+  for (auto& range : more) r.pg.destroy_range(*range);
+  EXPECT_EQ(r.pg.reserved_address_bytes(), 128 * MiB);
+  EXPECT_EQ(r.pg.next_range_bytes(pool_kind::large, 2 * MiB, 0), 128 * MiB);
+}
+
+// The process's address space exhausted: reserve_range says so with nullptr, counts nothing.
+TEST(PagerRanges, ReserveRangeWithoutAddressSpaceIsNull) {
+  pager_rig r;
+  r.sim->fail_nth(sim_call::va_reserve, 1);
+  EXPECT_EQ(r.pg.reserve_range(pool_kind::large, 128 * MiB), nullptr);
+  EXPECT_EQ(r.pg.reserved_address_bytes(), 128 * MiB);
 }
 
 }  // namespace

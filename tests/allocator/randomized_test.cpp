@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "allocator/test_support.hpp"
@@ -30,7 +31,11 @@ std::uint64_t seed_from_env(std::uint64_t fallback) {
 
 class randomized : public ::testing::TestWithParam<std::string> {};
 
-void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
+/// `crowded` (expandable mode): eleven streams first take a small and a large block each and hold
+/// them, spending the device's address budget (32 devices of ranges), so that every pool of the
+/// program gets ranges that start at 64 MiB and double: requests across several ranges of a pool,
+/// empty ranges given back by the device-wide paths.
+void run_program(const config& cfg, std::uint64_t seed, std::size_t ops, bool crowded = false) {
   SCOPED_TRACE("seed " + std::to_string(seed) +
                " (rerun with CUCACHE_RANDOM_SEED=" + std::to_string(seed) + ")");
   sim_options o;
@@ -48,6 +53,15 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
   // allocator must not either (destroyed_stream_calls, checked after every operation).
   stream_handle dyn = a.sim->create_stream();
   std::size_t ooms = 0, allocs = 0, injected = 0, turnovers = 0;
+  std::vector<std::pair<stream_handle, void*>> fillers;
+  if (crowded) {
+    for (int i = 0; i < 11; ++i) {
+      const stream_handle s = a.sim->create_stream();
+      fillers.emplace_back(s, a.alloc.allocate(512, s));
+      fillers.emplace_back(s, a.alloc.allocate(4 * MiB, s));
+    }
+  }
+  const std::uint64_t filler_ranges = a.sim->calls(sim_call::va_reserve);
 
   auto random_size = [&]() -> std::size_t {
     // Log-uniform from 1 B to 256 MiB.
@@ -193,7 +207,10 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
                                   sim_call::set_access,
                                   sim_call::stream_synchronize,
                                   sim_call::device_synchronize};
-        a.sim->fail_nth(kinds[rng() % std::size(kinds)], 1 + rng() % 4);
+        // Crowded, address space is refused too (a pool's range is then reserved often).
+        const std::size_t n = std::size(kinds) + (crowded ? 1 : 0);
+        const std::size_t k = rng() % n;
+        a.sim->fail_nth(k < std::size(kinds) ? kinds[k] : sim_call::va_reserve, 1 + rng() % 4);
         ++injected;
       } else {
         // Bad input must be rejected without changing anything.
@@ -216,9 +233,18 @@ void run_program(const config& cfg, std::uint64_t seed, std::size_t ops) {
     // Every byte the device holds is accounted for: no leaked segment or handle.
     ASSERT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(a.stats().reserved_bytes[0].current));
     const auto s = a.stats();
-    ASSERT_EQ(static_cast<std::size_t>(s.allocation_count[0].current), live.size());
+    ASSERT_EQ(static_cast<std::size_t>(s.allocation_count[0].current),
+              live.size() + fillers.size());
+  }
+  if (crowded) {
+    // Past the budget, the program's pools grew by more ranges than one per kind and pool, and
+    // gave empty ones back.
+    EXPECT_GT(a.sim->calls(sim_call::va_reserve), filler_ranges + 20);
+    EXPECT_GT(a.sim->calls(sim_call::va_free), 0u);
   }
   // Drain: everything freed and the cache emptied leaves nothing on the device.
+  for (auto [s, p] : fillers) a.alloc.deallocate(p, s);
+  for (std::size_t i = 0; i < fillers.size(); i += 2) a.sim->destroy_stream(fillers[i].first);
   for (auto& b : live) a.alloc.deallocate(reinterpret_cast<void*>(b.addr));
   a.sim->fail_always(sim_call::segment_free, false);
   for (std::size_t k = 0; k < k_sim_call_kinds; ++k) a.sim->fail_nth(static_cast<sim_call>(k), 0);
@@ -250,6 +276,16 @@ TEST_P(randomized, InvariantsHoldAfterEveryOperation) {
   const config cfg = parse_config(GetParam());
   const std::uint64_t seed = seed_from_env(0xC0CAC4E5EEDULL + std::hash<std::string>{}(GetParam()));
   run_program(cfg, seed, scaled_ops(GetParam().empty() ? 100'000 : 40'000, 2'000));
+}
+
+// Expandable mode with every pool of the program past the address budget: ranges of 64 MiB and
+// up, several per pool.
+TEST(randomized_crowded, InvariantsHoldAfterEveryOperation) {
+  for (const char* c : {"expandable_segments:True", "expandable_segments:True,memory_limit:768MiB"}) {
+    SCOPED_TRACE(c);
+    const std::uint64_t seed = seed_from_env(0xC0CAC4E5EEDULL + std::hash<std::string>{}(c) + 1);
+    run_program(parse_config(c), seed, scaled_ops(20'000, 2'000), /*crowded=*/true);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, randomized,

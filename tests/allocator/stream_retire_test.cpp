@@ -10,9 +10,11 @@
 
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "allocator/test_support.hpp"
+#include "cucache/errors.hpp"
 
 namespace cucache::test {
 namespace {
@@ -207,6 +209,154 @@ TEST_P(StreamRetire, APollQueriesABoundedNumberOfQueues) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, StreamRetire,
                          ::testing::Values("", "expandable_segments:True"));
+
+// Expandable mode, streams live at once. Each pool used to reserve a range of the device's size
+// (small pool) and one of twice that (large pool) for as long as it lived, so ~820 live streams
+// holding cached memory exhausted the simulated device's 64 TiB of address space (~935 on the
+// H200's 128 TiB), and every allocation failed from then on. Past an address budget of 32 devices,
+// a pool's ranges start at 64 MiB and double (pager::next_range_bytes).
+
+/// The address space of the expandable ranges of `stream`'s pool of one kind, oldest first
+/// (segments() lists by address; the sim hands out rising addresses).
+std::vector<std::size_t> range_sizes(const sim_allocator& a, stream_handle stream, bool small) {
+  std::vector<std::size_t> out;
+  for (const segment_view& v : a.alloc.segments()) {
+    if (v.expandable && v.stream == stream && v.small == small) out.push_back(v.size);
+  }
+  return out;
+}
+
+std::size_t address_space(const sim_allocator& a) {
+  std::size_t n = 0;
+  for (const segment_view& v : a.alloc.segments()) n += v.expandable ? v.size : 0;
+  return n;
+}
+
+TEST(LiveStreams, ThreeThousandStreamsEachHoldingCacheInBothPools) {
+  sim_options o;  // 80 GiB: full ranges of 80 and 160 GiB until 2,560 GiB are reserved
+  o.events_complete_immediately = true;
+  sim_allocator a(parse_config("expandable_segments:True"), o);
+  // Each stream holds a small block (its pool in use: never handed to another stream) and has
+  // a large one cached (freed: its pages stay mapped in the pool).
+  std::vector<stream_handle> streams(3000);
+  std::vector<void*> small(streams.size());
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    streams[i] = a.sim->create_stream();
+    small[i] = a.alloc.allocate(512 * KiB, streams[i]);
+    void* large = a.alloc.allocate(8 * MiB, streams[i]);
+    ASSERT_NE(small[i], nullptr) << "stream " << i;
+    ASSERT_NE(large, nullptr) << "stream " << i;
+    a.alloc.deallocate(large, streams[i]);
+  }
+  EXPECT_EQ(a.sim->calls(sim_call::va_reserve), 6000u);
+  // Ten pools of 80 + 160 GiB, the eleventh's small range (2,480 GiB in all), then 64 MiB each.
+  EXPECT_EQ(address_space(a), 2480 * GiB + 64 * MiB + 2989 * 128 * MiB);
+  EXPECT_EQ(range_sizes(a, streams[0], false), std::vector<std::size_t>{160 * GiB});
+  EXPECT_EQ(range_sizes(a, streams[2999], true), std::vector<std::size_t>{64 * MiB});
+  // Every stream again: its own cache serves it, no new range, no new page.
+  const std::uint64_t creates = a.sim->calls(sim_call::phys_create);
+  for (stream_handle s : streams) a.alloc.deallocate(a.alloc.allocate(8 * MiB, s), s);
+  EXPECT_EQ(a.sim->calls(sim_call::va_reserve), 6000u);
+  EXPECT_EQ(a.sim->calls(sim_call::phys_create), creates);
+  a.alloc.check_invariants();
+  // Freed, gone streams and empty_cache: every range goes back.
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    a.alloc.deallocate(small[i], streams[i]);
+    a.sim->destroy_stream(streams[i]);
+  }
+  a.alloc.empty_cache();
+  EXPECT_EQ(address_space(a), 0u);
+  EXPECT_EQ(a.sim->calls(sim_call::va_free), 6000u);
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
+  EXPECT_EQ(a.sim->destroyed_stream_calls(), 0u);
+  a.alloc.check_invariants();
+}
+
+/// A 1 GiB device whose address budget (32 GiB) eleven streams spend, each holding a small and a
+/// large block: the next pool's ranges start small.
+struct crowded_device {
+  crowded_device() : a(parse_config("expandable_segments:True"), options()) {
+    for (int i = 0; i < 11; ++i) {
+      const stream_handle s = a.sim->create_stream();
+      held.emplace_back(s, a.alloc.allocate(4 * KiB, s));
+      held.emplace_back(s, a.alloc.allocate(4 * MiB, s));
+    }
+  }
+  ~crowded_device() {
+    for (auto [s, ptr] : held) a.alloc.deallocate(ptr, s);
+  }
+  static sim_options options() {
+    sim_options o;
+    o.capacity_bytes = 1 * GiB;
+    o.events_complete_immediately = true;
+    return o;
+  }
+  sim_allocator a;
+  std::vector<std::pair<stream_handle, void*>> held;
+};
+
+TEST(LiveStreams, APoolPastTheBudgetGrowsRangesByDoublingAndGivesEmptyOnesBack) {
+  crowded_device d;
+  sim_allocator& a = d.a;
+  const stream_handle s = a.sim->create_stream();
+  void* x = a.alloc.allocate(40 * MiB, s);  // first range: 64 MiB
+  void* y = a.alloc.allocate(40 * MiB, s);  // 24 MiB left there: a range of twice 64 MiB
+  void* z = a.alloc.allocate(200 * MiB, s);  // holes of 24 and 88 MiB: twice 192 MiB
+  EXPECT_EQ(range_sizes(a, s, false), (std::vector<std::size_t>{64 * MiB, 128 * MiB, 384 * MiB}));
+  void* w = a.alloc.allocate(20 * MiB, s);  // the best fit: the 24 MiB hole of the first range
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(w), reinterpret_cast<std::uintptr_t>(x) + 40 * MiB);
+  a.alloc.check_invariants();
+  a.alloc.deallocate(x, s);
+  a.alloc.deallocate(y, s);
+  a.alloc.deallocate(w, s);
+  // The two older ranges are empty: empty_cache unmaps their pages and gives them back; the
+  // newest, holding z, stays.
+  a.alloc.empty_cache();
+  EXPECT_EQ(range_sizes(a, s, false), std::vector<std::size_t>{384 * MiB});
+  a.alloc.check_invariants();
+  // Empty too, the newest stays while the pool is in use ...
+  void* v = a.alloc.allocate(4 * KiB, s);
+  a.alloc.deallocate(z, s);
+  a.alloc.empty_cache();
+  EXPECT_EQ(range_sizes(a, s, false), std::vector<std::size_t>{384 * MiB});
+  // ... and goes with the pool's last block.
+  a.alloc.deallocate(v, s);
+  a.alloc.empty_cache();
+  EXPECT_TRUE(range_sizes(a, s, false).empty());
+  EXPECT_TRUE(range_sizes(a, s, true).empty());
+  a.alloc.check_invariants();
+  a.sim->destroy_stream(s);
+}
+
+TEST(LiveStreams, NoAddressSpaceRunsTheLadderThenNamesTheCause) {
+  crowded_device d;
+  sim_allocator& a = d.a;
+  const stream_handle s = a.sim->create_stream();
+  // Refused once: the ladder gives empty ranges back and the second try gets one.
+  a.sim->fail_nth(sim_call::va_reserve, 1);
+  void* x = a.alloc.allocate(40 * MiB, s);
+  EXPECT_NE(x, nullptr);
+  EXPECT_EQ(a.stats().alloc_retry_count, 1u);
+  // Refused for good: an out-of-memory error that says so, nothing reserved or leaked.
+  a.sim->fail_always(sim_call::va_reserve);
+  const std::int64_t reserved = a.reserved();
+  try {
+    (void)a.alloc.allocate(100 * MiB, s);  // the 24 MiB hole cannot hold it
+    ADD_FAILURE() << "no error";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("virtual address space has no room"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(a.reserved(), reserved);
+  EXPECT_EQ(a.stats().oom_count, 1u);
+  void* y = a.alloc.allocate(20 * MiB, s);  // a hole holds it: no range needed
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(y), reinterpret_cast<std::uintptr_t>(x) + 40 * MiB);
+  a.sim->fail_always(sim_call::va_reserve, false);
+  a.alloc.deallocate(x, s);
+  a.alloc.deallocate(y, s);
+  a.alloc.check_invariants();
+  a.sim->destroy_stream(s);
+}
 
 }  // namespace
 }  // namespace cucache::test

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -126,6 +127,53 @@ TEST_P(GpuStreams, ARunningKernelsBlockIsNotTheNextStreamsUntilItIsDone) {
   a.deallocate(r, u);
   CUDA_CHECK(cudaStreamDestroy(u));
   CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Streams live at once, each holding a block and with cached memory in both pools (expandable
+// mode: each pool's ranges; before, the ~936th live stream found no address space on the H200).
+// CUCACHE_GPU_LIVE_STREAMS overrides the number (default 3,000).
+TEST_P(GpuStreams, ThreeThousandLiveStreamsWithCachedMemory) {
+  CUCACHE_REQUIRE_GPU();
+  cucache::device_allocator a(std::make_shared<cucache::cuda_backend>(0),
+                              cucache::parse_config(GetParam()));
+  int n = 3'000;
+  if (const char* v = std::getenv("CUCACHE_GPU_LIVE_STREAMS")) n = std::max(1, std::atoi(v));
+  std::vector<cudaStream_t> streams(static_cast<std::size_t>(n));
+  std::vector<void*> held(streams.size());
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+    try {
+      held[i] = a.allocate(64 * 1024, streams[i]);
+      void* large = a.allocate(8 * mib, streams[i]);
+      fill_words<<<64, 256, 0, streams[i]>>>(static_cast<unsigned*>(large),
+                                             8 * mib / sizeof(unsigned),
+                                             static_cast<unsigned>(i));
+      CUDA_CHECK(cudaGetLastError());
+      a.deallocate(large, streams[i]);  // cached in the stream's pool
+    } catch (const std::exception& e) {
+      FAIL() << "stream " << i << ": " << e.what();
+    }
+  }
+  // Every stream again, from its own cache.
+  const std::uint64_t allocs = a.stats().device_alloc_count;
+  for (cudaStream_t s : streams) a.deallocate(a.allocate(8 * mib, s), s);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const cucache::device_stats st = a.stats();
+  std::size_t address = 0;
+  for (const cucache::segment_view& v : a.segments()) address += v.expandable ? v.size : 0;
+  std::printf("%s: %d live streams; reserved %lld bytes, %zu bytes of address space; device "
+              "allocations %llu (%llu in the second pass)\n",
+              GetParam(), n, static_cast<long long>(st.reserved_bytes[0].current), address,
+              static_cast<unsigned long long>(st.device_alloc_count),
+              static_cast<unsigned long long>(st.device_alloc_count - allocs));
+  EXPECT_EQ(st.oom_count, 0u);
+  EXPECT_EQ(st.device_alloc_count, allocs);
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    a.deallocate(held[i], streams[i]);
+    CUDA_CHECK(cudaStreamDestroy(streams[i]));
+  }
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, GpuStreams,
