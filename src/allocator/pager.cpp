@@ -771,12 +771,24 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     const vm_range& range = *f->seg->vm;
     const std::size_t fp = range.page_of(f->addr);
     const std::size_t fl = range.page_of(f->addr + f->size - 1);
-    // The pages a request placed in f may end on: no further than the handles can back.
-    std::size_t reach = 0;  // pages from fp
-    for (std::size_t pg = fp, unmapped = 0; pg <= fl; ++pg, ++reach) {
-      unmapped += !range.mapped(pg);
-      if (unmapped > handles) break;
-    }
+    // The pages a request placed in f may end on: no further than the handles can back -- the
+    // pages from fp up to the one whose unmapped pages, counted from fp, outnumber the handles.
+    // One step per run of mapped pages, not per page.
+    std::size_t reach_end = fl + 1;  // pages [fp, reach_end) are within reach
+    std::size_t cursor = fp, left = handles;
+    bool short_of_handles = false;
+    range.for_each_mapped_run(fp, fl, [&](std::size_t a, std::size_t e) {
+      if (short_of_handles) return;
+      if (a - cursor > left) {
+        reach_end = cursor + left;
+        short_of_handles = true;
+        return;
+      }
+      left -= a - cursor;
+      cursor = e;
+    });
+    if (!short_of_handles && fl + 1 - cursor > left) reach_end = cursor + left;
+    const std::size_t reach = reach_end - fp;  // pages from fp
     // From the largest request down; the first one placed in f is this block's largest.
     for (std::size_t j = reach; j-- > 0;) {
       const std::size_t boundary = range.page_addr(fp + j + 1) - f->addr;
