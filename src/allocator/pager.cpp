@@ -47,7 +47,7 @@ std::size_t pager::next_range_bytes(pool_kind kind, std::size_t need,
 }
 
 std::unique_ptr<vm_range> pager::reserve_range(pool_kind kind, std::size_t bytes) {
-  void* va = timed(counters.vm_ns, [&] { return backend_.va_reserve(bytes); });
+  void* va = backend_.va_reserve(bytes);
   if (va == nullptr) return nullptr;  // no address space left
   std::unique_ptr<vm_range> r;
   try {
