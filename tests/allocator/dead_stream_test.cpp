@@ -12,12 +12,6 @@
 namespace cucache::test {
 namespace {
 
-/// Physical memory the sim holds equals what the allocator accounts for.
-void expect_no_leak(sim_allocator& a) {
-  const auto s = a.stats();
-  EXPECT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(s.reserved_bytes[0].current));
-}
-
 class DeadStream : public ::testing::TestWithParam<const char*> {
  protected:
   [[nodiscard]] static config cfg(const std::string& extra = "") {

@@ -21,14 +21,6 @@ config expandable() {
   return parse_config("expandable_segments:True");
 }
 
-/// Physical handles the sim holds must equal what the allocator accounts for.
-void expect_no_leak(sim_allocator& a) {
-  const auto s = a.stats();
-  EXPECT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(s.reserved_bytes[0].current));
-  EXPECT_EQ(s.mapped_bytes + s.unmapped_handle_bytes,
-            static_cast<std::size_t>(s.reserved_bytes[0].current));
-}
-
 TEST(Expandable, MapsOnlyTheMissingPagesOneHandlePerPage) {
   sim_allocator a(expandable());
   void* p = a.alloc.allocate(3 * MiB);  // pages 0-1 of the large range

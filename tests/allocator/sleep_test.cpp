@@ -86,11 +86,6 @@ std::set<std::uintptr_t> pages_of(void* p, std::size_t bytes) {
   return out;
 }
 
-void expect_no_leak(sim_allocator& a) {
-  const auto s = a.stats();
-  EXPECT_EQ(a.sim->used_bytes(), static_cast<std::size_t>(s.reserved_bytes[0].current));
-}
-
 TEST(Sleep, ReleasesTheDomainsPagesKeepsAddressesAndContents) {
   sim_allocator a(expandable(), host_backed());
   void* other = a.alloc.allocate(3 * MiB);  // untagged: stays mapped throughout

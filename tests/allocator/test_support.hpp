@@ -47,6 +47,17 @@ struct sim_allocator {
   [[nodiscard]] std::uint64_t frees() const { return sim->calls(sim_call::segment_free); }
 };
 
+/// Every byte the simulated device holds is one the allocator accounts for as reserved; in
+/// expandable mode reserved is exactly the mapped pages plus the unmapped handles kept.
+inline void expect_no_leak(const sim_allocator& a) {
+  const device_stats s = a.stats();
+  const auto reserved = static_cast<std::size_t>(s.reserved_bytes[0].current);
+  EXPECT_EQ(a.sim->used_bytes(), reserved);
+  if (a.alloc.get_config().expandable_segments) {
+    EXPECT_EQ(s.mapped_bytes + s.unmapped_handle_bytes, reserved);
+  }
+}
+
 /// The randomized tests' shadow model of the live blocks: address -> requested size. add() is an
 /// assertion that a newly served block overlaps no live one.
 class shadow_blocks {
