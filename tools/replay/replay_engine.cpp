@@ -145,11 +145,25 @@ class counting_backend final : public forwarding_backend {
   using forwarding_backend::forwarding_backend;
   [[nodiscard]] std::uint64_t growths() const noexcept { return growths_; }
   [[nodiscard]] const vm_call_model& model() const noexcept { return model_; }
+  /// The bytes of the segments and physical handles the allocator holds now: its reserved bytes,
+  /// without a stats() call.
+  [[nodiscard]] std::size_t reserved() const noexcept { return reserved_; }
 
   [[nodiscard]] void* segment_malloc(std::size_t bytes) override {
     void* p = forwarding_backend::segment_malloc(bytes);
-    if (p != nullptr) ++growths_;
+    if (p != nullptr) {
+      ++growths_;
+      segment_bytes_[p] = bytes;
+      reserved_ += bytes;
+    }
     return p;
+  }
+  void segment_free(void* ptr) override {
+    forwarding_backend::segment_free(ptr);
+    if (const auto it = segment_bytes_.find(ptr); it != segment_bytes_.end()) {
+      reserved_ -= it->second;
+      segment_bytes_.erase(it);
+    }
   }
   [[nodiscard]] std::optional<phys_handle> phys_create(std::size_t bytes) override {
     ++model_.create;
@@ -158,6 +172,7 @@ class counting_backend final : public forwarding_backend {
     if (h) {
       ++growths_;
       handle_bytes_[*h] = bytes;
+      reserved_ += bytes;
     }
     return h;
   }
@@ -166,7 +181,10 @@ class counting_backend final : public forwarding_backend {
     const auto it = handle_bytes_.find(handle);
     model_.release_us += h200_us(k_us_release, it == handle_bytes_.end() ? 0 : it->second);
     forwarding_backend::phys_release(handle);
-    if (it != handle_bytes_.end()) handle_bytes_.erase(it);
+    if (it != handle_bytes_.end()) {
+      reserved_ -= it->second;
+      handle_bytes_.erase(it);
+    }
   }
   void map(void* va, std::size_t bytes, phys_handle handle) override {
     ++model_.map;
@@ -198,6 +216,8 @@ class counting_backend final : public forwarding_backend {
   std::uint64_t growths_ = 0;
   vm_call_model model_;
   std::unordered_map<phys_handle, std::size_t> handle_bytes_;
+  std::unordered_map<void*, std::size_t> segment_bytes_;
+  std::size_t reserved_ = 0;
 };
 
 memory_figures figures_of(const device_stats& s);
@@ -455,32 +475,63 @@ trace_result replay_trace(const prepared_trace& trace, const options& opts,
   r.host_ns_per_op = median(r.host_ns_per_op_runs);
   if (r.warm) r.warm->host_ns_per_op = median(r.warm->host_ns_per_op_runs);
 
-  // One untimed run samples the stats whenever reserved memory grew, keeping the sample where it
-  // was highest: the allocator's state at its reserved peak.
+  // One untimed run samples the stats at the allocator's reserved peak: at the first growth
+  // after which it holds the timed runs' peak reserved bytes (the backend counts what it holds, so
+  // no stats() is taken before: a stats() at every growth walked every pool in use each time,
+  // quadratic in the streams live at once). Where no growth reaches that peak (an allocation
+  // that ran out of memory raised it on its way; a GPU run that went otherwise), a second run
+  // samples at the first growth that reaches the highest value the first one saw.
   {
     report(opts.progress_line, fmt::format("{}: sampling the peak", trace.name));
-    std::fill(slots.begin(), slots.end(), nullptr);
-    auto counting = std::make_shared<counting_backend>(backend_for(opts));
-    device_allocator a(counting, cfg);
-    cucache_ops ops{&a};
-    std::uint64_t seen = 0;
-    bool sampled = false;
     fragmentation_sample best;
-    const pass_result sampled_pass = run_pass(trace, streams, slots, ops, [&](std::size_t) {
-      if (counting->growths() == seen) return;
-      seen = counting->growths();
+    bool sampled = false;
+    const auto take_sample = [&](device_allocator& a, const counting_backend& counting) {
       const device_stats s = a.stats();
-      const auto reserved = static_cast<std::size_t>(s.reserved_bytes[0].current);
-      if (sampled && reserved <= best.reserved_bytes) return;
       sampled = true;
       best.external = s.external_fragmentation();
       best.overhead = s.overhead_fragmentation();
-      best.reserved_bytes = reserved;
+      best.reserved_bytes = static_cast<std::size_t>(s.reserved_bytes[0].current);
       best.allocated_bytes = static_cast<std::size_t>(s.allocated_bytes[0].current);
       best.free_bytes = s.free_bytes;
       best.largest_free_block = s.largest_free_block;
       best.stats = s;
-    });
+      if (best.reserved_bytes != counting.reserved()) {
+        throw error(fmt::format("{}: the allocator reserves {} bytes, its backend holds {}",
+                                trace.name, best.reserved_bytes, counting.reserved()));
+      }
+    };
+    // Calls take_sample at the first growth after which reserved >= target; returns the highest
+    // reserved seen after a growth.
+    const auto sampling_callback = [&](device_allocator& a, const counting_backend& counting,
+                                       std::size_t target, std::size_t& highest) {
+      return [&a, &counting, target, &highest, &take_sample, &sampled,
+              seen = std::uint64_t{0}](std::size_t) mutable {
+        if (counting.growths() == seen) return;
+        seen = counting.growths();
+        highest = std::max(highest, counting.reserved());
+        if (!sampled && counting.reserved() >= target) take_sample(a, counting);
+      };
+    };
+    std::fill(slots.begin(), slots.end(), nullptr);
+    auto counting = std::make_shared<counting_backend>(backend_for(opts));
+    device_allocator a(counting, cfg);
+    cucache_ops ops{&a};
+    std::size_t highest = 0;
+    const pass_result sampled_pass =
+        run_pass(trace, streams, slots, ops,
+                 sampling_callback(a, *counting, r.figures.peak_reserved_bytes, highest));
+    if (!sampled && highest != 0) {
+      std::vector<void*> again(slots.size(), nullptr);
+      auto counting2 = std::make_shared<counting_backend>(backend_for(opts));
+      device_allocator a2(counting2, cfg);
+      cucache_ops ops2{&a2};
+      std::size_t highest2 = 0;
+      run_pass(trace, streams, again, ops2, sampling_callback(a2, *counting2, highest, highest2));
+      wake_all(a2);
+      for (void* slot : again) {
+        if (slot != nullptr) a2.deallocate(slot);
+      }
+    }
     memory_figures f = figures_of(a, ops);
     f.failed_wakes = sampled_pass.failed_wakes;
     if (sim && f != r.figures) {
