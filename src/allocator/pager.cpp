@@ -677,6 +677,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
   const bool grow = may_grow(p, missing);
   const bool plentiful = grow || !may_synchronize_();
   const page_span whole = r.whole_pages(b->addr, b->size);
+  const bool chunked = grow && max_chunk_pages_ > 1 && whole.pages() >= min_chunked_pages_;
   bool moved = false;
   for (int pass = plentiful ? 1 : 0; pass < 2; ++pass) {
     if (pass == 1) {
@@ -723,7 +724,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
         if (pc->bytes == 0) continue;  // an idle chunk released: room made, pg still missing
         missing -= pc->bytes;
       } else if (!pc) {
-        if (grow && pg >= whole.first && pg < whole.end && max_chunk_pages_ > 1) {
+        if (chunked && pg >= whole.first && pg < whole.end) {
           std::size_t run = 1;  // missing pages from pg that b covers whole
           while (run < max_chunk_pages_ && pg + run < whole.end && !r.mapped(pg + run)) ++run;
           if (run > 1 && (pc = create(run * page_bytes_))) {

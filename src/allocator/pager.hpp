@@ -5,8 +5,8 @@
 // calls the allocator: the allocator places and carves blocks, the pager backs their pages.
 //
 // Chunks (docs/design.md, "Chunks"): while memory is plentiful, a run of missing pages that the
-// block being backed covers whole gets one handle of up to k_max_chunk_pages pages, mapped at
-// once. A chunk is touched as a whole by one block or by none: a carve that would touch part of
+// block being backed covers whole -- a block of at least k_min_chunked_pages whole pages -- gets
+// one handle of up to k_max_chunk_pages pages, mapped at once. A chunk is touched as a whole by one block or by none: a carve that would touch part of
 // an idle chunk (or a chunk page a neighbour may share) first unmaps and releases the whole chunk
 // (touch), and every path that needs an idle page of a chunk -- moves, reclaim, unmap_idle --
 // releases the whole chunk. So an idle chunk pins nothing a block touches, and memory short is
@@ -86,6 +86,10 @@ class pager {
   /// The largest chunk, in pages (64 MiB at the H200's 2 MiB): cuMemCreate costs about the same
   /// per call from 2 to 256 MiB, cuMemRelease grows with the size (docs/design.md, "Chunks").
   static constexpr std::size_t k_max_chunk_pages = 32;
+  /// Only a block that covers at least this many pages whole (256 MiB at 2 MiB) gets chunks:
+  /// smaller blocks' chunks were mostly cut by a later carve of another layout and released
+  /// again, which cost more VM time than they saved (docs/design.md, "Chunks").
+  static constexpr std::size_t k_min_chunked_pages = 128;
 
   /// A pager over `backend`'s VM calls, charging physical memory to `budget`, backing the ranges
   /// of the pools of `pools` (whose idle pages it may move between them) in pages of
@@ -97,9 +101,13 @@ class pager {
   pager& operator=(const pager&) = delete;
 
   [[nodiscard]] std::size_t page_bytes() const noexcept { return page_bytes_; }
-  /// The largest chunk back() creates, in pages (default k_max_chunk_pages; 1: no chunks, every
-  /// handle one page). For tests and measurements; set before use.
-  void set_max_chunk_pages(std::size_t pages) noexcept { max_chunk_pages_ = pages; }
+  /// The largest chunk back() creates, in pages (1: no chunks, every handle one page), and the
+  /// fewest whole pages of a block that gets chunks (defaults k_max_chunk_pages,
+  /// k_min_chunked_pages). For tests and measurements; set before use.
+  void set_chunking(std::size_t max_pages, std::size_t min_block_pages) noexcept {
+    max_chunk_pages_ = max_pages;
+    min_chunked_pages_ = min_block_pages;
+  }
   /// Carves that touched part of an idle chunk while it could not be unmapped (the gate closed,
   /// or an unmap that failed): the chunk stayed mapped, touched in part. Never reset.
   [[nodiscard]] std::uint64_t straddled_chunks() const noexcept {
@@ -351,6 +359,7 @@ class pager {
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
   std::size_t max_chunk_pages_ = k_max_chunk_pages;
+  std::size_t min_chunked_pages_ = k_min_chunked_pages;
   std::atomic<std::uint64_t> straddles_{0};
 };
 
