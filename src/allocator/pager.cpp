@@ -392,9 +392,13 @@ bool pager::release_oldest_idle(stream_pool& q) {
 void pager::convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std::size_t first,
                                std::size_t last) noexcept {
   const page_span whole = r.whole_pages(b->addr, b->size);
+  std::size_t seen = r.page_count;  // the first page of the chunk handled at b's first page
   for (const std::size_t pg : {first, last}) {
     const page_span m = r.mapping_of(pg);
-    if (m.pages() == 1 || (m.first >= whole.first && m.end <= whole.end)) continue;
+    if (m.pages() == 1 || m.first == seen || (m.first >= whole.first && m.end <= whole.end)) {
+      continue;
+    }
+    seen = m.first;
     // Touched by no block unless a carve straddled it before: then it stays as it is.
     bool converted = false;
     try {
