@@ -818,7 +818,7 @@ std::size_t pager::room_bytes() {
   if (budget_.limit != 0) {
     room = std::min(room, budget_.limit > budget_.reserved ? budget_.limit - budget_.reserved : 0);
   }
-  return room + free_handle_bytes;
+  return room + page_handle_bytes_locked();  // the unmapped handles back() reuses
 }
 
 // --- what cached memory can serve ---------------------------------------------------------------

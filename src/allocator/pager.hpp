@@ -195,8 +195,8 @@ class pager {
   /// what was released is gone, the rest stays mapped and recorded.
   std::size_t evict(stream_pool& p, bool synchronize);
   /// Bytes that back() could take for new pages right now without moving another pool's idle
-  /// pages: the unmapped handles plus what the memory limit and the device leave room for (the
-  /// smaller of the two). Changes nothing.
+  /// pages: the unmapped one-page handles plus what the memory limit and the device leave room
+  /// for (the smaller of the two). Changes nothing.
   [[nodiscard]] std::size_t room_bytes();
   /// Releases unmapped handles, largest first, until reserved <= target.
   void release_unmapped(std::size_t target_reserved);

@@ -207,6 +207,7 @@ struct vm_range {
   /// span but does not lie within its whole pages holds the span's first or last page.) O(1).
   [[nodiscard]] bool cuts_chunk(std::uintptr_t addr, std::size_t bytes, std::size_t first,
                                 std::size_t last) const noexcept {
+    if (pages.get(first).chunk_pages == 0 && pages.get(last).chunk_pages == 0) return false;
     const page_span whole = whole_pages(addr, bytes);
     for (const std::size_t pg : {first, last}) {
       const page_span m = mapping_of(pg);
