@@ -573,9 +573,10 @@ std::optional<pager::piece> pager::create(std::size_t bytes) {
 // --- policy -------------------------------------------------------------------------------------
 
 bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
-  // Every handle is one page, so an idle page pins nothing but itself: keeping it mapped where it
-  // went idle costs no fit, because it can be given back, page by page, the moment memory is
-  // short (reclaim). So memory is plentiful exactly while the device, the memory limit and the
+  // A handle is one page, or a chunk that one block touches as a whole or none does, so idle
+  // memory pins nothing a block touches: keeping it mapped where it went idle costs no fit,
+  // because it can be given back, page by page or chunk by chunk, the moment memory is short
+  // (reclaim). So memory is plentiful exactly while the device, the memory limit and the
   // garbage-collection threshold have room for `extra` more: then the missing pages are created
   // and idle pages stay where a steady loop comes back for them, so that once the loop has
   // touched its pages it makes no VM call and no synchronization (PyTorch's expandable segments
@@ -600,8 +601,8 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   if (fits(bytes)) return true;
   counters.reclaims.fetch_add(1, std::memory_order_relaxed);
   const nvtx_range range(nvtx, "cucache: reclaim idle pages");
-  // Unmapped handles are not given back: each is one page, and back() takes them before it
-  // creates anything, so releasing one only to create another would gain no room. Idle pages,
+  // Unmapped handles are not given back: each is one page (a chunk's is released when unmapped),
+  // and back() takes them before it creates anything, so releasing one only to create another would gain no room. Idle pages,
   // least recently idle first (a chunk's page: the whole chunk): this pool's, then the other
   // pools'.
   if (!may_synchronize_()) return false;

@@ -6,13 +6,14 @@
 //
 // Chunks (docs/design.md, "Chunks"): while memory is plentiful, a run of missing pages that the
 // block being backed covers whole -- a block of at least k_min_chunked_pages whole pages -- gets
-// one handle of up to k_max_chunk_pages pages, mapped at once. A chunk is touched as a whole by one block or by none: a carve that would touch part of
-// an idle chunk (or a chunk page a neighbour may share) first unmaps and releases the whole chunk
-// (touch), and every path that needs an idle page of a chunk -- moves, reclaim, unmap_idle --
-// releases the whole chunk. So an idle chunk pins nothing a block touches, and memory short is
-// made up as before. The one exception: while the synchronization gate is closed nothing can be
-// unmapped, so such a carve uses the chunk as it is (a straddled chunk, counted); its pages are
-// given back once every page of it is idle again.
+// one handle of up to k_max_chunk_pages pages, mapped at once. A chunk is touched as a whole by
+// one block or by none: a carve that would touch part of an idle chunk (or reach a chunk's page
+// with a partial edge page, which a neighbour may share) first unmaps and releases the whole
+// chunk (touch), and every path that needs an idle page of a chunk -- moves, reclaim,
+// unmap_idle, evict -- releases the whole chunk. So an idle chunk pins no page a block touches,
+// and what a limit needs is given back as with one-page handles. The one exception: while the
+// synchronization gate is closed nothing can be unmapped, so such a carve uses the chunk as it is
+// (a straddled chunk, counted); it is given back once all of its pages are idle again.
 //
 // Locking: a pool's page tables and idle list are under that pool's mutex, which the caller
 // holds; the unmapped handles and the device-wide reservation are under the budget's mutex.
@@ -103,7 +104,8 @@ class pager {
   [[nodiscard]] std::size_t page_bytes() const noexcept { return page_bytes_; }
   /// The largest chunk back() creates, in pages (1: no chunks, every handle one page), and the
   /// fewest whole pages of a block that gets chunks (defaults k_max_chunk_pages,
-  /// k_min_chunked_pages). For tests and measurements; set before use.
+  /// k_min_chunked_pages). For tests and measurements; set before use. REQUIRES: max_pages <
+  /// 65536 (vm_page::chunk_pages).
   void set_chunking(std::size_t max_pages, std::size_t min_block_pages) noexcept {
     max_chunk_pages_ = max_pages;
     min_chunked_pages_ = min_block_pages;
