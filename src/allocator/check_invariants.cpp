@@ -24,13 +24,17 @@ namespace {
 /// An expandable segment: edge use counts equal a recount from the blocks (and are stored only
 /// where nonzero), every touched page is mapped, the runs of mapped pages are the maximal runs of
 /// the page table, the idle runs are disjoint and hold exactly the mapped pages no block touches,
-/// and a page without access is idle (back() grants access before a block is handed out).
+/// and a page without access is idle (back() grants access before a block is handed out). A chunk
+/// (a handle of several pages) is recorded consistently on consecutive pages, and is either idle
+/// as a whole or lies within the pages that one live block covers whole -- unless a carve
+/// straddled a chunk it could not unmap (pager::straddled_chunks, `straddles`).
 /// `idle_runs` counts the range's idle runs, `idle_pages` their pages. In a sleeping pool
 /// (`asleep`) no page is mapped at all, and the pages its blocks touch are counted in
 /// `sleeping_pages` instead.
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
                  std::int64_t& mappings, std::size_t& idle_runs, std::size_t& idle_pages,
-                 std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages) {
+                 std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages,
+                 std::uint64_t straddles) {
   const detail::vm_range& r = *s.vm;
   if (r.page_count != r.size / r.page_bytes) {
     violated(fmt::format("range {:#x}: {} pages, size says {}", r.base, r.page_count,
@@ -38,6 +42,7 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
   }
   std::vector<std::uint32_t> edge(r.page_count, 0);
   std::vector<std::uint32_t> use(r.page_count, 0);
+  std::vector<const block*> whole_owner(r.page_count, nullptr);  // the live block covering it whole
   for (const block* b = s.first; b != nullptr; b = b->next) {
     if (b->state == block_state::free) continue;
     const std::size_t first = r.page_of(b->addr);
@@ -45,6 +50,8 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     ++edge[first];
     if (last != first) ++edge[last];
     for (std::size_t pg = first; pg <= last; ++pg) ++use[pg];
+    const detail::page_span whole = r.whole_pages(b->addr, b->size);
+    for (std::size_t pg = whole.first; pg < whole.end; ++pg) whole_owner[pg] = b;
   }
   std::size_t edge_pages = 0;
   for (std::size_t pg = 0; pg < r.page_count; ++pg) {
@@ -76,9 +83,35 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
   }
   // The page table against the runs of mapped pages, and the idle runs against the recount.
   std::map<std::size_t, std::size_t> runs;
-  std::size_t mapped_pages = 0, no_access = 0, run_first = 0, run_end = 0;
+  std::size_t mapped_pages = 0, no_access = 0, run_first = 0, run_end = 0, chunks = 0;
   r.pages.for_each([&](std::size_t pg, const detail::vm_page& e) {
     if (!e.mapped) violated(fmt::format("range {:#x} page {}: entry not mapped", r.base, pg));
+    if (e.chunk_pages != 0 && e.chunk_index == 0) {  // a chunk's first page: check it whole
+      ++chunks;
+      bool idle_all = true, one_owner = whole_owner[pg] != nullptr;
+      if (e.chunk_pages < 2 || pg + e.chunk_pages > r.page_count) {
+        violated(fmt::format("range {:#x}: chunk at page {} of {} pages is malformed", r.base, pg,
+                             e.chunk_pages));
+      }
+      for (std::size_t q = pg; q < pg + e.chunk_pages; ++q) {
+        const detail::vm_page c = r.pages.get(q);
+        if (!c.mapped || c.handle != e.handle || c.chunk_pages != e.chunk_pages ||
+            c.chunk_index != q - pg || c.accessible != e.accessible) {
+          violated(fmt::format("range {:#x}: page {} disagrees with the chunk at page {}", r.base,
+                               q, pg));
+        }
+        idle_all = idle_all && use[q] == 0;
+        one_owner = one_owner && whole_owner[q] == whole_owner[pg];
+      }
+      if (!idle_all && !one_owner && straddles == 0) {
+        violated(fmt::format("range {:#x}: the chunk at page {} is touched, but not as a whole by "
+                             "one block",
+                             r.base, pg));
+      }
+    } else if (e.chunk_pages != 0 && (pg < e.chunk_index || !r.mapped(pg - e.chunk_index) ||
+                                      r.pages.get(pg - e.chunk_index).chunk_index != 0)) {
+      violated(fmt::format("range {:#x}: page {} of a chunk without its first page", r.base, pg));
+    }
     ++mapped_pages;
     if (run_end != pg) {
       if (run_end != 0) runs.emplace(run_first, run_end);
@@ -99,6 +132,10 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     reserved += static_cast<std::int64_t>(r.page_bytes);
     mappings += 1;
   });
+  if (chunks != r.chunks) {
+    violated(fmt::format("range {:#x}: {} chunks mapped, counter says {}", r.base, chunks,
+                         r.chunks));
+  }
   if (run_end != 0) runs.emplace(run_first, run_end);
   if (runs != r.mapped_runs) {
     violated(fmt::format("range {:#x}: {} runs of mapped pages recorded, the page table has {}",
@@ -232,7 +269,7 @@ void device_allocator::check_invariants() const {
         std::int64_t mappings = 0;
         const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
         check_range(p, *s, reserved[k], mappings, idle_runs_seen, idle_pages_seen, mapped_total,
-                    asleep, sleeping_pages[p.domain]);
+                    asleep, sleeping_pages[p.domain], m.pager->straddled_chunks());
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
         reserved[k] += static_cast<std::int64_t>(s->size);

@@ -28,17 +28,20 @@ std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const 
         out.offset = addr - s->base;
         return out;
       }
-      // Expandable: every page of a live block is mapped, each by a handle of its own.
+      // Expandable: every page of a live block is mapped, by a handle of its own or a chunk's
+      // (one piece per mapping; a straddled chunk may begin before the block's first page).
       const detail::vm_range& r = *s->vm;
       out.expandable = true;
-      const std::size_t first = r.page_of(addr);
+      const std::size_t first = r.mapping_of(r.page_of(addr)).first;
       const std::size_t last = r.page_of(addr + b->size - 1);
       out.base = r.page_addr(first);
-      for (std::size_t pg = first; pg <= last; ++pg) {
+      for (std::size_t pg = first; pg <= last;) {
         const detail::vm_page e = r.pages.get(pg);
         if (!e.mapped) return std::nullopt;  // not reachable for a live block
-        out.pieces.push_back({e.handle, r.page_bytes});
-        out.span += r.page_bytes;
+        const std::size_t bytes = r.mapping_of(pg).pages() * r.page_bytes;
+        out.pieces.push_back({e.handle, bytes});
+        out.span += bytes;
+        pg = r.mapping_of(pg).end;
       }
       out.offset = addr - out.base;
       return out;

@@ -82,9 +82,11 @@ void pager::destroy_range(vm_range& r) noexcept {
     r.idle_runs.clear();
   }
   r.pages.for_each([&](std::size_t pg, const vm_page& e) {
+    if (e.chunk_index != 0) return;  // a chunk is unmapped and released at its first page
+    const std::size_t pages = e.chunk_pages != 0 ? e.chunk_pages : 1;
     try {
       timed(counters.vm_ns, [&] {
-        backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), page_bytes_);
+        backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), pages * page_bytes_);
         backend_.phys_release(e.handle);
       });
     } catch (...) {
@@ -267,6 +269,9 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
   if (delta > 0) {
+    // A chunk is touched as a whole by one block: one that b would touch in part goes first.
+    if (r.chunks != 0 && r.cuts_chunk(b->addr, b->size, first, last)) [[unlikely]]
+      convert_cut_chunks(p, r, b, first, last);
     const std::uint32_t first_use = r.edge(first);
     r.edge_use.set(first, first_use + 1);
     std::uint32_t last_use = first_use;
@@ -353,54 +358,125 @@ void pager::release_unmapped(std::size_t target_reserved) {
   }
 }
 
-phys_handle pager::unmap(stream_pool& p, vm_range& r, std::size_t pg) {
+pager::piece pager::unmap(stream_pool& p, vm_range& r, std::size_t pg) {
+  const page_span m = r.mapping_of(pg);
+  const std::size_t bytes = m.pages() * page_bytes_;
   timed(counters.vm_ns,
-        [&] { backend_.unmap(reinterpret_cast<void*>(r.page_addr(pg)), page_bytes_); });
+        [&] { backend_.unmap(reinterpret_cast<void*>(r.page_addr(m.first)), bytes); });
   counters.unmap.fetch_add(1, std::memory_order_relaxed);
-  idle_remove(p, r, pg, pg);
-  const phys_handle h = r.remove_page(pg);
-  p.stats.reserved_bytes.dec(r.kind, static_cast<std::int64_t>(page_bytes_));
+  idle_remove(p, r, m.first, m.end - 1);
+  phys_handle h = 0;
+  for (std::size_t q = m.first; q < m.end; ++q) h = r.remove_page(q);
+  if (m.pages() > 1) --r.chunks;
+  p.stats.reserved_bytes.dec(r.kind, static_cast<std::int64_t>(bytes));
   if (r.mapped_pages == 0) p.stats.segment_count.dec(r.kind, 1);  // a range holding memory
-  return h;
+  return piece{h, bytes, false};
 }
 
-void pager::release_oldest_idle(stream_pool& q) {
+void pager::keep_or_release(const piece& pc) {
+  if (pc.bytes == page_bytes_) {
+    keep(pc.handle, pc.bytes);
+  } else {
+    release(pc.handle, pc.bytes);  // a failure keeps it listed
+  }
+}
+
+std::optional<pager::idle_page> pager::oldest_unmappable(const stream_pool& q) const {
+  for (const idle_run* u = q.pages.idle_tail; u != nullptr; u = u->newer) {
+    for (std::size_t pg = u->first; pg < u->end;) {
+      const page_span m = u->range->mapping_of(pg);
+      if (m.pages() == 1 || u->range->all_idle(m)) return idle_page{u->range, pg};
+      pg = m.end;  // a straddled chunk: some block still touches part of it
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<pager::idle_page> pager::newest_unmappable(const stream_pool& q) const {
+  for (const idle_run* u = q.pages.idle_head; u != nullptr; u = u->older) {
+    for (std::size_t pg = u->end; pg > u->first;) {
+      const page_span m = u->range->mapping_of(pg - 1);
+      if (m.pages() == 1 || u->range->all_idle(m)) return idle_page{u->range, pg - 1};
+      pg = m.first;
+    }
+  }
+  return std::nullopt;
+}
+
+bool pager::release_oldest_idle(stream_pool& q) {
   unpark(q);
-  idle_run* u = q.pages.idle_tail;
-  wait_until_unmappable(u->epoch);
-  release(unmap(q, *u->range, u->first), page_bytes_);
+  const std::optional<idle_page> at = oldest_unmappable(q);
+  if (!at) return false;
+  wait_until_unmappable(at->range->idle_epoch(at->range->mapping_of(at->page)));
+  const piece pc = unmap(q, *at->range, at->page);
+  release(pc.handle, pc.bytes);
+  return true;
+}
+
+void pager::convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std::size_t first,
+                               std::size_t last) noexcept {
+  const page_span whole = r.whole_pages(b->addr, b->size);
+  std::size_t seen = r.page_count;  // the first page of the chunk handled at b's first page
+  for (const std::size_t pg : {first, last}) {
+    const page_span m = r.mapping_of(pg);
+    if (m.pages() == 1 || m.first == seen || (m.first >= whole.first && m.end <= whole.end)) {
+      continue;
+    }
+    seen = m.first;
+    // Touched by no block unless a carve straddled it before: then it stays as it is.
+    bool converted = false;
+    try {
+      if (may_synchronize_() && r.all_idle(m)) {
+        wait_until_unmappable(r.idle_epoch(m));
+        const piece pc = unmap(p, r, m.first);
+        counters.splits.fetch_add(1, std::memory_order_relaxed);
+        converted = true;
+        release(pc.handle, pc.bytes);  // a failure keeps it listed
+      }
+    } catch (...) {
+    }
+    if (!converted) straddles_.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 void pager::map(stream_pool& p, vm_range& r, std::size_t pg, const piece& pc,
                 std::vector<std::size_t>& batch, mapping_use use) {
-  // REQUIRES, for mapping_use::touched: pg lies inside the span of the carved block being backed;
-  // for mapping_use::idle: no block touches it. pc is one page.
+  // REQUIRES, for mapping_use::touched: the pages lie inside the span of the carved block being
+  // backed (a chunk's: pages it covers whole); for mapping_use::idle: no block touches them, and
+  // pc is one page. Every page of [pg, pg + pages) is unmapped.
   void* va = reinterpret_cast<void*>(r.page_addr(pg));
+  const std::size_t pages = pc.bytes / page_bytes_;
   try {
-    batch.reserve(batch.size() + 1);
+    batch.reserve(batch.size() + pages);
     timed(counters.vm_ns, [&] { backend_.map(va, pc.bytes, pc.handle); });
   } catch (...) {
-    keep(pc.handle, pc.bytes);
+    keep_or_release(pc);
     throw;
   }
   counters.map.fetch_add(1, std::memory_order_relaxed);
   if (pc.moved) counters.stitched_pages.fetch_add(1, std::memory_order_relaxed);
   // Not accessible yet: grant_access sets access over the whole batch of back() at once.
   if (r.mapped_pages == 0) p.stats.segment_count.inc(r.kind, 1);  // a range holding memory
+  const auto chunk_pages = static_cast<std::uint16_t>(pages > 1 ? pages : 0);
+  std::size_t added = 0;
   try {
-    r.add_page(pg, pc.handle);
-  } catch (...) {  // no host memory for the page table: undo the map, keep the handle
+    for (; added < pages; ++added) {
+      r.add_page(pg + added, pc.handle, chunk_pages, static_cast<std::uint16_t>(added));
+    }
+  } catch (...) {  // no host memory for the page table: undo the map, keep or release the handle
+    for (std::size_t q = 0; q < added; ++q) (void)r.remove_page(pg + q);
     try {
       timed(counters.vm_ns, [&] { backend_.unmap(va, pc.bytes); });
-      keep(pc.handle, pc.bytes);
+      keep_or_release(pc);
     } catch (...) {
     }
     if (r.mapped_pages == 0) p.stats.segment_count.dec(r.kind, 1);
     throw;
   }
-  p.stats.reserved_bytes.inc(r.kind, static_cast<std::int64_t>(page_bytes_));
-  batch.push_back(pg);
-  if (use == mapping_use::idle) idle_add(p, r, pg, pg + 1);
+  if (pages > 1) ++r.chunks;
+  p.stats.reserved_bytes.inc(r.kind, static_cast<std::int64_t>(pc.bytes));
+  for (std::size_t q = 0; q < pages; ++q) batch.push_back(pg + q);
+  if (use == mapping_use::idle) idle_add(p, r, pg, pg + pages);
 }
 
 void pager::grant_access(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
@@ -418,12 +494,16 @@ void pager::grant_access(stream_pool& p, vm_range& r, std::size_t first, std::si
       ++pg;
       continue;
     }
+    // A run holds whole mappings: a chunk without access (a failed undo) that a straddling block
+    // meets in part is covered whole.
+    pg = r.mapping_of(pg).first;
     std::size_t run_end = pg + 1;
     while (run_end <= last) {
       const vm_page n = r.pages.get(run_end);
       if (!n.mapped || n.accessible) break;
       ++run_end;
     }
+    run_end = r.mapping_of(run_end - 1).end;
     try {
       backend_.set_access(reinterpret_cast<void*>(r.page_addr(pg)), (run_end - pg) * page_bytes_);
     } catch (...) {
@@ -437,16 +517,16 @@ void pager::grant_access(stream_pool& p, vm_range& r, std::size_t first, std::si
 }
 
 void pager::revoke(stream_pool& p, vm_range& r, const std::vector<std::size_t>& batch) noexcept {
-  // Leave nothing half-mapped: the pages this call mapped that have no access yet (no work has
+  // Leave nothing half-mapped: the mappings this call made that have no access yet (no work has
   // seen them: no synchronization needed; only the block being backed touches them, or none) are
-  // unmapped again, their handles kept for reuse. One whose unmap fails too stays recorded,
-  // without access, so that it stays tracked; the next back() over it grants access.
+  // unmapped again, one-page handles kept for reuse, chunks released. One whose unmap fails too
+  // stays recorded, without access, so that it stays tracked; the next back() over it grants
+  // access. (A chunk's later pages are unmapped with its first.)
   for (std::size_t pg : batch) {
     const vm_page e = r.pages.get(pg);
     if (!e.mapped || e.accessible) continue;
     try {
-      const phys_handle h = unmap(p, r, pg);
-      keep(h, page_bytes_);
+      keep_or_release(unmap(p, r, pg));
     } catch (...) {
     }
   }
@@ -465,20 +545,27 @@ std::optional<pager::piece> pager::take_unmapped(std::size_t want) {
   return pc;
 }
 
-idle_run* pager::idle_within(const stream_pool& q, std::size_t want) const {
+std::optional<pager::piece> pager::take_oldest_idle(stream_pool& q, std::size_t want) {
   // Least recently idle first: a steady loop is least likely to come back for that page, and it
   // is the one that went idle before the last device synchronization if any did (epochs never
-  // rise toward the tail). Every handle is one page.
-  if (want < page_bytes_) return nullptr;
-  return q.pages.idle_tail;
+  // rise toward the tail). A chunk cannot move (it maps whole only), so one found there is
+  // released: room for what is missing, nothing to map.
+  if (want < page_bytes_) return std::nullopt;
+  unpark(q);
+  const std::optional<idle_page> at = oldest_unmappable(q);
+  if (!at) return std::nullopt;
+  wait_until_unmappable(at->range->idle_epoch(at->range->mapping_of(at->page)));
+  piece pc = unmap(q, *at->range, at->page);
+  if (pc.bytes != page_bytes_) {
+    release(pc.handle, pc.bytes);
+    return piece{0, 0, false};
+  }
+  pc.moved = true;
+  return pc;
 }
 
 std::optional<pager::piece> pager::take_idle(stream_pool& p, std::size_t want) {
-  unpark(p);
-  idle_run* u = idle_within(p, want);
-  if (u == nullptr) return std::nullopt;
-  wait_until_unmappable(u->epoch);
-  return piece{unmap(p, *u->range, u->first), page_bytes_, true};
+  return take_oldest_idle(p, want);
 }
 
 std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t want) {
@@ -488,12 +575,9 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
-    unpark(*q);
-    idle_run* u = idle_within(*q, want);
-    if (u == nullptr) continue;
-    wait_until_unmappable(u->epoch);
-    piece pc{unmap(*q, *u->range, u->first), page_bytes_, true};
-    counters.shared_pages.fetch_add(1, std::memory_order_relaxed);
+    std::optional<piece> pc = take_oldest_idle(*q, want);
+    if (!pc) continue;
+    if (pc->bytes != 0) counters.shared_pages.fetch_add(1, std::memory_order_relaxed);
     return pc;
   }
   return std::nullopt;
@@ -513,9 +597,10 @@ std::optional<pager::piece> pager::create(std::size_t bytes) {
 // --- policy -------------------------------------------------------------------------------------
 
 bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
-  // Every handle is one page, so an idle page pins nothing but itself: keeping it mapped where it
-  // went idle costs no fit, because it can be given back, page by page, the moment memory is
-  // short (reclaim). So memory is plentiful exactly while the device, the memory limit and the
+  // A handle is one page, or a chunk that one block touches as a whole or none does, so idle
+  // memory pins nothing a block touches: keeping it mapped where it went idle costs no fit,
+  // because it can be given back, page by page or chunk by chunk, the moment memory is short
+  // (reclaim). So memory is plentiful exactly while the device, the memory limit and the
   // garbage-collection threshold have room for `extra` more: then the missing pages are created
   // and idle pages stay where a steady loop comes back for them, so that once the loop has
   // touched its pages it makes no VM call and no synchronization (PyTorch's expandable segments
@@ -540,13 +625,12 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   if (fits(bytes)) return true;
   counters.reclaims.fetch_add(1, std::memory_order_relaxed);
   const nvtx_range range(nvtx, "cucache: reclaim idle pages");
-  // Unmapped handles are not given back: each is one page, and back() takes them before it
-  // creates anything, so releasing one only to create another would gain no room. Idle pages,
-  // least recently idle first: this pool's, then the other pools'.
+  // Unmapped handles are not given back: each is one page (a chunk's is released when unmapped),
+  // and back() takes them before it creates anything, so releasing one only to create another would gain no room. Idle pages,
+  // least recently idle first (a chunk's page: the whole chunk): this pool's, then the other
+  // pools'.
   if (!may_synchronize_()) return false;
-  unpark(p);
-  while (p.pages.idle_tail != nullptr) {
-    release_oldest_idle(p);
+  while (release_oldest_idle(p)) {
     if (fits(bytes)) return true;
   }
   std::shared_lock list(pools_mu_, std::try_to_lock);
@@ -555,9 +639,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
-    unpark(*q);
-    while (q->pages.idle_tail != nullptr) {
-      release_oldest_idle(*q);
+    while (release_oldest_idle(*q)) {
       if (fits(bytes)) return true;
     }
   }
@@ -609,15 +691,22 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
                        std::vector<std::size_t>& batch) {
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
-  // One decision per block, for all the pages it lacks, one handle per page. While memory is
-  // plentiful (may_grow), they are created and idle pages stay mapped where they went idle.
+  // One decision per block, for all the pages it lacks. While memory is plentiful (may_grow), they
+  // are created and idle pages stay mapped where they went idle.
   // Otherwise idle pages are moved here first (this pool's, then another stream's), and only what
   // is still missing is created, after room was made for all of it: reserved memory never rises
   // inside the call above where it ends (nothing is created that a release in the same call then
   // makes up for). While a graph capture is underway nothing may synchronize the device, so
   // nothing is moved or given back: what is missing is created (may_synchronize_, set by the
   // allocator).
-  const bool plentiful = may_grow(p, missing) || !may_synchronize_();
+  // While memory is plentiful, a run of missing pages that b covers whole (no neighbour can touch
+  // them) gets one handle, a chunk of up to max_chunk_pages_ pages: one cuMemCreate and one
+  // cuMemMap instead of one per page. Its pages are touched by b alone, and once idle the chunk
+  // is released whole the moment a carve, a move or a reclaim needs any of its pages.
+  const bool grow = may_grow(p, missing);
+  const bool plentiful = grow || !may_synchronize_();
+  const page_span whole = r.whole_pages(b->addr, b->size);
+  const bool chunked = grow && max_chunk_pages_ > 1 && whole.pages() >= min_chunked_pages_;
   bool moved = false;
   for (int pass = plentiful ? 1 : 0; pass < 2; ++pass) {
     if (pass == 1) {
@@ -630,7 +719,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
       std::size_t kept = 0;
       {
         std::lock_guard lock(budget_.mu);
-        kept = free_handle_bytes;
+        kept = page_handle_bytes_locked();
       }
       const std::size_t fresh = missing > kept ? missing - kept : 0;
       if (!plentiful && fresh != 0 && !fits(fresh)) {
@@ -660,15 +749,23 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
           ++pg;  // created in pass 1
           continue;
         }
-        missing -= pc->bytes;
         moved = true;
+        if (pc->bytes == 0) continue;  // an idle chunk released: room made, pg still missing
+        missing -= pc->bytes;
       } else if (!pc) {
-        pc = create(want);
+        if (chunked && pg >= whole.first && pg < whole.end) {
+          std::size_t run = 1;  // missing pages from pg that b covers whole
+          while (run < max_chunk_pages_ && pg + run < whole.end && !r.mapped(pg + run)) ++run;
+          if (run > 1 && (pc = create(run * page_bytes_))) {
+            counters.chunks.fetch_add(1, std::memory_order_relaxed);
+          }
+        }
+        if (!pc) pc = create(want);
         if (!pc && reclaim(p, want)) pc = create(want);
         if (!pc) return false;
       }
       map(p, r, pg, *pc, batch);
-      ++pg;
+      pg += pc->bytes / page_bytes_;
     }
   }
   return true;
@@ -700,15 +797,16 @@ bool pager::map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr, std
 }
 
 void pager::unmap_idle(stream_pool& p, bool release_handles) {
-  // Most recently idle first: the head run's last page.
+  // Most recently idle first: the head run's last page (a chunk's: the whole chunk, released
+  // either way; a straddled chunk stays).
   unpark(p);
-  while (idle_run* u = p.pages.idle_head) {
-    wait_until_unmappable(u->epoch);
-    const phys_handle h = unmap(p, *u->range, u->end - 1);
+  while (const std::optional<idle_page> at = newest_unmappable(p)) {
+    wait_until_unmappable(at->range->idle_epoch(at->range->mapping_of(at->page)));
+    const piece pc = unmap(p, *at->range, at->page);
     if (release_handles) {
-      release(h, page_bytes_);
+      release(pc.handle, pc.bytes);
     } else {
-      keep(h, page_bytes_);
+      keep_or_release(pc);
     }
   }
 }
@@ -727,8 +825,11 @@ std::size_t pager::evict(stream_pool& p, bool synchronize) {
     mapped.reserve(r.mapped_pages);
     r.pages.for_each([&](std::size_t pg, const vm_page&) { mapped.push_back(pg); });
     for (const std::size_t pg : mapped) {
-      release(unmap(p, r, pg), page_bytes_);  // unmap: out of the idle runs, page table and stats
-      released += page_bytes_;
+      if (!r.mapped(pg)) continue;  // a chunk's later page, gone with its first
+      // unmap: out of the idle runs, page table and stats
+      const piece pc = unmap(p, r, pg);
+      release(pc.handle, pc.bytes);
+      released += pc.bytes;
     }
   }
   return released;
@@ -741,7 +842,7 @@ std::size_t pager::room_bytes() {
   if (budget_.limit != 0) {
     room = std::min(room, budget_.limit > budget_.reserved ? budget_.limit - budget_.reserved : 0);
   }
-  return room + free_handle_bytes;
+  return room + page_handle_bytes_locked();  // the unmapped handles back() reuses
 }
 
 // --- what cached memory can serve ---------------------------------------------------------------
@@ -750,15 +851,18 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
                                           const size_policy& policy) const {
   // A request placed in p's ranges (best fit, at the front of the free block: impl's placement)
   // is served from cached memory when back() finds every page it touches mapped or backed by an
-  // unmapped handle (each one page): nothing is created. Idle mappings elsewhere are not counted:
-  // back() moves them only when memory is not plentiful, which depends on the device's free
-  // memory at the time of the request; while it is plentiful it creates instead.
+  // unmapped one-page handle: nothing is created. The pages of an idle chunk that the request
+  // would touch in part (one holding its first or last page that it does not cover whole) count
+  // as unmapped: the carve releases that chunk (touch) and back() backs them page by page. Idle
+  // mappings elsewhere are not counted: back() moves them only when memory is not plentiful,
+  // which depends on the device's free memory at the time of the request; while it is plentiful
+  // it creates instead.
   const std::size_t lo = kind == pool_kind::small ? 0 : k_small_request_max_bytes;
   const std::size_t hi = kind == pool_kind::small ? k_small_request_max_bytes : ~std::size_t{0};
   std::size_t handles = 0;  // unmapped one-page handles
   {
     std::lock_guard lock(budget_.mu);
-    handles = free_handle_bytes / page_bytes_;
+    handles = page_handle_bytes_locked() / page_bytes_;
   }
   std::size_t best = 0;
   const auto consider = [&](std::size_t bytes) {
@@ -771,32 +875,40 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     const vm_range& range = *f->seg->vm;
     const std::size_t fp = range.page_of(f->addr);
     const std::size_t fl = range.page_of(f->addr + f->size - 1);
-    // The pages a request placed in f may end on: no further than the handles can back -- the
-    // pages from fp up to the one whose unmapped pages, counted from fp, outnumber the handles.
-    // One step per run of mapped pages, not per page.
-    std::size_t reach_end = fl + 1;  // pages [fp, reach_end) are within reach
-    std::size_t cursor = fp, left = handles;
-    bool short_of_handles = false;
-    range.for_each_mapped_run(fp, fl, [&](std::size_t a, std::size_t e) {
-      if (short_of_handles) return;
-      if (a - cursor > left) {
-        reach_end = cursor + left;
-        short_of_handles = true;
-        return;
+    // The pages a request placed in f may end on: no further than the handles can back.
+    // unmapped_upto[j]: the unmapped pages of [fp, fp + j].
+    std::vector<std::size_t> unmapped_upto;
+    for (std::size_t pg = fp, unmapped = 0; pg <= fl; ++pg) {
+      unmapped += !range.mapped(pg);
+      if (unmapped > handles) break;
+      unmapped_upto.push_back(unmapped);
+    }
+    // The pages of [fp, lp] in chunks that a request of r bytes at f would touch in part.
+    const auto cut_pages = [&](std::size_t r, std::size_t lp) {
+      if (range.chunks == 0) return std::size_t{0};
+      const page_span whole = range.whole_pages(f->addr, r);
+      std::size_t n = 0;
+      std::size_t counted = range.page_count;  // the first page of the chunk counted, if any
+      for (const std::size_t pg : {fp, lp}) {
+        const page_span m = range.mapping_of(pg);
+        if (m.pages() == 1 || m.first == counted ||
+            (m.first >= whole.first && m.end <= whole.end)) {
+          continue;
+        }
+        n += std::min(m.end, lp + 1) - std::max(m.first, fp);
+        counted = m.first;
       }
-      left -= a - cursor;
-      cursor = e;
-    });
-    if (!short_of_handles && fl + 1 - cursor > left) reach_end = cursor + left;
-    const std::size_t reach = reach_end - fp;  // pages from fp
+      return n;
+    };
     // From the largest request down; the first one placed in f is this block's largest.
-    for (std::size_t j = reach; j-- > 0;) {
+    for (std::size_t j = unmapped_upto.size(); j-- > 0;) {
       const std::size_t boundary = range.page_addr(fp + j + 1) - f->addr;
       const std::size_t below = j == 0 ? 0 : range.page_addr(fp + j) - f->addr;
       for (std::size_t end : {std::min(boundary, f->size), std::min(boundary - 1, f->size)}) {
         const std::size_t r = consider(end);
         if (r == 0 || r <= below) continue;    // none left ending on this page
         if (place_in_range(index, r) != f) continue;  // a request of r is placed elsewhere
+        if (unmapped_upto[j] + cut_pages(r, fp + j) > handles) continue;
         best = r;
         return;
       }

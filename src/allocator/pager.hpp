@@ -4,6 +4,17 @@
 // sources of physical memory a block's pages are backed from, each a named function. It never
 // calls the allocator: the allocator places and carves blocks, the pager backs their pages.
 //
+// Chunks (docs/design.md, "Chunks"): while memory is plentiful, a run of missing pages that the
+// block being backed covers whole -- a block of at least k_min_chunked_pages whole pages -- gets
+// one handle of up to k_max_chunk_pages pages, mapped at once. A chunk is touched as a whole by
+// one block or by none: a carve that would touch part of an idle chunk (or reach a chunk's page
+// with a partial edge page, which a neighbour may share) first unmaps and releases the whole
+// chunk (touch), and every path that needs an idle page of a chunk -- moves, reclaim,
+// unmap_idle, evict -- releases the whole chunk. So an idle chunk pins no page a block touches,
+// and what a limit needs is given back as with one-page handles. The one exception: while the
+// synchronization gate is closed nothing can be unmapped, so such a carve uses the chunk as it is
+// (a straddled chunk, counted); it is given back once all of its pages are idle again.
+//
 // Locking: a pool's page tables and idle list are under that pool's mutex, which the caller
 // holds; the unmapped handles and the device-wide reservation are under the budget's mutex.
 // Another pool's idle pages are taken only under try_lock, which never waits, so the pool lock
@@ -40,15 +51,15 @@ struct pager_counters {
   std::atomic<std::uint64_t> stitched_pages{0};  // idle pages moved to where a request needed them
   std::atomic<std::uint64_t> shared_pages{0};    // of those, pages taken from another pool
   std::atomic<std::uint64_t> synchronizations{0};  // device synchronizations before an unmap
-  // Idle mappings released because a block used them in part: none since every handle is one
-  // page (docs/design.md); kept so that device_stats::vm_split_count keeps its meaning.
+  // Idle chunks released because a carve touched them in part (converted to one-page handles).
   std::atomic<std::uint64_t> splits{0};
+  std::atomic<std::uint64_t> chunks{0};  // chunks created (handles of more than one page)
   std::atomic<std::uint64_t> reclaims{0};  // times memory was short and idle memory was released
   std::atomic<std::uint64_t> vm_ns{0};     // host time in cuMemCreate/Map/SetAccess/Unmap/Release
   std::atomic<std::uint64_t> sync_ns{0};   // host time in the synchronizations counted above
   void reset() noexcept {
     for (auto* c : {&map, &set_access, &unmap, &stitched_pages, &shared_pages, &synchronizations,
-                    &splits, &reclaims, &vm_ns, &sync_ns}) {
+                    &splits, &chunks, &reclaims, &vm_ns, &sync_ns}) {
       c->store(0, std::memory_order_relaxed);
     }
   }
@@ -73,6 +84,14 @@ decltype(auto) timed(std::atomic<std::uint64_t>& ns, F&& f) {
 
 class pager {
  public:
+  /// The largest chunk, in pages (64 MiB at the H200's 2 MiB): cuMemCreate costs about the same
+  /// per call from 2 to 256 MiB, cuMemRelease grows with the size (docs/design.md, "Chunks").
+  static constexpr std::size_t k_max_chunk_pages = 32;
+  /// Only a block that covers at least this many pages whole (256 MiB at 2 MiB) gets chunks:
+  /// smaller blocks' chunks were mostly cut by a later carve of another layout and released
+  /// again, which cost more VM time than they saved (docs/design.md, "Chunks").
+  static constexpr std::size_t k_min_chunked_pages = 128;
+
   /// A pager over `backend`'s VM calls, charging physical memory to `budget`, backing the ranges
   /// of the pools of `pools` (whose idle pages it may move between them) in pages of
   /// `page_bytes`. `budget` and `pools` outlive the pager.
@@ -83,6 +102,19 @@ class pager {
   pager& operator=(const pager&) = delete;
 
   [[nodiscard]] std::size_t page_bytes() const noexcept { return page_bytes_; }
+  /// The largest chunk back() creates, in pages (1: no chunks, every handle one page), and the
+  /// fewest whole pages of a block that gets chunks (defaults k_max_chunk_pages,
+  /// k_min_chunked_pages). For tests and measurements; set before use. REQUIRES: max_pages <
+  /// 65536 (vm_page::chunk_pages).
+  void set_chunking(std::size_t max_pages, std::size_t min_block_pages) noexcept {
+    max_chunk_pages_ = max_pages;
+    min_chunked_pages_ = min_block_pages;
+  }
+  /// Carves that touched part of an idle chunk while it could not be unmapped (the gate closed,
+  /// or an unmap that failed): the chunk stayed mapped, touched in part. Never reset.
+  [[nodiscard]] std::uint64_t straddled_chunks() const noexcept {
+    return straddles_.load(std::memory_order_relaxed);
+  }
   /// `gate` answers whether the device may be synchronized now (false while a CUDA graph capture
   /// is underway). While it says no, nothing is unmapped: idle pages are neither moved, split
   /// nor reclaimed, and back() uses only unmapped handles and new memory.
@@ -117,12 +149,16 @@ class pager {
   /// Adds delta (+1 carve, -1 free) to the use of the pages b touches: its edge pages' counts;
   /// on a carve its span leaves the idle runs, on a free the mapped pages of its span that no
   /// other block touches go idle as one run at the head of the pool's idle list (one per run of
-  /// mapped pages). O(log runs) when every page of b is mapped, whatever b's size.
+  /// mapped pages). O(log runs) when every page of b is mapped, whatever b's size. A carve that
+  /// would touch part of an idle chunk first unmaps and releases it (after
+  /// wait_until_unmappable); when it cannot (gate closed, a failed call), the chunk stays,
+  /// straddled. Throws nothing that a VM call raised.
   void touch(stream_pool& p, const block* b, int delta);
 
-  /// Maps every page carved block b touches, each with a handle of its own (one page: an idle page
-  /// then pins nothing but itself), and grants access to what it mapped with one cuMemSetAccess
-  /// per run of adjacent new mappings. O(log runs) when every page is mapped already (a cache
+  /// Maps every page carved block b touches -- while memory is plentiful, runs of new pages that b
+  /// covers whole in chunks of up to max_chunk_pages pages, else each page with a handle of its
+  /// own -- and grants access to what it mapped with one cuMemSetAccess per run of adjacent new
+  /// mappings. O(log runs) when every page is mapped already (a cache
   /// hit). False when no physical memory could be
   /// found (the pages already mapped stay mapped, with access, idle once the caller un-carves b).
   /// A failed VM call throws and leaves no half-mapped block (what this call mapped is unmapped
@@ -181,8 +217,8 @@ class pager {
   /// what was released is gone, the rest stays mapped and recorded.
   std::size_t evict(stream_pool& p, bool synchronize);
   /// Bytes that back() could take for new pages right now without moving another pool's idle
-  /// pages: the unmapped handles plus what the memory limit and the device leave room for (the
-  /// smaller of the two). Changes nothing.
+  /// pages: the unmapped one-page handles plus what the memory limit and the device leave room
+  /// for (the smaller of the two). Changes nothing.
   [[nodiscard]] std::size_t room_bytes();
   /// Releases unmapped handles, largest first, until reserved <= target.
   void release_unmapped(std::size_t target_reserved);
@@ -210,12 +246,17 @@ class pager {
   };
 
   // --- physical-memory sources, in the order back() asks them ---
-  /// 1. An unmapped handle kept for reuse that fits `want` (every handle is one page).
+  /// 1. An unmapped handle kept for reuse that fits `want` (one page; a chunk's handle is listed
+  /// only after its release failed, and is never reused).
   std::optional<piece> take_unmapped(std::size_t want);
-  /// 2. An idle mapping of p that fits `want`, unmapped where it sits (its data is dead).
+  /// 2. p's least recently idle page that can be unmapped, unmapped where it sits (its data is
+  /// dead). When it is a chunk's, the whole chunk is unmapped and released instead: a piece of 0
+  /// bytes (room made, nothing to map).
   std::optional<piece> take_idle(stream_pool& p, std::size_t want);
-  /// 3. An idle mapping of another pool that fits `want` (pools that are busy are skipped).
+  /// 3. The same from another pool (pools that are busy are skipped).
   std::optional<piece> take_peer_idle(stream_pool& p, std::size_t want);
+  /// take_idle's work on q (locked).
+  std::optional<piece> take_oldest_idle(stream_pool& q, std::size_t want);
   /// 4. New physical memory; none above the memory limit or the device's capacity.
   std::optional<piece> create(std::size_t bytes);
 
@@ -235,11 +276,22 @@ class pager {
   void wait_until_unmappable(std::uint64_t idle_epoch);
   void synchronize_device();
 
-  /// The idle run of q whose first page is the pool's least recently idle page, when a page fits
-  /// in `want`, else nullptr. Idle runs are linked with the count of synchronizations started at
-  /// the time, so epochs never rise toward the tail: the least recently idle page is also the one
-  /// most likely to need no synchronization.
-  idle_run* idle_within(const stream_pool& q, std::size_t want) const;
+  /// q's least recently idle page whose whole mapping is idle (the first page of the idle list's
+  /// tail run, unless it belongs to a straddled chunk), or nullopt. Idle runs are linked with the
+  /// count of synchronizations started at the time, so epochs never rise toward the tail: the
+  /// least recently idle page is also the one most likely to need no synchronization.
+  /// REQUIRES: q unparked.
+  struct idle_page {
+    vm_range* range;
+    std::size_t page;
+  };
+  std::optional<idle_page> oldest_unmappable(const stream_pool& q) const;
+  /// The same, most recently idle first (the last page of the head run).
+  std::optional<idle_page> newest_unmappable(const stream_pool& q) const;
+  /// The idle chunks holding b's first or last page that b does not cover whole are unmapped and
+  /// released (touch, before b's span leaves the idle runs).
+  void convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std::size_t first,
+                          std::size_t last) noexcept;
   struct span_state {
     std::size_t missing_bytes = 0;  // b's pages that no mapping backs
     bool needs_access = false;      // a mapped page of b's span without access (a failed undo)
@@ -288,21 +340,30 @@ class pager {
   void list_unlink(stream_pool& p, idle_run* u) noexcept;
   void add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept;
 
-  /// Unmaps page pg of r (idle, wait_until_unmappable done; or mapped by this call, no access)
-  /// and returns its handle.
-  phys_handle unmap(stream_pool& p, vm_range& r, std::size_t pg);
+  /// Unmaps the mapping holding page pg of r -- one page, or a whole chunk -- (every page of it
+  /// idle, wait_until_unmappable done; or mapped by this call, no access; or evict) and returns
+  /// its handle and bytes.
+  piece unmap(stream_pool& p, vm_range& r, std::size_t pg);
+  /// An unmapped mapping's handle: kept for reuse when it is one page, else released.
+  void keep_or_release(const piece& pc);
   /// What a new mapping's page is to the blocks: touched by the carved block being backed
   /// (back), or by none (map_idle_pages: the page starts idle).
   enum class mapping_use : bool { touched, idle };
-  /// Maps pc at page pg (no access yet) and adds pg to `batch`.
+  /// Maps pc at page pg -- a chunk over pages [pg, pg + its pages) -- (no access yet) and adds
+  /// its pages to `batch`.
   void map(stream_pool& p, vm_range& r, std::size_t pg, const piece& pc,
            std::vector<std::size_t>& batch, mapping_use use = mapping_use::touched);
   void keep(phys_handle h, std::size_t bytes);
   void keep_locked(phys_handle h, std::size_t bytes);  // REQUIRES budget.mu
   void release(phys_handle h, std::size_t bytes);
-  /// Unmaps the least recently idle page of q (the first page of its idle tail) and releases its
-  /// handle.
-  void release_oldest_idle(stream_pool& q);
+  /// Unmaps the least recently idle page of q that can be unmapped (oldest_unmappable) and
+  /// releases its handle: a chunk's page releases the whole chunk. False when none can.
+  bool release_oldest_idle(stream_pool& q);
+  /// Bytes of the one-page handles among the unmapped ones (the ones back() reuses).
+  /// REQUIRES budget.mu.
+  [[nodiscard]] std::size_t page_handle_bytes_locked() const {
+    return free_handles.count(page_bytes_) * page_bytes_;
+  }
   /// Would `bytes` more pass the memory limit or the garbage-collection threshold?
   bool over_caps(std::size_t bytes);
   /// Room for `bytes` more under the caps and on the device.
@@ -323,6 +384,9 @@ class pager {
   /// subtracts; ranges are made and destroyed under their pool's lock, so pools of the device
   /// change it concurrently).
   std::atomic<std::size_t> address_bytes_{0};
+  std::size_t max_chunk_pages_ = k_max_chunk_pages;
+  std::size_t min_chunked_pages_ = k_min_chunked_pages;
+  std::atomic<std::uint64_t> straddles_{0};
 };
 
 }  // namespace cucache::detail

@@ -42,8 +42,10 @@ std::vector<segment_view> walk(const device_allocator::impl& m) {
       }
       if (const detail::vm_range* r = seg->vm) {
         v.page_bytes = r->page_bytes;
-        r->pages.for_each([&](std::size_t pg, const detail::vm_page&) {
-          v.mappings.push_back({r->page_addr(pg), r->page_bytes, r->idle(pg)});
+        r->pages.for_each([&](std::size_t pg, const detail::vm_page& e) {
+          if (e.chunk_index != 0) return;  // a chunk is one mapping, listed at its first page
+          const detail::page_span span = r->mapping_of(pg);
+          v.mappings.push_back({r->page_addr(pg), span.pages() * r->page_bytes, r->all_idle(span)});
         });
       }
       out.push_back(std::move(v));

@@ -1,5 +1,7 @@
 // Expandable segments: a segment that is a large reserved virtual range, backed page by page
-// (pages of the device's VM granularity) by physical handles of one page each, mapped on demand.
+// (pages of the device's VM granularity) by physical handles of one page each, or by a *chunk* --
+// one handle of several pages, created for pages that one block covers whole (pager.hpp) --
+// mapped on demand.
 // The range's page table records, for every mapped page, its handle and whether it has access;
 // the maximal runs of mapped pages; for the pages where blocks begin or end, how many allocated or
 // pending blocks do; and the runs of idle pages (mapped, touched by no allocated or pending block),
@@ -105,12 +107,23 @@ class sparse_page_table {
   std::unique_ptr<chunk> spare_;  // an emptied chunk (all T{}), reused before allocating
 };
 
-/// A mapped page: its handle (one page) and whether cuMemSetAccess was done on it.
+/// A mapped page: its handle and whether cuMemSetAccess was done on it. A page of a chunk (a
+/// handle of chunk_pages > 1 pages, mapped at once over consecutive pages) records the chunk's
+/// handle and its index in the chunk; a page with a handle of its own has chunk_pages 0.
 struct vm_page {
   phys_handle handle = 0;
   bool mapped = false;
   bool accessible = false;
+  std::uint16_t chunk_pages = 0;
+  std::uint16_t chunk_index = 0;
   friend bool operator==(const vm_page&, const vm_page&) = default;
+};
+
+/// The pages [first, end) of one mapping (one handle): one page, or a chunk's.
+struct page_span {
+  std::size_t first = 0;
+  std::size_t end = 0;
+  [[nodiscard]] std::size_t pages() const noexcept { return end - first; }
 };
 
 struct vm_range {
@@ -145,6 +158,7 @@ struct vm_range {
   std::size_t mapped_pages = 0;
   std::size_t no_access_pages = 0;  // mapped pages without access (a batch being backed, a
                                     // failed undo)
+  std::size_t chunks = 0;           // mapped chunks (handles of more than one page)
 
   vm_range() = default;
   vm_range(std::uintptr_t b, std::size_t bytes, std::size_t page, pool_kind k)
@@ -171,6 +185,55 @@ struct vm_range {
     return base + page * page_bytes;
   }
   [[nodiscard]] bool mapped(std::size_t pg) const noexcept { return pages.get(pg).mapped; }
+  /// The pages of the mapping holding pg (pg alone when pg is unmapped or has a handle of its
+  /// own). O(1).
+  [[nodiscard]] page_span mapping_of(std::size_t pg) const noexcept {
+    const vm_page e = pages.get(pg);
+    if (e.chunk_pages == 0) return {pg, pg + 1};
+    return {pg - e.chunk_index, pg - e.chunk_index + e.chunk_pages};
+  }
+  /// The pages that the span [addr, addr + bytes) covers whole, [first, end) (empty when none):
+  /// the pages no other block can touch while a block of that span is live.
+  [[nodiscard]] page_span whole_pages(std::uintptr_t addr, std::size_t bytes) const noexcept {
+    const std::size_t lo = addr - base;
+    const std::size_t hi = lo + bytes;
+    const std::size_t first = (lo + page_bytes - 1) / page_bytes;
+    const std::size_t end = hi / page_bytes;
+    return {first, end > first ? end : first};
+  }
+  /// A block of span [addr, addr + bytes) with pages [first, last] would touch part of a chunk,
+  /// or a chunk's page that a neighbour may share: a chunk holding its first or last page does
+  /// not lie within the pages it covers whole. (A chunk is contiguous, so one that meets the
+  /// span but does not lie within its whole pages holds the span's first or last page.) O(1).
+  [[nodiscard]] bool cuts_chunk(std::uintptr_t addr, std::size_t bytes, std::size_t first,
+                                std::size_t last) const noexcept {
+    if (pages.get(first).chunk_pages == 0 && pages.get(last).chunk_pages == 0) return false;
+    const page_span whole = whole_pages(addr, bytes);
+    for (const std::size_t pg : {first, last}) {
+      const page_span m = mapping_of(pg);
+      if (m.pages() > 1 && (m.first < whole.first || m.end > whole.end)) return true;
+    }
+    return false;
+  }
+  /// Every page of [first, end) is idle. O(pages x log runs).
+  [[nodiscard]] bool all_idle(page_span s) const {
+    for (std::size_t pg = s.first; pg < s.end; ++pg) {
+      if (!idle(pg)) return false;
+    }
+    return true;
+  }
+  /// The latest epoch of the idle pages of [first, end) (their idle runs and the parked span):
+  /// the epoch after which a synchronization covers all of them. O(log runs + runs met).
+  [[nodiscard]] std::uint64_t idle_epoch(page_span s) const {
+    std::uint64_t epoch = 0;
+    if (parked_end > s.first && parked_first < s.end) epoch = parked_epoch;
+    auto it = idle_runs.upper_bound(s.first);
+    if (it != idle_runs.begin() && std::prev(it)->second->end > s.first) --it;
+    for (; it != idle_runs.end() && it->first < s.end; ++it) {
+      epoch = it->second->epoch > epoch ? it->second->epoch : epoch;
+    }
+    return epoch;
+  }
   [[nodiscard]] std::uint32_t edge(std::size_t pg) const noexcept { return edge_use.get(pg); }
 
   /// The end of the run of mapped pages holding pg, or pg when pg is unmapped. O(log runs).
@@ -241,10 +304,12 @@ struct vm_range {
     return last - first + 1 - mapped_n;
   }
 
-  /// Records pg as mapped by h, without access. REQUIRES: pg unmapped.
-  void add_page(std::size_t pg, phys_handle h) {
+  /// Records pg as mapped by h, without access: a handle of its own (chunk_pages 0), or page
+  /// `chunk_index` of a chunk of `chunk_pages` pages. REQUIRES: pg unmapped.
+  void add_page(std::size_t pg, phys_handle h, std::uint16_t chunk_pages = 0,
+                std::uint16_t chunk_index = 0) {
     hint_valid_ = false;
-    pages.set(pg, vm_page{h, true, false});
+    pages.set(pg, vm_page{h, true, false, chunk_pages, chunk_index});
     ++mapped_pages;
     ++no_access_pages;
     std::size_t end = pg + 1;

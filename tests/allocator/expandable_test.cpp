@@ -451,24 +451,48 @@ TEST(Expandable, MemoryLimitReleasesIdleMemoryBeforeRefusing) {
 }
 
 TEST(Expandable, UnderALimitIdlePagesOfAnotherStreamMoveOneByOne) {
-  // Stream 1 frees 256 MiB: 128 idle one-page handles. Stream 2 then needs 8 MiB under a 258 MiB
-  // limit: memory is short, so idle pages of stream 1 are moved until the rest may be created
-  // (three, then 256 + 2 <= 258), and the fourth page is created. Nothing is released, nothing
-  // goes through the out-of-memory ladder.
-  sim_allocator a(parse_config("expandable_segments:True,memory_limit:258MiB"));
-  void* big = a.alloc.allocate(256 * MiB, stream(1));
+  // Stream 1 frees 254 MiB: 127 idle one-page handles (below pager::k_min_chunked_pages: no
+  // chunks). Stream 2 then needs 8 MiB under a 256 MiB limit: memory is short, so idle pages of
+  // stream 1 are moved until the rest may be created (three, then 254 + 2 <= 256), and the fourth
+  // page is created. Nothing is released, nothing goes through the out-of-memory ladder.
+  sim_allocator a(parse_config("expandable_segments:True,memory_limit:256MiB"));
+  void* big = a.alloc.allocate(254 * MiB, stream(1));
   a.alloc.deallocate(big);
   void* q = a.alloc.allocate(8 * MiB, stream(2));
   ASSERT_NE(q, nullptr);
   const auto s = a.stats();
   EXPECT_EQ(s.alloc_retry_count, 0u);
   EXPECT_EQ(s.vm_reclaim_count, 0u);
-  EXPECT_EQ(s.device_alloc_count, 129u);
+  EXPECT_EQ(s.device_alloc_count, 128u);
   EXPECT_EQ(s.device_free_count, 0u);
   EXPECT_EQ(s.shared_pages, 3u);
   EXPECT_EQ(s.vm_sync_count, 1u);  // the pages went idle before that one sync
-  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(258 * MiB));
-  EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(258 * MiB));
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(256 * MiB));
+  EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(256 * MiB));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(Expandable, UnderALimitAMoveThatMeetsAnIdleChunkReleasesItWhole) {
+  // Stream 1 frees 256 MiB: pager::k_min_chunked_pages whole pages, so four chunks of 32 pages.
+  // Stream 2 then needs 8 MiB under a 258 MiB limit: memory is short, and the least recently idle
+  // page is a chunk's, which cannot move (a handle maps whole): the chunk is unmapped and
+  // released (64 MiB of room), and the four pages are created.
+  sim_allocator a(parse_config("expandable_segments:True,memory_limit:258MiB"));
+  void* big = a.alloc.allocate(256 * MiB, stream(1));
+  EXPECT_EQ(a.stats().device_alloc_count, 4u);
+  a.alloc.deallocate(big);
+  void* q = a.alloc.allocate(8 * MiB, stream(2));
+  ASSERT_NE(q, nullptr);
+  const auto s = a.stats();
+  EXPECT_EQ(s.alloc_retry_count, 0u);
+  EXPECT_EQ(s.vm_reclaim_count, 0u);
+  EXPECT_EQ(s.device_alloc_count, 8u);
+  EXPECT_EQ(s.device_free_count, 1u);
+  EXPECT_EQ(s.shared_pages, 0u);
+  EXPECT_EQ(s.vm_sync_count, 1u);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(200 * MiB));
+  EXPECT_EQ(s.reserved_bytes[0].peak, static_cast<std::int64_t>(256 * MiB));
   a.alloc.check_invariants();
   expect_no_leak(a);
 }

@@ -14,6 +14,7 @@
 #include "allocator/placement.hpp"
 #include "allocator/test_support.hpp"
 #include "core/size_policy.hpp"
+#include "cucache/errors.hpp"
 
 namespace cucache::test {
 namespace {
@@ -77,6 +78,15 @@ struct pager_rig {
 
   [[nodiscard]] std::size_t reserved() const { return budget.reserved_bytes(); }
   [[nodiscard]] std::uint64_t calls(sim_call c) const { return sim->calls(c); }
+  /// The VM calls and device synchronizations made so far.
+  [[nodiscard]] std::uint64_t vm_calls() const {
+    std::uint64_t n = 0;
+    for (sim_call c : {sim_call::phys_create, sim_call::phys_release, sim_call::map,
+                       sim_call::unmap, sim_call::set_access, sim_call::device_synchronize}) {
+      n += sim->calls(c);
+    }
+    return n;
+  }
 
   std::shared_ptr<sim_backend> sim;
   detail::device_budget budget;
@@ -283,15 +293,41 @@ void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live
   ASSERT_EQ(r.pool.pages.idle_bytes, idle_pages * 2 * MiB);
   ASSERT_EQ(r.reserved(), mapped * 2 * MiB + r.pg.free_handle_bytes);
   ASSERT_EQ(r.sim->used_bytes(), r.reserved());
+  // Chunks: each idle as a whole, or within the pages one live block covers whole (unless a
+  // carve straddled one it could not unmap).
+  std::size_t chunks = 0;
+  for (std::size_t pg = 0; pg < v.page_count; ++pg) {
+    const detail::vm_page e = v.pages.get(pg);
+    if (e.chunk_pages == 0 || e.chunk_index != 0) continue;
+    ++chunks;
+    const detail::page_span m = v.mapping_of(pg);
+    const bool all_idle = v.all_idle(m);
+    const bool one_block = std::any_of(live.begin(), live.end(), [&](const block* b) {
+      const detail::page_span w = v.whole_pages(b->addr, b->size);
+      return m.first >= w.first && m.end <= w.end;
+    });
+    if (r.pg.straddled_chunks() == 0) {
+      ASSERT_TRUE(all_idle || one_block) << "chunk at page " << pg;
+    }
+    for (std::size_t q = m.first; q < m.end; ++q) {
+      ASSERT_EQ(v.pages.get(q).handle, e.handle) << "page " << q;
+      ASSERT_EQ(v.pages.get(q).chunk_index, q - m.first) << "page " << q;
+    }
+  }
+  ASSERT_EQ(chunks, v.chunks);
 }
 
 // Seeded random carves (any size and offset, blocks sharing edge pages), frees, unmaps and
-// releases under a limit, with VM calls failing at random: after every operation the runs agree
-// with a per-page recount, and no failure leaves a page half-mapped or a handle untracked.
+// releases under a limit, with VM calls failing at random, with and without chunks: after every
+// operation the runs and chunks agree with a per-page recount, and no failure leaves a page
+// half-mapped or a handle untracked.
 TEST(Pager, RunsMatchAPerPageRecountAfterEveryOperation) {
-  for (std::uint32_t seed = 1; seed <= 4; ++seed) {
+  for (std::uint32_t seed = 1; seed <= 8; ++seed) {
     SCOPED_TRACE(seed);
     pager_rig r(64 * MiB, /*limit=*/seed % 2 == 0 ? 40 * MiB : 0);  // 64 pages of range
+    // Seeds 5-8: chunks of up to 4 pages for blocks of at least 2 whole pages, so that carves
+    // cut idle chunks often.
+    if (seed > 4) r.pg.set_chunking(4, 2);
     std::mt19937_64 rng(seed);
     std::vector<block*> live;
     const std::size_t span = r.range->size;
@@ -482,6 +518,207 @@ TEST(PagerRanges, ReserveRangeWithoutAddressSpaceIsNull) {
   r.sim->fail_nth(sim_call::va_reserve, 1);
   EXPECT_EQ(r.pg.reserve_range(pool_kind::large, 128 * MiB), nullptr);
   EXPECT_EQ(r.pg.reserved_address_bytes(), 128 * MiB);
+}
+
+// --- chunks: handles of several pages for the pages a big block covers whole ---------------------
+
+TEST(Pager, ABigBlocksWholePagesGetChunksItsEdgePagesAHandleEach) {
+  pager_rig r;
+  r.pg.set_chunking(4, 4);  // chunks of up to 4 pages, for blocks of at least 4 whole pages
+  block* b = nullptr;
+  // [1, 21) MiB: pages 0-10; page 0 and page 10 only in part (a neighbour may share them), pages
+  // 1-9 whole: chunks over 1-4 and 5-8, and page 9 (a run of one) a handle of its own.
+  ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 5u);
+  EXPECT_EQ(r.calls(sim_call::map), 5u);
+  EXPECT_EQ(r.calls(sim_call::set_access), 1u);  // the whole run of new mappings at once
+  EXPECT_TRUE(r.sim->accessible(reinterpret_cast<void*>(b->addr), 20 * MiB));
+  EXPECT_EQ(r.range->chunks, 2u);
+  EXPECT_EQ(r.pg.counters.chunks.load(), 2u);
+  EXPECT_EQ(r.range->mapping_of(3).first, 1u);
+  EXPECT_EQ(r.range->mapping_of(3).end, 5u);
+  EXPECT_EQ(r.range->mapping_of(9).pages(), 1u);
+  EXPECT_EQ(r.range->mapping_of(0).pages(), 1u);
+  EXPECT_EQ(r.reserved(), 22 * MiB);
+  EXPECT_EQ(r.budget.device_allocs.load(), 5u);
+  EXPECT_EQ(r.pool.stats.reserved_bytes[0].current, static_cast<std::int64_t>(22 * MiB));
+  expect_runs_match_pages(r, {b});
+  // A block with fewer whole pages than the minimum gets a handle per page.
+  ASSERT_TRUE(r.carve_and_back(32 * MiB, 6 * MiB));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 8u);
+  EXPECT_EQ(r.range->chunks, 2u);
+}
+
+TEST(Pager, AChunkedBlockFreedAndCarvedAgainWholeMakesNoCall) {
+  pager_rig r;
+  r.pg.set_chunking(4, 4);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
+  const auto calls = r.vm_calls();
+  r.free(b);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 22 * MiB);
+  // The same block again, then one of another size that still covers both chunks whole.
+  ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
+  r.free(b);
+  ASSERT_TRUE(r.carve_and_back(2 * MiB, 16 * MiB, &b));  // pages 1-8, all whole
+  EXPECT_EQ(r.vm_calls(), calls);
+  EXPECT_EQ(r.pg.counters.splits.load(), 0u);
+  expect_runs_match_pages(r, {b});
+}
+
+TEST(Pager, ACarveTouchingPartOfAnIdleChunkReleasesItAndBacksItsPagesOneByOne) {
+  pager_rig r;
+  r.pg.set_chunking(4, 4);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
+  r.free(b);
+  // [0, 6) MiB: pages 0-2 whole, but the chunk over pages 1-4 reaches beyond: it is unmapped
+  // (after a device synchronization: it went idle since the last one) and released whole; pages
+  // 1 and 2 get a handle each (3 whole pages: below the minimum), page 0 is used in place.
+  ASSERT_TRUE(r.carve_and_back(0, 6 * MiB, &b));
+  EXPECT_EQ(r.calls(sim_call::device_synchronize), 1u);
+  EXPECT_EQ(r.calls(sim_call::unmap), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_release), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 7u);
+  EXPECT_EQ(r.pg.counters.splits.load(), 1u);
+  EXPECT_EQ(r.budget.device_frees.load(), 1u);
+  EXPECT_EQ(r.range->chunks, 1u);  // the chunk over pages 5-8 stays, idle
+  EXPECT_FALSE(r.range->mapped(3));
+  EXPECT_FALSE(r.range->mapped(4));
+  EXPECT_EQ(r.reserved(), 18 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes, 12 * MiB);  // pages 5-10
+  EXPECT_EQ(r.pg.straddled_chunks(), 0u);
+  expect_runs_match_pages(r, {b});
+}
+
+TEST(Pager, MovesAndEmptyCacheReleaseAnIdleChunkWhole) {
+  pager_rig r(64 * MiB, /*limit=*/24 * MiB);
+  r.pg.set_chunking(4, 4);
+  block* a = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 16 * MiB, &a));  // pages 0-7: chunks over 0-3 and 4-7
+  EXPECT_EQ(r.calls(sim_call::phys_create), 2u);
+  r.free(a);
+  // 12 MiB elsewhere under the 24 MiB limit: memory is short, so idle memory moves -- but the
+  // least recently idle page is a chunk's, which maps only whole: the chunk is released (8 MiB of
+  // room), and the six pages are then created one by one (memory is not plentiful: no chunk).
+  ASSERT_TRUE(r.carve_and_back(32 * MiB, 12 * MiB));
+  EXPECT_EQ(r.calls(sim_call::unmap), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_release), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 8u);
+  EXPECT_EQ(r.pg.counters.stitched_pages.load(), 0u);
+  EXPECT_EQ(r.reserved(), 20 * MiB);
+  EXPECT_EQ(r.budget.peak_bytes(), 20 * MiB);
+  EXPECT_EQ(r.range->chunks, 1u);
+  // empty_cache's unmap: the other chunk is unmapped in one call and released, even when one-page
+  // handles would be kept.
+  r.pg.unmap_idle(r.pool, /*release_handles=*/false);
+  EXPECT_EQ(r.calls(sim_call::unmap), 2u);
+  EXPECT_EQ(r.calls(sim_call::phys_release), 2u);
+  EXPECT_EQ(r.pg.free_handle_bytes, 0u);
+  EXPECT_EQ(r.range->chunks, 0u);
+  EXPECT_EQ(r.reserved(), 12 * MiB);
+}
+
+TEST(Pager, AFailedCallWhileBackingChunksLeavesNothingHalfMappedAndNoHandleLeaked) {
+  for (const sim_call kind : {sim_call::map, sim_call::set_access}) {
+    // Three maps (one per mapping), one set-access over the run.
+    for (std::uint64_t nth = 1; nth <= (kind == sim_call::map ? 3u : 1u); ++nth) {
+      SCOPED_TRACE(std::string(to_string(kind)) + " #" + std::to_string(nth));
+      pager_rig r;
+      r.pg.set_chunking(4, 4);
+      r.sim->fail_nth(kind, nth);
+      block* b = r.carve(0, 20 * MiB);  // pages 0-9: chunks 0-3, 4-7 and 8-9
+      EXPECT_THROW((void)r.pg.back(r.pool, b), cuda_error);
+      r.free(b);  // the allocator's undo
+      EXPECT_EQ(r.range->mapped_pages, 0u);
+      EXPECT_EQ(r.range->chunks, 0u);
+      EXPECT_EQ(r.reserved(), 0u);  // the chunks were released, not kept as unmapped handles
+      EXPECT_EQ(r.sim->used_bytes(), 0u);
+      EXPECT_EQ(r.sim->live_handles(), 0u);
+      expect_runs_match_pages(r, {});
+    }
+  }
+  // A chunk's create refused (out of memory): its first page gets a handle of its own, and the
+  // next run a chunk again (pages 0-3, 4, 5-7).
+  pager_rig r;
+  r.pg.set_chunking(4, 4);
+  r.sim->fail_nth(sim_call::phys_create, 2);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 16 * MiB, &b));
+  EXPECT_EQ(r.range->chunks, 2u);
+  EXPECT_EQ(r.range->mapping_of(4).pages(), 1u);
+  EXPECT_EQ(r.range->mapping_of(5).pages(), 3u);
+  EXPECT_EQ(r.range->mapped_pages, 8u);
+  EXPECT_EQ(r.sim->used_bytes(), r.reserved());
+  expect_runs_match_pages(r, {b});
+}
+
+TEST(Pager, EvictReleasesChunksWholeAndBackMapsThemAgain) {
+  pager_rig r;
+  r.pg.set_chunking(4, 4);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
+  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = &r.seg;  // evict walks the pool's
+  EXPECT_EQ(r.pg.evict(r.pool, /*synchronize=*/true), 22 * MiB);
+  EXPECT_EQ(r.calls(sim_call::unmap), 5u);  // one per mapping: three pages and two chunks
+  EXPECT_EQ(r.calls(sim_call::phys_release), 5u);
+  EXPECT_EQ(r.range->chunks, 0u);
+  EXPECT_EQ(r.reserved(), 0u);
+  // Wake: back() maps the block's pages again, with chunks as before.
+  ASSERT_TRUE(r.pg.back(r.pool, b));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 10u);
+  EXPECT_EQ(r.range->chunks, 2u);
+  EXPECT_EQ(r.reserved(), 22 * MiB);
+  expect_runs_match_pages(r, {b});
+  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = nullptr;
+}
+
+TEST(Pager, WithTheGateShutACarveStraddlesAnIdleChunkWhichIsReleasedOnceIdleAgain) {
+  pager_rig r;
+  r.pg.set_chunking(4, 4);
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 16 * MiB, &b));  // chunks over 0-3 and 4-7
+  r.free(b);
+  r.pg.set_synchronization_gate([] { return false; });  // a capture is underway
+  ASSERT_TRUE(r.carve_and_back(0, 4 * MiB, &b));  // part of the first chunk: nothing unmapped
+  EXPECT_EQ(r.calls(sim_call::unmap), 0u);
+  EXPECT_EQ(r.pg.straddled_chunks(), 1u);
+  EXPECT_EQ(r.reserved(), 16 * MiB);
+  expect_runs_match_pages(r, {b});
+  // While a block touches part of it, the chunk is not unmapped; the other one is.
+  r.pg.set_synchronization_gate([] { return true; });
+  r.pg.unmap_idle(r.pool, /*release_handles=*/true);
+  EXPECT_EQ(r.calls(sim_call::unmap), 1u);
+  EXPECT_EQ(r.reserved(), 8 * MiB);
+  expect_runs_match_pages(r, {b});
+  // Idle as a whole again: released whole.
+  r.free(b);
+  r.pg.unmap_idle(r.pool, /*release_handles=*/true);
+  EXPECT_EQ(r.calls(sim_call::unmap), 2u);
+  EXPECT_EQ(r.reserved(), 0u);
+  EXPECT_EQ(r.sim->live_handles(), 0u);
+}
+
+TEST(Pager, TheDryRunCountsTheChunksARequestWouldCutAsMissing) {
+  pager_rig r;
+  r.pg.set_chunking(4, 4);
+  const detail::size_policy policy{config{}};
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 16 * MiB, &b));  // chunks over 0-3 and 4-7
+  r.free(b);
+  block hole;
+  hole.addr = r.range->base;
+  hole.size = r.range->size;
+  hole.seg = &r.seg;
+  hole.state = block_state::free;
+  r.seg.first = &hole;
+  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = &r.seg;
+  r.pool.index_of(pool_kind::large).insert(&hole);
+  // 16 MiB covers both chunks whole: served from them. Anything between 8 and 16 MiB would cut
+  // the second chunk, releasing it: with no unmapped handles, not served from cached memory.
+  EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 16 * MiB);
+  r.pool.index_of(pool_kind::large).erase(&hole);
+  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = nullptr;
 }
 
 }  // namespace

@@ -153,6 +153,38 @@ TEST(Sleep, ReleasesTheDomainsPagesKeepsAddressesAndContents) {
   EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
 }
 
+TEST(Sleep, AChunkedBlockSleepsAndWakesWithItsContentsHandleByHandle) {
+  // 300 MiB at the front of the large range: 150 whole pages, backed by chunks of 32, 32, 32, 32
+  // and 22 pages (pager::k_max_chunk_pages, k_min_chunked_pages). Sleep releases each chunk whole
+  // (one unmap and one release each); wake backs the block with chunks again.
+  sim_allocator a(expandable(), host_backed());
+  void* p = nullptr;
+  {
+    in_domain d(7);
+    p = a.alloc.allocate(300 * MiB);
+  }
+  EXPECT_EQ(a.stats().device_alloc_count, 5u);
+  fill(*a.sim, p, 300 * MiB, 42);
+  a.alloc.check_invariants();
+  const auto unmaps = a.sim->calls(sim_call::unmap);
+  a.alloc.sleep(7, /*keep_contents=*/true, "chunks");
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  EXPECT_EQ(a.sim->calls(sim_call::unmap) - unmaps, 5u);
+  EXPECT_EQ(a.stats().device_free_count, 5u);
+  EXPECT_EQ(a.stats().sleeping_bytes, 300 * MiB);
+  EXPECT_EQ(a.reserved(), 0);
+  a.alloc.wake(7, "chunks");
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  EXPECT_EQ(a.stats().device_alloc_count, 10u);
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(300 * MiB));
+  EXPECT_TRUE(a.sim->accessible(p, 300 * MiB));
+  EXPECT_TRUE(holds(*a.sim, p, 300 * MiB, 42));
+  a.alloc.deallocate(p);
+  a.alloc.check_invariants();
+}
+
 TEST(Sleep, WithoutContentsCopiesNothingAndReleasesCachedPagesToo) {
   sim_allocator a(expandable(), host_backed());
   void* keep = nullptr;

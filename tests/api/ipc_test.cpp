@@ -284,6 +284,33 @@ TEST_F(Ipc, ExpandableBlocksTravelAsFileDescriptorsOverAUnixSocket) {
   get().check_invariants();
 }
 
+TEST_F(Ipc, AChunkedExpandableBlockTravelsAsOnePiecePerChunk) {
+  // 300 MiB at the front of the large range: 150 whole pages, backed by chunks of 32, 32, 32, 32
+  // and 22 pages (pager::k_max_chunk_pages, k_min_chunked_pages): five pieces, where one handle
+  // per page would have made 150, past the 16 a handle carries.
+  fresh("expandable_segments:True,ipc_handles:True");
+  char* b = static_cast<char*>(alloc(300 * k_mib));
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << last();
+  ASSERT_EQ(h.pieceCount, 5);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(h.pieceBytes[i], 64 * k_mib);
+  EXPECT_EQ(h.pieceBytes[4], 44 * k_mib);
+  EXPECT_EQ(h.offset, 0u);
+  EXPECT_EQ(h.span, 300 * k_mib);
+  void* q = nullptr;
+  const std::size_t mappings = sim().live_mappings();
+  ASSERT_EQ(cucacheIpcOpenHandle(&q, &h), cudaSuccess) << last();
+  EXPECT_EQ(sim().live_mappings(), mappings + 5);
+  // The same memory: a byte written through the import, 100 MiB in (the second chunk), is read
+  // through the export.
+  sim().host_view(static_cast<char*>(q) + 100 * k_mib, 16)[3] = std::byte{0x5a};
+  EXPECT_EQ(sim().host_view(b + 100 * k_mib, 16)[3], std::byte{0x5a});
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
+  EXPECT_EQ(cucacheIpcReleaseFds(&h), cudaSuccess);
+  EXPECT_EQ(cucacheFree(b), cudaSuccess);
+  get().check_invariants();
+}
+
 TEST_F(Ipc, ARecvOfSomethingElseIsRefusedAndLeaksNoDescriptor) {
   int sv[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
