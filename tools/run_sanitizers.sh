@@ -41,16 +41,16 @@ else
   export CUCACHE_STRESS_SCALE=${CUCACHE_STRESS_SCALE:-0.2}
 fi
 # Under TSan only what runs threads matters: the single-threaded randomized programs (the
-# randomized test, the sleep and capture randomized tests, the million operations) and the fuzz
-# corpus replays are ASan's, and would take most of TSan's time (the capture and sleep ones alone
-# took 860 s of it). CUCACHE_TSAN_ALL=1 runs everything.
+# randomized tests, crowded ones included, the sleep and capture randomized tests, the million
+# operations) and the fuzz corpus replays are ASan's, and would take most of TSan's time (the
+# capture and sleep ones alone took 860 s of it). CUCACHE_TSAN_ALL=1 runs everything.
 # preload_e2e is given to neither: it LD_PRELOADs a shim that interposes dlsym into the
 # instrumented program, and the sanitizer runtimes must come first in the library list and
 # intercept dlsym themselves (ASan refuses to start, TSan crashes at start; seen in CI). The
 # Release build runs it, and the H200 runs the shim on real programs (tools/preload_check.sh).
 ctest_args=(-E '^preload_e2e$')
 if [[ $kind == tsan && ${CUCACHE_TSAN_ALL:-0} != 1 ]]; then
-  ctest_args=(-E '^(Configs/randomized\.|Configs/random_sleep\.|Modes/GraphCapture\.Randomized|EveryKey/million_ops\.|fuzz_|preload_e2e)')
+  ctest_args=(-E '^(Configs/randomized\.|randomized_crowded\.|Configs/random_sleep\.|Modes/GraphCapture\.Randomized|EveryKey/million_ops\.|fuzz_|preload_e2e)')
 fi
 
 start=$SECONDS
