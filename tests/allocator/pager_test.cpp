@@ -658,7 +658,7 @@ TEST(Pager, EvictReleasesChunksWholeAndBackMapsThemAgain) {
   r.pg.set_chunking(4, 4);
   block* b = nullptr;
   ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
-  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = &r.seg;  // evict walks the pool's
+  r.pool.pages.ranges.push_back(&r.seg);  // evict walks the pool's
   EXPECT_EQ(r.pg.evict(r.pool, /*synchronize=*/true), 22 * MiB);
   EXPECT_EQ(r.calls(sim_call::unmap), 5u);  // one per mapping: three pages and two chunks
   EXPECT_EQ(r.calls(sim_call::phys_release), 5u);
@@ -670,7 +670,7 @@ TEST(Pager, EvictReleasesChunksWholeAndBackMapsThemAgain) {
   EXPECT_EQ(r.range->chunks, 2u);
   EXPECT_EQ(r.reserved(), 22 * MiB);
   expect_runs_match_pages(r, {b});
-  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = nullptr;
+  r.pool.pages.ranges.clear();
 }
 
 TEST(Pager, WithTheGateShutACarveStraddlesAnIdleChunkWhichIsReleasedOnceIdleAgain) {
@@ -712,13 +712,13 @@ TEST(Pager, TheDryRunCountsTheChunksARequestWouldCutAsMissing) {
   hole.seg = &r.seg;
   hole.state = block_state::free;
   r.seg.first = &hole;
-  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = &r.seg;
+  r.pool.pages.ranges.push_back(&r.seg);
   r.pool.index_of(pool_kind::large).insert(&hole);
   // 16 MiB covers both chunks whole: served from them. Anything between 8 and 16 MiB would cut
   // the second chunk, releasing it: with no unmapped handles, not served from cached memory.
   EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 16 * MiB);
   r.pool.index_of(pool_kind::large).erase(&hole);
-  r.pool.pages.ranges[static_cast<int>(pool_kind::large)] = nullptr;
+  r.pool.pages.ranges.clear();
 }
 
 }  // namespace
