@@ -394,6 +394,50 @@ void register_pending() {
   }
 }
 
+// --- stats() with many pools: the cost of what changed, not of every pool -------------------
+//
+// `pools` streams each hold a block of their own pool (expandable mode, so that every pool's
+// largest cached request is a dry run of its pages); the loop frees and allocates on one of them
+// and then takes stats(): the ledger summarizes that pool again, not all of them
+// (docs/design.md, "What a stream costs").
+void bm_stats(benchmark::State& state, int pools) {
+  try {
+    auto sim = std::make_shared<sim_backend>();
+    config cfg;
+    cfg.expandable_segments = true;
+    device_allocator alloc(sim, cfg);
+    std::vector<stream_handle> streams;
+    std::vector<void*> held;
+    for (int i = 0; i < pools; ++i) {
+      streams.push_back(sim->create_stream());
+      held.push_back(alloc.allocate(8 * k_kib, streams.back()));
+      alloc.deallocate(alloc.allocate(4 * k_mib, streams.back()), streams.back());  // cached
+    }
+    (void)alloc.stats();
+    const stream_handle own = streams.front();
+    const std::int64_t start = now_ns();
+    for (auto _ : state) {
+      void* ptr = alloc.allocate(4 * k_mib, own);
+      alloc.deallocate(ptr, own);
+      const device_stats s = alloc.stats();
+      benchmark::DoNotOptimize(s.largest_free_block);
+    }
+    const std::int64_t stop = now_ns();
+    state.counters["ns_per_pair_and_stats"] =
+        per(stop - start, static_cast<double>(state.iterations()));
+    for (std::size_t i = 0; i < held.size(); ++i) alloc.deallocate(held[i], streams[i]);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+void register_stats() {
+  for (int pools : {1, 100, 10'000}) {
+    const std::string name = "stats_many_pools/cucache_sim/" + std::to_string(pools);
+    benchmark::RegisterBenchmark(name.c_str(), bm_stats, pools);
+  }
+}
+
 // --- stream queries: what an allocation on a stream asks the device (GPU only) ----------------
 //
 // Every allocation on a stream other than the legacy default one asks for the stream's capture
@@ -727,6 +771,7 @@ int run(int argc, char** argv) {
   for (const auto& a : allocators) a.churn();
   for (const auto& a : allocators) a.threads();
   register_pending();
+  register_stats();
   register_observe();
 
   benchmark::RunSpecifiedBenchmarks();

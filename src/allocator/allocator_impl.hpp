@@ -33,6 +33,7 @@
 #include "allocator/hot.hpp"
 #include "allocator/pager.hpp"
 #include "allocator/pool_table.hpp"
+#include "allocator/stats_ledger.hpp"
 #include "allocator/stream_pool.hpp"
 #include "allocator/tag_sleeper.hpp"
 #include "core/block_map.hpp"
@@ -170,12 +171,24 @@ struct device_allocator::impl {
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
 
-  // --- statistics (stats.cpp) ---
-  device_stats stats_locked() const;  // REQUIRES: all pools locked
-  /// The largest request the allocator serves from cached memory alone -- no device allocation
-  /// -- on the stream of some pool (device_stats::largest_free_block; docs/design.md, "Free
-  /// memory"). REQUIRES: all pools locked.
-  std::size_t largest_cached_request() const;
+  // --- statistics (stats.cpp; the ledger: stats_ledger.hpp) ---
+  device_stats stats_locked() const;    // REQUIRES: all pools locked
+  device_stats stats_unlocked() const;  // REQUIRES: no pool lock held (locks the stale ones)
+  /// The summaries of the pools marked stale since the last call taken again (every pool's
+  /// when lock_all ran meanwhile or the unmapped one-page handles changed), each under its
+  /// pool's lock -- the caller's when `all_locked`.
+  void refresh_stats(bool all_locked) const;
+  /// p's share of the statistics. REQUIRES: p.mu held.
+  detail::pool_summary summarize(const detail::stream_pool& p) const;
+  /// summarize(p) into the ledger and p. REQUIRES: p.mu held.
+  void resummarize(detail::stream_pool& p) const;
+  /// The ledger's totals and the device-wide figures (budget, pager, sleeper) as device_stats.
+  device_stats compose_stats() const;
+  /// The largest request p serves from cached memory alone -- no device allocation -- on its
+  /// stream (device_stats::largest_free_block is the largest over the pools; docs/design.md,
+  /// "Free memory"). REQUIRES: p.mu held.
+  std::size_t largest_cached_request(const detail::stream_pool& p) const;
+  mutable detail::stats_ledger ledger;
 
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called

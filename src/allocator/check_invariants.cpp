@@ -223,7 +223,7 @@ void check_pending_queues(const detail::stream_pool& p) {
 
 void device_allocator::check_invariants() const {
   const impl& m = *impl_;
-  auto all = m.pools.lock_all();
+  auto all = m.pools.lock_all_to_read();  // marks nothing stale: a missed mark shows below
   std::size_t allocated_blocks = 0;
   std::size_t reserved_total = 0;
   std::size_t mapped_total = 0;
@@ -479,6 +479,40 @@ void device_allocator::check_invariants() const {
   }
   if (m.budget.limit != 0 && reserved > m.budget.limit) {
     violated(fmt::format("reserved {} exceeds the memory limit {}", reserved, m.budget.limit));
+  }
+  // The statistics ledger (stats_ledger.hpp): its totals are the sum of the pools' summaries, and
+  // a pool not marked stale holds the summary it would get now -- its largest request only while
+  // the unmapped one-page handles are those the ledger last saw -- unless lock_all ran since the
+  // last refresh (every pool then counts as stale).
+  device_stats sum;
+  std::size_t asleep_sum = 0;
+  std::map<std::size_t, std::size_t> largest;
+  for (const auto& p : m.pools) {
+    detail::add_fields(sum, p->summary.part, +1);
+    asleep_sum += p->summary.asleep_active;
+    if (p->summary.largest != 0) ++largest[p->summary.largest];
+  }
+  bool handles_seen = false;
+  {
+    std::lock_guard lock(m.ledger.mu);
+    if (!detail::same_fields(sum, m.ledger.totals) || asleep_sum != m.ledger.asleep_active ||
+        largest != m.ledger.largest) {
+      violated("the statistics ledger's totals are not the sum of the pools' summaries");
+    }
+    handles_seen = m.ledger.handles_seen == (m.pager ? m.pager->unmapped_page_handle_bytes() : 0);
+  }
+  if (!m.pools.all_stale()) {
+    for (const auto& p : m.pools) {
+      if (p->stats_stale) continue;
+      const detail::pool_summary now = m.summarize(*p);
+      if (!detail::same_fields(now.part, p->summary.part) ||
+          now.asleep_active != p->summary.asleep_active ||
+          (handles_seen && now.largest != p->summary.largest)) {
+        violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
+                             "marked stale",
+                             p->index));
+      }
+    }
   }
 }
 

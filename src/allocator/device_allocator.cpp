@@ -413,18 +413,22 @@ namespace {
 /// the pool table never hands it to another stream (stream_pool::unlocked_allocations).
 class unlocked_midway {
  public:
-  unlocked_midway(stream_pool& p, std::unique_lock<detail::pool_mutex>& lk) : p_(p), lk_(lk) {
+  unlocked_midway(detail::pool_table& pools, stream_pool& p,
+                  std::unique_lock<detail::pool_mutex>& lk)
+      : pools_(pools), p_(p), lk_(lk) {
     ++p_.unlocked_allocations;
     lk_.unlock();
   }
   ~unlocked_midway() {
     if (!lk_.owns_lock()) lk_.lock();
+    pools_.note_change(p_);  // the allocation goes on changing p
     --p_.unlocked_allocations;
   }
   unlocked_midway(const unlocked_midway&) = delete;
   unlocked_midway& operator=(const unlocked_midway&) = delete;
 
  private:
+  detail::pool_table& pools_;
   stream_pool& p_;
   std::unique_lock<detail::pool_mutex>& lk_;
 };
@@ -470,7 +474,7 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   }
   if (!blocked && budget.over_gc(seg_bytes)) {
     {
-      const unlocked_midway away(p, lk);
+      const unlocked_midway away(pools, p, lk);
       auto all = pools.lock_all();
       if (!sync_blocked()) collect_garbage(seg_bytes);
     }
@@ -495,7 +499,7 @@ void device_allocator::impl::run_ladder(stream_pool& p, std::unique_lock<detail:
   budget.retry_count.fetch_add(1, std::memory_order_relaxed);
   const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
   {
-    const unlocked_midway away(p, lk);
+    const unlocked_midway away(pools, p, lk);
     auto all = pools.lock_all();
     for (auto& q : pools) sync_pending(*q);
     if (!sync_blocked()) {
@@ -638,6 +642,8 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
                                 cfg.expandable_segments ? detail::t_sleep_domain : 0);
   stream_pool& p = *lp.pool;
   std::unique_lock<detail::pool_mutex>& lk = lp.lock;
+  if (graph_part != nullptr) [[unlikely]]
+    pools.note_change(p);  // (lock_pool_for notes the stream pools)
   if (!p.pending.empty()) poll_pending(p);
   if (cfg.expandable_segments && p.graph == nullptr) {
     // (Graph pools use segments in every mode: nothing of theirs may be unmapped or moved while
@@ -673,6 +679,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (b == nullptr) return false;
   stream_pool& p = *b->seg->owner;
   std::lock_guard lk(p.mu);
+  pools.note_change(p);
   if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
     blocks.insert(addr, b);  // nothing changed
     refuse_if_asleep(p, ptr, "free");

@@ -10,11 +10,12 @@
 namespace cucache::detail {
 
 pager::pager(device_backend& backend, device_budget& budget, std::size_t page_bytes,
-             const pool_table& pools)
+             pool_table& pools)
     : backend_(backend),
       budget_(budget),
       page_bytes_(page_bytes),
       device_total_(budget.device_total),
+      table_(pools),
       pools_mu_(pools.list_mutex()),
       pools_(pools.list()) {}
 
@@ -575,6 +576,7 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
+    table_.note_change(*q);  // its idle pages may go
     std::optional<piece> pc = take_oldest_idle(*q, want);
     if (!pc) continue;
     if (pc->bytes != 0) counters.shared_pages.fetch_add(1, std::memory_order_relaxed);
@@ -639,6 +641,7 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
     if (q.get() == &p) continue;
     std::unique_lock lk(q->mu, std::try_to_lock);
     if (!lk.owns_lock()) continue;
+    table_.note_change(*q);  // its idle pages may go
     while (release_oldest_idle(*q)) {
       if (fits(bytes)) return true;
     }

@@ -96,7 +96,7 @@ class pager {
   /// of the pools of `pools` (whose idle pages it may move between them) in pages of
   /// `page_bytes`. `budget` and `pools` outlive the pager.
   pager(device_backend& backend, device_budget& budget, std::size_t page_bytes,
-        const pool_table& pools);
+        pool_table& pools);
   ~pager();  // releases the unmapped handles; ranges are destroyed by their owner first
   pager(const pager&) = delete;
   pager& operator=(const pager&) = delete;
@@ -179,6 +179,13 @@ class pager {
   [[nodiscard]] std::size_t reclaimable_bytes(std::size_t idle) const {
     std::lock_guard lock(budget_.mu);
     return idle + free_handle_bytes;
+  }
+
+  /// The bytes of the unmapped one-page handles (those back() reuses; what every expandable
+  /// pool's largest_cached_request depends on besides the pool).
+  [[nodiscard]] std::size_t unmapped_page_handle_bytes() const {
+    std::lock_guard lock(budget_.mu);
+    return page_handle_bytes_locked();
   }
 
   /// The idle bytes of every pool, read without their locks (a snapshot, as any figure about
@@ -375,6 +382,7 @@ class pager {
   const std::size_t device_total_;
   // The pool table's list and its lock, for the walks over other pools that must not wait
   // (take_peer_idle, reclaim: try_lock only).
+  pool_table& table_;  // note_change of a pool the pager locks (another pool's, by try_lock)
   std::shared_mutex& pools_mu_;
   const std::vector<std::unique_ptr<stream_pool>>& pools_;
   std::function<bool()> may_synchronize_ = [] { return true; };

@@ -162,11 +162,47 @@ stream_pool& pool_table::new_pool(stream_handle stream, std::uint64_t key, graph
   return *pools_.back();
 }
 
-pool_table::all_locked pool_table::lock_all() const {
+pool_table::all_locked pool_table::lock_all_to_read() const {
   all_locked a{std::shared_lock(mu_), {}};
   a.locks.reserve(pools_.size());
   for (const auto& p : pools_) a.locks.emplace_back(p->mu);
   return a;
+}
+
+pool_table::all_locked pool_table::lock_all() const {
+  all_locked a = lock_all_to_read();
+  all_stale_.store(true, std::memory_order_relaxed);  // read under stale_mu_ by take_stale
+  return a;
+}
+
+void pool_table::queue_stale(stream_pool& p) noexcept {
+  // REQUIRES: p.mu held, p.stats_stale false. Queue membership is stale_queued's, under
+  // stale_mu_, apart from stats_stale (p.mu): a refresh that walks every pool clears stats_stale
+  // of pools still queued.
+  p.stats_stale = true;
+  std::lock_guard lock(stale_mu_);
+  if (p.stale_queued) return;
+  p.stale_queued = true;
+  p.next_stale = stale_head_;
+  stale_head_ = &p;
+}
+
+pool_table::stale_pools pool_table::take_stale() const {
+  stale_pools out;
+  std::lock_guard lock(stale_mu_);
+  std::size_t n = 0;
+  for (const stream_pool* p = stale_head_; p != nullptr; p = p->next_stale) ++n;
+  out.pools.reserve(n);  // may throw: nothing taken yet
+  for (stream_pool* p = stale_head_; p != nullptr;) {
+    stream_pool* next = p->next_stale;
+    p->next_stale = nullptr;
+    p->stale_queued = false;
+    out.pools.push_back(p);
+    p = next;
+  }
+  stale_head_ = nullptr;
+  out.all = all_stale_.exchange(false, std::memory_order_relaxed);
+  return out;
 }
 
 }  // namespace cucache::detail

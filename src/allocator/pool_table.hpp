@@ -132,7 +132,30 @@ class pool_table {
       p = &pool_for_key(stream, key, domain);
       lk = std::unique_lock(p->mu);
     }
+    note_change(*p);
     return {p, std::move(lk)};
+  }
+
+  // --- statistics (stats_ledger.hpp) ----------------------------------------------------------
+  /// p is locked for a change: its summary is stale, queued once for the ledger. Every path that
+  /// locks a pool to change it calls this (lock_pool_for, the free, a graph pool's part, the
+  /// pager's try_lock of a peer, a re-lock after unlocked_midway; lock_all marks every pool).
+  /// REQUIRES: p.mu held.
+  CUCACHE_HOT void note_change(stream_pool& p) noexcept {
+    if (!p.stats_stale) [[unlikely]]
+      queue_stale(p);
+  }
+  /// The pools queued as stale since the last call (each once), and whether lock_all marked
+  /// every pool stale meanwhile. A pool summarized again by someone else since it was queued is
+  /// still listed (summarizing it once more is harmless).
+  struct stale_pools {
+    std::vector<stream_pool*> pools;
+    bool all = false;
+  };
+  [[nodiscard]] stale_pools take_stale() const;
+  /// lock_all ran since the last take_stale (every summary may be stale).
+  [[nodiscard]] bool all_stale() const noexcept {
+    return all_stale_.load(std::memory_order_relaxed);
   }
 
   // --- retirement ------------------------------------------------------------------------------
@@ -165,7 +188,11 @@ class pool_table {
     std::shared_lock<std::shared_mutex> list;
     std::vector<std::unique_lock<pool_mutex>> locks;
   };
+  /// Every pool locked, for device-wide work that may change any of them: marks every pool's
+  /// summary stale.
   [[nodiscard]] all_locked lock_all() const;
+  /// Every pool locked to read them only (the invariant check): marks nothing.
+  [[nodiscard]] all_locked lock_all_to_read() const;
 
   /// Every pool in creation order. REQUIRES: the list held (lock_all, or shared).
   [[nodiscard]] auto begin() const noexcept { return pools_.begin(); }
@@ -198,6 +225,10 @@ class pool_table {
   std::deque<stream_pool*> quiet_;
   std::deque<stream_pool*> empty_;
   std::atomic<std::uint64_t> adoptions_{0};
+  void queue_stale(stream_pool& p) noexcept;
+  mutable std::mutex stale_mu_;          // a leaf
+  mutable stream_pool* stale_head_ = nullptr;  // guarded by stale_mu_
+  mutable std::atomic<bool> all_stale_{false};  // lock_all ran since the last take_stale
 };
 
 }  // namespace cucache::detail

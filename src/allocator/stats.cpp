@@ -3,72 +3,128 @@
 // serves.
 #include <algorithm>
 #include <mutex>
+#include <shared_mutex>
+#include <vector>
 
 #include "allocator/allocator_impl.hpp"
 
 using cucache::detail::pool_kind;
+using cucache::detail::stream_pool;
 
 namespace cucache {
 namespace {
 
-void accumulate(stat& into, const stat& from, bool first) {
-  into.current += from.current;
-  into.allocated += from.allocated;
-  into.freed += from.freed;
-  // Device-wide peaks are exact with one stream. With several, per-stream peaks are summed:
-  // an upper bound. Keeping an exact device-wide peak would put a shared atomic on every
-  // allocation and free, which is what makes other allocators slow down with threads.
-  into.peak = first ? from.peak : into.peak + from.peak;
-}
-
-void accumulate(stat_array& into, const detail::counter_array& from, bool first) {
-  for (std::size_t i = 0; i < k_stat_pools; ++i) accumulate(into[i], from[i].get(), first);
+void accumulate(stat_array& into, const detail::counter_array& from) {
+  for (std::size_t i = 0; i < k_stat_pools; ++i) {
+    const stat f = from[i].get();
+    into[i].current += f.current;
+    into[i].allocated += f.allocated;
+    into[i].freed += f.freed;
+    // Device-wide peaks are exact with one stream. With several, per-stream peaks are summed:
+    // an upper bound. Keeping an exact device-wide peak would put a shared atomic on every
+    // allocation and free, which is what makes other allocators slow down with threads.
+    into[i].peak += f.peak;
+  }
 }
 
 }  // namespace
 
-device_stats device_allocator::impl::stats_locked() const {
+detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) const {
+  // REQUIRES: p.mu held.
+  detail::pool_summary out;
+  device_stats& s = out.part;
+  const auto& ps = p.stats;
+  const bool asleep = p.domain != 0 && sleeper.asleep(p.domain);
+  if (asleep) out.asleep_active = static_cast<std::size_t>(ps.active_bytes(0).current);
+  accumulate(s.allocated_bytes, ps.allocated_bytes);
+  accumulate(s.reserved_bytes, ps.reserved_bytes);
+  accumulate(s.requested_bytes, ps.requested_bytes);
+  accumulate(s.allocation_count, ps.allocation_count);
+  accumulate(s.segment_count, ps.segment_count);
+  for (std::size_t i = 0; i < k_stat_pools; ++i) {
+    const stat a = ps.active_bytes(i);
+    const stat c = ps.active_count(i);
+    s.active_bytes[i] = a;
+    s.active_count[i] = c;
+  }
+  s.oversize_allocations = ps.oversize_allocations;
+  s.oversize_segments = ps.oversize_segments;
+  s.events_pending = p.pending.size();
+  for (const auto& idx : p.free) {
+    s.free_block_count += idx.count();
+    if (!cfg.expandable_segments) s.free_bytes += idx.bytes();
+  }
+  for (const detail::segment* seg = p.segments; seg != nullptr; seg = seg->next) {
+    if (seg->vm != nullptr) {
+      s.mapped_bytes += seg->vm->mapped_pages * page_bytes;
+      continue;
+    }
+    // Inactive split: free blocks inside segments that are not wholly free.
+    if (seg->whole_free()) continue;
+    const std::size_t slot = seg->kind == detail::pool_kind::small ? 1 : 2;
+    for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
+      if (b->state != detail::block_state::free) continue;
+      for (std::size_t i : {std::size_t{0}, slot}) {
+        s.inactive_split_bytes[i].current += static_cast<std::int64_t>(b->size);
+        s.inactive_split_count[i].current += 1;
+      }
+    }
+  }
+  if (!asleep) out.largest = largest_cached_request(p);  // a sleeping pool refuses every request
+  return out;
+}
+
+void device_allocator::impl::resummarize(stream_pool& p) const {
+  // REQUIRES: p.mu held.
+  detail::pool_summary now = summarize(p);
+  {
+    std::lock_guard lock(ledger.mu);
+    ledger.replace(p.summary, now);
+  }
+  p.summary = std::move(now);
+  p.stats_stale = false;
+}
+
+void device_allocator::impl::refresh_stats(bool all_locked) const {
+  // The pools marked stale since the last refresh are summarized again, each under its own lock
+  // (or the caller's lock_all); every pool when lock_all ran meanwhile or, in expandable mode,
+  // the unmapped one-page handles changed (every expandable pool's largest request depends on
+  // them).
+  const std::size_t handles = pager ? pager->unmapped_page_handle_bytes() : 0;
+  detail::pool_table::stale_pools stale = pools.take_stale();
+  bool every = stale.all;
+  {
+    std::lock_guard lock(ledger.mu);
+    if (ledger.handles_seen != handles) {
+      every = true;
+      ledger.handles_seen = handles;
+    }
+  }
+  const auto one = [&](stream_pool& p) {
+    if (all_locked) {
+      resummarize(p);
+    } else {
+      std::lock_guard lk(p.mu);
+      resummarize(p);
+    }
+  };
+  if (every) {
+    std::shared_lock<std::shared_mutex> list;
+    if (!all_locked) list = std::shared_lock(pools.list_mutex());
+    for (const auto& p : pools.list()) one(*p);
+    return;
+  }
+  for (stream_pool* p : stale.pools) one(*p);
+}
+
+device_stats device_allocator::impl::compose_stats() const {
   device_stats s;
-  bool first = true;
-  std::size_t asleep_active = 0;  // active bytes of sleeping pools: no reserved page backs them
-  for (const auto& p : pools) {
-    const auto& ps = p->stats;
-    if (p->domain != 0 && sleeper.asleep(p->domain)) {
-      asleep_active += static_cast<std::size_t>(ps.active_bytes(0).current);
-    }
-    accumulate(s.allocated_bytes, ps.allocated_bytes, first);
-    accumulate(s.reserved_bytes, ps.reserved_bytes, first);
-    accumulate(s.requested_bytes, ps.requested_bytes, first);
-    accumulate(s.allocation_count, ps.allocation_count, first);
-    accumulate(s.segment_count, ps.segment_count, first);
-    for (std::size_t i = 0; i < k_stat_pools; ++i) {
-      accumulate(s.active_bytes[i], ps.active_bytes(i), first);
-      accumulate(s.active_count[i], ps.active_count(i), first);
-    }
-    s.oversize_allocations += ps.oversize_allocations;
-    s.oversize_segments += ps.oversize_segments;
-    s.events_pending += p->pending.size();
-    for (const auto& idx : p->free) {
-      s.free_block_count += idx.count();
-      if (!cfg.expandable_segments) s.free_bytes += idx.bytes();
-    }
-    for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
-      if (seg->vm != nullptr) {
-        s.mapped_bytes += seg->vm->mapped_pages * page_bytes;
-        continue;
-      }
-      // Inactive split: free blocks inside segments that are not wholly free.
-      if (seg->whole_free()) continue;
-      const std::size_t slot = seg->kind == detail::pool_kind::small ? 1 : 2;
-      for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
-        if (b->state != detail::block_state::free) continue;
-        for (std::size_t i : {std::size_t{0}, slot}) {
-          s.inactive_split_bytes[i].current += static_cast<std::int64_t>(b->size);
-          s.inactive_split_count[i].current += 1;
-        }
-      }
-    }
-    first = false;
+  std::size_t asleep_active = 0;
+  {
+    std::lock_guard lock(ledger.mu);
+    s = ledger.totals;
+    s.largest_free_block = ledger.largest_request();
+    asleep_active = ledger.asleep_active;
   }
   for (auto* arr : {&s.inactive_split_bytes, &s.inactive_split_count}) {
     for (auto& st : *arr) st.peak = st.allocated = st.current;
@@ -91,7 +147,6 @@ device_stats device_allocator::impl::stats_locked() const {
         static_cast<std::size_t>(s.active_bytes[0].current) - asleep_active;
     s.free_bytes = reserved > active ? reserved - active : 0;
   }
-  s.largest_free_block = largest_cached_request();
   if (pager) {
     const auto& c = pager->counters;
     constexpr auto relaxed = std::memory_order_relaxed;
@@ -118,35 +173,39 @@ device_stats device_allocator::impl::stats_locked() const {
   return s;
 }
 
-std::size_t device_allocator::impl::largest_cached_request() const {
-  // The largest request some pool serves with no device allocation (docs/design.md, "Free
-  // memory"). Default mode, and graph pools in every mode: the block find_free() picks, under
-  // the max_split_size rules; small requests stop at 1 MiB. Expandable mode: the pager's dry run
-  // of its placement.
+device_stats device_allocator::impl::stats_locked() const {
+  refresh_stats(/*all_locked=*/true);
+  return compose_stats();
+}
+
+device_stats device_allocator::impl::stats_unlocked() const {
+  refresh_stats(/*all_locked=*/false);
+  return compose_stats();
+}
+
+std::size_t device_allocator::impl::largest_cached_request(const stream_pool& p) const {
+  // The largest request p serves with no device allocation (docs/design.md, "Free memory").
+  // Default mode, and graph pools in every mode: the block find_free() picks, under the
+  // max_split_size rules; small requests stop at 1 MiB. Expandable mode: the pager's dry run of
+  // its placement. REQUIRES: p.mu held.
   std::size_t best = 0;
-  for (const auto& p : pools) {
-    if (p->domain != 0 && sleeper.asleep(p->domain)) continue;  // refuses every request
-    for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
-      if (cfg.expandable_segments && p->graph == nullptr) {
-        best = std::max(best, pager->largest_cached_request(*p, kind, policy));
-        continue;
-      }
-      const bool small = kind == pool_kind::small;
-      p->index_of(kind).for_each([&](const detail::block* b) {
-        const std::size_t r = policy.largest_rounded_within(
-            small ? std::min(b->size, detail::k_small_request_max_bytes) : b->size);
-        if (r <= best || (!small && r <= detail::k_small_request_max_bytes)) return;
-        if (find_free_outline(*p, kind, r) != nullptr) best = r;
-      });
+  for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
+    if (cfg.expandable_segments && p.graph == nullptr) {
+      best = std::max(best, pager->largest_cached_request(p, kind, policy));
+      continue;
     }
+    const bool small = kind == pool_kind::small;
+    p.index_of(kind).for_each([&](const detail::block* b) {
+      const std::size_t r = policy.largest_rounded_within(
+          small ? std::min(b->size, detail::k_small_request_max_bytes) : b->size);
+      if (r <= best || (!small && r <= detail::k_small_request_max_bytes)) return;
+      if (find_free_outline(p, kind, r) != nullptr) best = r;
+    });
   }
   return best;
 }
 
-device_stats device_allocator::stats() const {
-  auto all = impl_->pools.lock_all();
-  return impl_->stats_locked();
-}
+device_stats device_allocator::stats() const { return impl_->stats_unlocked(); }
 
 void device_allocator::reset_peak_stats() {
   auto all = impl_->pools.lock_all();

@@ -14,6 +14,7 @@
 #include "allocator/pool_mutex.hpp"
 #include "allocator/pool_pages.hpp"
 #include "allocator/pool_stats.hpp"
+#include "allocator/stats_ledger.hpp"
 #include "core/block.hpp"
 #include "core/free_index.hpp"
 #include "core/vm_range.hpp"
@@ -57,6 +58,16 @@ class stream_pool {
 
   /// Expandable segments: the pager's state for this pool (its ranges, idle mappings).
   pool_pages pages;
+
+  // --- statistics (stats_ledger.hpp), under mu ------------------------------------------------
+  /// The pool's share of the device-wide statistics, as last summarized.
+  pool_summary summary;
+  /// Locked for a change since `summary` was taken: queued in the pool table for the ledger
+  /// (pool_table::note_change).
+  bool stats_stale = false;
+  // The pool table's queue of stale pools, under its stale_mu_ (not mu).
+  bool stale_queued = false;
+  stream_pool* next_stale = nullptr;
 
   // --- retirement (pool_table, docs/design.md "What a stream costs"), under mu ---------------
   static constexpr std::uint64_t k_never = ~std::uint64_t{0};

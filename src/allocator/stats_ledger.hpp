@@ -1,0 +1,107 @@
+// stats_ledger: the device-wide statistics as the sum of per-pool summaries, each taken again only
+// when its pool may have changed since (docs/design.md, "What a stream costs"), so that stats()
+// costs the pools that changed, not every pool in use.
+//
+// Contract. A pool_summary is a pool's share of device_stats: every per-pool field of the field
+// table (its stat arrays and counters; device-wide counters stay 0 in it) and, apart, the largest
+// request its cached memory serves. The ledger's totals are, at every moment its mutex is free, the
+// field-wise sum of the summaries the pools hold, and `largest` counts their largest requests.
+// A pool is marked stale (stream_pool::stats_stale, queued once in the pool table) whenever it is
+// locked for a change; its summary is only taken again while stale. So a summary of a pool not
+// stale equals what summarizing it now would give -- except the largest request of an expandable
+// pool, which also depends on the device-wide count of unmapped one-page handles: summaries are
+// taken again for every pool when that count differs from `handles_seen`.
+//
+// Locking: `mu` guards totals, largest and handles_seen, and is taken inside a pool's mutex (a
+// summary is replaced under both) and never around one, so stats_locked, called with every pool
+// locked, keeps the pool-table lock order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+#include "cucache/stats.hpp"
+
+namespace cucache::detail {
+
+/// One pool's share of the device-wide statistics (impl::summarize).
+struct pool_summary {
+  device_stats part;               // per-pool fields only; largest_free_block unused (0)
+  std::size_t asleep_active = 0;   // active bytes of a sleeping pool (no page backs them)
+  std::size_t largest = 0;         // the largest request its cached memory serves
+};
+
+/// into += from (sign > 0) or into -= from, over every field of the field table (stat arrays:
+/// current, peak, allocated, freed; counters).
+inline void add_fields(device_stats& into, const device_stats& from, int sign) noexcept {
+  const auto op = [sign](auto& a, auto b) {
+    if (sign > 0) {
+      a += b;
+    } else {
+      a -= b;
+    }
+  };
+#define CUCACHE_LEDGER_ARRAY(member, torch_name, unit)  \
+  for (std::size_t i = 0; i < k_stat_pools; ++i) {      \
+    op(into.member[i].current, from.member[i].current); \
+    op(into.member[i].peak, from.member[i].peak);       \
+    op(into.member[i].allocated, from.member[i].allocated); \
+    op(into.member[i].freed, from.member[i].freed);     \
+  }
+#define CUCACHE_LEDGER_COUNTER(member, torch_name, unit) op(into.member, from.member);
+  CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_LEDGER_ARRAY)
+  CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_LEDGER_COUNTER)
+#undef CUCACHE_LEDGER_ARRAY
+#undef CUCACHE_LEDGER_COUNTER
+}
+
+/// Whether a and b agree in every field of the field table.
+inline bool same_fields(const device_stats& a, const device_stats& b) noexcept {
+  bool same = true;
+#define CUCACHE_LEDGER_ARRAY(member, torch_name, unit)                             \
+  for (std::size_t i = 0; i < k_stat_pools; ++i) {                                 \
+    same = same && a.member[i].current == b.member[i].current &&                   \
+           a.member[i].peak == b.member[i].peak &&                                 \
+           a.member[i].allocated == b.member[i].allocated &&                       \
+           a.member[i].freed == b.member[i].freed;                                 \
+  }
+#define CUCACHE_LEDGER_COUNTER(member, torch_name, unit) same = same && a.member == b.member;
+  CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_LEDGER_ARRAY)
+  CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_LEDGER_COUNTER)
+#undef CUCACHE_LEDGER_ARRAY
+#undef CUCACHE_LEDGER_COUNTER
+  return same;
+}
+
+class stats_ledger {
+ public:
+  /// Replaces the summary `old` of a pool by `now` in the totals. REQUIRES: mu held.
+  /// Throws only before it changes anything (no memory for a new entry of `largest`).
+  void replace(const pool_summary& old, const pool_summary& now) {
+    if (now.largest != 0) ++largest[now.largest];
+    if (old.largest != 0) {
+      if (auto it = largest.find(old.largest); it != largest.end() && --it->second == 0) {
+        largest.erase(it);
+      }
+    }
+    add_fields(totals, old.part, -1);
+    add_fields(totals, now.part, +1);
+    asleep_active += now.asleep_active;
+    asleep_active -= old.asleep_active;
+  }
+  /// The largest request any pool's cached memory serves. REQUIRES: mu held.
+  [[nodiscard]] std::size_t largest_request() const noexcept {
+    return largest.empty() ? 0 : largest.rbegin()->first;
+  }
+
+  mutable std::mutex mu;
+  device_stats totals;                      // the sum of the pools' summaries
+  std::size_t asleep_active = 0;            // the sum of their asleep_active
+  std::map<std::size_t, std::size_t> largest;  // largest request -> pools with it (nonzero only)
+  /// The unmapped one-page handles' bytes when every pool was last summarized (expandable mode).
+  std::size_t handles_seen = 0;
+};
+
+}  // namespace cucache::detail
