@@ -14,17 +14,13 @@ using cucache::detail::stream_pool;
 namespace cucache {
 namespace {
 
-void accumulate(stat_array& into, const detail::counter_array& from) {
-  for (std::size_t i = 0; i < k_stat_pools; ++i) {
-    const stat f = from[i].get();
-    into[i].current += f.current;
-    into[i].allocated += f.allocated;
-    into[i].freed += f.freed;
-    // Device-wide peaks are exact with one stream. With several, per-stream peaks are summed:
-    // an upper bound. Keeping an exact device-wide peak would put a shared atomic on every
-    // allocation and free, which is what makes other allocators slow down with threads.
-    into[i].peak += f.peak;
-  }
+/// A pool's counters as a stat_array (its share; the ledger sums the shares -- device-wide peaks
+/// are then sums of per-stream peaks, exact with one stream and an upper bound with several:
+/// an exact device-wide peak would put a shared atomic on every allocation and free).
+stat_array copy_of(const detail::counter_array& from) {
+  stat_array out;
+  for (std::size_t i = 0; i < k_stat_pools; ++i) out[i] = from[i].get();
+  return out;
 }
 
 }  // namespace
@@ -36,16 +32,14 @@ detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) con
   const auto& ps = p.stats;
   const bool asleep = p.domain != 0 && sleeper.asleep(p.domain);
   if (asleep) out.asleep_active = static_cast<std::size_t>(ps.active_bytes(0).current);
-  accumulate(s.allocated_bytes, ps.allocated_bytes);
-  accumulate(s.reserved_bytes, ps.reserved_bytes);
-  accumulate(s.requested_bytes, ps.requested_bytes);
-  accumulate(s.allocation_count, ps.allocation_count);
-  accumulate(s.segment_count, ps.segment_count);
+  s.allocated_bytes = copy_of(ps.allocated_bytes);
+  s.reserved_bytes = copy_of(ps.reserved_bytes);
+  s.requested_bytes = copy_of(ps.requested_bytes);
+  s.allocation_count = copy_of(ps.allocation_count);
+  s.segment_count = copy_of(ps.segment_count);
   for (std::size_t i = 0; i < k_stat_pools; ++i) {
-    const stat a = ps.active_bytes(i);
-    const stat c = ps.active_count(i);
-    s.active_bytes[i] = a;
-    s.active_count[i] = c;
+    s.active_bytes[i] = ps.active_bytes(i);
+    s.active_count[i] = ps.active_count(i);
   }
   s.oversize_allocations = ps.oversize_allocations;
   s.oversize_segments = ps.oversize_segments;
