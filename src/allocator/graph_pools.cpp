@@ -248,8 +248,16 @@ graph_pools::settled graph_pools::settle(device_backend& device) {
     for (graph_pool* g : released) {
       out.blocks.insert(out.blocks.end(), g->retained.begin(), g->retained.end());
       g->retained.clear();
+      // Only at its first settlement does a pool give its free segments back: what was wholly
+      // free then had no live graph left to replay it. A block freed after that may have been
+      // freed inside a later capture (PyTorch's test_graph_capture_reset_recapture: a graph's
+      // output, written and freed by the next graph), whose replays still use it: such memory
+      // stays cached in the released pool until empty_cache or the out-of-memory ladder, as in
+      // PyTorch, which frees a released pool's memory only there.
+      if (!g->settled) {
+        for (auto [key, part] : g->parts) out.parts.push_back(part);
+      }
       g->settled = true;
-      for (auto [key, part] : g->parts) out.parts.push_back(part);
     }
   }
   return out;

@@ -102,8 +102,10 @@ class graph_pools {
   void retain_until_sync(stream_pool& p, block* b) { retain(sync_waiters_, p, b); }
 
   /// What settle() gives back: blocks no longer held (each still counted in its pool's
-  /// `retained` and its pending_events), and the parts of released graph pools, whose wholly
-  /// free segments go back to the device.
+  /// `retained` and its pending_events), and the parts of the released graph pools settled for
+  /// the first time, whose wholly free segments go back to the device (memory of a pool freed
+  /// after its first settlement stays cached: a later capture may have freed it, and its graph
+  /// replay it; empty_cache and the ladder give it back).
   struct settled {
     std::vector<retained_block> blocks;
     std::vector<stream_pool*> parts;

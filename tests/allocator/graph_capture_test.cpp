@@ -346,6 +346,60 @@ TEST_P(GraphCapture, RoutedPoolsAreSharedByCapturesAndReleasedWithTheirLastOwner
   EXPECT_THROW(a.alloc.release_graph_pool({9, 9}), invalid_argument);
 }
 
+TEST_P(GraphCapture, AReleasedPoolsBlockFreedInALaterCaptureIsKeptForThatGraph) {
+  // PyTorch's test_graph_capture_reset_recapture: a graph's output outlives the graph (reset),
+  // a second capture on the same stream writes to it and then frees it (b = b + 2). The second
+  // graph's replays write that memory: it must stay reserved, and nobody else's, until the second
+  // graph goes -- not be returned to the device when the first pool settles again.
+  sim_allocator a = make();
+  const stream_handle s = a.sim->create_stream();
+  const stream_handle other = a.sim->create_stream();
+  std::uint64_t current = 0;
+  const auto filter = [&](stream_handle st) {
+    const capture_info c = a.sim->capture_status(st);
+    return c.state == capture_state::active && c.id == current;
+  };
+  const graph_pool_id p1{1, 0};
+  const graph_pool_id p2{2, 0};
+  a.alloc.begin_allocate_to_pool(p1, filter);
+  current = a.sim->begin_capture(s);
+  void* b = a.alloc.allocate(4096, s);
+  for (int i = 0; i < 10; ++i) {
+    void* next = a.alloc.allocate(4096, s);
+    a.alloc.deallocate(b, s);
+    b = next;
+  }
+  EXPECT_EQ(a.sim->end_capture(s), current);
+  a.alloc.end_allocate_to_pool(p1);
+  a.alloc.release_graph_pool(p1);  // g.reset(): b, the graph's output, is still live
+  const auto frees_before = a.frees();
+
+  a.alloc.begin_allocate_to_pool(p2, filter);
+  current = a.sim->begin_capture(s);
+  void* c = a.alloc.allocate(4096, s);
+  a.alloc.deallocate(b, s);  // the old output freed inside the second capture, which wrote it
+  EXPECT_EQ(a.sim->end_capture(s), current);
+  a.alloc.end_allocate_to_pool(p2);
+  // Graph 2 may replay now: the memory at b is still the allocator's and goes to nobody.
+  EXPECT_EQ(a.frees(), frees_before);
+  std::vector<void*> others;
+  for (int i = 0; i < 8; ++i) {
+    for (stream_handle st : {s, other}) {
+      void* q = a.alloc.allocate(4096, st);
+      EXPECT_NE(q, b);
+      others.push_back(q);
+    }
+  }
+  for (void* q : others) a.alloc.deallocate(q);
+  a.alloc.check_invariants();
+  a.alloc.deallocate(c, s);
+  a.alloc.release_graph_pool(p2);  // graph 2 goes: now nothing can touch b's memory
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
+  EXPECT_EQ(a.sim->capture_violations(), 0u);
+  a.alloc.check_invariants();
+}
+
 TEST_P(GraphCapture, ARouteOutsideACaptureIsAMemPool) {
   // torch.cuda.use_mem_pool: a route whose filter takes a stream that is not capturing.
   sim_allocator a = make();
