@@ -180,6 +180,8 @@ class device_allocator {
     bool live = false;
     std::uintptr_t block = 0;
     std::size_t block_size = 0;
+    std::uintptr_t segment = 0;    ///< the base of the segment holding it (in_segment)
+    std::size_t segment_size = 0;  ///< and that segment's size (PyTorch's getBaseAllocation)
   };
   [[nodiscard]] address_info locate(const void* ptr) const;
   /// What sharing a live allocation with another process needs (docs/design.md, "IPC").
@@ -230,6 +232,54 @@ class device_allocator {
   void release_graph_pool(graph_pool_id pool);
   /// The state of `pool` (exists == false when unknown).
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
+  /// Adds an owner to `pool`, creating it with one (PyTorch's createOrIncrefPool: a MemPool, or a
+  /// graph that shares a pool). A released pool is revived once it has settled (a device
+  /// synchronization since its release). Throws invalid_argument for {0, 0} and for a released
+  /// pool whose last graph may still replay (a capture kept cucache from synchronizing).
+  void create_or_incref_graph_pool(graph_pool_id pool);
+  /// Every live allocation of `pool`, by address (empty when the pool does not exist): what
+  /// PyTorch's checkPoolLiveAllocations compares with the tensors it knows.
+  [[nodiscard]] std::vector<void*> graph_pool_live_allocations(graph_pool_id pool) const;
+  /// Gives `pool`'s wholly free segments back to the device after a device synchronization
+  /// (PyTorch's emptyCache(mempool_id), torch.cuda.MemPool's empty_cache): the caller states that
+  /// no graph will replay on that memory. Throws cuda_error 900 while a capture is underway and
+  /// invalid_argument for an unknown pool.
+  void empty_graph_pool_cache(graph_pool_id pool);
+
+  /// A graph pool's layout at one moment, for PyTorch's cudagraph trees
+  /// (getCheckpointState / setCheckpointPoolState): its segments and its live blocks.
+  struct graph_pool_checkpoint {
+    graph_pool_id pool;
+    struct segment {
+      std::uintptr_t address = 0;
+      std::size_t size = 0;
+      stream_handle stream = nullptr;
+    };
+    struct block {
+      std::uintptr_t address = 0;
+      std::size_t size = 0;       ///< as rounded
+      std::size_t requested = 0;  ///< what the caller asked for
+      stream_handle stream = nullptr;
+    };
+    std::vector<segment> segments;  ///< by address
+    std::vector<block> live;        ///< by address
+  };
+  /// The layout of `pool` now. Throws invalid_argument for an unknown pool, and for one holding
+  /// blocks freed but waiting for other streams (no layout to go back to while they wait).
+  [[nodiscard]] graph_pool_checkpoint checkpoint_graph_pool(graph_pool_id pool) const;
+  /// What restore_graph_pool did: the allocations it freed and those it made again.
+  struct graph_pool_restored {
+    std::vector<void*> freed;
+    std::vector<graph_pool_checkpoint::block> allocated;
+  };
+  /// Puts `cp.pool` back in the layout of `cp`: every live allocation of the pool is freed (at
+  /// once: the caller states that no queued work uses them), and every block live in `cp` is
+  /// allocated again at its address, with its size and stream. Every segment of `cp` must still
+  /// be the pool's (a pool keeps its segments while it has owners). Throws invalid_argument,
+  /// changing nothing, for an unknown or released pool, a segment of `cp` the pool no longer has,
+  /// or blocks of the pool that wait for other streams; cuda_error 900 is never thrown (nothing
+  /// here calls the device).
+  graph_pool_restored restore_graph_pool(const graph_pool_checkpoint& cp);
 
   // --- headroom and reserve (docs/api.md) -----------------------------------------------------
   /// The largest request on `stream` that allocate would serve now: from a cached free block of
@@ -248,6 +298,15 @@ class device_allocator {
   /// ladder and garbage collection may give it back like any free segment (docs/api.md). Throws
   /// out_of_memory when the device or the memory limit has no room.
   void reserve(std::size_t bytes, stream_handle stream = nullptr);
+
+  /// Caps what this allocator may reserve at `fraction` (0 < fraction <= 1) of the device's
+  /// memory from now on, like CUCACHE_CONF's memory_fraction (the lower of it and
+  /// memory_limit_mb wins) -- PyTorch's set_per_process_memory_fraction, at any time. Memory
+  /// reserved above a lowered cap is not given back here (empty_cache does that); no growth
+  /// passes the cap. Throws invalid_argument for a fraction outside (0, 1] or one that is 0 bytes.
+  void set_memory_fraction(double fraction);
+  /// The fraction set by set_memory_fraction or CUCACHE_CONF's memory_fraction; 1.0 when none was.
+  [[nodiscard]] double memory_fraction() const noexcept;
 
   // --- sleep and wake (expandable segments; docs/api.md "Sleep and wake") ---------------------
   // A sleep domain (1 .. 16383; the front ends give a sleepable tag's id) names the blocks

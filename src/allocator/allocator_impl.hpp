@@ -113,6 +113,9 @@ struct device_allocator::impl {
   void release_segment(detail::stream_pool& p, detail::segment* s);
   CUCACHE_HOT detail::block* split_off(detail::stream_pool& p, detail::block* b,
                                        std::size_t front_bytes);
+  /// split_off for the other translation units: out of line.
+  detail::block* split_off_outline(detail::stream_pool& p, detail::block* b,
+                                   std::size_t front_bytes);
   /// Marks a freed block pending (stats); its events or retentions are added by the caller.
   void mark_pending(detail::stream_pool& p, detail::block* b);
   void poll_pending(detail::stream_pool& p);
@@ -203,6 +206,8 @@ struct device_allocator::impl {
   std::size_t page_bytes = 0;
 
   detail::device_budget budget;
+  /// The memory fraction in force (set_memory_fraction, else the config's; 0 = none set).
+  std::atomic<double> memory_fraction{0.0};
   detail::block_map blocks;  // the pointer map: allocated blocks by address
   detail::pool_table pools;
   detail::graph_pools graphs;

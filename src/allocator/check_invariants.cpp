@@ -477,8 +477,14 @@ void device_allocator::check_invariants() const {
   if (reserved != reserved_total) {
     violated(fmt::format("device reserved {} != sum of segments {}", reserved, reserved_total));
   }
-  if (m.budget.limit != 0 && reserved > m.budget.limit) {
-    violated(fmt::format("reserved {} exceeds the memory limit {}", reserved, m.budget.limit));
+  std::size_t above_limit = 0;
+  {
+    std::lock_guard lock(m.budget.mu);
+    above_limit = m.budget.allowed_above_limit();
+  }
+  if (const std::size_t limit = m.budget.limit.load(std::memory_order_relaxed);
+      limit != 0 && reserved > std::max(limit, above_limit)) {
+    violated(fmt::format("reserved {} exceeds the memory limit {}", reserved, limit));
   }
   // The statistics ledger (stats_ledger.hpp): its totals are the sum of the pools' summaries, and
   // a pool not marked stale holds the summary it would get now -- its largest request only while

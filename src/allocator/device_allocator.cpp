@@ -97,6 +97,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
       graphs(*raw, pools),
       events(*backend) {
   pools.set_event_backend(backend.get());
+  memory_fraction.store(cfg.memory_fraction, std::memory_order_relaxed);
   if (cfg.expandable_segments) {
     // (The pager gets the capture-safe backend too, and may not move idle pages while a capture
     // is underway: unmapping waits for a device synchronization.)
@@ -268,6 +269,11 @@ block* device_allocator::impl::split_off(stream_pool& p, block* b, std::size_t f
   if (b->next != nullptr) b->next->prev = rest;
   b->next = rest;
   return rest;
+}
+
+block* device_allocator::impl::split_off_outline(stream_pool& p, block* b,
+                                                std::size_t front_bytes) {
+  return split_off(p, b, front_bytes);
 }
 
 void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
@@ -966,6 +972,23 @@ void device_allocator::release_graph_pool(graph_pool_id pool) {
 }
 graph_pool_info device_allocator::graph_pool_state(graph_pool_id pool) const {
   return impl_->graph_pool_state(pool);
+}
+void device_allocator::set_memory_fraction(double fraction) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    throw invalid_argument(fmt::format(
+        "cucache::set_memory_fraction: fraction {} is not in (0, 1] (device {})", fraction,
+        impl_->backend->device()));
+  }
+  std::size_t limit =
+      bytes_of_fraction(*impl_->backend, "memory_fraction", fraction, impl_->budget.device_total,
+                        "the device's capacity", "would mean no limit");
+  if (impl_->cfg.memory_limit_bytes > 0) limit = std::min(limit, impl_->cfg.memory_limit_bytes);
+  impl_->budget.set_limit(limit);
+  impl_->memory_fraction.store(fraction, std::memory_order_relaxed);
+}
+double device_allocator::memory_fraction() const noexcept {
+  const double f = impl_->memory_fraction.load(std::memory_order_relaxed);
+  return f > 0.0 ? f : 1.0;
 }
 const config& device_allocator::get_config() const noexcept {
   return impl_->cfg;

@@ -29,8 +29,22 @@ class device_budget {
   device_budget& operator=(const device_budget&) = delete;
 
   const std::size_t device_total;  // the device's capacity
-  const std::size_t limit;         // cap on reserved bytes; 0 = none
+  /// Cap on reserved bytes; 0 = none. Written under `mu` (set_limit), read anywhere.
+  std::atomic<std::size_t> limit;
   const std::size_t gc_bytes;      // garbage-collection threshold on reserved bytes; 0 = off
+
+  /// Changes the cap (0 = none): no growth passes it from now on. Memory reserved above a lowered
+  /// cap is not given back here (the caller releases cached memory first if it wants to):
+  /// reserved then stays at most what it was, and only falls until it is under the cap
+  /// (allowed_above_limit() bounds it for the invariant check).
+  void set_limit(std::size_t bytes) {
+    std::lock_guard lock(mu);
+    limit.store(bytes, std::memory_order_relaxed);
+    above_limit_ = bytes != 0 && reserved > bytes ? reserved : 0;
+  }
+  /// The most reserved may be while above the cap (0 when it was never lowered under reserved).
+  /// REQUIRES: mu held.
+  [[nodiscard]] std::size_t allowed_above_limit() const noexcept { return above_limit_; }
 
   /// A request of `bytes` can never be served: more than the device or the limit.
   [[nodiscard]] bool never_fits(std::size_t bytes) const noexcept {
@@ -107,6 +121,7 @@ class device_budget {
   friend class pager;
   std::size_t reserved = 0;  // guarded by mu
   std::size_t peak = 0;      // guarded by mu
+  std::size_t above_limit_ = 0;  // guarded by mu: reserved when the cap was lowered under it
 };
 
 }  // namespace cucache::detail

@@ -50,6 +50,41 @@ void graph_pools::begin_route(graph_pool_id gid, stream_filter filter) {
   update_blockers_locked();
 }
 
+void graph_pools::incref(graph_pool_id gid) {
+  if (gid == graph_pool_id{}) {
+    throw invalid_argument("cucache::create_or_incref_graph_pool: pool id (0, 0) names no pool");
+  }
+  std::lock_guard lock(mu_);
+  graph_pool* g = find_locked(gid);
+  if (g != nullptr && g->released && !g->settled) {
+    throw invalid_argument(fmt::format(
+        "cucache::create_or_incref_graph_pool: graph pool ({:#x}, {:#x}) was released and a "
+        "replay of its last graph may still run (no device synchronization since: a capture is "
+        "underway)",
+        gid.first, gid.second));
+  }
+  if (g == nullptr) {
+    auto owned = std::make_unique<graph_pool>();
+    owned->id = gid;
+    g = owned.get();
+    pools_by_id_.emplace(gid, std::move(owned));
+  }
+  ++g->uses;
+  g->released = false;
+  g->settled = false;
+}
+
+graph_pools::parts_view graph_pools::parts_of(graph_pool_id gid) const {
+  std::lock_guard lock(mu_);
+  parts_view out;
+  const graph_pool* g = find_locked(gid);
+  if (g == nullptr) return out;
+  out.exists = true;
+  out.released = g->released;
+  for (auto [key, part] : g->parts) out.parts.push_back(part);
+  return out;
+}
+
 void graph_pools::end_route(graph_pool_id gid) {
   std::lock_guard lock(mu_);
   graph_pool* g = find_locked(gid);

@@ -73,6 +73,16 @@ class graph_pools {
   void release(graph_pool_id pool);
   /// REQUIRES: all pools locked (it reads the parts' statistics).
   [[nodiscard]] graph_pool_info state(graph_pool_id pool) const;
+  /// One more owner of `pool`, created with one when missing (createOrIncrefPool); a released
+  /// pool is revived once settled. Throws invalid_argument as begin_route does.
+  void incref(graph_pool_id pool);
+  /// The parts of `pool` (none when it does not exist), and whether it exists and is released.
+  struct parts_view {
+    bool exists = false;
+    bool released = false;
+    std::vector<stream_pool*> parts;
+  };
+  [[nodiscard]] parts_view parts_of(graph_pool_id pool) const;
 
   // --- the allocation and free paths ---
   /// True while a capture cucache knows of may be underway (a route, or a capture not seen

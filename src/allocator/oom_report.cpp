@@ -36,8 +36,8 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
       format_bytes(held), format_bytes(allocated), format_bytes(held - allocated),
       s.free_block_count, format_bytes(static_cast<double>(s.largest_free_block)),
       100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation());
-  if (budget.limit != 0) {
-    msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(budget.limit)));
+  if (const std::size_t limit = budget.limit.load(std::memory_order_relaxed); limit != 0) {
+    msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(limit)));
   }
   if (cause == oom_cause::address_space) {
     msg += fmt::format(
@@ -95,11 +95,13 @@ void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what
 device_allocator::address_info device_allocator::locate(const void* ptr) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   address_info info;
-  auto all = impl_->pools.lock_all();
+  auto all = impl_->pools.lock_all_to_read();
   for (const auto& p : impl_->pools) {
     for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
       if (addr < s->base || addr >= s->base + s->size) continue;
       info.in_segment = true;
+      info.segment = s->base;
+      info.segment_size = s->size;
       for (const detail::block* b = s->first; b != nullptr; b = b->next) {
         if (addr < b->addr || addr >= b->addr + b->size) continue;
         info.block = b->addr;
