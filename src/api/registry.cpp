@@ -293,11 +293,11 @@ void registry::set_memory_fraction(int device, double fraction) {
         fmt::format("set_memory_fraction: fraction {} is not in (0, 1]", fraction));
   }
   std::lock_guard lock(create_mu_);
-  if (find(device) != nullptr) {
-    throw invalid_argument(fmt::format(
-        "set_memory_fraction: device {} has allocated already; the cap can only be set before "
-        "its first allocation (or with CUCACHE_CONF=memory_fraction:F)",
-        device));
+  // Before the device's first allocation the cap goes into its allocator's config; after, the
+  // allocator changes its cap at once (device_allocator::set_memory_fraction).
+  if (device_allocator* a = find(device)) {
+    a->set_memory_fraction(fraction);
+    return;
   }
   fractions_[static_cast<std::size_t>(device)] = fraction;
 }

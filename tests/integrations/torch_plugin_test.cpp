@@ -241,7 +241,7 @@ TEST(TorchPlugin, CanonicalConfigurationChecksTheText) {
   EXPECT_STREQ(buf, "");
 }
 
-TEST(TorchPlugin, MemoryFractionOnlyBeforeFirstUse) {
+TEST(TorchPlugin, MemoryFractionBeforeAndAfterFirstUse) {
   const int dev = 9;
   ASSERT_EQ(cucache_torch_set_memory_fraction(dev, 0.001), 0) << cucache_torch_last_error();
   EXPECT_EQ(cucache_torch_set_memory_fraction(dev, 1.5), -1);
@@ -250,9 +250,14 @@ TEST(TorchPlugin, MemoryFractionOnlyBeforeFirstUse) {
   (void)testing::internal::GetCapturedStderr();
   void* p = cucache_torch_alloc(10 * MiB, dev, stream(0));
   ASSERT_NE(p, nullptr);
-  EXPECT_EQ(cucache_torch_set_memory_fraction(dev, 0.5), -1);  // in use already
-  EXPECT_NE(std::string(cucache_torch_last_error()).find("before its first allocation"),
-            std::string::npos);
+  // In use already: the cap changes at once (torch.cuda.set_per_process_memory_fraction).
+  ASSERT_EQ(cucache_torch_set_memory_fraction(dev, 0.5), 0) << cucache_torch_last_error();
+  void* q = cucache_torch_alloc(100 * MiB, dev, stream(0));
+  EXPECT_NE(q, nullptr);
+  cucache_torch_free(q, 100 * MiB, dev, stream(0));
+  EXPECT_EQ(cucache_torch_set_memory_fraction(dev, 0.0), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("not in (0, 1]"), std::string::npos)
+      << cucache_torch_last_error();
   cucache_torch_free(p, 10 * MiB, dev, stream(0));
 }
 

@@ -96,8 +96,9 @@ CUCACHE_TORCH_API int cucache_torch_reset_peak_stats(int device);
 /* Resets the total allocated/freed sums of `device` (every device when negative). 0, or -1. */
 CUCACHE_TORCH_API int cucache_torch_reset_accumulated_stats(int device);
 /* Caps what `device` may reserve at `fraction` of its memory, overriding CUCACHE_CONF's
- * memory_fraction. Only before the device's first allocation (the cap is part of the allocator's
- * config): 0, or -1 when the device is in use already or the fraction is not in (0, 1]. */
+ * memory_fraction (memory_limit_mb, when lower, still wins). Before the device's first allocation
+ * or at any time after (memory reserved above a lowered cap is not given back: empty_cache does
+ * that; no growth passes it): 0, or -1 when the fraction is not in (0, 1]. */
 CUCACHE_TORCH_API int cucache_torch_set_memory_fraction(int device, double fraction);
 /* CUDA graph pools (PyTorch's MempoolId_t is the pair {first, second}; docs/design.md, "Graph
  * capture"). A capture's allocations come from a private pool that only allocations routed to it
