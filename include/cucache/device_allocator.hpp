@@ -198,8 +198,14 @@ class device_allocator {
     std::vector<ipc_piece> pieces;  ///< expandable: the handles mapped under the block, in order
   };
   /// The block `ptr` starts, for export; nullopt when ptr is not the start of a live allocation
-  /// here. Takes every pool lock: not for hot paths.
+  /// here. invalid_argument when it is a block of a sleeping domain (no memory to export). Takes
+  /// every pool lock: not for hot paths.
   [[nodiscard]] std::optional<ipc_block> ipc_describe(const void* ptr) const;
+  /// Marks the block `ptr` starts as exported (ipc_get_handle, once its handles are exported):
+  /// its sleep domain then refuses to sleep while the block lives, since sleep would release
+  /// the physical memory its importers map. invalid_argument, marking nothing, when the block's
+  /// domain fell asleep meanwhile (or ptr is no live block). Takes every pool lock.
+  void note_ipc_export(const void* ptr);
   /// Waits for pending frees, then returns every whole free segment to the device. While a graph
   /// capture is underway (one cucache knows of, below) the device must not be synchronized, and
   /// cudaFree does: it then throws cuda_error 900 (cudaErrorStreamCaptureUnsupported), having
@@ -323,13 +329,23 @@ class device_allocator {
   /// freed by a sleep without keep_contents or with the allocator). Pending frees of the domain and all queued work are waited for first
   /// (one device synchronization). Throws, changing nothing: cuda_error 801 (not expandable
   /// mode), invalid_argument (domain 0 or too large, already asleep, blocks held for a CUDA
-  /// graph), cuda_error 900 while a capture is underway, out_of_memory when the host cannot pin
-  /// the copy. Takes every pool lock for its duration.
-  /// `label` names the domain in messages (the tag's name).
-  void sleep(std::uint32_t domain, bool keep_contents, std::string_view label = {});
+  /// graph, a live block exported by ipc_get_handle: its importers map its physical memory),
+  /// cuda_error 900 while a capture is underway, out_of_memory when the host cannot pin the copy.
+  /// A device failure while unmapping (cuda_error) is rolled back: every page of the domain's
+  /// live blocks is mapped again, their contents copied back when kept (without keep_contents
+  /// the bytes of the pages already released are lost), and the domain stays awake; only if that
+  /// fails too is the rest released, leaving the domain asleep (the message says which). Takes
+  /// every pool lock for its duration.
+  /// `label` names the domain in messages (the tag's name). `check`, when given, runs under every
+  /// pool lock once the domain is known to be awake, with the requested bytes of the live blocks
+  /// in the domain's pools; what it throws refuses the sleep, nothing changed (the front end
+  /// compares them with its own count of the tag's bytes).
+  void sleep(std::uint32_t domain, bool keep_contents, std::string_view label = {},
+             const std::function<void(std::size_t placed_bytes)>& check = {});
   /// Maps new physical memory under every page the domain's live blocks touch, at the same
-  /// addresses, and copies the kept contents back. Other pools' idle pages are given back first
-  /// when the device or the memory limit lacks room. Throws, leaving the domain asleep and
+  /// addresses, and copies the kept contents back. When the device or the memory limit lacks
+  /// room it first makes room as the out-of-memory ladder does: waits for every pending
+  /// (stream-ordered) free and gives back the other pools' idle pages. Throws, leaving the domain asleep and
   /// nothing of it mapped: invalid_argument (not asleep), out_of_memory naming how much was
   /// missing, cuda_error from the device.
   void wake(std::uint32_t domain, std::string_view label = {});

@@ -133,7 +133,8 @@ struct sleep_stat {
 };
 /// Seconds the last wake of `tag` on `device` spent copying its contents back (0 when none).
 [[nodiscard]] double last_wake_copy_seconds(int device, std::string_view tag);
-/// Every sleeping tag on `device`, by name. Empty when no allocator of `device` exists.
+/// Every sleeping tag on `device`, by name. Empty when no allocator of `device` exists yet;
+/// cuda_error (cudaErrorInvalidDevice) for a device that does not exist.
 [[nodiscard]] std::vector<sleep_stat> sleeping(int device);
 
 }  // namespace cucache

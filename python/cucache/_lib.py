@@ -128,6 +128,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_wake": (i, [i, ctypes.c_char_p, ctypes.POINTER(ctypes.c_double)]),
         "cucache_torch_sleeping": (i64, [i, ctypes.c_char_p, sz]),
         "cucache_torch_last_error": (ctypes.c_char_p, []),
+        "cucache_torch_last_alloc_error": (i, []),
         "cucache_torch_bad_free_count": (u64, []),
         "cucache_torch_backend_name": (ctypes.c_char_p, []),
         "cucache_torch_check_device": (i, [i]),
@@ -366,7 +367,8 @@ def configure(conf: Optional[str], who: str, lib_path: Optional[str] = None) -> 
 def alloc(size: int, device: Any = None, stream: int = 0) -> int:
     """size bytes on device for use on stream (a cudaStream_t as an int); 0 for size 0. Raises
     MemoryError (with cucache's message) when cucache cannot allocate, ValueError for a size,
-    device or stream out of range or a configuration error, RuntimeError when CUDA is unusable."""
+    device or stream out of range, a configuration error or a misuse cucache refuses (an
+    allocation under a sleeping tag), RuntimeError when CUDA is unusable or the device fails."""
     size = _in_range(size, "alloc: size", _SIZE_MAX)
     stream = _in_range(stream, "alloc: stream", _PTR_MAX)
     d = _ready(_device(device))
@@ -374,8 +376,18 @@ def alloc(size: int, device: Any = None, stream: int = 0) -> int:
         return 0
     p = library().cucache_torch_alloc(size, d, ctypes.c_void_p(stream or None))
     if not p:
-        raise MemoryError(f"cucache: cannot allocate {size} bytes on device {d}: {last_error()}")
+        why = f"cucache: cannot allocate {size} bytes on device {d}: {last_error()}"
+        kind = library().cucache_torch_last_alloc_error()
+        if kind == _ALLOC_INVALID_ARGUMENT:
+            raise ValueError(why)
+        if kind == _ALLOC_OTHER_ERROR:
+            raise RuntimeError(why)
+        raise MemoryError(why)
     return int(p)
+
+
+_ALLOC_INVALID_ARGUMENT = 2  # cucache_torch.h: CUCACHE_TORCH_ALLOC_INVALID_ARGUMENT
+_ALLOC_OTHER_ERROR = 3  # CUCACHE_TORCH_ALLOC_OTHER_ERROR
 
 
 def free(ptr: int, size: int, device: Any = None, stream: int = 0) -> None:
@@ -552,8 +564,14 @@ def sleep(name: str, keep_contents: bool = True, device: Any = None) -> None:
     freed or allocated under the tag until wake(name). keep_contents=True copies their bytes to
     pinned host memory first (wake restores them); False drops them (a KV cache). Waits for the
     device's queued work. RuntimeError with cucache's message on any misuse (unknown or not
-    sleepable tag, asleep already, expandable segments off), with nothing changed."""
+    sleepable tag, asleep already, expandable segments off, a live allocation exported by IPC),
+    with nothing changed; TypeError when keep_contents is not a bool."""
     b = _tag_name(name)
+    if not isinstance(keep_contents, bool):
+        # bool('no') is True: anything but a bool is refused rather than guessed at.
+        raise TypeError(
+            f"cucache: sleep: keep_contents must be True or False, not {keep_contents!r}"
+        )
     d = _ready(_device(device))
     _check(library().cucache_torch_sleep(d, b, 1 if keep_contents else 0), "sleep")
 

@@ -158,13 +158,21 @@ struct device_allocator::impl {
   }
 
   // --- sleep and wake (sleep.cpp) ---
-  void sleep(std::uint32_t domain, bool keep_contents, const std::string& label);
+  void sleep(std::uint32_t domain, bool keep_contents, const std::string& label,
+             const std::function<void(std::size_t)>& check);
+  [[noreturn]] void roll_back_sleep(std::uint32_t domain,
+                                    const std::vector<detail::stream_pool*>& domain_pools,
+                                    detail::tag_sleeper::record& rec, const std::string& name,
+                                    const std::string& why, int code);
   void wake(std::uint32_t domain, const std::string& label);
   /// Frees the spare pinned host buffers of woken domains (~impl).
   void free_spare_host_buffers() noexcept;
   /// Throws invalid_argument naming the block's domain when p's domain sleeps (allocate, free).
   /// REQUIRES: p locked.
   void refuse_if_asleep(const detail::stream_pool& p, const void* ptr, const char* what) const;
+  /// invalid_argument: `what`(ptr) on a block of sleeping domain d. Takes every pool lock (to
+  /// read the domain's label). REQUIRES: no pool lock held.
+  [[noreturn]] void refuse_asleep_block(std::uint32_t d, const void* ptr, const char* what);
 
   // --- errors (oom_report.cpp) ---
   /// What an out-of-memory error reports as its cause.

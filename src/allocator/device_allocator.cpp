@@ -311,6 +311,7 @@ block* device_allocator::impl::carve_inline(stream_pool& p, block* b, pool_kind 
     p.index_of(kind).erase(b);
   }
   b->state = block_state::allocated;
+  b->exported = false;
   b->requested = requested;
   b->uses = nullptr;
   if (b->seg->vm != nullptr) pager->touch(p, b, +1);
@@ -805,7 +806,15 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
 
 bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  std::uint32_t asleep = 0;
   bool found = blocks.with(addr, [&](block* b) {
+    // A block of a sleeping domain has no memory behind it: refused as a free is, nothing
+    // changed. (The bit read here, under the map's shard lock, is the one sleep set under every
+    // pool lock; the message's label is read below under every pool lock.)
+    if (const std::uint32_t d = b->seg->owner->domain; d != 0 && sleeper.asleep(d)) [[unlikely]] {
+      asleep = d;
+      return;
+    }
     if (pools.names_pool_stream(*b->seg->owner, stream)) return;
     // Under the map's shard lock only: the block cannot be freed meanwhile, and nothing else
     // touches its uses while it is allocated.
@@ -813,6 +822,8 @@ bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
     auto& rs = b->uses->streams;
     if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
   });
+  if (asleep != 0) [[unlikely]]
+    refuse_asleep_block(asleep, ptr, "record_stream");
   return found;
 }
 

@@ -1,11 +1,15 @@
 // device_allocator::ipc_describe: where a live block lies, for sharing it with another process
 // (docs/design.md, "IPC"). Read-only: it walks the segments and, for an expandable segment, the
-// page table under every pool lock, and changes nothing.
+// page table under every pool lock, and changes nothing. note_ipc_export marks an exported
+// block, which keeps its sleep domain from sleeping while it lives (sleep.cpp).
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <optional>
 
 #include "allocator/allocator_impl.hpp"
 #include "core/vm_range.hpp"
+#include "cucache/errors.hpp"
 
 namespace cucache {
 
@@ -20,6 +24,8 @@ std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const 
       if (b == nullptr || b->addr != addr || b->state != detail::block_state::allocated) {
         return std::nullopt;
       }
+      // A sleeping domain's block has no physical memory to export: say so (invalid_argument).
+      impl_->refuse_if_asleep(*p, ptr, "ipc_get_handle");
       ipc_block out;
       out.size = b->size;
       if (s->vm == nullptr) {
@@ -48,6 +54,26 @@ std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const 
     }
   }
   return std::nullopt;
+}
+
+void device_allocator::note_ipc_export(const void* ptr) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto all = impl_->pools.lock_all();
+  for (const auto& p : impl_->pools) {
+    for (detail::segment* s = p->segments; s != nullptr; s = s->next) {
+      if (addr < s->base || addr >= s->base + s->size) continue;
+      detail::block* b = s->first;
+      while (b != nullptr && b->addr + b->size <= addr) b = b->next;
+      if (b == nullptr || b->addr != addr || b->state != detail::block_state::allocated) break;
+      // A sleep between ipc_describe and here released the exported handles: refused.
+      impl_->refuse_if_asleep(*p, ptr, "ipc_get_handle");
+      b->exported = true;
+      return;
+    }
+  }
+  throw invalid_argument(fmt::format(
+      "cucache: ipc_get_handle({}) on device {}: the block was freed while its handle was made",
+      ptr, device()));
 }
 
 }  // namespace cucache

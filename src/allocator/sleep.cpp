@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <string_view>
+#include <utility>
 
 #include "allocator/allocator_impl.hpp"
 #include "core/format_bytes.hpp"
@@ -115,6 +118,17 @@ void check_domain(std::uint32_t domain, const char* what) {
 
 }  // namespace
 
+namespace {
+std::string asleep_block_text(const std::string& name, int device, const void* ptr,
+                              const char* what) {
+  const bool free = std::string_view(what) == "free";
+  return fmt::format(
+      "cucache: {}({}) on device {}: the block belongs to {}, which is asleep; wake it before {} "
+      "(nothing changed)",
+      what, ptr, device, name, free ? "freeing its blocks" : "using its blocks");
+}
+}  // namespace
+
 void device_allocator::impl::refuse_if_asleep(const stream_pool& p, const void* ptr,
                                               const char* what) const {
   // REQUIRES: p locked (the records are read under a pool lock: sleep and wake change them
@@ -124,10 +138,7 @@ void device_allocator::impl::refuse_if_asleep(const stream_pool& p, const void* 
   const auto it = records.find(p.domain);
   const std::string name = who(p.domain, it != records.end() ? it->second.label : std::string());
   if (ptr != nullptr) {
-    throw invalid_argument(fmt::format(
-        "cucache: {}({}) on device {}: the block belongs to {}, which is asleep; wake it before "
-        "freeing its blocks (nothing changed)",
-        what, ptr, raw->device(), name));
+    throw invalid_argument(asleep_block_text(name, raw->device(), ptr, what));
   }
   throw invalid_argument(
       fmt::format("cucache: {} on device {}: {} is asleep; wake it before allocating under it "
@@ -135,8 +146,49 @@ void device_allocator::impl::refuse_if_asleep(const stream_pool& p, const void* 
                   what, raw->device(), name));
 }
 
+void device_allocator::impl::refuse_asleep_block(std::uint32_t d, const void* ptr,
+                                                 const char* what) {
+  std::string label;
+  {
+    auto all = pools.lock_all();
+    const auto& records = sleeper.records();
+    if (const auto it = records.find(d); it != records.end()) label = it->second.label;
+  }
+  throw invalid_argument(asleep_block_text(who(d, label), raw->device(), ptr, what));
+}
+
+namespace {
+/// The first live block of `pools` exported to another process, or nullptr. REQUIRES: every pool
+/// locked.
+const block* exported_block(const std::vector<stream_pool*>& pools) {
+  for (const stream_pool* q : pools) {
+    for (const segment* seg : q->pages.ranges) {
+      for (const block* b = seg->first; b != nullptr; b = b->next) {
+        if (b->state == block_state::allocated && b->exported) return b;
+      }
+    }
+  }
+  return nullptr;
+}
+
+/// The text of the exception in flight, and its CUDA error code (cudaErrorUnknown's 999 for
+/// anything but a cuda_error).
+std::pair<std::string, int> current_error() {
+  try {
+    throw;
+  } catch (const cuda_error& e) {
+    return {e.what(), e.code()};
+  } catch (const std::exception& e) {
+    return {e.what(), 999};
+  } catch (...) {
+    return {"unknown exception", 999};
+  }
+}
+}  // namespace
+
 void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
-                                   const std::string& label) {
+                                   const std::string& label,
+                                   const std::function<void(std::size_t)>& check) {
   const std::string name = who(domain, label);
   if (!cfg.expandable_segments) {
     throw cuda_error("cucache sleep", k_not_supported,
@@ -154,7 +206,25 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
         raw->device()));
   }
   if (sync_blocked()) graphs.throw_capture_blocks("sleep");
+  if (check) {
+    // Under every pool lock: no allocation or free of the domain is half done in its pools.
+    std::int64_t placed = 0;
+    for (const auto& q : pools) {
+      if (q->domain == domain && q->graph == nullptr) placed += q->stats.requested_bytes[0].current;
+    }
+    check(static_cast<std::size_t>(placed));
+  }
   domain_walk w = walk_domain(pools, domain);
+  if (const block* b = exported_block(w.pools)) {
+    // Sleep would release the physical memory the importers map: after wake they would read
+    // and write memory the exporter no longer sees.
+    throw invalid_argument(fmt::format(
+        "cucache: sleep: {} on device {} holds the block {:#x} ({}) exported to other processes "
+        "by ipc_get_handle (cucacheIpcGetHandle); its importers map its physical memory, which "
+        "sleep would release from under them. Free the block once every importer has closed it, "
+        "then sleep; nothing changed",
+        name, raw->device(), b->addr, bytes_text(b->size)));
+  }
   // Work still queued on the domain's memory is waited for, not refused: unmapping must wait for
   // it anyway (the pager never unmaps before a device synchronization), and the allocator cannot
   // see a block's use on its own stream. Pending frees (used on other streams) complete first.
@@ -220,20 +290,91 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
     rec.host_capacity = host_capacity;
     rec.runs = std::move(w.runs);
   }
-  // From here the domain is asleep whatever happens: a device failure part way through leaves
-  // some pages released and the rest mapped, which wake handles (it maps what is missing).
-  std::exception_ptr failed;
+  // The record goes in before anything is released (put_to_sleep then only sets bits): no
+  // allocation can fail once pages are gone.
+  sleeper.reserve_record(domain);
+  std::size_t released = 0;
+  try {
+    bool first = true;
+    for (stream_pool* q : w.pools) {
+      released += pager->evict(*q, /*synchronize=*/first);
+      first = false;
+    }
+  } catch (...) {
+    // A device failure part way: some pages released, the rest mapped. Rolled back to awake.
+    const auto [why, code] = current_error();
+    roll_back_sleep(domain, w.pools, rec, name, why, code);  // throws
+  }
+  rec.released_bytes = released;
+  sleeper.put_to_sleep(domain, std::move(rec));
+}
+
+void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
+                                             const std::vector<stream_pool*>& domain_pools,
+                                             detail::tag_sleeper::record& rec,
+                                             const std::string& name, const std::string& why,
+                                             int code) {
+  // REQUIRES: every pool locked; the domain awake, its record reserved; sleep's evict failed
+  // part way. Maps every page of the domain's live blocks again and copies the kept bytes back:
+  // the domain stays awake. If that fails too, the rest is released instead and the domain
+  // sleeps (wake maps what is missing). Throws cuda_error(code) either way.
+  std::string rollback_failure;
+  try {
+    for (stream_pool* q : domain_pools) {
+      for (segment* seg : q->pages.ranges) {
+        for (block* b = seg->first; b != nullptr; b = b->next) {
+          if (b->state == block_state::free) continue;
+          if (!pager->back(*q, b)) {
+            throw out_of_memory(fmt::format("no room to map {} again", bytes_text(b->size)));
+          }
+        }
+      }
+    }
+    if (rec.host != nullptr) {
+      queue_copies(*backend, rec.runs, rec.host, /*to_host=*/false);
+      backend->device_synchronize();
+    }
+  } catch (...) {
+    rollback_failure = current_error().first;
+  }
+  if (rollback_failure.empty()) {
+    sleeper.drop_record(domain);
+    if (rec.host != nullptr) {
+      try {
+        sleeper.spares()[domain] = {rec.host, rec.host_capacity};  // for the next sleep
+      } catch (...) {
+        backend->host_free_pinned(rec.host);
+      }
+    }
+    throw cuda_error(
+        "cucache sleep", code,
+        fmt::format("{} on device {}: releasing its pages failed part way ({}); rolled back: it "
+                    "stays awake, every page of its live blocks mapped again{}",
+                    name, raw->device(), why,
+                    rec.keep_contents ? " with their contents"
+                                      : ", but the contents of the pages released before the "
+                                        "failure are lost (keep_contents was off)"));
+  }
+  // Could not map them again: the rest is released too, and the domain sleeps.
+  std::string finish_failure;
   bool first = true;
-  for (stream_pool* q : w.pools) {
+  for (stream_pool* q : domain_pools) {
     try {
       rec.released_bytes += pager->evict(*q, /*synchronize=*/first);
     } catch (...) {
-      if (!failed) failed = std::current_exception();
+      if (finish_failure.empty()) finish_failure = current_error().first;
     }
     first = false;
   }
   sleeper.put_to_sleep(domain, std::move(rec));
-  if (failed) std::rethrow_exception(failed);
+  throw cuda_error(
+      "cucache sleep", code,
+      fmt::format("{} on device {}: releasing its pages failed part way ({}), and mapping them "
+                  "again failed too ({}); {}: wake it (wake maps what is missing)",
+                  name, raw->device(), why, rollback_failure,
+                  finish_failure.empty()
+                      ? "the rest was released instead, so it is asleep"
+                      : "it is asleep with some pages still mapped (" + finish_failure + ")"));
 }
 
 void device_allocator::impl::wake(std::uint32_t domain, const std::string& label) {
@@ -272,6 +413,14 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
   // pools' idle (cached) pages are given back first, pool by pool -- the same memory the
   // out-of-memory ladder would take.
   std::size_t room = pager->room_bytes();
+  if (room < needed) {
+    // As the out-of-memory ladder: the stream-ordered frees whose work is still queued hold
+    // room an allocation would get by waiting; their blocks become free (their pages idle,
+    // given back below), and released graph pools settle.
+    for (const auto& q : pools) sync_pending(*q);
+    settle_graph_pools();
+    room = pager->room_bytes();
+  }
   for (const auto& q : pools) {
     if (room >= needed) break;
     if (q->domain == domain || !q->pages.has_idle()) continue;
@@ -345,8 +494,9 @@ void device_allocator::set_thread_sleep_domain(std::uint32_t domain) {
 std::uint32_t device_allocator::thread_sleep_domain() noexcept {
   return detail::t_sleep_domain;
 }
-void device_allocator::sleep(std::uint32_t domain, bool keep_contents, std::string_view label) {
-  impl_->sleep(domain, keep_contents, std::string(label));
+void device_allocator::sleep(std::uint32_t domain, bool keep_contents, std::string_view label,
+                             const std::function<void(std::size_t)>& check) {
+  impl_->sleep(domain, keep_contents, std::string(label), check);
 }
 void device_allocator::wake(std::uint32_t domain, std::string_view label) {
   impl_->wake(domain, std::string(label));

@@ -67,9 +67,16 @@ class tag_sleeper {
   /// Any domain asleep (stats skip the walk otherwise).
   [[nodiscard]] bool any() const noexcept { return count_.load(std::memory_order_relaxed) != 0; }
 
-  /// Marks d asleep with `r`. REQUIRES: every pool lock held; d awake.
+  /// Makes room for d's record before anything of d is released, so that put_to_sleep cannot
+  /// fail. REQUIRES: every pool lock held; d awake.
+  void reserve_record(std::uint32_t d) { records_.try_emplace(d); }
+  /// Drops a record reserved for a sleep that did not happen. REQUIRES: every pool lock held; d
+  /// awake.
+  void drop_record(std::uint32_t d) noexcept { records_.erase(d); }
+  /// Marks d asleep with `r` (into its reserved record, if any). REQUIRES: every pool lock held;
+  /// d awake.
   void put_to_sleep(std::uint32_t d, record r) {
-    records_.emplace(d, std::move(r));
+    records_[d] = std::move(r);
     bits_[d / 64].fetch_or(std::uint64_t{1} << (d % 64), std::memory_order_relaxed);
     count_.fetch_add(1, std::memory_order_relaxed);
   }

@@ -1,6 +1,7 @@
 // The C++ global API (cucache.hpp): a thin front end over the process registry.
 #include "cucache/cucache.hpp"
 
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -192,7 +193,8 @@ void pop_tag() {
 }
 
 void make_sleepable(std::string_view tag) {
-  const std::uint32_t id = detail::tag_id(tag);  // throws for an empty tag
+  if (tag.empty()) throw invalid_argument("cucache: make_sleepable: the tag is empty");
+  const std::uint32_t id = detail::tag_id(tag);
   if (id > detail::k_max_sleep_domain) {
     throw invalid_argument(fmt::format("cucache: make_sleepable: tag '{}' is tag number {}; at most "
                                        "{} tags can be sleepable",
@@ -215,20 +217,23 @@ bool is_sleepable(std::string_view tag) {
 void sleep(int device, std::string_view tag, bool keep_contents) {
   const std::uint32_t id = sleepable_tag(tag, "sleep");
   device_allocator& a = get(device);
-  if (a.get_config().expandable_segments && !a.is_asleep(id)) {
-    // Every live block of the tag must be in its pages: blocks allocated under it before it was
-    // made sleepable (or in a graph capture) share pages with others and cannot sleep.
+  // Every live block of the tag must be in its pages: blocks allocated under it before it was
+  // made sleepable (or in a graph capture) share pages with others and cannot sleep. The check
+  // runs under every pool lock, where no free is half done (the hub hears of a free under its
+  // pool's lock) but an allocation may be: the hub hears of it only after it returned. So the
+  // hub's count of the tag's blocks in its pages never exceeds the pools' bytes, and only a
+  // count above them proves a block outside (an allocation under way on another thread is
+  // never taken for one).
+  a.sleep(id, keep_contents, tag, [&](std::size_t placed) {
     const std::uint64_t tagged = tag_stats(device, tag).current_bytes;
-    const std::uint64_t placed = a.domain_requested_bytes(id);
-    if (tagged != placed) {
+    if (tagged > placed) {
       throw invalid_argument(fmt::format(
           "cucache: sleep: tag '{}' on device {} has {} live bytes, of which {} lie in its own "
           "pages; the rest were allocated before make_sleepable or inside a CUDA graph capture "
           "and cannot sleep (free them first); nothing changed",
           tag, device, tagged, placed));
     }
-  }
-  a.sleep(id, keep_contents, tag);
+  });
   if (trace_recorder* rec = registry::instance().recorder()) {
     try {
       rec->record_sleep(tag, keep_contents, sleeping_bytes_of(a, id));
@@ -262,6 +267,11 @@ double last_wake_copy_seconds(int device, std::string_view tag) {
 
 std::vector<sleep_stat> sleeping(int device) {
   registry& r = registry::instance();
+  if (device < 0 || device >= r.device_count()) {
+    throw cuda_error("cucache::sleeping", static_cast<int>(cudaErrorInvalidDevice),
+                     fmt::format("invalid device ordinal {} ({} device{})", device,
+                                 r.device_count(), r.device_count() == 1 ? "" : "s"));
+  }
   device_allocator* a = r.find(device);
   if (a == nullptr) return {};
   std::vector<sleep_stat> out;

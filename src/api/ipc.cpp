@@ -229,6 +229,8 @@ cucacheIpcHandle ipc_get_handle(void* ptr) {
       h.pieceBytes[i] = where->pieces[i].bytes;
       h.fds[i] = b.phys_export_fd(where->pieces[i].handle);
     }
+    // Exported: the block's tag may not sleep while it lives (its importers map this memory).
+    owner->note_ipc_export(ptr);
   } catch (...) {
     detail::close_fds(h);
     throw;

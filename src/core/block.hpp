@@ -45,6 +45,7 @@ struct alignas(64) block {
     stream_uses* uses;           // allocated or pending: nullptr until used on another stream
   };
   block_state state = block_state::free;
+  bool exported = false;  // allocated: handed to another process (note_ipc_export); cleared by carve
   std::uint32_t bin = 0;  // free_index bin while free
 };
 static_assert(sizeof(block) == 64);

@@ -513,6 +513,136 @@ TEST(Sleep, PendingFreesAndQueuedWorkAreWaitedFor) {
   a.alloc.check_invariants();
 }
 
+// --- failures part way (issue 30) ------------------------------------------------------------
+
+/// A domain with blocks in two pools (two streams, small and large ranges) and cached pages, its
+/// blocks filled with a pattern each.
+struct failing_domain {
+  std::vector<std::pair<void*, std::size_t>> blocks;
+  explicit failing_domain(sim_allocator& a, std::uint32_t domain) {
+    in_domain d(domain);
+    for (std::size_t bytes : {std::size_t{4096}, 6 * MiB, 9 * MiB}) {
+      blocks.emplace_back(a.alloc.allocate(bytes), bytes);
+      blocks.emplace_back(a.alloc.allocate(bytes, stream(0x70)), bytes);
+    }
+    void* cached = a.alloc.allocate(8 * MiB);
+    a.alloc.deallocate(cached);  // idle pages of the domain's pool
+    std::uint8_t seed = 40;
+    for (auto [p, n] : blocks) fill(*a.sim, p, n, seed++);
+  }
+  ::testing::AssertionResult mapped_and_kept(sim_allocator& a, bool contents) const {
+    std::uint8_t seed = 40;
+    for (auto [p, n] : blocks) {
+      if (!a.sim->accessible(p, n)) return ::testing::AssertionFailure() << p << " is not mapped";
+      if (contents) {
+        auto r = holds(*a.sim, p, n, seed);
+        if (!r) return r;
+      }
+      ++seed;
+    }
+    return ::testing::AssertionSuccess();
+  }
+};
+
+TEST(Sleep, AFailedUnmapOrReleaseRollsTheSleepBackAtEveryStep) {
+  // Every unmap (and every handle release) sleep makes, failed in turn: the sleep throws and the
+  // domain is awake, every page of its live blocks mapped again (with their contents when kept),
+  // the invariants hold and nothing leaks; sleep and wake then work.
+  for (const sim_call kind : {sim_call::unmap, sim_call::phys_release}) {
+    for (const bool keep : {true, false}) {
+      bool reached_the_end = false;
+      for (std::uint64_t k = 1; k < 200 && !reached_the_end; ++k) {
+        SCOPED_TRACE(::testing::Message() << (kind == sim_call::unmap ? "unmap " : "release ") << k
+                                          << (keep ? ", keep contents" : ", drop contents"));
+        sim_allocator a(expandable(), host_backed(256 * MiB));
+        const failing_domain dom(a, 3);
+        const std::int64_t allocated = a.allocated();
+        a.sim->fail_nth(kind, k);
+        try {
+          a.alloc.sleep(3, keep);
+          reached_the_end = true;  // k is past the last call: the sleep did it all
+        } catch (const cuda_error& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("stays awake"), std::string::npos) << m;
+        }
+        if (reached_the_end) {
+          ASSERT_GT(k, 4u) << "the sleep made no call of that kind";
+          a.sim->fail_nth(kind, 0);
+          EXPECT_TRUE(a.alloc.is_asleep(3));
+          a.alloc.check_invariants();
+          a.alloc.wake(3);
+          EXPECT_TRUE(dom.mapped_and_kept(a, keep));
+          break;
+        }
+        EXPECT_FALSE(a.alloc.is_asleep(3));
+        a.alloc.check_invariants();
+        expect_no_leak(a);
+        EXPECT_EQ(a.allocated(), allocated);
+        EXPECT_TRUE(dom.mapped_and_kept(a, keep));
+        a.alloc.sleep(3, keep);
+        a.alloc.check_invariants();
+        a.alloc.wake(3);
+        a.alloc.check_invariants();
+        EXPECT_TRUE(dom.mapped_and_kept(a, keep));
+      }
+      EXPECT_TRUE(reached_the_end);
+    }
+  }
+}
+
+TEST(Sleep, AFailedCopyBackDuringWakeLeavesItAsleepAndWakeableAgain) {
+  sim_allocator a(expandable(), host_backed());
+  const failing_domain dom(a, 5);
+  a.alloc.sleep(5, true);
+  const std::size_t used_asleep = a.sim->used_bytes();
+  a.sim->fail_nth(sim_call::copy_async, 2);
+  EXPECT_THROW(a.alloc.wake(5), cuda_error);
+  EXPECT_TRUE(a.alloc.is_asleep(5));
+  EXPECT_EQ(a.sim->used_bytes(), used_asleep);
+  a.alloc.check_invariants();
+  a.alloc.wake(5);
+  a.alloc.check_invariants();
+  EXPECT_TRUE(dom.mapped_and_kept(a, true));
+}
+
+TEST(Sleep, AFailedCopyOutDuringSleepChangesNothingAndFreesTheBuffer) {
+  sim_allocator a(expandable(), host_backed());
+  const failing_domain dom(a, 5);
+  const std::int64_t reserved = a.reserved();
+  a.sim->fail_nth(sim_call::copy_async, 3);
+  EXPECT_THROW(a.alloc.sleep(5, true), cuda_error);
+  EXPECT_FALSE(a.alloc.is_asleep(5));
+  EXPECT_EQ(a.reserved(), reserved);
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), a.sim->calls(sim_call::host_alloc_pinned));
+  a.alloc.check_invariants();
+  EXPECT_TRUE(dom.mapped_and_kept(a, true));
+}
+
+TEST(Sleep, WakeWaitsForPendingFreesAsAnAllocationDoes) {
+  // Issue 30, item 6: the room a stream-ordered free holds comes back once its stream's work
+  // completes; wake waits for it, as the out-of-memory ladder does, before saying memory is
+  // missing.
+  sim_allocator a(expandable("memory_limit:64MiB"), host_backed());
+  void* mine = nullptr;
+  {
+    in_domain d(9);
+    mine = a.alloc.allocate(30 * MiB);
+  }
+  fill(*a.sim, mine, 30 * MiB, 8);
+  a.alloc.sleep(9, true);
+  void* other = a.alloc.allocate(50 * MiB);
+  a.alloc.record_stream(other, stream(0x51));
+  a.alloc.deallocate(other);  // pending on an event of stream 0x51
+  ASSERT_EQ(a.sim->pending_events(), 1u);
+  a.alloc.wake(9);
+  EXPECT_EQ(a.sim->pending_events(), 0u);
+  EXPECT_FALSE(a.alloc.is_asleep(9));
+  EXPECT_TRUE(holds(*a.sim, mine, 30 * MiB, 8));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  a.alloc.deallocate(mine);
+}
+
 // --- randomized ------------------------------------------------------------------------------
 
 std::uint64_t seed_from_env(std::uint64_t fallback) {

@@ -5,17 +5,29 @@
 // nothing changed. Contents are checked at the allocator level (tests/allocator/sleep_test.cpp).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
 #include "cucache/observe.hpp"
+#include "cucache/sim_backend.hpp"
 
 namespace {
 
 constexpr std::size_t k_mib = std::size_t{1} << 20;
+
+std::string fmt_ptr(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
 
 class SleepApi : public ::testing::Test {
  protected:
@@ -23,6 +35,7 @@ class SleepApi : public ::testing::Test {
   void TearDown() override {
     while (cucachePopTag() == cudaSuccess) {
     }
+    ::unsetenv("CUCACHE_SIM_HOST_MEMORY");
     restore("");
   }
   static void restore(const char* conf) {
@@ -161,6 +174,111 @@ TEST_F(SleepApi, DefaultModeIsRefused) {
   EXPECT_EQ(cucacheSleep(0, "train", 1), cudaErrorNotSupported);
   EXPECT_NE(message().find("needs expandable segments"), std::string::npos) << message();
   EXPECT_EQ(cucacheFree(p), cudaSuccess);
+}
+
+// --- issue 30 ----------------------------------------------------------------------------------
+
+TEST_F(SleepApi, SleepIsNotRefusedWhileAnotherThreadAllocatesAndFreesUnderTheTag) {
+  // The check that every live block of the tag lies in its pages compares the tag's bytes with
+  // the bytes of its pools: another thread allocating or freeing under the tag meanwhile must not
+  // make it refuse (it did, blaming blocks "allocated before make_sleepable").
+  ASSERT_EQ(cucacheMakeTagSleepable("race"), cudaSuccess) << message();
+  std::atomic<bool> stop{false};
+  std::thread worker([&] {
+    ASSERT_EQ(cucachePushTag("race"), cudaSuccess);
+    std::vector<void*> live;
+    while (!stop.load()) {
+      void* p = nullptr;
+      if (cucacheMalloc(&p, (live.size() + 1) * 4096) == cudaSuccess) live.push_back(p);
+      // Refused while the tag sleeps: kept, freed later.
+      if (live.size() > 3 && cucacheFree(live.front()) == cudaSuccess) live.erase(live.begin());
+    }
+    ASSERT_EQ(cucachePopTag(), cudaSuccess);
+    for (void* p : live) EXPECT_EQ(cucacheFree(p), cudaSuccess) << cucacheGetLastErrorMessage();
+  });
+  int refused = 0;
+  std::string why;
+  for (int i = 0; i < 3000; ++i) {
+    if (cucacheSleep(0, "race", i % 2) != cudaSuccess) {
+      ++refused;
+      why = message();
+      continue;
+    }
+    ASSERT_EQ(cucacheWake(0, "race"), cudaSuccess) << message();
+  }
+  stop.store(true);
+  worker.join();
+  EXPECT_EQ(refused, 0) << "e.g. " << why;
+  cucache::get(0).check_invariants();
+}
+
+TEST_F(SleepApi, ATagWithAnExportedBlockRefusesToSleepNamingTheBlock) {
+  // Sleep would release the physical memory the importers map: after wake the exporter and the
+  // importers would see different bytes. Refused, nothing changed, until the block is freed.
+  ::setenv("CUCACHE_SIM_HOST_MEMORY", "1", 1);
+  restore("expandable_segments:True,ipc_handles:True");
+  ASSERT_EQ(cucacheMakeTagSleepable("shared"), cudaSuccess);
+  void* b = alloc_under("shared", 4 * k_mib);
+  void* quiet = alloc_under("shared", 2 * k_mib);
+  cucacheIpcHandle h{};
+  ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << message();
+  void* q = nullptr;
+  ASSERT_EQ(cucacheIpcOpenHandle(&q, &h), cudaSuccess) << message();
+  EXPECT_EQ(cucacheIpcReleaseFds(&h), cudaSuccess);
+  const cucacheStats before = stats();
+  EXPECT_EQ(cucacheSleep(0, "shared", 1), cudaErrorInvalidValue);
+  const std::string m = message();
+  EXPECT_NE(m.find("exported"), std::string::npos) << m;
+  EXPECT_NE(m.find(fmt_ptr(b)), std::string::npos) << m;
+  EXPECT_NE(m.find("tag 'shared'"), std::string::npos) << m;
+  EXPECT_NE(m.find("nothing changed"), std::string::npos) << m;
+  EXPECT_TRUE(cucache::sleeping(0).empty());
+  EXPECT_EQ(stats().reservedBytes, before.reservedBytes);
+  // Still one memory: what the exporter writes, the importer reads.
+  auto& sim = dynamic_cast<cucache::sim_backend&>(cucache::get(0).backend());
+  std::memset(sim.host_view(b, 16), 0x11, 16);
+  EXPECT_EQ(sim.host_view(q, 16)[7], std::byte{0x11});
+  // Freed (its importer closed it first), the block no longer holds the tag awake; a block
+  // carved again at its address is not exported.
+  ASSERT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << message();
+  ASSERT_EQ(cucacheFree(b), cudaSuccess) << message();
+  void* again = alloc_under("shared", 4 * k_mib);
+  EXPECT_EQ(again, b);
+  ASSERT_EQ(cucacheSleep(0, "shared", 1), cudaSuccess) << message();
+  ASSERT_EQ(cucacheWake(0, "shared"), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(again), cudaSuccess);
+  EXPECT_EQ(cucacheFree(quiet), cudaSuccess);
+  cucache::get(0).check_invariants();
+}
+
+TEST_F(SleepApi, SmallMisusesNameTheirProblem) {
+  restore("expandable_segments:True,ipc_handles:True");
+  ASSERT_EQ(cucacheMakeTagSleepable("nap"), cudaSuccess);
+  void* p = alloc_under("nap", 2 * k_mib);
+  ASSERT_EQ(cucacheSleep(0, "nap", 1), cudaSuccess) << message();
+  // An IPC handle of a sleeping block: the block is live, its tag asleep.
+  cucacheIpcHandle h{};
+  EXPECT_EQ(cucacheIpcGetHandle(&h, p), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'nap', which is asleep"), std::string::npos) << message();
+  EXPECT_EQ(message().find("already freed"), std::string::npos) << message();
+  // record_stream on a sleeping block is refused like a free.
+  EXPECT_EQ(cucacheRecordStream(p, reinterpret_cast<cudaStream_t>(0x5150)), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'nap', which is asleep"), std::string::npos) << message();
+  // A device that does not exist.
+  std::size_t dev = 1, host = 1;
+  EXPECT_EQ(cucacheGetSleepingBytes(7, "nap", &dev, &host), cudaErrorInvalidDevice);
+  EXPECT_NE(message().find("device"), std::string::npos) << message();
+  EXPECT_EQ(cucacheGetSleepingBytes(-1, "nap", &dev, &host), cudaErrorInvalidDevice);
+  ASSERT_EQ(cucacheGetSleepingBytes(0, "nap", &dev, &host), cudaSuccess) << message();
+  EXPECT_EQ(dev, 2 * k_mib);
+  ASSERT_EQ(cucacheWake(0, "nap"), cudaSuccess) << message();
+  EXPECT_EQ(cucacheRecordStream(p, reinterpret_cast<cudaStream_t>(0x5150)), cudaSuccess)
+      << message();
+  EXPECT_EQ(cucacheFree(p), cudaSuccess);
+  // An empty tag: make_sleepable's own error, not push_tag's.
+  EXPECT_EQ(cucacheMakeTagSleepable(""), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("make_sleepable"), std::string::npos) << message();
+  EXPECT_EQ(message().find("push_tag"), std::string::npos) << message();
 }
 
 }  // namespace

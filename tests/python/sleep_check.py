@@ -41,7 +41,8 @@ def main() -> None:
     assert set(sl) == {"train"} and sl["train"]["bytes"] == 42 * MIB, sl
     assert sl["train"]["host_bytes"] == 40 * MIB + 4096 and sl["train"]["copy_seconds"] >= 0, sl
     assert "Sleeping tags" in cucache.memory_summary()
-    # Misuses: each a RuntimeError (MemoryError for an allocation) naming the problem.
+    # Misuses: each a RuntimeError (ValueError for an allocation under a sleeping tag, as the C
+    # API's cudaErrorInvalidValue) naming the problem.
     expect(RuntimeError, cucache.sleep, "train", match="asleep already")
     expect(RuntimeError, cucache.wake, "infer", match="is not asleep")
     expect(RuntimeError, cucache.sleep, "nobody", match="unknown tag 'nobody'")
@@ -49,13 +50,17 @@ def main() -> None:
         plain = cucache.alloc(MIB)
     expect(RuntimeError, cucache.sleep, "plain", match="is not sleepable")
     with cucache.tag("train"):
-        expect(MemoryError, cucache.alloc, MIB, match="tag 'train' is asleep")
+        expect(ValueError, cucache.alloc, MIB, match="tag 'train' is asleep")
     bad_before = cucache.bad_free_count()
     cucache.free(weights, 40 * MIB)  # refused: the block stays allocated
     assert cucache.bad_free_count() == bad_before + 1
     assert "which is asleep" in cucache.last_error(), cucache.last_error()
     assert cucache.memory_stats()["sleeping_bytes"] == 42 * MIB
     expect(TypeError, cucache.sleep, 3)
+    # keep_contents is a bool: a string (even 'no') is refused, not taken as True; nothing sleeps.
+    for bad in ("no", "False", None, 0.0, 2):
+        expect(TypeError, cucache.sleep, "infer", keep_contents=bad, match="keep_contents")
+    assert set(cucache.sleeping()) == {"train"}, cucache.sleeping()
     expect(ValueError, cucache.sleep, "a\0b")
 
     # Both asleep: the device holds only the untagged and the plain blocks.

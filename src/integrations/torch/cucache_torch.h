@@ -146,8 +146,7 @@ CUCACHE_TORCH_API int cucache_torch_push_tag(const char* tag);
 CUCACHE_TORCH_API int cucache_torch_pop_tag(void);
 CUCACHE_TORCH_API int64_t cucache_torch_tag_stats(int device, char* buf, size_t len);
 /* Sleep and wake (docs/api.md, "Sleep and wake"; expandable segments): 0 on success, -1 on
- * failure with nothing changed (cucache_torch_last_error says why; cucache_torch_last_error_kind
- * as for the other calls). sleeping copies a JSON array of {tag, bytes, host_bytes,
+ * failure with nothing changed (cucache_torch_last_error says why). sleeping copies a JSON array of {tag, bytes, host_bytes,
  * copy_seconds} as
  * tag_stats does. */
 CUCACHE_TORCH_API int cucache_torch_make_sleepable(const char* tag);
@@ -173,6 +172,17 @@ CUCACHE_TORCH_API int cucache_torch_device_count(void);
  * order), or with conf NULL that of the configuration the process's allocators use. Copies as
  * memory_summary does; -1 when the text is not a valid configuration (the message names the key). */
 CUCACHE_TORCH_API int64_t cucache_torch_canonical_conf(const char* conf, char* buf, size_t len);
+/* What the calling thread's last cucache_torch_alloc met: CUCACHE_TORCH_ALLOC_OK (it succeeded
+ * or was never called), _OUT_OF_MEMORY (no room: the Python package's MemoryError),
+ * _INVALID_ARGUMENT (a misuse, such as an allocation under a sleeping tag: ValueError) or
+ * _OTHER_ERROR (a device error: RuntimeError). */
+enum {
+  CUCACHE_TORCH_ALLOC_OK = 0,
+  CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY = 1,
+  CUCACHE_TORCH_ALLOC_INVALID_ARGUMENT = 2,
+  CUCACHE_TORCH_ALLOC_OTHER_ERROR = 3
+};
+CUCACHE_TORCH_API int cucache_torch_last_alloc_error(void);
 /* The message of the latest failure in any thread ("" if none). Valid in the calling thread until
  * its next call of this function. */
 CUCACHE_TORCH_API const char* cucache_torch_last_error(void);

@@ -45,6 +45,9 @@ torch_plugin& plugin() {
   return *p;
 }
 
+/// What the calling thread's last cucache_torch_alloc met (cucache_torch_last_alloc_error).
+thread_local int t_alloc_error = CUCACHE_TORCH_ALLOC_OK;
+
 void report(std::string message) {
   std::fprintf(stderr, "%s\n", message.c_str());
   set_last_error(message);
@@ -172,11 +175,21 @@ extern "C" {
 
 void* cucache_torch_alloc(size_t size, int device, cucache_torch_stream stream) {
   if (size == 0) return nullptr;
+  t_alloc_error = CUCACHE_TORCH_ALLOC_OTHER_ERROR;
   try {
-    return registry::instance().allocator(device).allocate(size, stream);
+    void* p = registry::instance().allocator(device).allocate(size, stream);
+    t_alloc_error = CUCACHE_TORCH_ALLOC_OK;
+    return p;
   } catch (const out_of_memory& e) {
+    t_alloc_error = CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY;
     report(std::string("cucache_torch: out of memory: ") + e.what());
     if (plugin().throw_on_oom) throw;  // opt-in: torch turns it into a RuntimeError
+  } catch (const invalid_argument& e) {
+    // A misuse, not a shortage: e.g. an allocation under a sleeping tag.
+    t_alloc_error = CUCACHE_TORCH_ALLOC_INVALID_ARGUMENT;
+    report(std::string("cucache_torch: alloc(") + std::to_string(size) + " bytes, device " +
+           std::to_string(device) + ") failed: " + e.what());
+    if (plugin().throw_on_oom) throw;
   } catch (const std::exception& e) {
     report(std::string("cucache_torch: alloc(") + std::to_string(size) + " bytes, device " +
            std::to_string(device) + ") failed: " + e.what());
@@ -472,6 +485,10 @@ int64_t cucache_torch_canonical_conf(const char* conf, char* buf, size_t len) {
     }
   });
   return n;
+}
+
+int cucache_torch_last_alloc_error(void) {
+  return t_alloc_error;
 }
 
 const char* cucache_torch_last_error(void) {
