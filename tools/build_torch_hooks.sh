@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds libcucache_torch_hooks.so (src/integrations/torch/torch_hooks.cpp) against the torch of
+# Builds libcucache_torch_hooks.so (src/integrations/torch/torch_allocator.cpp) against the torch of
 # `python3` with a single g++ command, beside an already built libcucache_torch.so: for machines
 # where CMake did not find torch (torch present there but not where cucache was configured). The
 # plug-in itself needs no torch and is built by CMake as usual.
@@ -21,6 +21,6 @@ torch_build_env include/torch/csrc/cuda/CUDAPluggableAllocator.h lib/libtorch_cu
 set -x
 "$cxx" -std=c++20 -O2 -fPIC -shared -fvisibility=hidden -D_GLIBCXX_USE_CXX11_ABI="$abi" \
   -I"$repo/src/integrations/torch" -isystem "$torch_dir/include" "${cuda_flags[@]}" \
-  "$repo/src/integrations/torch/torch_hooks.cpp" -o "$lib_dir/libcucache_torch_hooks.so" \
+  "$repo/src/integrations/torch/torch_allocator.cpp" -o "$lib_dir/libcucache_torch_hooks.so" \
   -L"$lib_dir" -lcucache_torch -L"$torch_dir/lib" -ltorch_cuda -lc10_cuda -lc10 \
   -Wl,-rpath,'$ORIGIN' -Wl,-rpath,"$torch_dir/lib"
