@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/headeronly/version.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +42,9 @@ extern "C" {
 /* Makes cucache torch's CUDA allocator (the whole CUDAAllocator interface). Must run before torch
  * initializes CUDA. 0, or -1 with the reason in cucache_torch_last_error(). */
 CUCACHE_TORCH_API int cucache_torch_hooks_install(void);
+/* The torch version this library was compiled against (TORCH_VERSION of torch/version.h): the
+ * Python module refuses a library built for another torch. */
+CUCACHE_TORCH_API const char* cucache_torch_hooks_torch_version(void);
 }
 
 namespace cucache::detail {
@@ -775,6 +779,10 @@ void segment_listener(void* /*ctx*/, int device, int freed, std::uint64_t base,
 
 }  // namespace
 }  // namespace cucache::detail
+
+const char* cucache_torch_hooks_torch_version(void) {
+  return TORCH_VERSION;
+}
 
 int cucache_torch_hooks_install(void) {
   using namespace cucache::detail;
