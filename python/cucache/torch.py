@@ -70,16 +70,154 @@ def _cuda_used(torch: Any) -> bool:
     return bool(torch.cuda.is_initialized())
 
 
+# PyTorch keys that are not cucache's concern: accepted, left to torch, said once.
+_TORCH_ONLY_IGNORED = {
+    "pinned_use_cuda_host_register": "concerns torch's pinned host allocator, which stays torch's",
+    "pinned_num_register_threads": "concerns torch's pinned host allocator, which stays torch's",
+    "pinned_use_background_threads": "concerns torch's pinned host allocator, which stays torch's",
+    "pinned_reserve_segment_size_mb": "concerns torch's pinned host allocator, which stays torch's",
+    "throw_on_cudamalloc_oom": "cucache always raises torch.OutOfMemoryError when out of memory",
+    "release_lock_on_cudamalloc": "cucache never holds a lock across the device call of another stream",
+    "graph_capture_record_stream_reuse": "cucache retains blocks used on a capturing stream for the graph",
+}
+
+
+def _warn(msg: str) -> None:
+    import sys
+
+    print(f"cucache: {msg}", file=sys.stderr)
+
+
+def torch_conf_to_cucache(text: str, variable: str) -> str:
+    """PYTORCH_ALLOC_CONF's text as a CUCACHE_CONF: the keys the two share pass (cucache's parser
+    checks them: ValueError naming a key cucache does not support, and the variable); torch's
+    host-allocator keys and the ones cucache satisfies by design are dropped with a line saying
+    so; backend:cudaMallocAsync is refused (cucache is the allocator)."""
+    kept = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        key, _, value = entry.partition(":")
+        key = key.strip()
+        if key in _TORCH_ONLY_IGNORED:
+            _warn(f"{variable}: {key} ignored: {_TORCH_ONLY_IGNORED[key]}")
+            continue
+        if key == "backend":
+            if value.strip() != "native":
+                raise ValueError(
+                    f"{variable}: backend:{value.strip()} asks for another CUDA allocator than "
+                    "cucache; drop it, or do not install cucache"
+                )
+            continue
+        kept.append(f"{key}:{value}")
+    conf = ",".join(kept)
+    try:
+        _lib.canonical_conf(conf)
+    except ValueError as e:
+        raise ValueError(f"{variable}={text!r} cannot configure cucache: {e}") from None
+    return conf
+
+
+def _settings(conf: Optional[str]) -> Optional[str]:
+    """The one rule for settings: install(conf=...) or CUCACHE_CONF configure cucache; without
+    either, PYTORCH_ALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF) does, translated; when both are set
+    and differ, CUCACHE_CONF wins and one line says so."""
+    torch_var = next((v for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if os.environ.get(v)), None)
+    own = conf if conf is not None else os.environ.get("CUCACHE_CONF")
+    if torch_var is None:
+        return conf
+    if own is not None:
+        if own.replace(" ", "") != os.environ[torch_var].replace(" ", ""):
+            _warn(f"both CUCACHE_CONF ({own!r}) and {torch_var} ({os.environ[torch_var]!r}) are set: cucache uses CUCACHE_CONF")
+        return conf
+    return torch_conf_to_cucache(os.environ[torch_var], torch_var)
+
+
+def _torch_version(torch: Any) -> str:
+    return str(torch.__version__).split("+")[0]
+
+
+def _cache_dir(torch: Any) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "cucache" / f"torch-{getattr(torch, '__version__', 'unknown')}"
+
+
+def _load_hooks(path: Path, torch: Any) -> ctypes.CDLL:
+    """Loads the extension; a library built for another torch is a clear error."""
+    try:
+        hl = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise RuntimeError(
+            f"cucache: {path} does not load with torch {torch.__version__} ({e}): it was built for "
+            f"another torch; rebuild it: bash tools/build_torch_hooks.sh"
+        ) from None
+    hl.cucache_torch_hooks_torch_version.restype = ctypes.c_char_p
+    built = hl.cucache_torch_hooks_torch_version().decode()
+    if built != _torch_version(torch):
+        raise RuntimeError(
+            f"cucache: {path} was built against torch {built}, this process runs torch "
+            f"{torch.__version__}: rebuild it (bash tools/build_torch_hooks.sh, or delete it and "
+            f"install() builds one into {_cache_dir(torch)})"
+        )
+    return hl
+
+
+def _build_hooks(torch: Any, lib_file: str) -> Optional[Path]:
+    """Builds the extension into the per-torch cache folder from the source tree, with a progress
+    line; None when there is no source tree or no compiler (the caller says what to run)."""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    script = repo / "tools" / "build_torch_hooks.sh"
+    if not script.is_file() or shutil.which(os.environ.get("CXX", "g++")) is None:
+        return None
+    out = _cache_dir(torch)
+    print(f"cucache: building the torch extension for torch {torch.__version__} into {out} (once, about a minute) ...",
+          file=sys.stderr, flush=True)
+    env = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(script), str(Path(lib_file).parent), str(out)], env=env,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"cucache: building the torch extension failed:\n{r.stderr[-4000:]}")
+    print("cucache: torch extension built", file=sys.stderr, flush=True)
+    return out / _HOOKS_NAME
+
+
+def _find_hooks(torch: Any, lib_file: str, hooks: Optional[bool]) -> Optional[Path]:
+    if hooks is False:
+        return None
+    explicit = os.environ.get("CUCACHE_TORCH_HOOKS_LIB")
+    if explicit:
+        return Path(explicit)
+    for c in (Path(lib_file).with_name(_HOOKS_NAME), _cache_dir(torch) / _HOOKS_NAME):
+        if c.is_file():
+            return c
+    built = _build_hooks(torch, lib_file)
+    if built is not None:
+        return built
+    how = ("build it where torch is importable: cmake -S . -B build -DCUCACHE_TORCH_DIR=$(python3 -c "
+           "'import torch, os; print(os.path.dirname(torch.__file__))') && cmake --build build --target "
+           "cucache_torch_hooks (or bash tools/build_torch_hooks.sh build/lib)")
+    if hooks:
+        raise FileNotFoundError(f"cucache: the torch extension ({_HOOKS_NAME}) is missing; {how}")
+    _warn(f"the torch extension ({_HOOKS_NAME}) is missing, using the plain CUDAPluggableAllocator "
+          f"(no CUDA-graph pools, IPC, history, torch.cuda.memory_stats); {how}")
+    return None
+
+
 def install(lib_path: Optional[str] = None, conf: Optional[str] = None, hooks: Optional[bool] = None) -> None:
     """Makes cucache PyTorch's CUDA allocator. Call before anything allocates CUDA memory.
 
     conf: a CUCACHE_CONF string (docs/config.md), checked here (ValueError naming the key when it
-    is not valid) and set in the environment; without it, CUCACHE_CONF from the environment is
-    checked the same way. The configuration is the process's from then on: a second install()
-    with another conf raises RuntimeError, as does a conf that differs from the one an earlier
-    cucache call already read. hooks: use libcucache_torch_hooks.so (record_stream, empty_cache,
-    memory fraction, torch.cuda.memory_stats, OutOfMemoryError); None = when it is found beside
-    the plug-in (or at $CUCACHE_TORCH_HOOKS_LIB).
+    is not valid) and set in the environment; without it, CUCACHE_CONF from the environment, else
+    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF translated (docs/torch.md, "Settings"). The
+    configuration is the process's from then on: a second install() with another conf raises
+    RuntimeError. hooks: the torch extension (libcucache_torch_hooks.so: cucache as a complete
+    CUDAAllocator); None = use it when found or buildable (it is built on first use into
+    ~/.cache/cucache/torch-VERSION), else the plain CUDAPluggableAllocator with a warning; True =
+    require it; False = the plain plug-in.
     """
     global _installed, _hooks
     if _installed:
@@ -93,16 +231,16 @@ def install(lib_path: Optional[str] = None, conf: Optional[str] = None, hooks: O
             "already, and with it its own allocator, which cannot be swapped any more. Call "
             "install() first thing, before any .cuda() / device='cuda' / torch.cuda call."
         )
-    _lib.configure(conf, "cucache.torch.install", lib_path)
+    _lib.library(lib_path)
+    _lib.configure(_settings(conf), "cucache.torch.install", lib_path)
     lib_file = _lib.library_path()
-    hooks_path = Path(os.environ.get("CUCACHE_TORCH_HOOKS_LIB") or Path(lib_file or "").with_name(_HOOKS_NAME))
-    use_hooks = hooks_path.is_file() if hooks is None else hooks
-    if use_hooks:
+    hooks_path = _find_hooks(torch, lib_file or "", hooks)
+    if hooks_path is not None:
         if not hooks_path.is_file():
-            raise FileNotFoundError(f"cucache: hooks requested but {hooks_path} is missing")
-        hl = ctypes.CDLL(str(hooks_path))
+            raise FileNotFoundError(f"cucache: the torch extension {hooks_path} is missing")
+        hl = _load_hooks(hooks_path, torch)
         hl.cucache_torch_hooks_install.restype = ctypes.c_int
-        _check(hl.cucache_torch_hooks_install(), "installing the hooks allocator")
+        _check(hl.cucache_torch_hooks_install(), "installing the torch extension")
         _hooks = True
     else:
         alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_file, "cucache_torch_alloc", "cucache_torch_free")

@@ -302,6 +302,17 @@ void registry::set_memory_fraction(int device, double fraction) {
   fractions_[static_cast<std::size_t>(device)] = fraction;
 }
 
+double registry::memory_fraction(int device) {
+  if (device < 0 || device >= census_.count) {
+    throw invalid_argument(fmt::format("memory_fraction: device {} does not exist ({} {})", device,
+                                       census_.count, to_string(kind_)));
+  }
+  std::lock_guard lock(create_mu_);
+  if (const double f = fractions_[static_cast<std::size_t>(device)]; f > 0) return f;
+  if (const device_allocator* a = find(device)) return a->get_config().memory_fraction;
+  return cfg_.memory_fraction;
+}
+
 device_backend* registry::backend_of(int device) const noexcept {
   device_allocator* a = find(device);
   return a != nullptr ? &a->backend() : nullptr;

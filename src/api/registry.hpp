@@ -87,6 +87,10 @@ class registry {
   /// Caps `device`'s reserved memory at `fraction` of its capacity. Only before the device's
   /// first allocation (invalid_argument afterwards, or for a fraction outside (0, 1]).
   void set_memory_fraction(int device, double fraction);
+  /// The cap on `device`'s reserved memory as a fraction of its capacity: set_memory_fraction's,
+  /// else the device's allocator's configuration (CUCACHE_CONF's memory_fraction); 0 when there
+  /// is none. Throws invalid_argument for a device that does not exist.
+  [[nodiscard]] double memory_fraction(int device);
 
   /// Empties the cache of every created allocator; every one gets its turn, the first failure is
   /// rethrown afterwards.

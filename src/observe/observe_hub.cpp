@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <new>
 
 #include "cucache/errors.hpp"
 #include "observe/name_table.hpp"
@@ -89,6 +90,19 @@ const char* to_string(history_entry::action a) noexcept {
 
 namespace {
 
+struct segment_listener {
+  segment_listener_fn fn;
+  void* ctx;
+};
+// Never freed: a listener read by one thread while another replaces it stays valid.
+std::atomic<const segment_listener*> g_segment_listener{nullptr};
+
+void notify_segment(int device, bool freed, std::uintptr_t base, std::size_t bytes,
+                    stream_handle stream) noexcept {
+  if (const segment_listener* l = g_segment_listener.load(std::memory_order_acquire)) [[unlikely]]
+    l->fn(l->ctx, device, freed, base, bytes, stream);
+}
+
 class device_observer final : public allocation_observer {
  public:
   device_observer(observe_hub& hub, int device) : hub_(hub), device_(device) {}
@@ -112,11 +126,13 @@ class device_observer final : public allocation_observer {
   }
   void on_segment_alloc(std::uintptr_t base, std::size_t bytes,
                         stream_handle stream) noexcept override {
+    notify_segment(device_, false, base, bytes, stream);
     if (hub_.history_on())
       hub_.record_event(device_, history_entry::action::segment_alloc, base, bytes, stream);
   }
   void on_segment_free(std::uintptr_t base, std::size_t bytes,
                        stream_handle stream) noexcept override {
+    notify_segment(device_, true, base, bytes, stream);
     if (hub_.history_on())
       hub_.record_event(device_, history_entry::action::segment_free, base, bytes, stream);
   }
@@ -127,6 +143,15 @@ class device_observer final : public allocation_observer {
 };
 
 }  // namespace
+
+void set_segment_listener(segment_listener_fn fn, void* ctx) noexcept {
+  const segment_listener* next = nullptr;
+  if (fn != nullptr) {
+    next = new (std::nothrow) segment_listener{fn, ctx};  // leaked on purpose, see above
+    if (next == nullptr) return;
+  }
+  g_segment_listener.store(next, std::memory_order_release);
+}
 
 observe_hub::observe_hub(const config& cfg, std::shared_ptr<allocation_observer> trace,
                          int devices)

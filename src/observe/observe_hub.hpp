@@ -37,6 +37,18 @@ void push_tag_id(std::uint32_t id);
 /// Throws invalid_argument naming `function` when the thread has no current tag.
 void pop_tag_id(const char* function);
 
+// --- segment listener (process-wide) -----------------------------------------------------------
+
+/// Told of every segment a device allocator creates (`freed` false) or returns to the device
+/// (`freed` true), on any device whose allocator reports to the hub (registry::activate_observers).
+/// Called under the segment's pool lock: it must be quick and must not call cucache. The PyTorch
+/// extension's SEGMENT_ALLOC / SEGMENT_FREE trace entries (cucache_torch_set_segment_listener).
+using segment_listener_fn = void (*)(void* ctx, int device, bool freed, std::uintptr_t base,
+                                     std::size_t bytes, stream_handle stream);
+/// Sets (fn non-null) or clears (fn null) the process's one listener. Thread-safe; a listener
+/// replaced or cleared may still be running on another thread when this returns.
+void set_segment_listener(segment_listener_fn fn, void* ctx) noexcept;
+
 // --- the hub ----------------------------------------------------------------------------------
 
 /// One event of a device trace (PyTorch's TraceEntry).

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cucache_torch.h"
@@ -300,6 +301,194 @@ TEST(TorchPlugin, GraphPoolHooksRouteReleaseAndFreeTheFiltersContext) {
   EXPECT_EQ(cucache_torch_begin_allocate_to_pool(dev, 7, 0, nullptr, nullptr, nullptr), -1);
   EXPECT_EQ(cucache_torch_empty_cache(), 0);
   EXPECT_EQ(stats(dev).reserved_bytes[0].current, 0);
+}
+
+// --- the torch extension's calls (torch_allocator.cpp) -----------------------------------------
+
+bool core_lacks(const char* what) {
+  return std::string(cucache_torch_last_error()).find("allocator core has no") != std::string::npos &&
+         std::string(cucache_torch_last_error()).find(what) != std::string::npos;
+}
+
+TEST(TorchExtensionCalls, TryAllocSaysOutOfMemoryAndFreeCheckedRefusesWithoutPrinting) {
+  const int dev = 6;
+  void* p = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(cucache_torch_try_alloc(0, dev, stream(0), &p), CUCACHE_TORCH_ALLOC_OK);
+  EXPECT_EQ(p, nullptr);
+  EXPECT_EQ(cucache_torch_try_alloc(std::size_t{1} << 40, dev, stream(0), &p),
+            CUCACHE_TORCH_ALLOC_OOM);
+  EXPECT_EQ(p, nullptr);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("out of memory"), std::string::npos);
+  EXPECT_EQ(cucache_torch_try_alloc(64, 99, stream(0), &p), CUCACHE_TORCH_ALLOC_ERROR);
+  ASSERT_EQ(cucache_torch_try_alloc(3 * MiB, dev, stream(0), &p), CUCACHE_TORCH_ALLOC_OK);
+  ASSERT_NE(p, nullptr);
+  const uint64_t bad_before = cucache_torch_bad_free_count();
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cucache_torch_free_checked(static_cast<char*>(p) + 256), -1);  // interior
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("free"), std::string::npos);
+  EXPECT_EQ(cucache_torch_free_checked(p), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_free_checked(p), -1);  // already freed
+  EXPECT_EQ(cucache_torch_free_checked(nullptr), 0);
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(cucache_torch_bad_free_count(), bad_before);  // the caller reports, not the plug-in
+  EXPECT_EQ(stats(dev).allocated_bytes[0].current, 0);
+}
+
+TEST(TorchExtensionCalls, SegmentsBaseAllocationAndListener) {
+  const int dev = 10;
+  static std::vector<std::pair<int, uint64_t>> events;  // (freed, bytes) of device 10
+  ASSERT_EQ(cucache_torch_set_segment_listener(
+                [](void*, int device, int freed, uint64_t, uint64_t bytes, cucache_torch_stream) {
+                  if (device == 10) events.emplace_back(freed, bytes);
+                },
+                nullptr),
+            0)
+      << cucache_torch_last_error();
+  void* a = cucache_torch_alloc(3 * MiB, dev, stream(0));
+  void* b = cucache_torch_alloc(5 * MiB, dev, stream(0));
+  ASSERT_TRUE(a && b);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0], (std::pair<int, uint64_t>{0, 20 * MiB}));
+  struct seen {
+    int segments = 0;
+    uint64_t base = 0, size = 0;
+    int allocated = 0, free_blocks = 0;
+    uint64_t requested = 0;
+  } got;
+  ASSERT_EQ(cucache_torch_segments(
+                dev,
+                [](void* ctx, const cucache_torch_segment_info* s) {
+                  auto& g = *static_cast<seen*>(ctx);
+                  ++g.segments;
+                  g.base = s->address;
+                  g.size = s->size;
+                  for (size_t i = 0; i < s->block_count; ++i) {
+                    if (s->blocks[i].state == CUCACHE_TORCH_BLOCK_ALLOCATED) {
+                      ++g.allocated;
+                      g.requested += s->blocks[i].requested;
+                    } else if (s->blocks[i].state == CUCACHE_TORCH_BLOCK_FREE) {
+                      ++g.free_blocks;
+                    }
+                  }
+                  return 0;
+                },
+                &got),
+            0)
+      << cucache_torch_last_error();
+  EXPECT_EQ(got.segments, 1);
+  EXPECT_EQ(got.size, 20 * MiB);
+  EXPECT_EQ(got.allocated, 2);
+  EXPECT_EQ(got.free_blocks, 1);
+  EXPECT_EQ(got.requested, 8 * MiB);
+  void* base = nullptr;
+  size_t size = 0;
+  ASSERT_EQ(cucache_torch_base_allocation(static_cast<char*>(b) + 100, &base, &size), 0)
+      << cucache_torch_last_error();
+  EXPECT_EQ(reinterpret_cast<uint64_t>(base), got.base);
+  EXPECT_EQ(size, 20 * MiB);
+  int stack = 0;
+  EXPECT_EQ(cucache_torch_base_allocation(&stack, &base, &size), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("not in memory"), std::string::npos);
+  cucache_torch_free(a, 3 * MiB, dev, stream(0));
+  cucache_torch_free(b, 5 * MiB, dev, stream(0));
+  EXPECT_EQ(cucache_torch_empty_cache(), 0);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[1], (std::pair<int, uint64_t>{1, 20 * MiB}));
+  EXPECT_EQ(cucache_torch_set_segment_listener(nullptr, nullptr), 0);
+  void* c = cucache_torch_alloc(3 * MiB, dev, stream(0));
+  EXPECT_EQ(events.size(), 2u);  // cleared
+  cucache_torch_free(c, 3 * MiB, dev, stream(0));
+}
+
+TEST(TorchExtensionCalls, MemoryFractionReadsBack) {
+  const int dev = 1;
+  double f = -1;
+  ASSERT_EQ(cucache_torch_get_memory_fraction(dev, &f), 0) << cucache_torch_last_error();
+  EXPECT_EQ(f, 0.0);  // none set
+  ASSERT_EQ(cucache_torch_set_memory_fraction(dev, 0.25), 0) << cucache_torch_last_error();
+  ASSERT_EQ(cucache_torch_get_memory_fraction(dev, &f), 0);
+  EXPECT_EQ(f, 0.25);
+  EXPECT_EQ(cucache_torch_get_memory_fraction(99, &f), -1);
+}
+
+TEST(TorchExtensionCalls, PoolUseCountLiveAllocationsAndCheckpoints) {
+  const int dev = 0;
+  uint64_t uses = 99;
+  ASSERT_EQ(cucache_torch_pool_use_count(dev, 3, 4, &uses), 0) << cucache_torch_last_error();
+  EXPECT_EQ(uses, 0u);  // unknown pool: 0, as PyTorch answers
+  std::vector<void*> live;
+  const auto collect = [](void* ctx, void* p) { static_cast<std::vector<void*>*>(ctx)->push_back(p); };
+  EXPECT_EQ(cucache_torch_pool_live_allocations(dev, 3, 4, collect, &live), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("no graph pool (3, 4)"), std::string::npos);
+
+  const auto filter = [](void*, cucache_torch_stream s) -> int { return s == stream(0x55) ? 1 : 0; };
+  ASSERT_EQ(cucache_torch_begin_allocate_to_pool(dev, 3, 4, filter, nullptr, nullptr), 0)
+      << cucache_torch_last_error();
+  void* x = cucache_torch_alloc(1 * MiB + 1, dev, stream(0x55));
+  void* y = cucache_torch_alloc(4 * MiB, dev, stream(0x55));
+  ASSERT_TRUE(x && y);
+  ASSERT_EQ(cucache_torch_pool_use_count(dev, 3, 4, &uses), 0);
+  EXPECT_EQ(uses, 1u);
+  ASSERT_EQ(cucache_torch_pool_live_allocations(dev, 3, 4, collect, &live), 0)
+      << cucache_torch_last_error();
+  EXPECT_EQ(live.size(), 2u);
+
+  // createOrIncrefPool (a MemPool's owner) and one pool's emptyCache: the core's calls.
+  if (cucache_torch_create_or_incref_pool(dev, 3, 4) == 0) {
+    ASSERT_EQ(cucache_torch_pool_use_count(dev, 3, 4, &uses), 0);
+    EXPECT_EQ(uses, 2u);
+    EXPECT_EQ(cucache_torch_release_pool(dev, 3, 4), 0);
+  } else {
+    EXPECT_TRUE(core_lacks("create_or_incref_graph_pool")) << cucache_torch_last_error();
+  }
+
+  cucache_torch_checkpoint* cp = cucache_torch_checkpoint_pool(dev, 3, 4);
+  if (cp != nullptr) {
+    EXPECT_EQ(cucache_torch_checkpoint_live_count(cp), 2u);
+    cucache_torch_free(y, 4 * MiB, dev, stream(0x55));
+    std::vector<void*> freed, allocd;
+    struct both {
+      std::vector<void*>* freed;
+      std::vector<void*>* allocd;
+    } ctx{&freed, &allocd};
+    ASSERT_EQ(cucache_torch_restore_pool(
+                  dev, cp, [](void* c, void* p) { static_cast<both*>(c)->freed->push_back(p); },
+                  [](void* c, void* p, size_t, size_t, cucache_torch_stream) {
+                    static_cast<both*>(c)->allocd->push_back(p);
+                  },
+                  &ctx),
+              0)
+        << cucache_torch_last_error();
+    EXPECT_EQ(freed, std::vector<void*>{x});
+    EXPECT_EQ(allocd.size(), 2u);  // x and y live again, at their addresses
+    cucache_torch_checkpoint_free(cp);
+    EXPECT_EQ(cucache_torch_free_checked(y), 0) << cucache_torch_last_error();
+  } else {
+    EXPECT_TRUE(core_lacks("checkpoint_graph_pool")) << cucache_torch_last_error();
+    cucache_torch_free(y, 4 * MiB, dev, stream(0x55));
+  }
+  EXPECT_EQ(cucache_torch_free_checked(x), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_end_allocate_to_pool(dev, 3, 4), 0) << cucache_torch_last_error();
+  if (cucache_torch_empty_pool_cache(dev, 3, 4) != 0) {
+    EXPECT_TRUE(core_lacks("empty_graph_pool_cache")) << cucache_torch_last_error();
+  }
+  EXPECT_EQ(cucache_torch_release_pool(dev, 3, 4), 0) << cucache_torch_last_error();
+  ASSERT_EQ(cucache_torch_pool_use_count(dev, 3, 4, &uses), 0);
+  EXPECT_EQ(uses, 0u);
+}
+
+TEST(TorchExtensionCalls, IpcHandleSizeAndRefusals) {
+  EXPECT_GT(cucache_torch_ipc_handle_size(), 64u);
+  std::vector<char> h(cucache_torch_ipc_handle_size());
+  int stack = 0;
+  EXPECT_EQ(cucache_torch_ipc_export(&stack, h.data(), h.size()), -1);
+  EXPECT_EQ(cucache_torch_ipc_export(&stack, h.data(), 3), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("cucacheIpcHandle"), std::string::npos);
+  void* out = nullptr;
+  std::memset(h.data(), 0, h.size());
+  EXPECT_EQ(cucache_torch_ipc_open(h.data(), h.size(), 1, &out), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("not a cucache IPC handle"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -119,6 +119,122 @@ CUCACHE_TORCH_API int cucache_torch_end_allocate_to_pool(int device, uint64_t fi
 /* releasePool: drops an owner; with the last, the pool's memory goes back after a device
  * synchronization (at once, or when no capture is underway). A pool cucache never saw: 0. */
 CUCACHE_TORCH_API int cucache_torch_release_pool(int device, uint64_t first, uint64_t second);
+/* --- The torch extension's calls (libcucache_torch_hooks.so, torch_allocator.cpp) -------------
+ * Nothing below prints: every failure is returned, its message in cucache_torch_last_error(). */
+
+/* What cucache_torch_try_alloc answers. */
+enum {
+  CUCACHE_TORCH_ALLOC_OK = 0,
+  CUCACHE_TORCH_ALLOC_OOM = 1,  /* out of memory after the whole out-of-memory ladder */
+  CUCACHE_TORCH_ALLOC_ERROR = 2 /* anything else: a device error, an unusable device, ... */
+};
+/* Allocates `size` bytes on `device` for `stream` into *out (NULL for size 0, with OK). Prints
+ * nothing; on failure *out is NULL and the kind is returned, the message stored. */
+CUCACHE_TORCH_API int cucache_torch_try_alloc(size_t size, int device, cucache_torch_stream stream,
+                                              void** out);
+/* Frees a live allocation at once for its own stream (torch's free: the stream it was allocated
+ * on). 0; -1 with the reason (unknown, interior, already freed, a sleeping tag's block), the
+ * allocator unchanged. NULL: 0. */
+CUCACHE_TORCH_API int cucache_torch_free_checked(void* ptr);
+
+/* Graph pools, PyTorch's semantics (docs/torch.md, "CUDA graphs"). Each returns 0, or -1 with the
+ * reason. createOrIncrefPool: one more owner, creating the pool with one. */
+CUCACHE_TORCH_API int cucache_torch_create_or_incref_pool(int device, uint64_t first,
+                                                          uint64_t second);
+/* getPoolUseCount: *out = the pool's owners, 0 for a pool cucache does not know. */
+CUCACHE_TORCH_API int cucache_torch_pool_use_count(int device, uint64_t first, uint64_t second,
+                                                   uint64_t* out);
+/* The pool's allocated blocks: fn(ctx, ptr) once each, in address order. -1 for an unknown pool
+ * ("no graph pool (first, second) on device N"). */
+CUCACHE_TORCH_API int cucache_torch_pool_live_allocations(int device, uint64_t first,
+                                                          uint64_t second,
+                                                          void (*fn)(void* ctx, void* ptr),
+                                                          void* ctx);
+/* releases the pool's wholly free cached segments (emptyCache of one MemPool), after a device
+ * synchronization. */
+CUCACHE_TORCH_API int cucache_torch_empty_pool_cache(int device, uint64_t first, uint64_t second);
+/* A pool's state for cudagraph trees (getCheckpointState): its segments and live blocks. Opaque;
+ * NULL on failure. Free with cucache_torch_checkpoint_free (NULL: no-op). */
+typedef struct cucache_torch_checkpoint cucache_torch_checkpoint;
+CUCACHE_TORCH_API cucache_torch_checkpoint* cucache_torch_checkpoint_pool(int device,
+                                                                          uint64_t first,
+                                                                          uint64_t second);
+CUCACHE_TORCH_API void cucache_torch_checkpoint_free(cucache_torch_checkpoint* cp);
+/* The live blocks a checkpoint holds (for tests and the extension's bookkeeping). */
+CUCACHE_TORCH_API size_t cucache_torch_checkpoint_live_count(const cucache_torch_checkpoint* cp);
+/* setCheckpointPoolState: frees the pool's live blocks (freed(ctx, ptr) for each), then allocates
+ * the checkpoint's live blocks at their addresses (allocated(ctx, ptr, size, requested, stream)
+ * for each); either callback may be NULL. 0, or -1 with the reason. */
+CUCACHE_TORCH_API int cucache_torch_restore_pool(
+    int device, const cucache_torch_checkpoint* cp, void (*freed)(void* ctx, void* ptr),
+    void (*allocated)(void* ctx, void* ptr, size_t size, size_t requested,
+                      cucache_torch_stream stream),
+    void* ctx);
+
+/* One block / mapped run / segment as cucache_torch_segments lists them. */
+enum { CUCACHE_TORCH_BLOCK_ALLOCATED = 0, CUCACHE_TORCH_BLOCK_PENDING = 1, CUCACHE_TORCH_BLOCK_FREE = 2 };
+typedef struct cucache_torch_block_info {
+  uint64_t address;
+  uint64_t size;      /* bytes it spans */
+  uint64_t requested; /* the caller's size when allocated, else 0 */
+  int32_t state;      /* CUCACHE_TORCH_BLOCK_* (pending: freed, waiting for other streams) */
+  int32_t reserved_;
+} cucache_torch_block_info;
+typedef struct cucache_torch_mapping_info {
+  uint64_t address;
+  uint64_t size;
+} cucache_torch_mapping_info;
+typedef struct cucache_torch_segment_info {
+  uint64_t address;
+  uint64_t size; /* the whole range (expandable: reserved virtual space, mappings say what is mapped) */
+  cucache_torch_stream stream;
+  int32_t small;
+  int32_t expandable;
+  uint64_t pool_first; /* {0, 0}: ordinary memory */
+  uint64_t pool_second;
+  const cucache_torch_block_info* blocks; /* tiling the range, in address order */
+  size_t block_count;
+  const cucache_torch_mapping_info* mappings; /* expandable: mapped runs in address order */
+  size_t mapping_count;
+} cucache_torch_segment_info;
+/* Calls fn(ctx, segment) for every segment of `device`, taken consistently under all locks
+ * (fn runs after they are released and may call cucache); a nonzero return of fn stops the walk.
+ * An unused device has none. 0, or -1 with the reason. */
+CUCACHE_TORCH_API int cucache_torch_segments(int device,
+                                             int (*fn)(void* ctx,
+                                                       const cucache_torch_segment_info* segment),
+                                             void* ctx);
+/* getBaseAllocation: the segment (an expandable range: its mapped run) holding `ptr`, *base and
+ * *size. -1 when no cucache segment holds it. */
+CUCACHE_TORCH_API int cucache_torch_base_allocation(const void* ptr, void** base, size_t* size);
+
+/* IPC of a live allocation (include/cucache/ipc.h; docs/api.md "IPC"). export fills `handle`
+ * (a cucacheIpcHandle, `handle_size` bytes) for `ptr`; file descriptors of an expandable block
+ * stay open in this process (the latest 256 exports' are kept, older ones closed) so that an
+ * importer can duplicate them with pidfd_getfd. open maps a handle: with `fds_of_exporter` 1 its
+ * descriptors are the exporter's numbers, duplicated from process `pid` (pidfd_open +
+ * pidfd_getfd, which needs ptrace permission on the exporter), else they are this process's;
+ * *out = the block's address. close undoes one open. 0, or -1 with the reason. */
+CUCACHE_TORCH_API int cucache_torch_ipc_export(void* ptr, void* handle, size_t handle_size);
+CUCACHE_TORCH_API int cucache_torch_ipc_open(const void* handle, size_t handle_size,
+                                             int fds_of_exporter, void** out);
+CUCACHE_TORCH_API int cucache_torch_ipc_close(void* ptr);
+/* sizeof(cucacheIpcHandle), for bindings that do not include cucache/ipc.h. */
+CUCACHE_TORCH_API size_t cucache_torch_ipc_handle_size(void);
+
+/* Memory fraction at any time: *out = the cap of `device` as a fraction of its memory, 0 when
+ * none is set. (cucache_torch_set_memory_fraction sets it.) */
+CUCACHE_TORCH_API int cucache_torch_get_memory_fraction(int device, double* out);
+
+/* Segment events: fn(ctx, device, freed, base, bytes, stream) for every segment a device
+ * allocator creates (freed 0) or returns to the device (freed 1), from now on, on every device
+ * (it turns the allocators' observers on). Runs under the allocator's pool lock: quick, and no
+ * call into cucache. NULL clears it. 0, or -1. */
+typedef void (*cucache_torch_segment_listener)(void* ctx, int device, int freed, uint64_t base,
+                                               uint64_t bytes, cucache_torch_stream stream);
+CUCACHE_TORCH_API int cucache_torch_set_segment_listener(cucache_torch_segment_listener fn,
+                                                         void* ctx);
+
 /* Fills *out with the statistics of `device` (all zero for a device not used yet). 0, or -1 (a
  * device that does not exist included: cudaErrorInvalidDevice). The text, snapshot, tag and reset
  * functions below refuse such a device too (reset: a negative device means every device). */

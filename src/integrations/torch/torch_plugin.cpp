@@ -3,25 +3,36 @@
 // included), owner search and errors as the C and C++ APIs. Allocators are never destroyed (torch
 // frees tensors during interpreter shutdown). Every entry point catches everything: C callers,
 // torch among them, cannot handle C++ exceptions.
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
+#include <cerrno>
+#include <deque>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <concepts>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
+#include <stdexcept>
+#include <utility>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "api/registry.hpp"
 #include "cucache/cucache.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
+#include "cucache/ipc.h"
 #include "cucache/sim_backend.hpp"
 #include "cucache/stats.hpp"
 #include "cucache_torch.h"
@@ -165,6 +176,176 @@ int guarded(const char* what, Fn&& fn) noexcept {
   return -1;
 }
 
+
+// --- the allocator core's graph-pool calls ------------------------------------------------------
+// The torch extension needs calls that the allocator core gains in the same change (issue 29):
+// create_or_incref_graph_pool, graph_pool_live_allocations, checkpoint_graph_pool,
+// restore_graph_pool, empty_graph_pool_cache, segment_of. Each is used when the core has it
+// (detected at compile time), else the C call fails naming what this build's core lacks, or --
+// where the public API suffices -- is answered from segments().
+template <class A>
+concept core_has_incref = requires(A& a, graph_pool_id p) { a.create_or_incref_graph_pool(p); };
+template <class A>
+concept core_has_live = requires(const A& a, graph_pool_id p) {
+  { a.graph_pool_live_allocations(p) } -> std::convertible_to<std::vector<void*>>;
+};
+template <class A>
+concept core_has_checkpoint = requires(A& a, const A& ca, graph_pool_id p) {
+  ca.checkpoint_graph_pool(p);
+  a.restore_graph_pool(ca.checkpoint_graph_pool(p));
+};
+template <class A>
+concept core_has_empty_pool = requires(A& a, graph_pool_id p) { a.empty_graph_pool_cache(p); };
+template <class A>
+concept core_has_segment_of = requires(const A& a, const void* p) {
+  a.segment_of(p)->address;
+  a.segment_of(p)->size;
+};
+
+[[noreturn]] void core_lacks(const char* call) {
+  throw std::runtime_error(std::string("this build's allocator core has no device_allocator::") +
+                           call + " (a cucache older than the PyTorch extension's C interface)");
+}
+
+std::string pool_name(graph_pool_id p, int device) {
+  return "graph pool (" + std::to_string(p.first) + ", " + std::to_string(p.second) +
+         ") on device " + std::to_string(device);
+}
+
+template <class A>
+void incref_pool(A& a, graph_pool_id p) {
+  if constexpr (core_has_incref<A>) {
+    a.create_or_incref_graph_pool(p);
+  } else {
+    core_lacks("create_or_incref_graph_pool");
+  }
+}
+
+template <class A>
+std::vector<void*> live_of_pool(const A& a, graph_pool_id p) {
+  if constexpr (core_has_live<A>) {
+    return a.graph_pool_live_allocations(p);
+  } else {
+    std::vector<void*> out;
+    for (const segment_view& s : a.segments()) {
+      if (s.pool != p) continue;
+      for (const block_view& b : s.blocks) {
+        if (b.st == block_view::state::allocated) out.push_back(reinterpret_cast<void*>(b.address));
+      }
+    }
+    return out;
+  }
+}
+
+template <class A>
+void empty_pool(A& a, graph_pool_id p) {
+  if constexpr (core_has_empty_pool<A>) {
+    a.empty_graph_pool_cache(p);
+  } else {
+    core_lacks("empty_graph_pool_cache");
+  }
+}
+
+// The core's checkpoint, type-erased (its type exists only in a core that has it).
+struct checkpoint_box {
+  int device = 0;
+  std::shared_ptr<void> state;
+  std::size_t live = 0;
+};
+
+template <class A>
+checkpoint_box take_checkpoint(const A& a, int device, graph_pool_id p) {
+  if constexpr (core_has_checkpoint<A>) {
+    using cp_t = std::remove_cvref_t<decltype(a.checkpoint_graph_pool(p))>;
+    auto cp = std::make_shared<cp_t>(a.checkpoint_graph_pool(p));
+    const std::size_t live = cp->live.size();
+    return checkpoint_box{device, std::move(cp), live};
+  } else {
+    core_lacks("checkpoint_graph_pool");
+  }
+}
+
+template <class A, class Freed, class Allocd>
+void restore_checkpoint(A& a, const checkpoint_box& box, Freed&& freed, Allocd&& allocated) {
+  if constexpr (core_has_checkpoint<A>) {
+    using cp_t = std::remove_cvref_t<decltype(a.checkpoint_graph_pool(graph_pool_id{}))>;
+    const auto restored = a.restore_graph_pool(*static_cast<const cp_t*>(box.state.get()));
+    for (void* ptr : restored.freed) freed(ptr);
+    for (const auto& b : restored.allocated) {
+      allocated(reinterpret_cast<void*>(b.address), b.size, b.requested, b.stream);
+    }
+  } else {
+    core_lacks("restore_graph_pool");
+  }
+}
+
+// The segment (an expandable range: its mapped run) holding ptr, from segments().
+std::optional<std::pair<std::uintptr_t, std::size_t>> segment_from_views(
+    const std::vector<segment_view>& segs, std::uintptr_t p) {
+  for (const segment_view& s : segs) {
+    if (p < s.address || p - s.address >= s.size) continue;
+    if (!s.expandable) return std::pair{s.address, s.size};
+    // Mapped runs: adjacent mappings merged.
+    std::uintptr_t run = 0;
+    std::size_t run_size = 0;
+    for (const mapping_view& m : s.mappings) {
+      if (run_size != 0 && m.address == run + run_size) {
+        run_size += m.size;
+      } else {
+        if (run_size != 0 && p >= run && p - run < run_size) return std::pair{run, run_size};
+        run = m.address;
+        run_size = m.size;
+      }
+    }
+    if (run_size != 0 && p >= run && p - run < run_size) return std::pair{run, run_size};
+    return std::nullopt;  // in the range's unmapped part
+  }
+  return std::nullopt;
+}
+
+template <class A>
+std::optional<std::pair<std::uintptr_t, std::size_t>> segment_holding(const A& a, const void* ptr) {
+  if constexpr (core_has_segment_of<A>) {
+    auto r = a.segment_of(ptr);
+    if (!r) return std::nullopt;
+    return std::pair{static_cast<std::uintptr_t>(r->address), static_cast<std::size_t>(r->size)};
+  } else {
+    return segment_from_views(a.segments(), reinterpret_cast<std::uintptr_t>(ptr));
+  }
+}
+
+// File descriptors of exported expandable blocks, kept open so that importers can duplicate them
+// (pidfd_getfd); the oldest exports' are closed past k_kept_exports.
+constexpr std::size_t k_kept_exports = 256;
+struct exported_fds {
+  std::mutex mu;
+  std::deque<std::vector<int>> sets;
+};
+exported_fds& kept_fds() {
+  static auto* k = new exported_fds();  // leaked: exports may outlive static destruction
+  return *k;
+}
+
+// The C segment listener behind observe_hub's.
+std::atomic<cucache_torch_segment_listener> g_c_listener{nullptr};
+std::atomic<void*> g_c_listener_ctx{nullptr};
+void segment_trampoline(void* /*ctx*/, int device, bool freed, std::uintptr_t base,
+                        std::size_t bytes, stream_handle stream) {
+  if (cucache_torch_segment_listener fn = g_c_listener.load(std::memory_order_acquire)) {
+    fn(g_c_listener_ctx.load(std::memory_order_acquire), device, freed ? 1 : 0, base, bytes,
+       static_cast<cucache_torch_stream>(stream));
+  }
+}
+
+}  // namespace
+}  // namespace cucache::detail
+
+struct cucache_torch_checkpoint {
+  cucache::detail::checkpoint_box box;
+};
+
+namespace cucache::detail {
+namespace {
 }  // namespace
 }  // namespace cucache::detail
 
@@ -318,6 +499,280 @@ int cucache_torch_release_pool(int device, uint64_t first, uint64_t second) {
     device_allocator& a = registry::instance().allocator(device);
     const graph_pool_id pool{first, second};
     if (a.graph_pool_state(pool).exists) a.release_graph_pool(pool);
+  });
+}
+
+int cucache_torch_try_alloc(size_t size, int device, cucache_torch_stream stream, void** out) {
+  if (out == nullptr) {
+    set_last_error("cucache_torch_try_alloc: out is NULL");
+    return CUCACHE_TORCH_ALLOC_ERROR;
+  }
+  *out = nullptr;
+  if (size == 0) return CUCACHE_TORCH_ALLOC_OK;
+  try {
+    *out = registry::instance().allocator(device).allocate(size, stream);
+    return CUCACHE_TORCH_ALLOC_OK;
+  } catch (const out_of_memory& e) {
+    set_last_error(e.what());
+    return CUCACHE_TORCH_ALLOC_OOM;
+  } catch (...) {
+    static_cast<void>(error_code_of_current_exception(
+        ("cucache: allocate(" + std::to_string(size) + " bytes, device " +
+         std::to_string(device) + ")")
+            .c_str()));
+  }
+  return CUCACHE_TORCH_ALLOC_ERROR;
+}
+
+int cucache_torch_free_checked(void* ptr) {
+  if (ptr == nullptr) return 0;
+  return guarded("free", [&] {
+    registry::require_not_forked();
+    registry* r = registry::if_built();
+    if (r == nullptr || !r->release(ptr, nullptr, release_kind::plain, r->try_current_device())) {
+      throw_not_ours(ptr, release_kind::plain);
+    }
+  });
+}
+
+int cucache_torch_create_or_incref_pool(int device, uint64_t first, uint64_t second) {
+  return guarded("create_or_incref_pool", [&] {
+    incref_pool(registry::instance().allocator(device), graph_pool_id{first, second});
+  });
+}
+
+int cucache_torch_pool_use_count(int device, uint64_t first, uint64_t second, uint64_t* out) {
+  return guarded("pool_use_count", [&] {
+    if (out == nullptr) throw invalid_argument("out is NULL");
+    *out = 0;
+    require_device(device);
+    if (device_allocator* a = existing(device)) {
+      const graph_pool_info info = a->graph_pool_state(graph_pool_id{first, second});
+      if (info.exists) *out = info.uses;
+    }
+  });
+}
+
+int cucache_torch_pool_live_allocations(int device, uint64_t first, uint64_t second,
+                                        void (*fn)(void* ctx, void* ptr), void* ctx) {
+  return guarded("pool_live_allocations", [&] {
+    if (fn == nullptr) throw invalid_argument("fn is NULL");
+    require_device(device);
+    const graph_pool_id pool{first, second};
+    device_allocator* a = existing(device);
+    if (a == nullptr || !a->graph_pool_state(pool).exists) {
+      throw invalid_argument("no " + pool_name(pool, device));
+    }
+    for (void* p : live_of_pool(*a, pool)) fn(ctx, p);
+  });
+}
+
+int cucache_torch_empty_pool_cache(int device, uint64_t first, uint64_t second) {
+  return guarded("empty_pool_cache", [&] {
+    require_device(device);
+    const graph_pool_id pool{first, second};
+    device_allocator* a = existing(device);
+    if (a == nullptr || !a->graph_pool_state(pool).exists) return;  // nothing cached for it
+    empty_pool(*a, pool);
+  });
+}
+
+cucache_torch_checkpoint* cucache_torch_checkpoint_pool(int device, uint64_t first,
+                                                        uint64_t second) {
+  cucache_torch_checkpoint* out = nullptr;
+  guarded("checkpoint_pool", [&] {
+    require_device(device);
+    const graph_pool_id pool{first, second};
+    device_allocator* a = existing(device);
+    if (a == nullptr || !a->graph_pool_state(pool).exists) {
+      throw invalid_argument("no " + pool_name(pool, device));
+    }
+    out = new cucache_torch_checkpoint{take_checkpoint(*a, device, pool)};
+  });
+  return out;
+}
+
+void cucache_torch_checkpoint_free(cucache_torch_checkpoint* cp) {
+  delete cp;
+}
+
+size_t cucache_torch_checkpoint_live_count(const cucache_torch_checkpoint* cp) {
+  return cp != nullptr ? cp->box.live : 0;
+}
+
+int cucache_torch_restore_pool(int device, const cucache_torch_checkpoint* cp,
+                               void (*freed)(void* ctx, void* ptr),
+                               void (*allocated)(void* ctx, void* ptr, size_t size,
+                                                 size_t requested, cucache_torch_stream stream),
+                               void* ctx) {
+  return guarded("restore_pool", [&] {
+    if (cp == nullptr) throw invalid_argument("checkpoint is NULL");
+    if (cp->box.device != device) {
+      throw invalid_argument("the checkpoint is of device " + std::to_string(cp->box.device) +
+                             ", not " + std::to_string(device));
+    }
+    restore_checkpoint(
+        registry::instance().allocator(device), cp->box,
+        [&](void* p) {
+          if (freed != nullptr) freed(ctx, p);
+        },
+        [&](void* p, std::size_t size, std::size_t requested, stream_handle stream) {
+          if (allocated != nullptr) {
+            allocated(ctx, p, size, requested, static_cast<cucache_torch_stream>(stream));
+          }
+        });
+  });
+}
+
+int cucache_torch_segments(int device,
+                           int (*fn)(void* ctx, const cucache_torch_segment_info* segment),
+                           void* ctx) {
+  return guarded("segments", [&] {
+    if (fn == nullptr) throw invalid_argument("fn is NULL");
+    require_device(device);
+    device_allocator* a = existing(device);
+    if (a == nullptr) return;
+    const std::vector<segment_view> segs = a->segments();
+    std::vector<cucache_torch_block_info> blocks;
+    std::vector<cucache_torch_mapping_info> maps;
+    for (const segment_view& s : segs) {
+      blocks.clear();
+      maps.clear();
+      for (const block_view& b : s.blocks) {
+        const int32_t st = b.st == block_view::state::allocated ? CUCACHE_TORCH_BLOCK_ALLOCATED
+                           : b.st == block_view::state::pending ? CUCACHE_TORCH_BLOCK_PENDING
+                                                                : CUCACHE_TORCH_BLOCK_FREE;
+        blocks.push_back({b.address, b.size, b.requested, st, 0});
+      }
+      for (const mapping_view& m : s.mappings) maps.push_back({m.address, m.size});
+      const cucache_torch_segment_info info{
+          s.address,     s.size,        static_cast<cucache_torch_stream>(s.stream),
+          s.small ? 1 : 0, s.expandable ? 1 : 0, s.pool.first,
+          s.pool.second, blocks.data(), blocks.size(),
+          maps.data(),   maps.size()};
+      if (fn(ctx, &info) != 0) return;
+    }
+  });
+}
+
+int cucache_torch_base_allocation(const void* ptr, void** base, size_t* size) {
+  return guarded("base_allocation", [&] {
+    if (base == nullptr || size == nullptr) throw invalid_argument("base or size is NULL");
+    registry* r = registry::if_built();
+    for (int d = 0; r != nullptr && d < r->device_count(); ++d) {
+      device_allocator* a = r->find(d);
+      if (a == nullptr) continue;
+      if (auto seg = segment_holding(*a, ptr)) {
+        *base = reinterpret_cast<void*>(seg->first);
+        *size = seg->second;
+        return;
+      }
+    }
+    char text[160];
+    std::snprintf(text, sizeof text, "%p is not in memory a cucache allocator holds", ptr);
+    throw invalid_argument(text);
+  });
+}
+
+int cucache_torch_ipc_export(void* ptr, void* handle, size_t handle_size) {
+  return guarded("ipc_export", [&] {
+    if (handle == nullptr || handle_size != sizeof(cucacheIpcHandle)) {
+      throw invalid_argument("handle is NULL or not " + std::to_string(sizeof(cucacheIpcHandle)) +
+                             " bytes (a cucacheIpcHandle)");
+    }
+    cucacheIpcHandle h = cucache::ipc_get_handle(ptr);
+    if (h.kind == cucacheIpcKindFileDescriptors) {
+      exported_fds& k = kept_fds();
+      std::lock_guard lock(k.mu);
+      k.sets.emplace_back(h.fds, h.fds + h.pieceCount);
+      while (k.sets.size() > k_kept_exports) {
+        for (int fd : k.sets.front()) ::close(fd);
+        k.sets.pop_front();
+      }
+    }
+    std::memcpy(handle, &h, sizeof h);
+  });
+}
+
+int cucache_torch_ipc_open(const void* handle, size_t handle_size, int fds_of_exporter,
+                           void** out) {
+  return guarded("ipc_open", [&] {
+    if (out == nullptr) throw invalid_argument("out is NULL");
+    *out = nullptr;
+    if (handle == nullptr || handle_size != sizeof(cucacheIpcHandle)) {
+      throw invalid_argument("handle is NULL or not " + std::to_string(sizeof(cucacheIpcHandle)) +
+                             " bytes (a cucacheIpcHandle)");
+    }
+    cucacheIpcHandle h;
+    std::memcpy(&h, handle, sizeof h);
+    const bool dup = fds_of_exporter != 0 && h.kind == cucacheIpcKindFileDescriptors &&
+                     h.pieceCount > 0 && h.pieceCount <= CUCACHE_IPC_MAX_PIECES;
+    std::vector<int> mine;
+    const auto close_mine = [&] {
+      for (int fd : mine) ::close(fd);
+    };
+    if (dup) {
+      const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(h.pid), 0));
+      if (pidfd < 0) {
+        throw std::runtime_error("pidfd_open(" + std::to_string(h.pid) +
+                                 ") of the exporting process failed: " + std::strerror(errno) +
+                                 " (it must still run, and this kernel must be Linux >= 5.6)");
+      }
+      for (int i = 0; i < h.pieceCount; ++i) {
+        const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, h.fds[i], 0));
+        if (fd < 0) {
+          const int err = errno;
+          ::close(pidfd);
+          close_mine();
+          throw std::runtime_error(
+              "pidfd_getfd of file descriptor " + std::to_string(h.fds[i]) + " of process " +
+              std::to_string(h.pid) + " failed: " + std::strerror(err) +
+              (err == EPERM ? " (this process may not ptrace the exporter: Yama's "
+                              "kernel.yama.ptrace_scope=1 lets only ancestors do so; the exporter "
+                              "can allow it with prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY))"
+                            : ""));
+        }
+        mine.push_back(fd);
+        h.fds[i] = fd;
+      }
+      ::close(pidfd);
+    }
+    try {
+      *out = cucache::ipc_open_handle(h);
+    } catch (...) {
+      close_mine();
+      throw;
+    }
+    close_mine();  // imported: the mapping holds the memory now
+  });
+}
+
+int cucache_torch_ipc_close(void* ptr) {
+  return guarded("ipc_close", [&] { cucache::ipc_close_handle(ptr); });
+}
+
+size_t cucache_torch_ipc_handle_size(void) {
+  return sizeof(cucacheIpcHandle);
+}
+
+int cucache_torch_get_memory_fraction(int device, double* out) {
+  return guarded("get_memory_fraction", [&] {
+    if (out == nullptr) throw invalid_argument("out is NULL");
+    require_device(device);
+    *out = registry::instance().memory_fraction(device);
+  });
+}
+
+int cucache_torch_set_segment_listener(cucache_torch_segment_listener fn, void* ctx) {
+  return guarded("set_segment_listener", [&] {
+    g_c_listener_ctx.store(ctx, std::memory_order_release);
+    g_c_listener.store(fn, std::memory_order_release);
+    if (fn == nullptr) {
+      set_segment_listener(nullptr, nullptr);
+      return;
+    }
+    set_segment_listener(&segment_trampoline, nullptr);
+    registry::instance().activate_observers();
   });
 }
 

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# cucache as torch's allocator on a GPU (issue 29), in one call on the device machine:
+#
+#   bash tools/gpu_torch_face.sh [build|tests|programs|all]    (default all; results under $OUT)
+#
+#   build     configures against the machine's torch and builds the plug-in and the extension
+#   tests     PyTorch's own test_cuda.py selection (run_tests.py) under torch's allocator, cucache
+#             default mode and cucache expandable mode (ipc_handles on): RESULT lines to
+#             $OUT/pytorch_tests_<alloc>_<mode>.txt and one line per run in $OUT/summary.txt.
+#             The runner is read from shared/pytorch_tests in the checkout (the device copies a
+#             checkout's shared/ folder; copy /work/shared/pytorch_tests there, ignored through
+#             .git/info/exclude, never committed) or from $PYTORCH_TESTS.
+#   programs  bench/torch/torch_face.py: torch.compile(mode="reduce-overhead") vs eager, a manual
+#             CUDA graph with a shared pool, a CUDA tensor through torch.multiprocessing (read and
+#             written by the child), a _dump_snapshot of a training step loaded by _memory_viz --
+#             under cucache in both modes (and torch's allocator as the control)
+#
+# Budget: build ~2 min, tests ~4 min (TIMEOUT per test 60 s), programs ~2 min; run the parts in
+# separate calls if one call would pass 9 minutes.
+set -uo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+part=${1:-all}
+out=${OUT:-$repo/out-torch-face}
+mkdir -p "$out"
+cd "$repo"
+py=${PYTHON:-python3}
+lib=$repo/build-gpu/lib
+summary=$out/summary.txt
+
+build() {
+  local start=$SECONDS torch_dir
+  torch_dir=$("$py" -c 'import torch, os; print(os.path.dirname(torch.__file__))') || return 1
+  { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DCUCACHE_TORCH_DIR="$torch_dir" -DCUCACHE_BUILD_TESTS=OFF \
+      -DCUCACHE_BUILD_BENCHMARKS=OFF -DCUCACHE_BUILD_EXAMPLES=OFF -DCUCACHE_BUILD_TOOLS=OFF &&
+    cmake --build build-gpu -j"$(nproc)" --target cucache_torch cucache_torch_hooks; } > "$out/build.log" 2>&1
+  local rc=$?
+  echo "build: exit $rc in $((SECONDS - start)) s (torch $("$py" -c 'import torch; print(torch.__version__)'))" | tee -a "$summary"
+  return $rc
+}
+
+tests() {
+  local runner=${PYTORCH_TESTS:-$repo/shared/pytorch_tests}
+  if [ ! -f "$runner/run_tests.py" ]; then
+    echo "tests: SKIPPED: no $runner/run_tests.py (copy /work/shared/pytorch_tests to shared/pytorch_tests in the checkout)" | tee -a "$summary"
+    return 0
+  fi
+  local alloc mode conf name start
+  for spec in "torch default" "cucache default" "cucache expandable"; do
+    read -r alloc mode <<<"$spec"
+    name=pytorch_tests_${alloc}_${mode}
+    conf=""
+    [ "$mode" = expandable ] && conf="expandable_segments:True,ipc_handles:True"
+    start=$SECONDS
+    if [ "$alloc" = torch ]; then
+      env -u CUCACHE_CONF TIMEOUT=${TIMEOUT:-60} "$py" "$runner/run_tests.py" > "$out/$name.txt" 2> "$out/$name.err"
+    else
+      env CUCACHE_CONF="$conf" ALLOC=cucache HOOKS=1 CUCACHE_PY="$repo/python" \
+        CUCACHE_LIB="$lib/libcucache_torch.so" CUCACHE_TORCH_HOOKS_LIB="$lib/libcucache_torch_hooks.so" \
+        TIMEOUT=${TIMEOUT:-60} "$py" "$runner/run_tests.py" > "$out/$name.txt" 2> "$out/$name.err"
+    fi
+    echo "$name: exit $? in $((SECONDS - start)) s: $(grep '^SUMMARY' "$out/$name.txt" || echo 'no SUMMARY')" | tee -a "$summary"
+  done
+  # Tests passing under torch's allocator but not under cucache, per mode.
+  for mode in default expandable; do
+    comm -23 <(grep '^RESULT .* pass' "$out/pytorch_tests_torch_default.txt" | awk '{print $2}' | sort) \
+             <(grep '^RESULT .* pass' "$out/pytorch_tests_cucache_$mode.txt" | awk '{print $2}' | sort) \
+      > "$out/regressions_$mode.txt"
+    echo "passing under torch, not under cucache $mode: $(wc -l < "$out/regressions_$mode.txt")" | tee -a "$summary"
+  done
+}
+
+programs() {
+  local alloc mode conf c start
+  for spec in "torch default" "cucache default" "cucache expandable"; do
+    read -r alloc mode <<<"$spec"
+    conf=""
+    [ "$mode" = expandable ] && conf="expandable_segments:True,ipc_handles:True"
+    for c in compile graph ipc snapshot; do
+      start=$SECONDS
+      env CUCACHE_CONF="$conf" ALLOC="$alloc" MODE="$mode" CUCACHE_LIB="$lib/libcucache_torch.so" \
+        CUCACHE_TORCH_HOOKS_LIB="$lib/libcucache_torch_hooks.so" \
+        timeout 300 "$py" bench/torch/torch_face.py "$c" --out "$out" > "$out/prog_${alloc}_${mode}_$c.log" 2>&1
+      echo "program $c ($alloc $mode): exit $? in $((SECONDS - start)) s: $(grep '^RESULT' "$out/prog_${alloc}_${mode}_$c.log" | tail -1)" | tee -a "$summary"
+    done
+  done
+}
+
+case $part in
+  build) build ;;
+  tests) [ -f "$lib/libcucache_torch_hooks.so" ] || build; tests ;;
+  programs) [ -f "$lib/libcucache_torch_hooks.so" ] || build; programs ;;
+  all) build && tests && programs ;;
+  *) echo "usage: $0 [build|tests|programs|all]" >&2; exit 2 ;;
+esac
