@@ -234,7 +234,7 @@ class device_allocator {
   /// its route and capture must have ended, and no graph that uses it may run again. Its free
   /// memory and the blocks retained for it go back after a device synchronization (now, or once
   /// no capture is underway); its live blocks when they are freed. Throws invalid_argument for an
-  /// unknown pool, one without owners, or one still routed.
+  /// unknown pool, one without owners, or the last owner of one still routed.
   void release_graph_pool(graph_pool_id pool);
   /// The state of `pool` (exists == false when unknown).
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;

@@ -110,10 +110,11 @@ void graph_pools::release(graph_pool_id gid) {
         "cucache::release_graph_pool: graph pool ({:#x}, {:#x}) {}", gid.first, gid.second,
         g == nullptr ? "does not exist" : "has no owner left (released already)"));
   }
-  if (g->routed) {
+  if (g->routed && g->uses == 1) {
+    // (Another owner may go while the route lasts; the last cannot.)
     throw invalid_argument(
         fmt::format("cucache::release_graph_pool: graph pool ({:#x}, {:#x}) is still routed "
-                    "(end_allocate_to_pool first)",
+                    "and this is its last owner (end_allocate_to_pool first)",
                     gid.first, gid.second));
   }
   if (--g->uses == 0) {

@@ -122,11 +122,12 @@ CUCACHE_TORCH_API int cucache_torch_release_pool(int device, uint64_t first, uin
 /* --- The torch extension's calls (libcucache_torch_hooks.so, torch_allocator.cpp) -------------
  * Nothing below prints: every failure is returned, its message in cucache_torch_last_error(). */
 
-/* What cucache_torch_try_alloc answers. */
+/* What an allocation met (cucache_torch_try_alloc's answer, cucache_torch_last_alloc_error): */
 enum {
   CUCACHE_TORCH_ALLOC_OK = 0,
-  CUCACHE_TORCH_ALLOC_OOM = 1,  /* out of memory after the whole out-of-memory ladder */
-  CUCACHE_TORCH_ALLOC_ERROR = 2 /* anything else: a device error, an unusable device, ... */
+  CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY = 1,    /* no room after the whole out-of-memory ladder */
+  CUCACHE_TORCH_ALLOC_INVALID_ARGUMENT = 2, /* a misuse: e.g. allocating under a sleeping tag */
+  CUCACHE_TORCH_ALLOC_OTHER_ERROR = 3       /* a device error, an unusable device, ... */
 };
 /* Allocates `size` bytes on `device` for `stream` into *out (NULL for size 0, with OK). Prints
  * nothing; on failure *out is NULL and the kind is returned, the message stored. */
@@ -288,16 +289,9 @@ CUCACHE_TORCH_API int cucache_torch_device_count(void);
  * order), or with conf NULL that of the configuration the process's allocators use. Copies as
  * memory_summary does; -1 when the text is not a valid configuration (the message names the key). */
 CUCACHE_TORCH_API int64_t cucache_torch_canonical_conf(const char* conf, char* buf, size_t len);
-/* What the calling thread's last cucache_torch_alloc met: CUCACHE_TORCH_ALLOC_OK (it succeeded
- * or was never called), _OUT_OF_MEMORY (no room: the Python package's MemoryError),
- * _INVALID_ARGUMENT (a misuse, such as an allocation under a sleeping tag: ValueError) or
- * _OTHER_ERROR (a device error: RuntimeError). */
-enum {
-  CUCACHE_TORCH_ALLOC_OK = 0,
-  CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY = 1,
-  CUCACHE_TORCH_ALLOC_INVALID_ARGUMENT = 2,
-  CUCACHE_TORCH_ALLOC_OTHER_ERROR = 3
-};
+/* What the calling thread's last cucache_torch_alloc met (the kinds above): OK (it succeeded
+ * or was never called), OUT_OF_MEMORY (the Python package's MemoryError), INVALID_ARGUMENT
+ * (ValueError) or OTHER_ERROR (RuntimeError). */
 CUCACHE_TORCH_API int cucache_torch_last_alloc_error(void);
 /* The message of the latest failure in any thread ("" if none). Valid in the calling thread until
  * its next call of this function. */

@@ -440,7 +440,7 @@ void* cucache_allocator::alloc_on(std::size_t size, c10::DeviceIndex device,
                    "CUDA out of memory. Tried to allocate more than 1EB memory.");
   void* p = nullptr;
   const int rc = cucache_torch_try_alloc(size, device, stream, &p);
-  if (rc == CUCACHE_TORCH_ALLOC_OOM) raise_oom(size, device, stream, last_error());
+  if (rc == CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY) raise_oom(size, device, stream, last_error());
   TORCH_CHECK(rc == CUCACHE_TORCH_ALLOC_OK, "cucache: allocating ", size, " bytes on device ",
               static_cast<int>(device), " failed: ", last_error());
   if (p != nullptr && recording()) {

@@ -178,104 +178,32 @@ int guarded(const char* what, Fn&& fn) noexcept {
 
 
 // --- the allocator core's graph-pool calls ------------------------------------------------------
-// The torch extension needs calls that the allocator core gains in the same change (issue 29):
-// create_or_incref_graph_pool, graph_pool_live_allocations, checkpoint_graph_pool,
-// restore_graph_pool, empty_graph_pool_cache, segment_of. Each is used when the core has it
-// (detected at compile time), else the C call fails naming what this build's core lacks, or --
-// where the public API suffices -- is answered from segments().
-template <class A>
-concept core_has_incref = requires(A& a, graph_pool_id p) { a.create_or_incref_graph_pool(p); };
-template <class A>
-concept core_has_live = requires(const A& a, graph_pool_id p) {
-  { a.graph_pool_live_allocations(p) } -> std::convertible_to<std::vector<void*>>;
-};
-template <class A>
-concept core_has_checkpoint = requires(A& a, const A& ca, graph_pool_id p) {
-  ca.checkpoint_graph_pool(p);
-  a.restore_graph_pool(ca.checkpoint_graph_pool(p));
-};
-template <class A>
-concept core_has_empty_pool = requires(A& a, graph_pool_id p) { a.empty_graph_pool_cache(p); };
-template <class A>
-concept core_has_segment_of = requires(const A& a, const void* p) {
-  a.segment_of(p)->address;
-  a.segment_of(p)->size;
-};
-
-[[noreturn]] void core_lacks(const char* call) {
-  throw std::runtime_error(std::string("this build's allocator core has no device_allocator::") +
-                           call + " (a cucache older than the PyTorch extension's C interface)");
-}
 
 std::string pool_name(graph_pool_id p, int device) {
   return "graph pool (" + std::to_string(p.first) + ", " + std::to_string(p.second) +
          ") on device " + std::to_string(device);
 }
 
-template <class A>
-void incref_pool(A& a, graph_pool_id p) {
-  if constexpr (core_has_incref<A>) {
-    a.create_or_incref_graph_pool(p);
-  } else {
-    core_lacks("create_or_incref_graph_pool");
-  }
-}
-
-template <class A>
-std::vector<void*> live_of_pool(const A& a, graph_pool_id p) {
-  if constexpr (core_has_live<A>) {
-    return a.graph_pool_live_allocations(p);
-  } else {
-    std::vector<void*> out;
-    for (const segment_view& s : a.segments()) {
-      if (s.pool != p) continue;
-      for (const block_view& b : s.blocks) {
-        if (b.st == block_view::state::allocated) out.push_back(reinterpret_cast<void*>(b.address));
-      }
-    }
-    return out;
-  }
-}
-
-template <class A>
-void empty_pool(A& a, graph_pool_id p) {
-  if constexpr (core_has_empty_pool<A>) {
-    a.empty_graph_pool_cache(p);
-  } else {
-    core_lacks("empty_graph_pool_cache");
-  }
-}
-
-// The core's checkpoint, type-erased (its type exists only in a core that has it).
+// A checkpoint handed to C callers: the core's, and the device it belongs to.
 struct checkpoint_box {
   int device = 0;
-  std::shared_ptr<void> state;
+  std::shared_ptr<device_allocator::graph_pool_checkpoint> state;
   std::size_t live = 0;
 };
 
-template <class A>
-checkpoint_box take_checkpoint(const A& a, int device, graph_pool_id p) {
-  if constexpr (core_has_checkpoint<A>) {
-    using cp_t = std::remove_cvref_t<decltype(a.checkpoint_graph_pool(p))>;
-    auto cp = std::make_shared<cp_t>(a.checkpoint_graph_pool(p));
-    const std::size_t live = cp->live.size();
-    return checkpoint_box{device, std::move(cp), live};
-  } else {
-    core_lacks("checkpoint_graph_pool");
-  }
+checkpoint_box take_checkpoint(const device_allocator& a, int device, graph_pool_id p) {
+  auto cp = std::make_shared<device_allocator::graph_pool_checkpoint>(a.checkpoint_graph_pool(p));
+  const std::size_t live = cp->live.size();
+  return checkpoint_box{device, std::move(cp), live};
 }
 
-template <class A, class Freed, class Allocd>
-void restore_checkpoint(A& a, const checkpoint_box& box, Freed&& freed, Allocd&& allocated) {
-  if constexpr (core_has_checkpoint<A>) {
-    using cp_t = std::remove_cvref_t<decltype(a.checkpoint_graph_pool(graph_pool_id{}))>;
-    const auto restored = a.restore_graph_pool(*static_cast<const cp_t*>(box.state.get()));
-    for (void* ptr : restored.freed) freed(ptr);
-    for (const auto& b : restored.allocated) {
-      allocated(reinterpret_cast<void*>(b.address), b.size, b.requested, b.stream);
-    }
-  } else {
-    core_lacks("restore_graph_pool");
+template <class Freed, class Allocd>
+void restore_checkpoint(device_allocator& a, const checkpoint_box& box, Freed&& freed,
+                        Allocd&& allocated) {
+  const auto restored = a.restore_graph_pool(*box.state);
+  for (void* ptr : restored.freed) freed(ptr);
+  for (const auto& b : restored.allocated) {
+    allocated(reinterpret_cast<void*>(b.address), b.size, b.requested, b.stream);
   }
 }
 
@@ -303,15 +231,9 @@ std::optional<std::pair<std::uintptr_t, std::size_t>> segment_from_views(
   return std::nullopt;
 }
 
-template <class A>
-std::optional<std::pair<std::uintptr_t, std::size_t>> segment_holding(const A& a, const void* ptr) {
-  if constexpr (core_has_segment_of<A>) {
-    auto r = a.segment_of(ptr);
-    if (!r) return std::nullopt;
-    return std::pair{static_cast<std::uintptr_t>(r->address), static_cast<std::size_t>(r->size)};
-  } else {
-    return segment_from_views(a.segments(), reinterpret_cast<std::uintptr_t>(ptr));
-  }
+std::optional<std::pair<std::uintptr_t, std::size_t>> segment_holding(const device_allocator& a,
+                                                                     const void* ptr) {
+  return segment_from_views(a.segments(), reinterpret_cast<std::uintptr_t>(ptr));
 }
 
 // File descriptors of exported expandable blocks, kept open so that importers can duplicate them
@@ -505,7 +427,7 @@ int cucache_torch_release_pool(int device, uint64_t first, uint64_t second) {
 int cucache_torch_try_alloc(size_t size, int device, cucache_torch_stream stream, void** out) {
   if (out == nullptr) {
     set_last_error("cucache_torch_try_alloc: out is NULL");
-    return CUCACHE_TORCH_ALLOC_ERROR;
+    return CUCACHE_TORCH_ALLOC_INVALID_ARGUMENT;
   }
   *out = nullptr;
   if (size == 0) return CUCACHE_TORCH_ALLOC_OK;
@@ -514,14 +436,20 @@ int cucache_torch_try_alloc(size_t size, int device, cucache_torch_stream stream
     return CUCACHE_TORCH_ALLOC_OK;
   } catch (const out_of_memory& e) {
     set_last_error(e.what());
-    return CUCACHE_TORCH_ALLOC_OOM;
+    return CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY;
+  } catch (const invalid_argument&) {
+    static_cast<void>(error_code_of_current_exception(
+        ("cucache: allocate(" + std::to_string(size) + " bytes, device " +
+         std::to_string(device) + ")")
+            .c_str()));
+    return CUCACHE_TORCH_ALLOC_INVALID_ARGUMENT;
   } catch (...) {
     static_cast<void>(error_code_of_current_exception(
         ("cucache: allocate(" + std::to_string(size) + " bytes, device " +
          std::to_string(device) + ")")
             .c_str()));
   }
-  return CUCACHE_TORCH_ALLOC_ERROR;
+  return CUCACHE_TORCH_ALLOC_OTHER_ERROR;
 }
 
 int cucache_torch_free_checked(void* ptr) {
@@ -537,7 +465,7 @@ int cucache_torch_free_checked(void* ptr) {
 
 int cucache_torch_create_or_incref_pool(int device, uint64_t first, uint64_t second) {
   return guarded("create_or_incref_pool", [&] {
-    incref_pool(registry::instance().allocator(device), graph_pool_id{first, second});
+    registry::instance().allocator(device).create_or_incref_graph_pool(graph_pool_id{first, second});
   });
 }
 
@@ -563,7 +491,7 @@ int cucache_torch_pool_live_allocations(int device, uint64_t first, uint64_t sec
     if (a == nullptr || !a->graph_pool_state(pool).exists) {
       throw invalid_argument("no " + pool_name(pool, device));
     }
-    for (void* p : live_of_pool(*a, pool)) fn(ctx, p);
+    for (void* p : a->graph_pool_live_allocations(pool)) fn(ctx, p);
   });
 }
 
@@ -573,7 +501,7 @@ int cucache_torch_empty_pool_cache(int device, uint64_t first, uint64_t second) 
     const graph_pool_id pool{first, second};
     device_allocator* a = existing(device);
     if (a == nullptr || !a->graph_pool_state(pool).exists) return;  // nothing cached for it
-    empty_pool(*a, pool);
+    a->empty_graph_pool_cache(pool);
   });
 }
 
