@@ -24,7 +24,11 @@ out=${OUT:-$repo/out-torch-face}
 mkdir -p "$out"
 cd "$repo"
 py=${PYTHON:-python3}
-lib=$repo/build-gpu/lib
+# The libraries: built here by `build`, or built elsewhere against the same torch and carried
+# (CUCACHE_GPU_LIB=folder holding libcucache_torch.so and libcucache_torch_hooks.so).
+lib=${CUCACHE_GPU_LIB:-$repo/build-gpu/lib}
+# Which runs: "allocator mode" pairs (default all three).
+specs=${SPECS:-"torch default;cucache default;cucache expandable"}
 summary=$out/summary.txt
 
 build() {
@@ -45,7 +49,9 @@ tests() {
     return 0
   fi
   local alloc mode conf name start
-  for spec in "torch default" "cucache default" "cucache expandable"; do
+  local -a runs
+  IFS=';' read -r -a runs <<<"$specs"
+  for spec in "${runs[@]}"; do
     read -r alloc mode <<<"$spec"
     name=pytorch_tests_${alloc}_${mode}
     conf=""
@@ -62,6 +68,7 @@ tests() {
   done
   # Tests passing under torch's allocator but not under cucache, per mode.
   for mode in default expandable; do
+    [ -f "$out/pytorch_tests_torch_default.txt" ] && [ -f "$out/pytorch_tests_cucache_$mode.txt" ] || continue
     comm -23 <(grep '^RESULT .* pass' "$out/pytorch_tests_torch_default.txt" | awk '{print $2}' | sort) \
              <(grep '^RESULT .* pass' "$out/pytorch_tests_cucache_$mode.txt" | awk '{print $2}' | sort) \
       > "$out/regressions_$mode.txt"
@@ -71,7 +78,9 @@ tests() {
 
 programs() {
   local alloc mode conf c start
-  for spec in "torch default" "cucache default" "cucache expandable"; do
+  local -a runs
+  IFS=';' read -r -a runs <<<"$specs"
+  for spec in "${runs[@]}"; do
     read -r alloc mode <<<"$spec"
     conf=""
     [ "$mode" = expandable ] && conf="expandable_segments:True,ipc_handles:True"

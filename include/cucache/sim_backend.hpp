@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cucache/backend.hpp"
@@ -222,6 +223,10 @@ class sim_backend final : public device_backend {
   void complete_all();
   /// Number of recorded events that have not completed.
   [[nodiscard]] std::size_t pending_events() const;
+  /// Event records that completing events (segment_free and device_synchronize, which synchronize
+  /// the device; stream_synchronize; complete_stream, complete_all) visited so far: the sim's own
+  /// work, proportional to the events those calls completed, not to every event that exists.
+  [[nodiscard]] std::uint64_t event_visits() const;
   /// Makes the n-th future call of `kind` fail (n = 1: the next one). For segment_malloc,
   /// phys_create and va_reserve the failure is out-of-memory (of the device, or of address
   /// space); for every other call a thrown cuda_error.
@@ -307,6 +312,16 @@ class sim_backend final : public device_backend {
   /// Throws cuda_error (400) naming `kind` when `stream` was destroyed. REQUIRES: mu_ held.
   void require_live_stream(sim_call kind, stream_handle stream);
   [[noreturn]] void fail(sim_call kind, const std::string& why, int code = 999) const;
+  /// Whether `ev` is in pending_by_stream_ (recorded, not captured, not complete).
+  [[nodiscard]] static bool is_pending(const event_rec& ev) noexcept {
+    return ev.recorded && !ev.captured && !ev.complete;
+  }
+  /// Removes event `id`, whose record is `ev`, from pending_by_stream_ if there. REQUIRES: mu_ held.
+  void forget_pending(std::uintptr_t id, const event_rec& ev) noexcept;
+  /// Completes the pending events of `ids` and forgets them. REQUIRES: mu_ held.
+  void complete_pending(std::unordered_set<std::uintptr_t>& ids) noexcept;
+  /// Completes every pending event (a device-wide synchronization). REQUIRES: mu_ held.
+  void complete_all_locked() noexcept;
   std::uintptr_t take_address(std::size_t bytes, std::size_t align);  // REQUIRES: mu_ held
   void give_address(std::uintptr_t addr, std::size_t bytes);          // REQUIRES: mu_ held
   std::size_t page_round(std::size_t bytes) const;
@@ -331,6 +346,11 @@ class sim_backend final : public device_backend {
   phys_handle next_handle_ = 1;
   std::unordered_map<std::uintptr_t, event_rec> events_;
   std::uintptr_t next_event_ = 0x1000;
+  // The events that are recorded, not captured and not complete, by the id of the stream they
+  // were recorded on: what a synchronization completes, so that its cost is what it completes
+  // (a segment_free visited every event that exists: issue 30 item 9).
+  std::unordered_map<std::uint64_t, std::unordered_set<std::uintptr_t>> pending_by_stream_;
+  std::uint64_t event_visits_ = 0;  // event_visits()
   std::unordered_map<stream_handle, std::uint64_t> live_streams_;       // created, alive: id
   std::unordered_map<stream_handle, std::uint64_t> destroyed_streams_;  // destroyed, not reused
   std::vector<stream_handle> reusable_handles_;  // destroyed handles, most recent last

@@ -105,6 +105,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     sigs = {
         "cucache_torch_alloc": (vp, [sz, i, vp]),
         "cucache_torch_free": (None, [vp, sz, i, vp]),
+        "cucache_torch_free_checked": (i, [vp, sz, i, vp]),
         "cucache_torch_record_stream": (i, [vp, vp]),
         "cucache_torch_empty_cache": (i, []),
         "cucache_torch_max_allocatable": (i, [i, ctypes.POINTER(sz)]),
@@ -193,7 +194,16 @@ def last_error() -> str:
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"cucache: {what} failed: {last_error()}")
+        raise RuntimeError(_error(what))
+
+
+def _error(what: str) -> str:
+    """The message of the latest error of call `what`, with one prefix: "cucache: sleep: why",
+    not "cucache: sleep failed: cucache_torch: sleep: cucache: sleep: why" (each C layer names the
+    library and the call, and so did this module). A text that names the call itself
+    ("free(0x...) on device 0: ...") gets no second name."""
+    why = _why(what)
+    return f"cucache: {why}" if why.startswith(f"{what}(") else f"cucache: {what}: {why}"
 
 
 def library_path() -> Optional[str]:
@@ -219,8 +229,9 @@ def _current() -> int:
 def _device(device: Any) -> int:
     """The device index of `device`, as torch.cuda reads one: None or 'cuda' (the current
     device), an int, 'cuda:N', a torch.device of type 'cuda', or an object with an int `id`
-    (cupy.cuda.Device, Numba's device). ValueError for a device that is not a CUDA one or an
-    index outside the C API's range; TypeError for anything else."""
+    (cupy.cuda.Device, Numba's device). ValueError for a device that is not a CUDA one,
+    RuntimeError for a negative index or one outside the C API's range (as torch raises for a
+    device that does not exist); TypeError for anything else."""
     if device is None:
         index = _current()
     elif isinstance(device, str):
@@ -247,7 +258,7 @@ def _device(device: Any) -> int:
             "an int, 'cuda', 'cuda:N' or a torch.device"
         )
     if not 0 <= index <= _INT_MAX:
-        raise ValueError(f"cucache: device {index} is out of range (0 to {_INT_MAX})")
+        raise RuntimeError(f"cucache: device {index} does not exist (a device index is 0 to {_INT_MAX})")
     return index
 
 
@@ -269,8 +280,8 @@ _ready_devices: set[int] = set()
 def _ready(device: int) -> int:
     """`device` once cucache can serve it (checked once per device, building the registry from the
     environment at the first call). ValueError for a configuration error (CUCACHE_CONF,
-    CUCACHE_BACKEND, CUCACHE_SIM_DEVICES) or a device that does not exist, RuntimeError when no
-    CUDA driver or device is usable."""
+    CUCACHE_BACKEND, CUCACHE_SIM_DEVICES); RuntimeError for a device that does not exist (as
+    torch raises) and when no CUDA driver or device is usable."""
     if device in _ready_devices:
         return device
     rc = library().cucache_torch_check_device(device)
@@ -282,7 +293,7 @@ def _ready(device: int) -> int:
         raise ValueError(f"cucache: configuration error: {why}")
     if rc == _INVALID_DEVICE:
         n = library().cucache_torch_device_count()
-        raise ValueError(
+        raise RuntimeError(
             f"cucache: device {device} does not exist: this process has {n} {backend()} "
             f"device{'' if n == 1 else 's'}" + (f" (0 to {n - 1})" if n > 1 else "")
         )
@@ -292,18 +303,29 @@ def _ready(device: int) -> int:
             "must be installed and as new as the CUDA runtime cucache was built with; "
             "CUCACHE_BACKEND=sim runs on the simulated device instead"
         )
-    raise RuntimeError(f"cucache: {why}")
+    raise RuntimeError(f"cucache: {_why()}")
 
 
 _configured_ok = False
 
 
-def _why() -> str:
-    """The latest error's text without the prefixes of the C layers it went through."""
+# What the C layers put before an error's text: the library's name, then the call's.
+_LAYER_PREFIXES = ("cucache_torch: configuration: ", "cucache_torch: ", "cucache: ")
+
+
+def _why(what: str = "") -> str:
+    """The latest error's text without the prefixes of the C layers it went through: the library
+    names ("cucache_torch: ", "cucache: ") and, when `what` is given, that call's name ("sleep: ",
+    "sleep failed: ", "free refused: "), however many times they are stacked."""
     why = last_error()
-    for prefix in ("cucache_torch: configuration: ", "cucache: "):
-        if why.startswith(prefix):
-            why = why[len(prefix):]
+    prefixes = _LAYER_PREFIXES + ((f"{what}: ", f"{what} failed: ", f"{what} refused: ") if what else ())
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in prefixes:
+            if why.startswith(prefix):
+                why = why[len(prefix):]
+                stripped = True
     return why
 
 
@@ -366,9 +388,10 @@ def configure(conf: Optional[str], who: str, lib_path: Optional[str] = None) -> 
 
 def alloc(size: int, device: Any = None, stream: int = 0) -> int:
     """size bytes on device for use on stream (a cudaStream_t as an int); 0 for size 0. Raises
-    MemoryError (with cucache's message) when cucache cannot allocate, ValueError for a size,
-    device or stream out of range, a configuration error or a misuse cucache refuses (an
-    allocation under a sleeping tag), RuntimeError when CUDA is unusable or the device fails."""
+    MemoryError (with cucache's message) when cucache cannot allocate, ValueError for a size or
+    stream out of range, a configuration error or a misuse cucache refuses (an allocation under a
+    sleeping tag), RuntimeError for a device that does not exist, when CUDA is unusable or the
+    device fails."""
     size = _in_range(size, "alloc: size", _SIZE_MAX)
     stream = _in_range(stream, "alloc: stream", _PTR_MAX)
     d = _ready(_device(device))
@@ -376,7 +399,7 @@ def alloc(size: int, device: Any = None, stream: int = 0) -> int:
         return 0
     p = library().cucache_torch_alloc(size, d, ctypes.c_void_p(stream or None))
     if not p:
-        why = f"cucache: cannot allocate {size} bytes on device {d}: {last_error()}"
+        why = f"cucache: cannot allocate {size} bytes on device {d}: {_why('alloc')}"
         kind = library().cucache_torch_last_alloc_error()
         if kind == _ALLOC_INVALID_ARGUMENT:
             raise ValueError(why)
@@ -391,13 +414,25 @@ _ALLOC_OTHER_ERROR = 3  # CUCACHE_TORCH_ALLOC_OTHER_ERROR
 
 
 def free(ptr: int, size: int, device: Any = None, stream: int = 0) -> None:
-    """Returns memory from alloc(). A stream other than the allocation's orders the free on it."""
+    """Returns memory from alloc(). A stream other than the allocation's orders the free on it.
+    RuntimeError with cucache's message, nothing changed, for a free cucache refuses -- a
+    pointer it did not allocate, one freed already, an interior pointer -- as torch's allocator
+    raises for one (it is counted in bad_free_count() too). 0 is a no-op."""
     ptr = _in_range(ptr, "free: pointer", _PTR_MAX)
     size = _in_range(size, "free: size", _SIZE_MAX)
     stream = _in_range(stream, "free: stream", _PTR_MAX)
     d = _device(device)
+    if ptr and library().cucache_torch_free_checked(
+            ctypes.c_void_p(ptr), size, d, ctypes.c_void_p(stream or None)) != 0:
+        raise RuntimeError(_error("free"))
+
+
+def _release(ptr: int, size: int, device: int, stream: int) -> None:
+    """free() for the finalizers of the CuPy and Numba front ends, which must not raise (Numba
+    runs them inside its own calls): a refused free is printed to stderr and counted in
+    bad_free_count(), as torch's allocator hook does."""
     if ptr:
-        library().cucache_torch_free(ctypes.c_void_p(ptr), size, d, ctypes.c_void_p(stream or None))
+        library().cucache_torch_free(ctypes.c_void_p(ptr), size, device, ctypes.c_void_p(stream or None))
 
 
 def snapshot() -> dict[str, Any]:
@@ -672,9 +707,9 @@ def reserve(nbytes: int, device: Any = None) -> None:
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
-    """Resets the peaks of one device (all devices with device=-1)."""
-    d = -1 if isinstance(device, int) and device == -1 else _ready(_device(device))
-    _check(library().cucache_torch_reset_peak_stats(d), "reset_peak_stats")
+    """Resets the peaks of one device (the current one for None). RuntimeError for a device that
+    does not exist, -1 included, as torch.cuda.reset_peak_memory_stats raises."""
+    _check(library().cucache_torch_reset_peak_stats(_ready(_device(device))), "reset_peak_stats")
 
 
 def bad_free_count() -> int:

@@ -36,7 +36,7 @@ class _Allocation:
         if self.ptr:
             ptr, self.ptr = self.ptr, 0
             # The allocation's stream: reusable on it at once, as CuPy's pool reuses per stream.
-            _lib.free(ptr, self.size, self.device, self.stream)
+            _lib._release(ptr, self.size, self.device, self.stream)
 
 
 def allocator(size: int) -> Any:

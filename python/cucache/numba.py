@@ -90,7 +90,7 @@ def _make_class() -> Any:
             ptr = _lib.alloc(size, device, 0)
 
             def finalizer(ptr: int = ptr, size: int = size, device: int = device) -> None:
-                _lib.free(ptr, size, device, 0)
+                _lib._release(ptr, size, device, 0)
 
             return MemoryPointer(self.context, _device_pointer(ptr), size, finalizer=finalizer)
 

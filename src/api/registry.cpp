@@ -382,7 +382,8 @@ std::string unknown_pointer_text(const void* ptr, const char* what) {
 }
 }  // namespace
 
-std::string registry::explain_bad_pointer(const void* ptr, const char* what, int hint) const {
+std::string registry::explain_bad_pointer(const void* ptr, const char* what, int hint,
+                                          bool hint_named) const {
   // A pointer of another device (a double free after switching devices) is explained by the
   // allocator whose segment holds it, which names its own device.
   for (int d = 0; d < census_.count; ++d) {
@@ -390,10 +391,18 @@ std::string registry::explain_bad_pointer(const void* ptr, const char* what, int
     if (a == nullptr || !a->locate(ptr).in_segment) continue;
     std::string text = a->explain_bad_pointer(ptr, what);
     if (hint >= 0 && hint != d) {
-      text +=
-          fmt::format(" (the address is device {}'s memory; the call was for device {})", d, hint);
+      // A call without a device was for no device: only the current one can be named.
+      text += fmt::format(" (the address is device {}'s memory; {} {})", d,
+                          hint_named ? "the call was for device" : "the current device is", hint);
     }
     return text;
+  }
+  if (!hint_named) {
+    // The release tried every device: the pointer is no live allocation of any.
+    return fmt::format(
+        "cucache: {}({}): it is not a live allocation of any device (not allocated by cucache, "
+        "or freed already and its memory returned to the driver)",
+        what, ptr);
   }
   if (const device_allocator* a = find(hint)) {
     return a->explain_bad_pointer(ptr, what) + " nor on any other device";
@@ -401,12 +410,12 @@ std::string registry::explain_bad_pointer(const void* ptr, const char* what, int
   return unknown_pointer_text(ptr, what);
 }
 
-void throw_not_ours(const void* ptr, release_kind kind, int hint) {
+void throw_not_ours(const void* ptr, release_kind kind, int current) {
   // In a forked child the pointer may well be the parent's: say why nothing can release it.
   registry::require_not_forked();
   const char* what = kind == release_kind::record ? "record_stream" : "free";
   if (registry* r = registry::if_built())
-    throw invalid_argument(r->explain_bad_pointer(ptr, what, hint));
+    throw invalid_argument(r->explain_bad_pointer(ptr, what, current, false));
   throw invalid_argument(unknown_pointer_text(ptr, what));
 }
 

@@ -81,8 +81,12 @@ class registry {
   bool release(void* ptr, stream_handle stream, release_kind kind, int hint);
   /// Why `what` (free, record_stream) cannot act on `ptr`, in the words of the allocator whose
   /// memory holds it -- whichever device the caller named (`hint`, -1 for none) -- or, when none
-  /// does, of the hinted device's allocator. Never throws for a caller's mistake.
-  [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what, int hint) const;
+  /// does, of the hinted device's allocator. `hint_named`: the caller named device `hint` (torch's
+  /// free passes the allocation's device); false when `hint` is only the current device of a call
+  /// that takes none (cucacheFree, cucache::free, record_stream), which the text then does not
+  /// claim the call was for. Never throws for a caller's mistake.
+  [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what, int hint,
+                                                bool hint_named = true) const;
 
   /// Caps `device`'s reserved memory at `fraction` of its capacity. Only before the device's
   /// first allocation (invalid_argument afterwards, or for a fraction outside (0, 1]).
@@ -172,7 +176,8 @@ void write_file_replacing(const std::filesystem::path& path, std::string_view te
 
 /// Throws invalid_argument: `ptr` is not the start of a live cucache allocation. With a built
 /// registry, registry::explain_bad_pointer says why (interior pointer, already freed, another
-/// device's memory...).
-[[noreturn]] void throw_not_ours(const void* ptr, release_kind kind, int hint = -1);
+/// device's memory...). For the calls that take no device: `current` is the calling thread's
+/// current device (-1 when unknown), which the text names as such.
+[[noreturn]] void throw_not_ours(const void* ptr, release_kind kind, int current = -1);
 
 }  // namespace cucache::detail

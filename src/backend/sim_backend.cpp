@@ -325,10 +325,9 @@ void sim_backend::segment_free(void* ptr) {
   // Its handle names nothing from now on: a later open fails, opened ones keep their memory.
   drop_export(it->second.export_id);
   segments_.erase(it);
-  // Like cudaFree, freeing a segment synchronizes the device.
-  for (auto& [id, ev] : events_) {
-    if (!ev.captured) ev.complete = true;
-  }
+  // Like cudaFree, freeing a segment synchronizes the device: every event recorded so far
+  // completes, except those recorded in a capture (nodes of a graph).
+  complete_all_locked();
 }
 
 std::size_t sim_backend::vm_granularity() {
@@ -631,9 +630,11 @@ event_handle sim_backend::event_create() {
 void sim_backend::event_destroy(event_handle event) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::event_destroy)) fail(sim_call::event_destroy, "injected failure");
-  if (events_.erase(reinterpret_cast<std::uintptr_t>(event)) == 0) {
-    fail(sim_call::event_destroy, "unknown event", k_sim_invalid_value);
-  }
+  const auto id = reinterpret_cast<std::uintptr_t>(event);
+  auto it = events_.find(id);
+  if (it == events_.end()) fail(sim_call::event_destroy, "unknown event", k_sim_invalid_value);
+  forget_pending(id, it->second);
+  events_.erase(it);
 }
 
 void sim_backend::event_record(event_handle event, stream_handle stream) {
@@ -645,8 +646,13 @@ void sim_backend::event_record(event_handle event, stream_handle stream) {
   // Recorded on a capturing stream, the event becomes a node of the graph: it never completes by
   // itself, and querying it is illegal.
   const bool captured = stream != nullptr && captures_.contains(stream);
-  it->second = event_rec{true, options_.events_complete_immediately && !captured, captured,
-                         id_of_locked(stream)};
+  const event_rec rec{true, options_.events_complete_immediately && !captured, captured,
+                      id_of_locked(stream)};
+  // Indexed first (may throw bad_alloc, changing nothing the sim answers: at worst an empty set),
+  // then the old record forgotten unless it is this very entry.
+  if (is_pending(rec)) pending_by_stream_[rec.stream].insert(it->first);
+  if (!is_pending(rec) || it->second.stream != rec.stream) forget_pending(it->first, it->second);
+  it->second = rec;
 }
 
 bool sim_backend::event_query(event_handle event) {
@@ -672,6 +678,7 @@ void sim_backend::event_synchronize(event_handle event) {
     capture_violation(sim_call::event_synchronize, "the event was recorded in a capture");
   }
   require_capture_safe(sim_call::event_synchronize);
+  forget_pending(it->first, it->second);
   it->second.complete = true;
 }
 
@@ -901,16 +908,41 @@ void sim_backend::complete_stream(stream_handle stream) {
 
 void sim_backend::complete_stream_id(std::uint64_t id) {
   std::lock_guard lock(mu_);
-  for (auto& [e, ev] : events_) {
-    if (ev.recorded && !ev.captured && ev.stream == id) ev.complete = true;
-  }
+  auto it = pending_by_stream_.find(id);
+  if (it == pending_by_stream_.end()) return;
+  complete_pending(it->second);
+  pending_by_stream_.erase(it);
 }
 
 void sim_backend::complete_all() {
   std::lock_guard lock(mu_);
-  for (auto& [id, ev] : events_) {
-    if (!ev.captured) ev.complete = true;
+  complete_all_locked();
+}
+
+void sim_backend::forget_pending(std::uintptr_t id, const event_rec& ev) noexcept {
+  if (!is_pending(ev)) return;
+  auto it = pending_by_stream_.find(ev.stream);
+  if (it == pending_by_stream_.end()) return;
+  it->second.erase(id);
+  if (it->second.empty()) pending_by_stream_.erase(it);
+}
+
+void sim_backend::complete_pending(std::unordered_set<std::uintptr_t>& ids) noexcept {
+  for (const std::uintptr_t id : ids) {
+    ++event_visits_;
+    events_.find(id)->second.complete = true;  // indexed events exist: destroy forgets them
   }
+  ids.clear();
+}
+
+void sim_backend::complete_all_locked() noexcept {
+  for (auto& [stream, ids] : pending_by_stream_) complete_pending(ids);
+  pending_by_stream_.clear();
+}
+
+std::uint64_t sim_backend::event_visits() const {
+  std::lock_guard lock(mu_);
+  return event_visits_;
 }
 
 std::size_t sim_backend::pending_events() const {

@@ -130,6 +130,17 @@ std::optional<std::string_view> nearest_key(std::string_view key) {
   return best;
 }
 
+// Text of the user's echoed in a message: at most this many bytes of it.
+constexpr std::size_t k_echo_bytes = 64;
+
+/// `text` in quotes for a message; a longer one cut to its first k_echo_bytes bytes, with an
+/// ellipsis and its length ("'9999...' (10240 bytes)"): a 10 KB bad value must not make a 10 KB
+/// message.
+std::string quoted(std::string_view text) {
+  if (text.size() <= k_echo_bytes) return fmt::format("'{}'", text);
+  return fmt::format("'{}...' ({} bytes)", text.substr(0, k_echo_bytes), text.size());
+}
+
 // Every parse error goes through here so that each message names the key and what it accepts.
 [[noreturn]] void fail(std::string_view key, std::string_view problem) {
   if (const key_spec* spec = find_spec(key)) {
@@ -140,12 +151,12 @@ std::optional<std::string_view> nearest_key(std::string_view key) {
     throw invalid_argument(
         fmt::format("cucache config: {}; accepted keys: {}", problem, accepted_keys()));
   }
-  throw invalid_argument(fmt::format("cucache config: key '{}': {}; accepted keys: {}", key,
+  throw invalid_argument(fmt::format("cucache config: key {}: {}; accepted keys: {}", quoted(key),
                                      problem, accepted_keys()));
 }
 
 [[noreturn]] void fail_value(std::string_view key, std::string_view value, std::string_view why) {
-  fail(key, fmt::format("invalid value '{}': {}", value, why));
+  fail(key, fmt::format("invalid value {}: {}", quoted(value), why));
 }
 
 std::uint64_t parse_uint(std::string_view key, std::string_view text) {
@@ -215,7 +226,7 @@ void parse_roundup_list(std::string_view key, std::string_view list, config& out
     if (saw_rest) fail_value(key, list, "'>' must be the last entry");
     const std::size_t colon = entry.find(':');
     if (colon == std::string_view::npos) {
-      fail_value(key, list, fmt::format("entry '{}' lacks ':'", entry));
+      fail_value(key, list, fmt::format("entry {} lacks ':'", quoted(entry)));
     }
     const std::string_view size_text = trim(entry.substr(0, colon));
     const std::uint32_t d = parse_divisions(key, trim(entry.substr(colon + 1)), true);
@@ -227,12 +238,12 @@ void parse_roundup_list(std::string_view key, std::string_view list, config& out
     }
     const std::uint64_t mb = parse_uint(key, size_text);
     if (!std::has_single_bit(mb)) {
-      fail_value(key, list, fmt::format("size {} is not a power of two MiB", size_text));
+      fail_value(key, list, fmt::format("size {} is not a power of two MiB", quoted(size_text)));
     }
     const auto index = static_cast<unsigned>(std::countr_zero(mb));
     if (index > k_max_roundup_key_log2) {
       fail_value(key, list,
-                 fmt::format("size {} MiB exceeds 2^{} MiB", size_text, k_max_roundup_key_log2));
+                 fmt::format("size {} MiB exceeds 2^{} MiB", quoted(size_text), k_max_roundup_key_log2));
     }
     if (!last_index) {
       std::fill(divs.begin(), divs.begin() + index, d);
@@ -496,10 +507,10 @@ config parse_config(std::string_view text, config base) {
   std::vector<std::pair<std::string_view, std::string_view>> seen;  // field, key given
   for (const std::string_view raw : split_entries(text)) {
     const std::string_view entry = trim(raw);
-    if (entry.empty()) fail("", fmt::format("empty entry (stray ',') in '{}'", trim(text)));
+    if (entry.empty()) fail("", fmt::format("empty entry (stray ',') in {}", quoted(trim(text))));
     const std::size_t colon = entry.find(':');
     const std::string_view key = trim(entry.substr(0, colon));
-    if (key.empty()) fail("", fmt::format("empty key in '{}'", entry));
+    if (key.empty()) fail("", fmt::format("empty key in {}", quoted(entry)));
     if (std::ranges::find(k_pytorch_only_keys, key) != k_pytorch_only_keys.end()) {
       fail(key, "a PyTorch key not supported by cucache");
     }

@@ -51,12 +51,12 @@ constexpr std::size_t k_chunk = std::size_t{1} << 16;
 // Offending text is quoted in messages, but a corrupt file can have megabyte-long "lines".
 constexpr std::size_t k_max_quoted = 48;
 
-// Control bytes (binary data read as a trace) are written as \xNN.
+// Control bytes (binary data read as a trace) and bytes >= 0x80 are written as \xNN.
 std::string quoted(std::string_view text, std::size_t limit = k_max_quoted) {
   std::string out = "'";
   for (const char c : text.substr(0, limit)) {
     const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
+    if (u < 0x20 || u >= 0x7f) {  // control bytes, and bytes >= 0x80: a message stays ASCII
       out += fmt::format("\\x{:02x}", u);
     } else {
       out += c;
@@ -153,9 +153,6 @@ bool parse_action(std::string_view text, trace_event::action& out) {
 
 struct file_closer {
   void operator()(std::FILE* f) const noexcept { std::fclose(f); }
-};
-struct gz_closer {
-  void operator()(gzFile f) const noexcept { gzclose(f); }
 };
 
 // The validating parser, fed one line at a time (without its '\n'). Holds the events and the live
@@ -446,29 +443,71 @@ std::vector<trace_event> read_plain(const std::filesystem::path& path, line_pars
   });
 }
 
+// Inflates member after member (gzip -c a b > ab is one file of two members, as gzip reads it).
+// After a member's end only another whole member or the file's end may come: zlib's gzread
+// skips anything else silently, so a trace with junk appended -- or a member cut short and then
+// garbage -- read as if whole (issue 30 item 10). Such bytes are refused, naming their offset.
 std::vector<trace_event> read_gzip(const std::filesystem::path& path, line_parser& parser) {
-  std::unique_ptr<gzFile_s, gz_closer> file(gzopen(path.c_str(), "rb"));
+  std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "rb"));
   if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
-  gzbuffer(file.get(), 1U << 18);
-  return parse_chunks(parser, [&](char* to, std::size_t n) {
-    const int got = gzread(file.get(), to, static_cast<unsigned>(n));
-    if (got < 0) {
-      int code = 0;
-      const char* msg = gzerror(file.get(), &code);
-      throw invalid_argument(
-          fmt::format("cannot decompress trace file '{}': {}", path.string(), msg));
+  z_stream zs{};
+  if (inflateInit2(&zs, 16 + MAX_WBITS) != Z_OK) {  // 16: a gzip wrapper, not zlib's
+    throw invalid_argument(
+        fmt::format("cannot decompress trace file '{}': out of memory", path.string()));
+  }
+  struct inflate_end {
+    z_stream* z;
+    ~inflate_end() { inflateEnd(z); }
+  } ender{&zs};
+  std::unique_ptr<unsigned char[]> in(new unsigned char[std::size_t{1} << 18]);
+  std::uint64_t read_bytes = 0;     // compressed bytes read from the file so far
+  std::uint64_t member_start = 0;   // where the member being inflated starts
+  std::uint64_t members = 0;        // members inflated to their end
+  bool between_members = false;     // the last member ended and nothing of a next one was fed
+  bool eof = false;
+  const auto failure = [&](std::string_view why) {
+    if (members == 0) {
+      return invalid_argument(
+          fmt::format("cannot decompress trace file '{}': {}", path.string(), why));
     }
-    if (got == 0) {
-      // A truncated file ends the reads quietly; only the error state tells it apart from a
-      // whole one.
-      int code = Z_OK;
-      const char* msg = gzerror(file.get(), &code);
-      if (code != Z_OK) {
-        throw invalid_argument(
-            fmt::format("cannot decompress trace file '{}': {}", path.string(), msg));
+    return invalid_argument(fmt::format(
+        "cannot decompress trace file '{}': trailing garbage at byte {}, after {} gzip "
+        "member{}: not a whole gzip member ({})",
+        path.string(), member_start, members, members == 1 ? "" : "s", why));
+  };
+  return parse_chunks(parser, [&](char* to, std::size_t n) -> std::size_t {
+    const auto want = static_cast<uInt>(std::min<std::size_t>(n, std::size_t{1} << 30));
+    zs.next_out = reinterpret_cast<Bytef*>(to);
+    zs.avail_out = want;
+    while (zs.avail_out == want) {  // until some text comes out, or the end
+      if (zs.avail_in == 0 && !eof) {
+        const std::size_t got = std::fread(in.get(), 1, std::size_t{1} << 18, file.get());
+        if (got == 0) {
+          if (std::ferror(file.get())) {
+            throw invalid_argument(fmt::format("error reading trace file '{}'", path.string()));
+          }
+          eof = true;
+        }
+        read_bytes += got;
+        zs.next_in = in.get();
+        zs.avail_in = static_cast<uInt>(got);
+      }
+      if (zs.avail_in == 0) {  // the file's end
+        if (between_members) return 0;
+        throw failure("unexpected end of file: the file is truncated");
+      }
+      between_members = false;
+      const int rc = inflate(&zs, Z_NO_FLUSH);
+      if (rc == Z_STREAM_END) {
+        ++members;
+        member_start = read_bytes - zs.avail_in;
+        between_members = true;
+        inflateReset(&zs);
+      } else if (rc != Z_OK && !(rc == Z_BUF_ERROR && zs.avail_in == 0)) {
+        throw failure(zs.msg != nullptr ? zs.msg : "corrupt data");
       }
     }
-    return static_cast<std::size_t>(got);
+    return want - zs.avail_out;
   });
 }
 

@@ -12,6 +12,7 @@
 #include <map>
 #include <vector>
 
+#include "allocator/pending_frees.hpp"
 #include "allocator/test_support.hpp"
 
 namespace cucache::test {
@@ -168,6 +169,36 @@ TEST(PendingFrees, AFailedQueryStopsOnlyItsStreamAndTheLadderStillSynchronizes) 
   EXPECT_EQ(a.stats().events_pending, 0u);
   a.alloc.deallocate(q);
   a.alloc.check_invariants();
+}
+
+TEST(PendingFrees, ANewStreamsQueueGrowsTheQueueTableGeometrically) {
+  // Issue 30 item 7: a push for a new stream reserved size() + 1 queues, so every new stream
+  // moved the whole table -- 100,000 stalled streams took 80 s. The table must grow
+  // geometrically: its storage moves O(log n) times for n new streams, never once per stream.
+  detail::pending_frees pf;
+  constexpr std::uintptr_t k_streams = 100'000;
+  std::size_t moves = 0;
+  const void* storage = nullptr;
+  std::size_t capacity = 0;
+  for (std::uintptr_t i = 0; i < k_streams; ++i) {
+    pf.push(reinterpret_cast<stream_handle>((i + 1) << 8), reinterpret_cast<detail::block*>(i + 1),
+            reinterpret_cast<event_handle>((i + 1) << 4));
+    const auto& q = pf.queues();
+    if (q.data() != storage || q.capacity() != capacity) ++moves;
+    storage = q.data();
+    capacity = q.capacity();
+  }
+  EXPECT_EQ(pf.size(), k_streams);
+  EXPECT_EQ(pf.queues().size(), k_streams);
+  EXPECT_LE(moves, 40u) << "the queue table was reallocated " << moves << " times for "
+                        << k_streams << " new streams";
+  // Each queue holds its own stream's one entry, in order.
+  for (std::uintptr_t i = 0; i < k_streams; i += 9'973) {
+    const auto& q = pf.queues()[i];
+    ASSERT_EQ(q.items.size() - q.head, 1u);
+    EXPECT_EQ(q.stream, reinterpret_cast<stream_handle>((i + 1) << 8));
+    EXPECT_EQ(q.front().b, reinterpret_cast<detail::block*>(i + 1));
+  }
 }
 
 }  // namespace

@@ -109,6 +109,10 @@ TEST_F(MultiDevice, ABadFreeOfAnotherDevicesPointerNamesThatDevice) {
   EXPECT_NE(why.find("on device 1: it was already freed"), std::string::npos) << why;
   EXPECT_NE(why.find("device 1's memory"), std::string::npos) << why;
   EXPECT_EQ(why.find("not allocated by cucache"), std::string::npos) << why;
+  // cucacheFree takes no device: the text names the current device as such, never "the call was
+  // for device 0" (issue 30 item 10).
+  EXPECT_EQ(why.find("the call was for device"), std::string::npos) << why;
+  EXPECT_NE(why.find("the current device is 0"), std::string::npos) << why;
   // An interior pointer of device 1's live allocation, through the C++ API.
   void* q = get(1).allocate(4 * k_mib, fake_stream(1));
   try {
@@ -120,11 +124,16 @@ TEST_F(MultiDevice, ABadFreeOfAnotherDevicesPointerNamesThatDevice) {
               std::string::npos)
         << why;
   }
-  // Memory of no device: said so, not "on this device" alone.
+  // Memory of no device: said so, without claiming the call was for the current device.
   int host = 0;
   EXPECT_EQ(cucacheFree(&host), cudaErrorInvalidValue);
   why = cucacheGetLastErrorMessage();
-  EXPECT_NE(why.find("nor on any other device"), std::string::npos) << why;
+  EXPECT_NE(why.find("is not a live allocation of any device"), std::string::npos) << why;
+  EXPECT_EQ(why.find("on device 0"), std::string::npos) << why;
+  EXPECT_EQ(cucacheRecordStream(&host, nullptr), cudaErrorInvalidValue);
+  why = cucacheGetLastErrorMessage();
+  EXPECT_NE(why.find("record_stream("), std::string::npos) << why;
+  EXPECT_NE(why.find("is not a live allocation of any device"), std::string::npos) << why;
   get(1).deallocate(q);
 }
 

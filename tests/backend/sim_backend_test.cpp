@@ -10,6 +10,7 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cucache/errors.hpp"
 
@@ -136,6 +137,55 @@ TEST(SimBackend, EventsCompleteWhenTheTestSaysSo) {
   EXPECT_TRUE(s.event_query(e));
   s.event_destroy(e);
   EXPECT_THROW((void)s.event_query(e), cuda_error);
+}
+
+TEST(SimBackend, SegmentFreeSynchronizesTheDeviceVisitingOnlyThePendingEvents) {
+  // Like cudaFree, segment_free completes every event recorded before it (not a captured one).
+  // Issue 30 item 9: it did so by visiting every event that exists, so freeing n segments with n
+  // events alive cost n * n (an empty_cache over 20,000 stalled pools took 174 s). Its work must
+  // be proportional to the events it completes.
+  sim_backend s;
+  const stream_handle st = s.create_stream();
+  constexpr int k_n = 2'000;
+  std::vector<event_handle> events;
+  std::vector<void*> segments;
+  for (int i = 0; i < k_n; ++i) {
+    events.push_back(s.event_create());
+    s.event_record(events.back(), st);
+    segments.push_back(s.segment_malloc(2 * MiB));
+    ASSERT_NE(segments.back(), nullptr);
+  }
+  const stream_handle cap = s.create_stream();
+  const event_handle captured = s.event_create();
+  (void)s.begin_capture(cap);
+  s.event_record(captured, cap);
+  (void)s.end_capture(cap);
+  EXPECT_EQ(s.pending_events(), static_cast<std::size_t>(k_n) + 1);
+  const std::uint64_t before = s.event_visits();
+  s.segment_free(segments[0]);
+  EXPECT_EQ(s.pending_events(), 1u) << "only the captured record stays incomplete";
+  for (int i = 0; i < k_n; i += 97) EXPECT_TRUE(s.event_query(events[static_cast<std::size_t>(i)]));
+  // Events recorded after a free wait for the next one; the rest of the frees complete nothing.
+  s.event_record(events[0], st);
+  s.event_record(events[1], st);
+  EXPECT_FALSE(s.event_query(events[0]));
+  for (int i = 1; i < k_n; ++i) s.segment_free(segments[static_cast<std::size_t>(i)]);
+  EXPECT_TRUE(s.event_query(events[0]));
+  EXPECT_TRUE(s.event_query(events[1]));
+  EXPECT_EQ(s.pending_events(), 1u);
+  EXPECT_EQ(s.live_segments(), 0u);
+  EXPECT_LE(s.event_visits() - before, static_cast<std::uint64_t>(k_n) + 2)
+      << "segment_free visited every event, not only the pending ones";
+  // complete_all and device_synchronize visit nothing when nothing is pending.
+  const std::uint64_t idle = s.event_visits();
+  s.complete_all();
+  s.device_synchronize();
+  EXPECT_EQ(s.event_visits(), idle);
+  // None of them completes the captured record (it is a node of the graph).
+  EXPECT_EQ(s.pending_events(), 1u);
+  for (event_handle e : events) s.event_destroy(e);
+  s.event_destroy(captured);
+  EXPECT_EQ(s.pending_events(), 0u);
 }
 
 TEST(SimBackend, DestroyedStreamsAreRejectedAsTheDriverDoes) {

@@ -313,6 +313,30 @@ TEST(ConfigParse, StrayCommaNamesTheTextAndListsEveryKey) {
   EXPECT_NE(empty_key.find("accepted keys: max_split_size_mb,"), std::string::npos) << empty_key;
 }
 
+// A long bad value, key or entry is echoed cut short with an ellipsis and its length, not whole:
+// a 10 KB value made a 10 KB message (issue 30 item 10).
+TEST(ConfigParse, LongBadTextIsEchoedCutShortWithItsLength) {
+  const std::string long_value(10'240, '9');
+  const std::string head(64, '9');
+  for (const std::string& text :
+       {"max_split_size_mb:" + long_value + "x", "garbage_collection_threshold:" + long_value,
+        "expandable_segments:" + long_value, "roundup_power2_divisions:[" + long_value + "]",
+        "roundup_power2_divisions:[64:1," + long_value + "]", long_value + ":1",
+        long_value + ","}) {
+    const std::string msg = parse_error(text);
+    SCOPED_TRACE(msg.substr(0, 300));
+    EXPECT_LT(msg.size(), 1'000u) << "the bad text was echoed whole";
+    EXPECT_NE(msg.find(head + "..."), std::string::npos);
+    EXPECT_NE(msg.find(" bytes)"), std::string::npos) << "the length is not said";
+  }
+  // The length said is the echoed text's own.
+  const std::string msg = parse_error("expandable_segments:" + long_value);
+  EXPECT_NE(msg.find("'" + head + "...' (10240 bytes)"), std::string::npos) << msg.substr(0, 300);
+  EXPECT_NE(msg.find("not a boolean"), std::string::npos);
+  // Short text is echoed as before, whole.
+  expect_error("expandable_segments:yes", "yes", "not a boolean");
+}
+
 // A key one or two edits from an accepted one gets "did you mean"; a key far from all gets none.
 TEST(ConfigParse, MistypedKeySuggestsTheNearestOne) {
   const std::string want =

@@ -135,12 +135,26 @@ TEST(TorchPlugin, BadFreesAreReportedAndCounted) {
   EXPECT_NE(err.find("already freed"), std::string::npos) << err;
   EXPECT_NE(std::string(cucache_torch_last_error()).find("already freed"), std::string::npos);
 
+  // The checked free (Python's cucache.free raises with its message): -1, the message stored,
+  // counted, nothing printed; a good free returns 0.
+  void* r = cucache_torch_alloc(4096, dev, stream(0));
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(cucache_torch_free_checked(r, 4096, dev, stream(0)), 0);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cucache_torch_free_checked(r, 4096, dev, stream(0)), -1);
+  EXPECT_EQ(cucache_torch_free_checked(foreign, 16, dev, stream(0)), -1);
+  err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err, "") << "the checked free printed";
+  EXPECT_EQ(cucache_torch_bad_free_count(), before + 4);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("0x1234"), std::string::npos);
+  EXPECT_EQ(cucache_torch_free_checked(nullptr, 0, dev, stream(0)), 0);
+
   // A device that never allocated, and a device ordinal torch could not have passed.
   testing::internal::CaptureStderr();
   cucache_torch_free(foreign, 16, 60, stream(0));
   cucache_torch_free(foreign, 16, -3, stream(0));
   err = testing::internal::GetCapturedStderr();
-  EXPECT_EQ(cucache_torch_bad_free_count(), before + 4);
+  EXPECT_EQ(cucache_torch_bad_free_count(), before + 6);
   EXPECT_NE(err.find("no cucache allocator holds it"), std::string::npos) << err;
 
   // The allocator is unharmed.
@@ -179,7 +193,7 @@ TEST(TorchPlugin, RecordStreamDefersReuse) {
   EXPECT_EQ(cucache_torch_record_stream(reinterpret_cast<void*>(std::uintptr_t{0x40}), stream(3)),
             -1);
   const std::string why = cucache_torch_last_error();
-  EXPECT_NE(why.find("record_stream: 0x40 is not the start of a live cucache allocation"),
+  EXPECT_NE(why.find("record_stream(0x40): it is not a live allocation of any device"),
             std::string::npos)
       << why;
 }
@@ -320,11 +334,11 @@ TEST(TorchExtensionCalls, TryAllocSaysOutOfMemoryAndFreeCheckedRefusesWithoutPri
   ASSERT_NE(p, nullptr);
   const uint64_t bad_before = cucache_torch_bad_free_count();
   testing::internal::CaptureStderr();
-  EXPECT_EQ(cucache_torch_free_checked(static_cast<char*>(p) + 256), -1);  // interior
+  EXPECT_EQ(cucache_torch_delete(static_cast<char*>(p) + 256), -1);  // interior
   EXPECT_NE(std::string(cucache_torch_last_error()).find("free"), std::string::npos);
-  EXPECT_EQ(cucache_torch_free_checked(p), 0) << cucache_torch_last_error();
-  EXPECT_EQ(cucache_torch_free_checked(p), -1);  // already freed
-  EXPECT_EQ(cucache_torch_free_checked(nullptr), 0);
+  EXPECT_EQ(cucache_torch_delete(p), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_delete(p), -1);  // already freed
+  EXPECT_EQ(cucache_torch_delete(nullptr), 0);
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(cucache_torch_bad_free_count(), bad_before);  // the caller reports, not the plug-in
   EXPECT_EQ(stats(dev).allocated_bytes[0].current, 0);
@@ -459,9 +473,9 @@ TEST(TorchExtensionCalls, PoolUseCountLiveAllocationsAndCheckpoints) {
   EXPECT_EQ(allocd, both_live);  // x and y live again, at their addresses
   EXPECT_EQ(cucache_torch_restore_pool(dev + 1, cp, nullptr, nullptr, nullptr), -1);
   cucache_torch_checkpoint_free(cp);
-  EXPECT_EQ(cucache_torch_free_checked(y), 0) << cucache_torch_last_error();
-  EXPECT_EQ(cucache_torch_free_checked(x), 0) << cucache_torch_last_error();
-  EXPECT_EQ(cucache_torch_free_checked(x), -1);  // twice: refused, named
+  EXPECT_EQ(cucache_torch_delete(y), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_delete(x), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_delete(x), -1);  // twice: refused, named
   EXPECT_NE(std::string(cucache_torch_last_error()).find("free"), std::string::npos);
   EXPECT_EQ(cucache_torch_end_allocate_to_pool(dev, 3, 4), 0) << cucache_torch_last_error();
   EXPECT_EQ(cucache_torch_empty_pool_cache(dev, 3, 4), 0) << cucache_torch_last_error();

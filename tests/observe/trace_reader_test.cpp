@@ -290,6 +290,60 @@ TEST(TraceReader, QuotesOnlyAPrefixOfAHugeField) {
   EXPECT_NE(msg.find("t.csv:2: bad number in Stream"), std::string::npos);
 }
 
+// Bytes >= 0x80 of a bad field are escaped in the message like control bytes: a message is
+// ASCII whatever the file holds (issue 30 item 10: the replay printed them raw).
+TEST(TraceReader, EscapesBytesAbove0x7fInMessages) {
+  std::string msg = rejection(with_header("1,00:00:00.000000,\xff\xfe" "allocate,0x10,1,0\n"));
+  EXPECT_NE(msg.find("unknown action '\\xff\\xfeallocate'"), std::string::npos) << msg;
+  msg = rejection(with_header("\x80\xc3\xa9" ",00:00:00.000000,allocate,0x10,1,0\n"));
+  EXPECT_NE(msg.find("'\\x80\\xc3\\xa9'"), std::string::npos) << msg;
+  for (const char c : msg) {
+    EXPECT_LT(static_cast<unsigned char>(c), 0x80U) << msg;
+  }
+  // A tag is written as it is read (UTF-8 tags are fine); only a message escapes it.
+  msg = rejection(with_header("1,00:00:00.000000,wake,,0,0,caf\xc3\xa9\n"));
+  EXPECT_NE(msg.find("wake of tag 'caf\\xc3\\xa9', which is not asleep"), std::string::npos)
+      << msg;
+}
+
+// gzip files are one member or several concatenated (gzip -c a b); anything else after a member
+// is refused by name, never ignored (issue 30 item 10: zlib's gzread skipped trailing garbage).
+TEST(TraceReader, GzipTrailingGarbageIsRefusedButConcatenatedMembersAreRead) {
+  const auto gzip_bytes = [](const std::string& text) {
+    temp_file t("cucache_trace_member.csv");
+    t.write_gzip(text);
+    std::ifstream in(t.path(), std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string head = with_header("1,19:34:45.856987,allocate,0x7f77cfe00000,37632,0\n");
+  const std::string tail = "1,19:34:45.857221,free,0x7f77cfe00000,37632,0\n";
+  temp_file gz("cucache_trace_members.csv.gz");
+  // Two members: one trace.
+  gz.write_plain(gzip_bytes(head) + gzip_bytes(tail));
+  EXPECT_EQ(read_trace(gz.path()), parse_trace(std::string_view(head + tail), "t"));
+  // Junk after the member: refused, naming the offset where it starts.
+  const std::string member = gzip_bytes(head + tail);
+  for (const std::string& junk :
+       {std::string("junk"), std::string("\n"), std::string(16, '\0'), std::string("\x1f"),
+        std::string("\x1f\x8b\x08\x00" "garbage", 11)}) {
+    gz.write_plain(member + junk);
+    try {
+      (void)read_trace(gz.path());
+      ADD_FAILURE() << "trailing bytes accepted: " << junk.size();
+    } catch (const invalid_argument& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(gz.path().string()), std::string::npos) << msg;
+      EXPECT_TRUE(msg.find(fmt::format("trailing garbage at byte {}", member.size())) !=
+                      std::string::npos ||
+                  msg.find(fmt::format("at byte {}", member.size())) != std::string::npos)
+          << msg;
+    }
+  }
+  // A truncated member is refused as before.
+  gz.write_plain(member.substr(0, member.size() - 5));
+  EXPECT_THROW((void)read_trace(gz.path()), invalid_argument);
+}
+
 TEST(TraceReader, LinesLongerThanAnyRowAreRefusedAtTheirStart) {
   std::string msg =
       rejection(with_header("1,00:00:00.000000,allocate,0x10,1," + std::string(10000, 'q') + "\n"));

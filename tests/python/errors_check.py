@@ -75,19 +75,20 @@ def case_devices() -> None:
     expect(ValueError, cucache.memory_stats, FakeDevice("cpu", None), match="not a CUDA device")
     expect(TypeError, cucache.memory_stats, 1.5, match="cannot read a device")
     expect(TypeError, cucache.memory_stats, True, match="bool")
-    # Devices that do not exist (one simulated device): cudaErrorInvalidDevice, surfaced.
+    # Devices that do not exist (one simulated device): RuntimeError, as torch raises
+    # (issue 32 item 8), -1 included (issue 30 item 10: reset_peak_memory_stats(-1) was taken).
     for fn in (cucache.memory_stats, cucache.memory_summary, cucache.snapshot_json,
                cucache.reset_peak_memory_stats, cucache.tag_stats, cucache.max_allocatable):
-        expect(ValueError, fn, 7, match="device 7 does not exist")
-        expect(ValueError, fn, "cuda:5", match="device 5 does not exist")
-    expect(ValueError, cucache.reset_peak_memory_stats, 99, match="device 99 does not exist: this process has 1 sim device")
-    expect(ValueError, cucache.alloc, MIB, 1, match="device 1 does not exist")
-    cucache.reset_peak_memory_stats(-1)  # every device
+        expect(RuntimeError, fn, 7, match="device 7 does not exist")
+        expect(RuntimeError, fn, "cuda:5", match="device 5 does not exist")
+        expect(RuntimeError, fn, -1, match="device -1 does not exist")
+    expect(RuntimeError, cucache.reset_peak_memory_stats, 99, match="device 99 does not exist: this process has 1 sim device")
+    expect(RuntimeError, cucache.alloc, MIB, 1, match="device 1 does not exist")
     # Values ctypes would truncate.
     expect(ValueError, cucache.alloc, 2**64 + 512, 0, match="size 18446744073709552128 is out of range")
     expect(ValueError, cucache.alloc, -1, 0, match="out of range")
-    expect(ValueError, cucache.alloc, MIB, 2**32, match="device 4294967296 is out of range")
-    expect(ValueError, cucache.alloc, MIB, -1, match="out of range")
+    expect(RuntimeError, cucache.alloc, MIB, 2**32, match="device 4294967296 does not exist")
+    expect(RuntimeError, cucache.alloc, MIB, -1, match="device -1 does not exist")
     expect(ValueError, cucache.alloc, MIB, 0, 2**64, match="stream")
     expect(ValueError, cucache.reserve, 2**64, match="out of range")
     expect(TypeError, cucache.alloc, 1.0, 0, match="must be an int")
@@ -99,6 +100,32 @@ def case_devices() -> None:
         p = cucache.alloc(MIB, 0)
     assert "ab" in cucache.tag_stats(0), cucache.tag_stats(0)
     cucache.free(p, MIB, 0)
+
+
+def case_bad_frees() -> None:
+    # A free cucache refuses raises RuntimeError with its message, as torch's allocator does --
+    # it returned None with a line on stderr (issue 32 item 5) -- changing nothing, and counts.
+    import cucache
+
+    p = cucache.alloc(MIB, 0)
+    before = cucache.bad_free_count()
+    cucache.free(p, MIB, 0)
+    text = expect(RuntimeError, cucache.free, p, MIB, 0, match="it was already freed")
+    assert text.startswith(f"cucache: free({p:#x}) on device 0: "), text
+    assert text.count("cucache") == 1, f"the prefix is stacked: {text}"
+    expect(RuntimeError, cucache.free, 0x1234, 16, 0, match="not allocated by cucache")
+    q = cucache.alloc(4 * MIB, 0)
+    expect(RuntimeError, cucache.free, q + 256, 16, 0, match="points 256 bytes into the live allocation")
+    assert cucache.bad_free_count() == before + 3, cucache.bad_free_count()
+    assert cucache.memory_stats(0)["allocation.all.current"] == 1
+    cucache.free(q, 4 * MIB, 0)
+    cucache.free(0, 0, 0)  # a no-op
+    assert cucache.memory_stats(0)["allocated_bytes.all.current"] == 0
+    # Errors of the C layers carry one "cucache" prefix, not one per layer.
+    expect(RuntimeError, cucache.pop_tag, match="pop_tag")
+    text = expect(RuntimeError, cucache.pop_tag)
+    assert text.startswith("cucache: pop_tag: ") and text.count("cucache") == 1, text
+    assert "failed" not in text and "cucache_torch" not in text, text
 
 
 def case_text_growth() -> None:
@@ -218,6 +245,7 @@ def case_no_driver() -> None:
 
 CASES = {
     "devices": {"CUCACHE_BACKEND": "sim"},
+    "bad_frees": {"CUCACHE_BACKEND": "sim"},
     "text_growth": {"CUCACHE_BACKEND": "sim"},
     "install_conf": {"CUCACHE_BACKEND": "sim"},
     "conf_after_use": {"CUCACHE_BACKEND": "sim"},

@@ -52,7 +52,9 @@ def main() -> None:
     with cucache.tag("train"):
         expect(ValueError, cucache.alloc, MIB, match="tag 'train' is asleep")
     bad_before = cucache.bad_free_count()
-    cucache.free(weights, 40 * MIB)  # refused: the block stays allocated
+    # Refused, raising as torch's allocator does: the block stays allocated.
+    text = expect(RuntimeError, cucache.free, weights, 40 * MIB, match="which is asleep")
+    assert text.startswith("cucache: free(") and text.count("cucache") == 1, text
     assert cucache.bad_free_count() == bad_before + 1
     assert "which is asleep" in cucache.last_error(), cucache.last_error()
     assert cucache.memory_stats()["sleeping_bytes"] == 42 * MIB

@@ -81,6 +81,11 @@ CUCACHE_TORCH_API void* cucache_torch_alloc(size_t size, int device, cucache_tor
  * fatal. NULL is a no-op. */
 CUCACHE_TORCH_API void cucache_torch_free(void* ptr, size_t size, int device,
                                           cucache_torch_stream stream);
+/* cucache_torch_free for callers that can raise (Python's cucache.free): 0, or -1 when the free
+ * was refused (not cucache's, already freed, interior, a sleeping block), with the message in
+ * cucache_torch_last_error, counted in cucache_torch_bad_free_count and not printed. */
+CUCACHE_TORCH_API int cucache_torch_free_checked(void* ptr, size_t size, int device,
+                                                 cucache_torch_stream stream);
 /* Marks a live allocation as used on `stream` (tensor.record_stream). 0, or -1 on error. */
 CUCACHE_TORCH_API int cucache_torch_record_stream(void* ptr, cucache_torch_stream stream);
 /* Releases every wholly free cached segment of every device. 0, or -1 on error. */
@@ -133,10 +138,10 @@ enum {
  * nothing; on failure *out is NULL and the kind is returned, the message stored. */
 CUCACHE_TORCH_API int cucache_torch_try_alloc(size_t size, int device, cucache_torch_stream stream,
                                               void** out);
-/* Frees a live allocation at once for its own stream (torch's free: the stream it was allocated
- * on). 0; -1 with the reason (unknown, interior, already freed, a sleeping tag's block), the
- * allocator unchanged. NULL: 0. */
-CUCACHE_TORCH_API int cucache_torch_free_checked(void* ptr);
+/* torch's raw_delete: frees a live allocation in the order of its own stream (the stream it was
+ * allocated on), whichever device holds it. 0; -1 with the reason (unknown, interior, already
+ * freed, a sleeping tag's block), the allocator unchanged, nothing printed. NULL: 0. */
+CUCACHE_TORCH_API int cucache_torch_delete(void* ptr);
 
 /* Graph pools, PyTorch's semantics (docs/torch.md, "CUDA graphs"). Each returns 0, or -1 with the
  * reason. createOrIncrefPool: one more owner, creating the pool with one. */

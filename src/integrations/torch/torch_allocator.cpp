@@ -193,7 +193,7 @@ class cucache_allocator final : public cca::CUDAAllocator {
   void raw_delete(void* ptr) override {
     if (ptr == nullptr) return;
     note_free(ptr);
-    TORCH_CHECK(cucache_torch_free_checked(ptr) == 0, "cucache: raw_delete: ", last_error());
+    TORCH_CHECK(cucache_torch_delete(ptr) == 0, "cucache: raw_delete: ", last_error());
   }
   void init(int /*device_count*/) override { initialized_.store(true); }
   double getMemoryFraction(c10::DeviceIndex device) override {
@@ -427,7 +427,7 @@ void raw_delete_fn(void* ptr) {
   if (ptr == nullptr) return;
   g_self->note_free(ptr);
   // A deleter runs in destructors and cannot throw: a refused free is reported here.
-  if (cucache_torch_free_checked(ptr) != 0) {
+  if (cucache_torch_delete(ptr) != 0) {
     std::fprintf(stderr, "cucache: freeing a tensor's memory failed: %s\n",
                  cucache_torch_last_error());
   }

@@ -268,6 +268,49 @@ struct cucache_torch_checkpoint {
 
 namespace cucache::detail {
 namespace {
+// cucache_torch_free and cucache_torch_free_checked: true when `ptr` was freed (or is NULL);
+// false, with the message stored (and printed to stderr when `print`), when it was not.
+bool free_block(void* ptr, int device, cucache_torch_stream stream, bool print) noexcept {
+  const auto report = [print](const std::string& message) {
+    if (print) {
+      detail::report(message);
+    } else {
+      set_last_error(message);
+    }
+  };
+  if (ptr == nullptr) return true;
+  try {
+    // In a child forked after cucache was used, the pointer is the parent's: say so.
+    registry::require_not_forked();
+    // Stream-ordered: a free on another stream than the allocation's defers reuse until the work
+    // queued on `stream` now has completed (docs/torch.md). torch passes the allocation's device;
+    // a caller that does not still gets its memory back.
+    registry* r = registry::if_built();
+    if (r != nullptr && r->release(ptr, stream, release_kind::ordered, device)) return true;
+    plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
+    if (r != nullptr && r->find(device) != nullptr) {
+      report("cucache_torch: " + r->explain_bad_pointer(ptr, "free", device));
+      return false;
+    }
+    char text[160];
+    std::snprintf(text, sizeof text,
+                  "cucache_torch: free(%p) on device %d: no cucache allocator holds it (it was "
+                  "not allocated by cucache)",
+                  ptr, device);
+    report(text);
+  } catch (const invalid_argument& e) {
+    // A free the allocator refused, changing nothing: a block of a sleeping tag.
+    plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
+    report(std::string("cucache_torch: free refused: ") + e.what());
+  } catch (const std::exception& e) {
+    report(std::string("cucache_torch: free failed: ") + e.what());
+  } catch (...) {
+    report("cucache_torch: free failed: unknown error");
+  }
+  return false;
+}
+
+
 }  // namespace
 }  // namespace cucache::detail
 
@@ -304,35 +347,12 @@ void* cucache_torch_alloc(size_t size, int device, cucache_torch_stream stream) 
 }
 
 void cucache_torch_free(void* ptr, size_t /*size*/, int device, cucache_torch_stream stream) {
-  if (ptr == nullptr) return;
-  try {
-    // In a child forked after cucache was used, the pointer is the parent's: say so.
-    registry::require_not_forked();
-    // Stream-ordered: a free on another stream than the allocation's defers reuse until the work
-    // queued on `stream` now has completed (docs/torch.md). torch passes the allocation's device;
-    // a caller that does not still gets its memory back.
-    registry* r = registry::if_built();
-    if (r != nullptr && r->release(ptr, stream, release_kind::ordered, device)) return;
-    plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
-    if (r != nullptr && r->find(device) != nullptr) {
-      report("cucache_torch: " + r->explain_bad_pointer(ptr, "free", device));
-      return;
-    }
-    char text[160];
-    std::snprintf(text, sizeof text,
-                  "cucache_torch: free(%p) on device %d: no cucache allocator holds it (it was "
-                  "not allocated by cucache)",
-                  ptr, device);
-    report(text);
-  } catch (const invalid_argument& e) {
-    // A free the allocator refused, changing nothing: a block of a sleeping tag.
-    plugin().bad_frees.fetch_add(1, std::memory_order_relaxed);
-    report(std::string("cucache_torch: free refused: ") + e.what());
-  } catch (const std::exception& e) {
-    report(std::string("cucache_torch: free failed: ") + e.what());
-  } catch (...) {
-    report("cucache_torch: free failed: unknown error");
-  }
+  static_cast<void>(free_block(ptr, device, stream, true));
+}
+
+int cucache_torch_free_checked(void* ptr, size_t /*size*/, int device,
+                               cucache_torch_stream stream) {
+  return free_block(ptr, device, stream, false) ? 0 : -1;
 }
 
 int cucache_torch_record_stream(void* ptr, cucache_torch_stream stream) {
@@ -452,7 +472,7 @@ int cucache_torch_try_alloc(size_t size, int device, cucache_torch_stream stream
   return CUCACHE_TORCH_ALLOC_OTHER_ERROR;
 }
 
-int cucache_torch_free_checked(void* ptr) {
+int cucache_torch_delete(void* ptr) {
   if (ptr == nullptr) return 0;
   return guarded("free", [&] {
     registry::require_not_forked();
