@@ -305,11 +305,12 @@ class device_allocator {
   /// out_of_memory when the device or the memory limit has no room.
   void reserve(std::size_t bytes, stream_handle stream = nullptr);
 
-  /// Caps what this allocator may reserve at `fraction` (0 < fraction <= 1) of the device's
+  /// Caps what this allocator may reserve at `fraction` (0 <= fraction <= 1) of the device's
   /// memory from now on, like CUCACHE_CONF's memory_fraction (the lower of it and
-  /// memory_limit_mb wins) -- PyTorch's set_per_process_memory_fraction, at any time. Memory
-  /// reserved above a lowered cap is not given back here (empty_cache does that); no growth
-  /// passes the cap. Throws invalid_argument for a fraction outside (0, 1] or one that is 0 bytes.
+  /// memory_limit_mb wins) -- PyTorch's set_per_process_memory_fraction, at any time. 0 allows
+  /// nothing more to be reserved. Memory reserved above a lowered cap is not given back here
+  /// (empty_cache does that); no growth passes the cap. Throws invalid_argument for a fraction
+  /// outside [0, 1].
   void set_memory_fraction(double fraction);
   /// The fraction set by set_memory_fraction or CUCACHE_CONF's memory_fraction; 1.0 when none was.
   [[nodiscard]] double memory_fraction() const noexcept;

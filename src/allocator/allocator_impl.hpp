@@ -214,8 +214,8 @@ struct device_allocator::impl {
   std::size_t page_bytes = 0;
 
   detail::device_budget budget;
-  /// The memory fraction in force (set_memory_fraction, else the config's; 0 = none set).
-  std::atomic<double> memory_fraction{0.0};
+  /// The memory fraction in force (set_memory_fraction, else the config's; negative: none set).
+  std::atomic<double> memory_fraction{-1.0};
   detail::block_map blocks;  // the pointer map: allocated blocks by address
   detail::pool_table pools;
   detail::graph_pools graphs;

@@ -97,7 +97,8 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
       graphs(*raw, pools),
       events(*backend) {
   pools.set_event_backend(backend.get());
-  memory_fraction.store(cfg.memory_fraction, std::memory_order_relaxed);
+  memory_fraction.store(cfg.memory_fraction > 0.0 ? cfg.memory_fraction : -1.0,
+                        std::memory_order_relaxed);
   if (cfg.expandable_segments) {
     // (The pager gets the capture-safe backend too, and may not move idle pages while a capture
     // is underway: unmapping waits for a device synchronization.)
@@ -985,21 +986,27 @@ graph_pool_info device_allocator::graph_pool_state(graph_pool_id pool) const {
   return impl_->graph_pool_state(pool);
 }
 void device_allocator::set_memory_fraction(double fraction) {
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw invalid_argument(fmt::format(
-        "cucache::set_memory_fraction: fraction {} is not in (0, 1] (device {})", fraction,
+        "cucache::set_memory_fraction: fraction {} is not in [0, 1] (device {})", fraction,
         impl_->backend->device()));
   }
-  std::size_t limit =
-      bytes_of_fraction(*impl_->backend, "memory_fraction", fraction, impl_->budget.device_total,
-                        "the device's capacity", "would mean no limit");
+  // Fraction 0 (PyTorch allows it): a cap of one byte, so that nothing more can be reserved (a
+  // limit of 0 would mean none). A fraction so small that it rounds to 0 bytes is the same cap.
+  std::size_t limit = 1;
+  if (fraction > 0.0) {
+    const double product = fraction * static_cast<double>(impl_->budget.device_total);
+    limit = product >= static_cast<double>(impl_->budget.device_total)
+                ? impl_->budget.device_total
+                : std::max<std::size_t>(1, static_cast<std::size_t>(product));
+  }
   if (impl_->cfg.memory_limit_bytes > 0) limit = std::min(limit, impl_->cfg.memory_limit_bytes);
   impl_->budget.set_limit(limit);
   impl_->memory_fraction.store(fraction, std::memory_order_relaxed);
 }
 double device_allocator::memory_fraction() const noexcept {
   const double f = impl_->memory_fraction.load(std::memory_order_relaxed);
-  return f > 0.0 ? f : 1.0;
+  return f >= 0.0 ? f : 1.0;
 }
 const config& device_allocator::get_config() const noexcept {
   return impl_->cfg;

@@ -133,7 +133,7 @@ registry::registry() {
   }
   const auto n = static_cast<std::size_t>(census_.count);
   slots_ = std::make_unique<std::atomic<device_allocator*>[]>(n);
-  fractions_.assign(n, 0.0);
+  fractions_.assign(n, -1.0);
   if (!cfg_.trace_path.empty()) {
     try {
       trace_ = std::make_shared<trace_recorder>(cfg_.trace_path);
@@ -259,9 +259,8 @@ device_allocator& registry::create(int device) {
   auto& slot = slots_[static_cast<std::size_t>(device)];
   if (device_allocator* a = slot.load(std::memory_order_acquire)) return *a;
   config cfg = cfg_;
-  if (const double f = fractions_[static_cast<std::size_t>(device)]; f > 0) {
-    cfg.memory_fraction = f;
-  }
+  const double fraction = fractions_[static_cast<std::size_t>(device)];
+  if (fraction > 0) cfg.memory_fraction = fraction;
   // The simulated devices know how many there are (their peers), and may keep host memory behind
   // every byte (CUCACHE_SIM_HOST_MEMORY=1) so that tests through the global API check contents.
   sim_options sim;
@@ -279,6 +278,8 @@ device_allocator& registry::create(int device) {
     // The only caller-supplied input here is the config, so the fault is CUCACHE_CONF's.
     throw environment_error(fmt::format("environment variable CUCACHE_CONF: {}", e.what()));
   }
+  // A fraction of 0 is no config value (0 there means none): the allocator takes it as a cap.
+  if (fraction == 0.0) a->set_memory_fraction(0.0);
   slot.store(a, std::memory_order_release);
   return *a;
 }
@@ -288,9 +289,9 @@ void registry::set_memory_fraction(int device, double fraction) {
     throw invalid_argument(fmt::format("set_memory_fraction: device {} does not exist ({} {})",
                                        device, census_.count, to_string(kind_)));
   }
-  if (!(fraction > 0.0 && fraction <= 1.0)) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw invalid_argument(
-        fmt::format("set_memory_fraction: fraction {} is not in (0, 1]", fraction));
+        fmt::format("set_memory_fraction: fraction {} is not in [0, 1]", fraction));
   }
   std::lock_guard lock(create_mu_);
   // Before the device's first allocation the cap goes into its allocator's config; after, the
@@ -308,9 +309,9 @@ double registry::memory_fraction(int device) {
                                        census_.count, to_string(kind_)));
   }
   std::lock_guard lock(create_mu_);
-  if (const double f = fractions_[static_cast<std::size_t>(device)]; f > 0) return f;
-  if (const device_allocator* a = find(device)) return a->get_config().memory_fraction;
-  return cfg_.memory_fraction;
+  if (const device_allocator* a = find(device)) return a->memory_fraction();
+  if (const double f = fractions_[static_cast<std::size_t>(device)]; f >= 0) return f;
+  return cfg_.memory_fraction > 0 ? cfg_.memory_fraction : 1.0;
 }
 
 device_backend* registry::backend_of(int device) const noexcept {

@@ -88,12 +88,13 @@ class registry {
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what, int hint,
                                                 bool hint_named = true) const;
 
-  /// Caps `device`'s reserved memory at `fraction` of its capacity. Only before the device's
-  /// first allocation (invalid_argument afterwards, or for a fraction outside (0, 1]).
+  /// Caps `device`'s reserved memory at `fraction` (0 <= fraction <= 1) of its capacity: before
+  /// its first allocation in its allocator's config, after it at once
+  /// (device_allocator::set_memory_fraction). invalid_argument for a fraction outside [0, 1].
   void set_memory_fraction(int device, double fraction);
   /// The cap on `device`'s reserved memory as a fraction of its capacity: set_memory_fraction's,
-  /// else the device's allocator's configuration (CUCACHE_CONF's memory_fraction); 0 when there
-  /// is none. Throws invalid_argument for a device that does not exist.
+  /// else the configuration's (CUCACHE_CONF's memory_fraction); 1.0 when there is none, as
+  /// PyTorch answers. Throws invalid_argument for a device that does not exist.
   [[nodiscard]] double memory_fraction(int device);
 
   /// Empties the cache of every created allocator; every one gets its turn, the first failure is
@@ -143,7 +144,7 @@ class registry {
   std::atomic<bool> observing_{false};
   std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
   std::mutex create_mu_;
-  std::vector<double> fractions_;         // per device, under create_mu_; 0 = the config's
+  std::vector<double> fractions_;         // per device, under create_mu_; < 0: the config's
   std::shared_ptr<ipc_imports> imports_;  // under create_mu_ until set
 };
 

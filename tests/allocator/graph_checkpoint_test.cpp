@@ -227,9 +227,16 @@ TEST_P(GraphCheckpoint, TheMemoryFractionChangesAtRunTime) {
   a.alloc.empty_cache();
   void* z = a.alloc.allocate(total / 16, nullptr);
   a.alloc.deallocate(z);
-  EXPECT_THROW(a.alloc.set_memory_fraction(0.0), invalid_argument);
+  EXPECT_THROW(a.alloc.set_memory_fraction(-0.1), invalid_argument);
   EXPECT_THROW(a.alloc.set_memory_fraction(1.5), invalid_argument);
   EXPECT_EQ(a.alloc.memory_fraction(), 0.125);
+  // 0: nothing more can be reserved.
+  a.alloc.empty_cache();
+  a.alloc.set_memory_fraction(0.0);
+  EXPECT_EQ(a.alloc.memory_fraction(), 0.0);
+  EXPECT_THROW(static_cast<void>(a.alloc.allocate(4096, nullptr)), out_of_memory);
+  a.alloc.set_memory_fraction(1.0);
+  a.alloc.deallocate(a.alloc.allocate(4096, nullptr));
   a.alloc.check_invariants();
 }
 

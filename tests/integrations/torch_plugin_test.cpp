@@ -271,8 +271,8 @@ TEST(TorchPlugin, MemoryFractionBeforeAndAfterFirstUse) {
   void* q = cucache_torch_alloc(100 * MiB, dev, stream(0));
   EXPECT_NE(q, nullptr);
   cucache_torch_free(q, 100 * MiB, dev, stream(0));
-  EXPECT_EQ(cucache_torch_set_memory_fraction(dev, 0.0), -1);
-  EXPECT_NE(std::string(cucache_torch_last_error()).find("not in (0, 1]"), std::string::npos)
+  EXPECT_EQ(cucache_torch_set_memory_fraction(dev, 1.5), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("not in [0, 1]"), std::string::npos)
       << cucache_torch_last_error();
   cucache_torch_free(p, 10 * MiB, dev, stream(0));
 }
@@ -414,10 +414,20 @@ TEST(TorchExtensionCalls, MemoryFractionReadsBack) {
   const int dev = 1;
   double f = -1;
   ASSERT_EQ(cucache_torch_get_memory_fraction(dev, &f), 0) << cucache_torch_last_error();
-  EXPECT_EQ(f, 0.0);  // none set
+  EXPECT_EQ(f, 1.0);  // none set: PyTorch's answer
   ASSERT_EQ(cucache_torch_set_memory_fraction(dev, 0.25), 0) << cucache_torch_last_error();
   ASSERT_EQ(cucache_torch_get_memory_fraction(dev, &f), 0);
   EXPECT_EQ(f, 0.25);
+  // 0 is a cap too (torch.cuda.set_per_process_memory_fraction(0.0)): nothing can be reserved.
+  ASSERT_EQ(cucache_torch_set_memory_fraction(dev, 0.0), 0) << cucache_torch_last_error();
+  ASSERT_EQ(cucache_torch_get_memory_fraction(dev, &f), 0);
+  EXPECT_EQ(f, 0.0);
+  void* p = nullptr;
+  EXPECT_EQ(cucache_torch_try_alloc(4096, dev, stream(0), &p), CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY);
+  ASSERT_EQ(cucache_torch_set_memory_fraction(dev, 1.0), 0);
+  ASSERT_EQ(cucache_torch_try_alloc(4096, dev, stream(0), &p), CUCACHE_TORCH_ALLOC_OK);
+  EXPECT_EQ(cucache_torch_delete(p), 0);
+  EXPECT_EQ(cucache_torch_set_memory_fraction(dev, -0.5), -1);
   EXPECT_EQ(cucache_torch_get_memory_fraction(99, &f), -1);
 }
 

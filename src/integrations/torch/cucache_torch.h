@@ -103,7 +103,8 @@ CUCACHE_TORCH_API int cucache_torch_reset_accumulated_stats(int device);
 /* Caps what `device` may reserve at `fraction` of its memory, overriding CUCACHE_CONF's
  * memory_fraction (memory_limit_mb, when lower, still wins). Before the device's first allocation
  * or at any time after (memory reserved above a lowered cap is not given back: empty_cache does
- * that; no growth passes it): 0, or -1 when the fraction is not in (0, 1]. */
+ * that; no growth passes it; 0 allows nothing more): 0, or -1 when the fraction is not in
+ * [0, 1]. */
 CUCACHE_TORCH_API int cucache_torch_set_memory_fraction(int device, double fraction);
 /* CUDA graph pools (PyTorch's MempoolId_t is the pair {first, second}; docs/design.md, "Graph
  * capture"). A capture's allocations come from a private pool that only allocations routed to it
@@ -228,8 +229,8 @@ CUCACHE_TORCH_API int cucache_torch_ipc_close(void* ptr);
 /* sizeof(cucacheIpcHandle), for bindings that do not include cucache/ipc.h. */
 CUCACHE_TORCH_API size_t cucache_torch_ipc_handle_size(void);
 
-/* Memory fraction at any time: *out = the cap of `device` as a fraction of its memory, 0 when
- * none is set. (cucache_torch_set_memory_fraction sets it.) */
+/* Memory fraction at any time: *out = the cap of `device` as a fraction of its memory, 1.0 when
+ * none is set (PyTorch's answer). (cucache_torch_set_memory_fraction sets it.) */
 CUCACHE_TORCH_API int cucache_torch_get_memory_fraction(int device, double* out);
 
 /* Segment events: fn(ctx, device, freed, base, bytes, stream) for every segment a device

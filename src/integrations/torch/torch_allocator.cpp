@@ -200,7 +200,7 @@ class cucache_allocator final : public cca::CUDAAllocator {
     double f = 0;
     TORCH_CHECK(cucache_torch_get_memory_fraction(device, &f) == 0,
                 "cucache: getMemoryFraction: ", last_error());
-    return f > 0 ? f : 1.0;  // PyTorch answers 1.0 when no cap is set
+    return f;  // 1.0 when no cap is set, as PyTorch answers
   }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     TORCH_CHECK(cucache_torch_set_memory_fraction(device, fraction) == 0,
