@@ -6,8 +6,8 @@
 //
 // Locking: `mu` guards reserved and peak, and is held across the device call that changes them,
 // so that the check against the limit and the charge are one step (and the pager's list of
-// unmapped handles, whose bytes count in reserved). The counters are relaxed atomics; the caps
-// are fixed at construction.
+// unmapped handles, whose bytes count in reserved), and a count of their changes (changes_locked).
+// The counters are relaxed atomics; the caps are fixed at construction.
 #pragma once
 
 #include <algorithm>
@@ -50,6 +50,7 @@ class device_budget {
       if (!made) return made;
       reserved += bytes;
       peak = std::max(peak, reserved);
+      ++changes_;
     }
     device_allocs.fetch_add(1, std::memory_order_relaxed);
     return made;
@@ -61,6 +62,7 @@ class device_budget {
       std::lock_guard lock(mu);
       release();
       reserved -= bytes;
+      ++changes_;
     }
     device_frees.fetch_add(1, std::memory_order_relaxed);
   }
@@ -85,7 +87,15 @@ class device_budget {
   void reset_peak() {
     std::lock_guard lock(mu);
     peak = reserved;
+    ++changes_;
   }
+  /// Counts the changes of what `mu` guards -- reserved, peak, the pager's unmapped handles --
+  /// for the statistics' validated read (impl::stats_unlocked): equal counts read under `mu`
+  /// mean nothing of it changed between the two reads. Bumped on the paths that change them,
+  /// all slow paths under `mu` (a device call, a handle list change), never on a cache hit.
+  /// REQUIRES: mu.
+  [[nodiscard]] std::uint64_t changes_locked() const noexcept { return changes_; }
+  void note_change_locked() noexcept { ++changes_; }
   void reset_counters() noexcept {
     for (auto* c : {&device_allocs, &device_frees, &oom_count, &retry_count}) {
       c->store(0, std::memory_order_relaxed);
@@ -107,6 +117,7 @@ class device_budget {
   friend class pager;
   std::size_t reserved = 0;  // guarded by mu
   std::size_t peak = 0;      // guarded by mu
+  std::uint64_t changes_ = 0;  // guarded by mu (changes_locked)
 };
 
 }  // namespace cucache::detail
