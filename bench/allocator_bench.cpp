@@ -431,11 +431,53 @@ void bm_stats(benchmark::State& state, int pools) {
   }
 }
 
+// --- stats() with roundup_power2_divisions in expandable mode (issue 30, item 8) --------------
+//
+// One stream holds 24 blocks from 40 MiB to 1.5 GiB with every other one freed: free spans of
+// mapped pages, whose largest cached request the pager's dry run looks for page by page, asking
+// the size policy for the largest rounded size within each page boundary. The loop changes the
+// pool (a 4 MiB pair) and takes stats(), so that the pool is summarized again every time.
+void bm_stats_divisions(benchmark::State& state, const char* conf) {
+  try {
+    auto sim = std::make_shared<sim_backend>();
+    device_allocator alloc(sim, parse_config(conf));
+    const stream_handle s = sim->create_stream();
+    std::vector<void*> held;
+    for (int i = 0; i < 24; ++i) {
+      held.push_back(alloc.allocate((40 + static_cast<std::size_t>(i) * 64) * k_mib, s));
+    }
+    for (std::size_t i = 0; i < held.size(); i += 2) {
+      alloc.deallocate(held[i], s);
+      held[i] = nullptr;
+    }
+    (void)alloc.stats();
+    const std::int64_t start = now_ns();
+    for (auto _ : state) {
+      alloc.deallocate(alloc.allocate(4 * k_mib, s), s);
+      const device_stats st = alloc.stats();
+      benchmark::DoNotOptimize(st.largest_free_block);
+    }
+    const std::int64_t stop = now_ns();
+    state.counters["ns_per_pair_and_stats"] =
+        per(stop - start, static_cast<double>(state.iterations()));
+    for (void* p : held) {
+      if (p != nullptr) alloc.deallocate(p, s);
+    }
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
 void register_stats() {
   for (int pools : {1, 100, 10'000}) {
     const std::string name = "stats_many_pools/cucache_sim/" + std::to_string(pools);
     benchmark::RegisterBenchmark(name.c_str(), bm_stats, pools);
   }
+  benchmark::RegisterBenchmark("stats_divisions/cucache_sim/expandable", bm_stats_divisions,
+                               "expandable_segments:True");
+  benchmark::RegisterBenchmark("stats_divisions/cucache_sim/expandable_divisions4",
+                               bm_stats_divisions,
+                               "expandable_segments:True,roundup_power2_divisions:4");
 }
 
 // --- stream queries: what an allocation on a stream asks the device (GPU only) ----------------

@@ -56,7 +56,10 @@ typedef struct cucacheStats {
   unsigned long long oomCount;         /* allocations that failed with cudaErrorMemoryAllocation */
   unsigned long long allocRetryCount;  /* times cucache released its cache and retried */
   double externalFragmentation; /* 1 - largestFreeBlock / cachedFreeBytes; 0 when none cached */
-  double overheadFragmentation; /* 1 - allocatedBytes / reservedBytes; 0 when none reserved */
+  double overheadFragmentation; /* share of reservedBytes no caller's block uses (cached, or freed
+                                   and waiting on events); 1 - allocatedBytes / reservedBytes while
+                                   no tag sleeps (a sleeping tag's blocks count on neither side);
+                                   in [0, 1]; 0 when none reserved */
   size_t memoryLimit;           /* cap on reservedBytes (CUCACHE_CONF); 0 = none */
   size_t deviceTotalBytes;      /* the device's total memory */
   size_t sleepingBytes;         /* device bytes of sleeping tags' live blocks (cucacheSleep) */

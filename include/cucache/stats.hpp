@@ -116,13 +116,18 @@ struct device_stats {
                ? 0.0
                : 1.0 - static_cast<double>(largest_free_block) / static_cast<double>(free_bytes);
   }
-  /// Overhead: 1 - allocated / reserved (0 when nothing is reserved). The share of device memory
-  /// held by the allocator that no caller is using (cache, rounding, split remainders).
+  /// Overhead: the share of device memory held by the allocator (reserved) that no caller's block
+  /// is using -- cached free memory, split remainders, and freed blocks still waiting for other
+  /// streams' events: (free_bytes + active - allocated) / reserved, 0 when nothing is reserved.
+  /// While no tag sleeps this is 1 - allocated / reserved. A sleeping tag's blocks stay allocated
+  /// (and active) while no reserved memory backs them: they count on neither side, so the rate
+  /// stays in [0, 1] and describes the memory that is held (issue 30).
   [[nodiscard]] double overhead_fragmentation() const noexcept {
     const auto reserved = reserved_bytes[0].current;
-    return reserved == 0 ? 0.0
-                         : 1.0 - static_cast<double>(allocated_bytes[0].current) /
-                                     static_cast<double>(reserved);
+    if (reserved <= 0) return 0.0;
+    const double waiting =
+        static_cast<double>(active_bytes[0].current - allocated_bytes[0].current);
+    return (static_cast<double>(free_bytes) + waiting) / static_cast<double>(reserved);
   }
 };
 
@@ -248,6 +253,43 @@ void for_each_stat(const device_stats& s, F&& f) {
   CUCACHE_STAT_RATE_FIELDS(CUCACHE_STAT_VISIT_)
 #undef CUCACHE_STAT_VISIT_
 }
+
+/// The relations between the fields of a device_stats that every read of an allocator's
+/// statistics satisfies (device_allocator::stats() is one consistent view: docs/design.md,
+/// "Statistics under concurrent readers"), `expandable_segments` saying which mode it was taken
+/// in. Returns the first relation violated -- its name, then the values that break it -- or an
+/// empty string when all hold. The relations, for every stat_array field and slot where it
+/// applies (slots: all, small_pool, large_pool):
+///   nonnegative          current, peak, allocated and freed are >= 0
+///   peak_covers_current  peak >= current
+///   all_is_the_sum       all == small_pool + large_pool (current); for reserved_bytes, all ==
+///                        small_pool + large_pool + unmapped_handle_bytes (the pools' shares are
+///                        the memory in their segments or mapped into their ranges)
+///   requested_within_allocated   requested_bytes <= allocated_bytes
+///   allocated_within_active      allocated_bytes <= active_bytes, allocation_count <=
+///                                active_count
+///   active_within_reserved       active_bytes <= reserved_bytes + sleeping_bytes (a sleeping
+///                                tag's blocks stay active with nothing reserved behind them)
+///   free_is_reserved_minus_active  free_bytes == reserved - active (default mode); expandable
+///                                mode: reserved - active <= free_bytes <= reserved - active +
+///                                sleeping_bytes (only awake blocks use reserved memory)
+///   largest_within_free          largest_free_block <= free_bytes
+///   largest_needs_a_free_block   largest_free_block > 0 implies free_block_count > 0
+///   free_blocks_hold_free_bytes  (default mode) free_block_count == 0 iff free_bytes == 0
+///   inactive_split_within_free   inactive_split_bytes <= free_bytes, inactive_split_count <=
+///                                free_block_count
+///   segments_hold_reserved       segment_count == 0 iff the pools' reserved share is 0
+///   oversize_within_counts       oversize_allocations <= allocation_count, oversize_segments
+///                                <= segment_count
+///   pending_needs_active         events_pending > 0 implies active_count > allocation_count
+///   pages_within_reserved        mapped_bytes + unmapped_handle_bytes <= reserved, mapped_bytes
+///                                <= the pools' reserved share; default mode: both 0, nothing
+///                                sleeping
+///   within_limit                 reserved <= device_total_bytes when known (not reserved <=
+///                                memory_limit: the limit may be lowered under it at run time)
+///   rates_in_unit_interval       both fragmentation rates are in [0, 1]
+[[nodiscard]] std::string violated_stats_relation(const device_stats& s,
+                                                  bool expandable_segments);
 
 /// Every field of k_stat_fields as one JSON object, keyed by name: per-pool fields as
 /// {"all"|"small_pool"|"large_pool": {"current", "peak", "allocated", "freed"}}, the others as

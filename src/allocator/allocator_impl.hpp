@@ -14,8 +14,8 @@
 // story (device_allocator.cpp), headroom (headroom.cpp), statistics (stats.cpp), errors
 // (oom_report.cpp) and the invariant check (check_invariants.cpp), written in terms of the parts.
 //
-// Lock order: the pool list (shared) -> stream_pool::mu in index order -> device_budget::mu ->
-// event_cache. block_map shard locks and the graph pools' lock are leaves (the graph pools' is
+// Lock order: stats_mu (statistics readers) -> the pool list (shared) -> stream_pool::mu in index
+// order -> device_budget::mu -> event_cache. block_map shard locks and the graph pools' lock are leaves (the graph pools' is
 // never held while another lock is taken; stream filters run under it and must not call the
 // allocator).
 #pragma once
@@ -183,23 +183,38 @@ struct device_allocator::impl {
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
 
   // --- statistics (stats.cpp; the ledger: stats_ledger.hpp) ---
-  device_stats stats_locked() const;    // REQUIRES: all pools locked
-  device_stats stats_unlocked() const;  // REQUIRES: no pool lock held (locks the stale ones)
+  /// The statistics, exact. REQUIRES: stats_mu held, then every pool locked.
+  device_stats stats_locked() const;
+  /// The statistics as one consistent view (a validated read, else stats_locked). REQUIRES: no
+  /// pool lock held, nor stats_mu.
+  device_stats stats_unlocked() const;
   /// The summaries of the pools marked stale since the last call taken again (every pool's
-  /// when lock_all ran meanwhile or the unmapped one-page handles changed), each under its
-  /// pool's lock -- the caller's when `all_locked`.
-  void refresh_stats(bool all_locked) const;
+  /// when lock_all ran meanwhile or the unmapped one-page handles differ from `handles`, the
+  /// caller's read of them), each under its pool's lock -- the caller's when `all_locked`.
+  /// Returns the count of marks when the queue was taken (pool_table::changed_since).
+  /// REQUIRES: stats_mu held.
+  std::uint64_t refresh_stats(bool all_locked, std::size_t handles) const;
   /// p's share of the statistics. REQUIRES: p.mu held.
   detail::pool_summary summarize(const detail::stream_pool& p) const;
   /// summarize(p) into the ledger and p. REQUIRES: p.mu held.
   void resummarize(detail::stream_pool& p) const;
-  /// The ledger's totals and the device-wide figures (budget, pager, sleeper) as device_stats.
-  device_stats compose_stats() const;
+  /// The ledger's totals and the device-wide figures (budget, pager, sleeper) as device_stats;
+  /// `budget_changes`, when given, receives the budget's count of changes read with them.
+  /// `all_locked`: the caller holds every pool lock. REQUIRES: stats_mu held.
+  device_stats compose_stats(bool all_locked, std::uint64_t* budget_changes) const;
+  /// compose_stats from given sums of pool summaries instead of the ledger's (the invariant
+  /// check's recount). REQUIRES: stats_mu held, or every pool locked.
+  device_stats compose_stats_from(const device_stats& totals, std::size_t largest,
+                                  std::size_t asleep_active, bool all_locked,
+                                  std::uint64_t* budget_changes) const;
   /// The largest request p serves from cached memory alone -- no device allocation -- on its
   /// stream (device_stats::largest_free_block is the largest over the pools; docs/design.md,
   /// "Free memory"). REQUIRES: p.mu held.
   std::size_t largest_cached_request(const detail::stream_pool& p) const;
   mutable detail::stats_ledger ledger;
+  /// Serializes the statistics' readers (stats_unlocked, and the callers of stats_locked, who
+  /// take it before lock_all): one refresh of the ledger at a time. First in the lock order.
+  mutable std::mutex stats_mu;
 
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called

@@ -507,18 +507,31 @@ void device_allocator::check_invariants() const {
     }
     handles_seen = m.ledger.handles_seen == (m.pager ? m.pager->unmapped_page_handle_bytes() : 0);
   }
-  if (!m.pools.all_stale()) {
-    for (const auto& p : m.pools) {
-      if (p->stats_stale) continue;
-      const detail::pool_summary now = m.summarize(*p);
-      if (!detail::same_fields(now.part, p->summary.part) ||
-          now.asleep_active != p->summary.asleep_active ||
-          (handles_seen && now.largest != p->summary.largest)) {
-        violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
-                             "marked stale",
-                             p->index));
-      }
+  // The relations of the field table (violated_stats_relation) on the statistics recounted now:
+  // every pool summarized again, composed with the device-wide figures as stats() composes them.
+  const bool all_stale = m.pools.all_stale();
+  device_stats now_sum;
+  std::size_t now_largest = 0;
+  std::size_t now_asleep = 0;
+  for (const auto& p : m.pools) {
+    const detail::pool_summary now = m.summarize(*p);
+    detail::add_fields(now_sum, now.part, +1);
+    now_largest = std::max(now_largest, now.largest);
+    now_asleep += now.asleep_active;
+    if (all_stale || p->stats_stale) continue;
+    if (!detail::same_fields(now.part, p->summary.part) ||
+        now.asleep_active != p->summary.asleep_active ||
+        (handles_seen && now.largest != p->summary.largest)) {
+      violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
+                           "marked stale",
+                           p->index));
     }
+  }
+  const device_stats now = m.compose_stats_from(now_sum, now_largest, now_asleep,
+                                                /*all_locked=*/true, nullptr);
+  if (const std::string why = violated_stats_relation(now, m.cfg.expandable_segments);
+      !why.empty()) {
+    violated("statistics: " + why);
   }
 }
 

@@ -6,8 +6,9 @@
 //
 // Locking: `mu` guards reserved and peak, and is held across the device call that changes them,
 // so that the check against the limit and the charge are one step (and the pager's list of
-// unmapped handles, whose bytes count in reserved). The counters are relaxed atomics; the caps
-// are fixed at construction.
+// unmapped handles, whose bytes count in reserved), and a count of their changes (changes_locked).
+// The counters are relaxed atomics; the memory limit is an atomic written under `mu`
+// (set_limit), the other caps are fixed at construction.
 #pragma once
 
 #include <algorithm>
@@ -41,6 +42,7 @@ class device_budget {
     std::lock_guard lock(mu);
     limit.store(bytes, std::memory_order_relaxed);
     above_limit_ = bytes != 0 && reserved > bytes ? reserved : 0;
+    ++changes_;  // a statistics read that saw the old cap is retried
   }
   /// The most reserved may be while above the cap (0 when it was never lowered under reserved).
   /// REQUIRES: mu held.
@@ -64,6 +66,7 @@ class device_budget {
       if (!made) return made;
       reserved += bytes;
       peak = std::max(peak, reserved);
+      ++changes_;
     }
     device_allocs.fetch_add(1, std::memory_order_relaxed);
     return made;
@@ -75,6 +78,7 @@ class device_budget {
       std::lock_guard lock(mu);
       release();
       reserved -= bytes;
+      ++changes_;
     }
     device_frees.fetch_add(1, std::memory_order_relaxed);
   }
@@ -99,7 +103,15 @@ class device_budget {
   void reset_peak() {
     std::lock_guard lock(mu);
     peak = reserved;
+    ++changes_;
   }
+  /// Counts the changes of what `mu` guards -- reserved, peak, the pager's unmapped handles --
+  /// for the statistics' validated read (impl::stats_unlocked): equal counts read under `mu`
+  /// mean nothing of it changed between the two reads. Bumped on the paths that change them,
+  /// all slow paths under `mu` (a device call, a handle list change), never on a cache hit.
+  /// REQUIRES: mu.
+  [[nodiscard]] std::uint64_t changes_locked() const noexcept { return changes_; }
+  void note_change_locked() noexcept { ++changes_; }
   void reset_counters() noexcept {
     for (auto* c : {&device_allocs, &device_frees, &oom_count, &retry_count}) {
       c->store(0, std::memory_order_relaxed);
@@ -122,6 +134,7 @@ class device_budget {
   std::size_t reserved = 0;  // guarded by mu
   std::size_t peak = 0;      // guarded by mu
   std::size_t above_limit_ = 0;  // guarded by mu: reserved when the cap was lowered under it
+  std::uint64_t changes_ = 0;  // guarded by mu (changes_locked)
 };
 
 }  // namespace cucache::detail

@@ -15,6 +15,7 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
   budget.oom_count.fetch_add(1, std::memory_order_relaxed);
   device_stats s;
   {
+    std::lock_guard reader(stats_mu);
     auto all = pools.lock_all();
     s = stats_locked();
   }

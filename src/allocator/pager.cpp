@@ -326,6 +326,7 @@ void pager::wait_until_unmappable(std::uint64_t idle_epoch) {
 void pager::keep_locked(phys_handle h, std::size_t bytes) {
   free_handles.emplace(bytes, h);
   free_handle_bytes += bytes;
+  budget_.note_change_locked();
 }
 
 void pager::keep(phys_handle h, std::size_t bytes) {
@@ -342,6 +343,7 @@ void pager::release(phys_handle h, std::size_t bytes) {
     throw;
   }
   budget_.reserved -= bytes;
+  budget_.note_change_locked();
   budget_.device_frees.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -355,6 +357,7 @@ void pager::release_unmapped(std::size_t target_reserved) {
     free_handles.erase(it);
     free_handle_bytes -= bytes;
     budget_.reserved -= bytes;
+    budget_.note_change_locked();
     budget_.device_frees.fetch_add(1, std::memory_order_relaxed);
   }
 }
@@ -543,6 +546,7 @@ std::optional<pager::piece> pager::take_unmapped(std::size_t want) {
   piece pc{it->second, it->first, false};
   free_handles.erase(it);
   free_handle_bytes -= pc.bytes;
+  budget_.note_change_locked();
   return pc;
 }
 
@@ -592,6 +596,7 @@ std::optional<pager::piece> pager::create(std::size_t bytes) {
   if (!h) return std::nullopt;
   budget_.reserved += bytes;
   budget_.peak = std::max(budget_.peak, budget_.reserved);
+  budget_.note_change_locked();
   budget_.device_allocs.fetch_add(1, std::memory_order_relaxed);
   return piece{*h, bytes, false};
 }
@@ -879,13 +884,18 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     const std::size_t fp = range.page_of(f->addr);
     const std::size_t fl = range.page_of(f->addr + f->size - 1);
     // The pages a request placed in f may end on: no further than the handles can back.
-    // unmapped_upto[j]: the unmapped pages of [fp, fp + j].
+    // unmapped_upto[j]: the unmapped pages of [fp, fp + j] (not built when all are mapped, the
+    // usual cached span: every count is 0).
+    const bool all_mapped = range.all_mapped(fp, fl);
     std::vector<std::size_t> unmapped_upto;
-    for (std::size_t pg = fp, unmapped = 0; pg <= fl; ++pg) {
-      unmapped += !range.mapped(pg);
-      if (unmapped > handles) break;
-      unmapped_upto.push_back(unmapped);
+    if (!all_mapped) {
+      for (std::size_t pg = fp, unmapped = 0; pg <= fl; ++pg) {
+        unmapped += !range.mapped(pg);
+        if (unmapped > handles) break;
+        unmapped_upto.push_back(unmapped);
+      }
     }
+    const std::size_t end_pages = all_mapped ? fl - fp + 1 : unmapped_upto.size();
     // The pages of [fp, lp] in chunks that a request of r bytes at f would touch in part.
     const auto cut_pages = [&](std::size_t r, std::size_t lp) {
       if (range.chunks == 0) return std::size_t{0};
@@ -904,14 +914,23 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
       return n;
     };
     // From the largest request down; the first one placed in f is this block's largest.
-    for (std::size_t j = unmapped_upto.size(); j-- > 0;) {
+    // consider() never grows as `end` falls: once it is 0 no smaller request of f counts, and
+    // once its request r ends below this page, every page from here down to r's last one gives
+    // r or less, which ends below it too -- the search goes on at r's last page (with rounding
+    // steps of many pages, as roundup_power2_divisions makes, this skips all but one page per
+    // step; issue 30).
+    for (std::size_t j = end_pages; j-- > 0;) {
       const std::size_t boundary = range.page_addr(fp + j + 1) - f->addr;
       const std::size_t below = j == 0 ? 0 : range.page_addr(fp + j) - f->addr;
       for (std::size_t end : {std::min(boundary, f->size), std::min(boundary - 1, f->size)}) {
         const std::size_t r = consider(end);
-        if (r == 0 || r <= below) continue;    // none left ending on this page
+        if (r == 0) return;  // no request of f beats `best`
+        if (r <= below) {    // none left ending on this page: on at the page r ends on
+          j = range.page_of(f->addr + r - 1) - fp + 1;  // < j + 1 (r ends below page fp + j)
+          break;
+        }
         if (place_in_range(index, r) != f) continue;  // a request of r is placed elsewhere
-        if (unmapped_upto[j] + cut_pages(r, fp + j) > handles) continue;
+        if ((all_mapped ? 0 : unmapped_upto[j]) + cut_pages(r, fp + j) > handles) continue;
         best = r;
         return;
       }

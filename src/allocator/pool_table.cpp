@@ -171,8 +171,19 @@ pool_table::all_locked pool_table::lock_all_to_read() const {
 
 pool_table::all_locked pool_table::lock_all() const {
   all_locked a = lock_all_to_read();
-  all_stale_.store(true, std::memory_order_relaxed);  // read under stale_mu_ by take_stale
+  mark_all_stale();
   return a;
+}
+
+void pool_table::mark_all_stale() const noexcept {
+  std::lock_guard lock(stale_mu_);
+  all_stale_.store(true, std::memory_order_relaxed);  // read under stale_mu_ by take_stale
+  ++changes_;
+}
+
+bool pool_table::changed_since(std::uint64_t changes) const {
+  std::lock_guard lock(stale_mu_);
+  return changes_ != changes;
 }
 
 void pool_table::queue_stale(stream_pool& p) noexcept {
@@ -181,6 +192,7 @@ void pool_table::queue_stale(stream_pool& p) noexcept {
   // of pools still queued.
   p.stats_stale = true;
   std::lock_guard lock(stale_mu_);
+  ++changes_;  // before the change itself (the caller holds p.mu): a validated read sees it
   if (p.stale_queued) return;
   p.stale_queued = true;
   p.next_stale = stale_head_;
@@ -202,6 +214,7 @@ pool_table::stale_pools pool_table::take_stale() const {
   }
   stale_head_ = nullptr;
   out.all = all_stale_.exchange(false, std::memory_order_relaxed);
+  out.changes = changes_;
   return out;
 }
 

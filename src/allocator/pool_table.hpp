@@ -147,16 +147,26 @@ class pool_table {
   }
   /// The pools queued as stale since the last call (each once), and whether lock_all marked
   /// every pool stale meanwhile. A pool summarized again by someone else since it was queued is
-  /// still listed (summarizing it once more is harmless).
+  /// still listed (summarizing it once more is harmless). `changes`: the count of marks
+  /// (changed_since) when the queue was taken.
   struct stale_pools {
     std::vector<stream_pool*> pools;
     bool all = false;
+    std::uint64_t changes = 0;
   };
   [[nodiscard]] stale_pools take_stale() const;
   /// lock_all ran since the last take_stale (every summary may be stale).
   [[nodiscard]] bool all_stale() const noexcept {
     return all_stale_.load(std::memory_order_relaxed);
   }
+  /// Whether a pool was marked stale (queue_stale: a pool whose summary was current was locked
+  /// for a change) or lock_all ran since take_stale returned `changes`. The count is kept under
+  /// the queue's own lock, on the paths that take it already: nothing is added to a cache hit,
+  /// whose pool is stale already (docs/design.md, "Statistics under concurrent readers").
+  [[nodiscard]] bool changed_since(std::uint64_t changes) const;
+  /// Marks every pool stale, as lock_all does: for a refresh that failed part way (the pools it
+  /// had taken from the queue must not be forgotten).
+  void mark_all_stale() const noexcept;
 
   // --- retirement ------------------------------------------------------------------------------
   /// Where quiet events are queried (the capture-safe backend); set once by the allocator before
@@ -229,6 +239,7 @@ class pool_table {
   mutable std::mutex stale_mu_;          // a leaf
   mutable stream_pool* stale_head_ = nullptr;  // guarded by stale_mu_
   mutable std::atomic<bool> all_stale_{false};  // lock_all ran since the last take_stale
+  mutable std::uint64_t changes_ = 0;  // guarded by stale_mu_: marks and lock_alls, ever
 };
 
 }  // namespace cucache::detail

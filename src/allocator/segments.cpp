@@ -57,6 +57,7 @@ std::vector<segment_view> walk(const device_allocator::impl& m) {
 }  // namespace
 
 memory_snapshot device_allocator::take_snapshot() const {
+  std::lock_guard reader(impl_->stats_mu);
   auto all = impl_->pools.lock_all();
   memory_snapshot s;
   s.stats = impl_->stats_locked();

@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "allocator/allocator_impl.hpp"
 
@@ -79,12 +82,11 @@ void device_allocator::impl::resummarize(stream_pool& p) const {
   p.stats_stale = false;
 }
 
-void device_allocator::impl::refresh_stats(bool all_locked) const {
-  // The pools marked stale since the last refresh are summarized again, each under its own lock
-  // (or the caller's lock_all); every pool when lock_all ran meanwhile or, in expandable mode,
-  // the unmapped one-page handles changed (every expandable pool's largest request depends on
-  // them).
-  const std::size_t handles = pager ? pager->unmapped_page_handle_bytes() : 0;
+std::uint64_t device_allocator::impl::refresh_stats(bool all_locked, std::size_t handles) const {
+  // REQUIRES: stats_mu held. The pools marked stale since the last refresh are summarized again,
+  // each under its own lock (or the caller's lock_all); every pool when lock_all ran meanwhile
+  // or, in expandable mode, the unmapped one-page handles (`handles`, read by the caller) differ
+  // from those the ledger last saw (every expandable pool's largest request depends on them).
   detail::pool_table::stale_pools stale = pools.take_stale();
   bool every = stale.all;
   {
@@ -102,24 +104,44 @@ void device_allocator::impl::refresh_stats(bool all_locked) const {
       resummarize(p);
     }
   };
-  if (every) {
-    std::shared_lock<std::shared_mutex> list;
-    if (!all_locked) list = std::shared_lock(pools.list_mutex());
-    for (const auto& p : pools.list()) one(*p);
-    return;
+  try {
+    if (every) {
+      std::shared_lock<std::shared_mutex> list;
+      if (!all_locked) list = std::shared_lock(pools.list_mutex());
+      for (const auto& p : pools.list()) one(*p);
+    } else {
+      for (stream_pool* p : stale.pools) one(*p);
+    }
+  } catch (...) {
+    // Out of memory part way: the pools taken from the queue and not summarized again would be
+    // forgotten (still stale, no longer queued). Every pool counts as stale instead.
+    pools.mark_all_stale();
+    throw;
   }
-  for (stream_pool* p : stale.pools) one(*p);
+  return stale.changes;
 }
 
-device_stats device_allocator::impl::compose_stats() const {
-  device_stats s;
+device_stats device_allocator::impl::compose_stats(bool all_locked,
+                                                   std::uint64_t* budget_changes) const {
+  device_stats totals;
+  std::size_t largest = 0;
   std::size_t asleep_active = 0;
   {
     std::lock_guard lock(ledger.mu);
-    s = ledger.totals;
-    s.largest_free_block = ledger.largest_request();
+    totals = ledger.totals;
+    largest = ledger.largest_request();
     asleep_active = ledger.asleep_active;
   }
+  return compose_stats_from(totals, largest, asleep_active, all_locked, budget_changes);
+}
+
+device_stats device_allocator::impl::compose_stats_from(const device_stats& totals,
+                                                        std::size_t largest,
+                                                        std::size_t asleep_active,
+                                                        bool all_locked,
+                                                        std::uint64_t* budget_changes) const {
+  device_stats s = totals;
+  s.largest_free_block = largest;
   for (auto* arr : {&s.inactive_split_bytes, &s.inactive_split_count}) {
     for (auto& st : *arr) st.peak = st.allocated = st.current;
   }
@@ -132,6 +154,7 @@ device_stats device_allocator::impl::compose_stats() const {
     s.reserved_bytes[0].current = static_cast<std::int64_t>(reserved);
     s.reserved_bytes[0].peak = static_cast<std::int64_t>(budget.peak_bytes_locked());
     if (pager) s.unmapped_handle_bytes = pager->free_handle_bytes;
+    if (budget_changes != nullptr) *budget_changes = budget.changes_locked();
   }
   if (cfg.expandable_segments) {
     // Free memory is physical: mapped pages no block uses (idle or partly used) and unmapped
@@ -160,21 +183,63 @@ device_stats device_allocator::impl::compose_stats() const {
   s.alloc_retry_count = budget.retry_count.load(std::memory_order_relaxed);
   s.memory_limit = budget.limit;
   s.device_total_bytes = budget.device_total;
-  for (const auto& [domain, r] : sleeper.records()) {
-    s.sleeping_bytes += r.sleeping_bytes;
-    s.sleeping_host_bytes += r.host_bytes;
+  if (sleeper.any() || all_locked) {
+    // The records change only under every pool lock, which lock_all takes with the pool list
+    // shared: the list held exclusively keeps them still as well (and never waits for a pool).
+    std::unique_lock<std::shared_mutex> list;
+    if (!all_locked) list = std::unique_lock(pools.list_mutex());
+    for (const auto& [domain, r] : sleeper.records()) {
+      s.sleeping_bytes += r.sleeping_bytes;
+      s.sleeping_host_bytes += r.host_bytes;
+    }
   }
   return s;
 }
 
 device_stats device_allocator::impl::stats_locked() const {
-  refresh_stats(/*all_locked=*/true);
-  return compose_stats();
+  const std::size_t handles = pager ? pager->unmapped_page_handle_bytes() : 0;
+  refresh_stats(/*all_locked=*/true, handles);
+  return compose_stats(/*all_locked=*/true, nullptr);
 }
 
 device_stats device_allocator::impl::stats_unlocked() const {
-  refresh_stats(/*all_locked=*/false);
-  return compose_stats();
+  // A validated read (docs/design.md, "Statistics under concurrent readers"). Readers are
+  // serialized (stats_mu): one refreshes the ledger at a time, and none sees another's refresh
+  // half done. Each try takes the queue of stale pools (`changes`, the count of marks, with it),
+  // summarizes those pools again, and composes the ledger's totals with the device-wide figures
+  // (the budget, the pager's handles, the sleeping domains). The result is the state at one
+  // instant -- the moment the budget was read -- when no pool was marked since the queue was
+  // taken and the budget's count of changes is the one read before the refresh:
+  //  - a pool is marked (queue_stale) when it is locked for a change while its summary is
+  //    current, before the change, and lock_all counts as marking every pool; so with no mark
+  //    since the queue was taken, every pool held, from the moment its summary was last taken
+  //    (by this try, for the pools of the queue) until the check, the state its summary in the
+  //    ledger describes: the ledger's totals are those of every instant of that window;
+  //  - the budget's reservation and peak, and the unmapped handles, change only under its mutex,
+  //    with its count: they are those of the instant they were read (within the window), and
+  //    the handles are those the refresh judged the pools' largest requests by;
+  //  - the sleeping records change only under lock_all, a mark.
+  // A pool locked for a change already when the queue is taken is in the queue (it was marked
+  // when locked), and its summary is taken under its lock, after that change. An operation that
+  // returned before stats() was called marked its pool before its change, so its change is in
+  // this read. A try that fails (a writer marked a pool meanwhile) is repeated; after
+  // k_optimistic_reads the read is taken with every pool locked, which is exact.
+  constexpr int k_optimistic_reads = 3;
+  std::lock_guard reader(stats_mu);
+  for (int attempt = 0; attempt < k_optimistic_reads; ++attempt) {
+    std::uint64_t budget_before = 0;
+    {
+      std::lock_guard lock(budget.mu);
+      budget_before = budget.changes_locked();
+    }
+    const std::size_t handles = pager ? pager->unmapped_page_handle_bytes() : 0;
+    const std::uint64_t marks = refresh_stats(/*all_locked=*/false, handles);
+    std::uint64_t budget_after = 0;
+    device_stats s = compose_stats(/*all_locked=*/false, &budget_after);
+    if (budget_after == budget_before && !pools.changed_since(marks)) return s;
+  }
+  auto all = pools.lock_all_to_read();  // nothing changes while every pool is locked
+  return stats_locked();
 }
 
 std::size_t device_allocator::impl::largest_cached_request(const stream_pool& p) const {
@@ -200,6 +265,134 @@ std::size_t device_allocator::impl::largest_cached_request(const stream_pool& p)
 }
 
 device_stats device_allocator::stats() const { return impl_->stats_unlocked(); }
+
+std::string violated_stats_relation(const device_stats& s, bool expandable_segments) {
+  using i64 = std::int64_t;
+  const auto i = [](std::size_t v) { return static_cast<i64>(v); };
+  const char* const slot_name[k_stat_pools] = {"all", "small_pool", "large_pool"};
+  std::string why;
+  const auto fail = [&](std::string text) {
+    if (why.empty()) why = std::move(text);
+  };
+  // Per field and slot: signs and peaks; every slot's sum.
+  const auto each = [&](const char* name, const stat_array& a, i64 extra_in_all) {
+    for (std::size_t k = 0; k < k_stat_pools; ++k) {
+      const stat& v = a[k];
+      if (v.current < 0 || v.peak < 0 || v.allocated < 0 || v.freed < 0) {
+        fail(fmt::format("nonnegative: {}.{} is {{current {}, peak {}, allocated {}, freed {}}}",
+                         name, slot_name[k], v.current, v.peak, v.allocated, v.freed));
+      }
+      if (v.peak < v.current) {
+        fail(fmt::format("peak_covers_current: {}.{} peak {} < current {}", name, slot_name[k],
+                         v.peak, v.current));
+      }
+    }
+    if (a[0].current != a[1].current + a[2].current + extra_in_all) {
+      fail(fmt::format("all_is_the_sum: {}.all {} != small_pool {} + large_pool {}{}", name,
+                       a[0].current, a[1].current, a[2].current,
+                       extra_in_all != 0 ? fmt::format(" + {}", extra_in_all) : std::string()));
+    }
+  };
+#define CUCACHE_RELATION_ARRAY_(member, torch, unit) \
+  each(#member, s.member,                            \
+       std::string_view(#member) == "reserved_bytes" ? i(s.unmapped_handle_bytes) : 0);
+  CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_RELATION_ARRAY_)
+#undef CUCACHE_RELATION_ARRAY_
+  const i64 sleeping = i(s.sleeping_bytes);
+  for (std::size_t k = 0; k < k_stat_pools; ++k) {
+    const char* slot = slot_name[k];
+    if (s.requested_bytes[k].current > s.allocated_bytes[k].current) {
+      fail(fmt::format("requested_within_allocated: {}: requested {} > allocated {}", slot,
+                       s.requested_bytes[k].current, s.allocated_bytes[k].current));
+    }
+    if (s.allocated_bytes[k].current > s.active_bytes[k].current ||
+        s.allocation_count[k].current > s.active_count[k].current) {
+      fail(fmt::format("allocated_within_active: {}: allocated {} bytes / {} blocks, active {} / {}",
+                       slot, s.allocated_bytes[k].current, s.allocation_count[k].current,
+                       s.active_bytes[k].current, s.active_count[k].current));
+    }
+    if (s.active_bytes[k].current > s.reserved_bytes[k].current + sleeping) {
+      fail(fmt::format("active_within_reserved: {}: active {} > reserved {} + sleeping {}", slot,
+                       s.active_bytes[k].current, s.reserved_bytes[k].current, sleeping));
+    }
+  }
+  const i64 reserved = s.reserved_bytes[0].current;
+  const i64 pools_reserved = s.reserved_bytes[1].current + s.reserved_bytes[2].current;
+  const i64 unused = reserved - s.active_bytes[0].current;  // reserved - active
+  const i64 free_bytes = i(s.free_bytes);
+  if (expandable_segments ? (free_bytes < unused || free_bytes > unused + sleeping)
+                          : free_bytes != unused) {
+    fail(fmt::format("free_is_reserved_minus_active: free {} with reserved {}, active {}, "
+                     "sleeping {} ({} mode)",
+                     free_bytes, reserved, s.active_bytes[0].current, sleeping,
+                     expandable_segments ? "expandable" : "default"));
+  }
+  if (free_bytes > reserved) {
+    fail(fmt::format("free_is_reserved_minus_active: free {} > reserved {}", free_bytes,
+                     reserved));
+  }
+  if (s.largest_free_block > s.free_bytes) {
+    fail(fmt::format("largest_within_free: largest free block {} > free {}",
+                     s.largest_free_block, s.free_bytes));
+  }
+  if (s.largest_free_block > 0 && s.free_block_count == 0) {
+    fail(fmt::format("largest_needs_a_free_block: largest free block {} with no free block",
+                     s.largest_free_block));
+  }
+  if (!expandable_segments && (s.free_block_count == 0) != (s.free_bytes == 0)) {
+    fail(fmt::format("free_blocks_hold_free_bytes: {} free blocks hold {} bytes",
+                     s.free_block_count, s.free_bytes));
+  }
+  if (s.inactive_split_bytes[0].current > free_bytes ||
+      s.inactive_split_count[0].current > i(s.free_block_count)) {
+    fail(fmt::format("inactive_split_within_free: inactive split {} bytes / {} blocks, free {} / "
+                     "{}",
+                     s.inactive_split_bytes[0].current, s.inactive_split_count[0].current,
+                     s.free_bytes, s.free_block_count));
+  }
+  if ((s.segment_count[0].current == 0) != (pools_reserved == 0)) {
+    fail(fmt::format("segments_hold_reserved: {} segments hold {} bytes of the pools",
+                     s.segment_count[0].current, pools_reserved));
+  }
+  if (i(s.oversize_allocations) > s.allocation_count[0].current ||
+      i(s.oversize_segments) > s.segment_count[0].current) {
+    fail(fmt::format("oversize_within_counts: {} oversize allocations of {}, {} oversize "
+                     "segments of {}",
+                     s.oversize_allocations, s.allocation_count[0].current, s.oversize_segments,
+                     s.segment_count[0].current));
+  }
+  if (s.events_pending > 0 && s.active_count[0].current <= s.allocation_count[0].current) {
+    fail(fmt::format("pending_needs_active: {} events pending, {} active blocks of which {} "
+                     "allocated",
+                     s.events_pending, s.active_count[0].current, s.allocation_count[0].current));
+  }
+  if (expandable_segments) {
+    if (i(s.mapped_bytes) + i(s.unmapped_handle_bytes) > reserved ||
+        i(s.mapped_bytes) > pools_reserved) {
+      fail(fmt::format("pages_within_reserved: mapped {} + unmapped handles {} with reserved {} "
+                       "({} in the pools)",
+                       s.mapped_bytes, s.unmapped_handle_bytes, reserved, pools_reserved));
+    }
+  } else if (s.mapped_bytes != 0 || s.unmapped_handle_bytes != 0 || s.sleeping_bytes != 0 ||
+             s.sleeping_host_bytes != 0) {
+    fail(fmt::format("pages_within_reserved: default mode with {} mapped, {} in unmapped "
+                     "handles, {} sleeping",
+                     s.mapped_bytes, s.unmapped_handle_bytes, s.sleeping_bytes));
+  }
+  // (Not reserved <= memory_limit: the limit may be lowered under what is reserved at any time,
+  // set_memory_fraction, and reserved then only falls towards it.)
+  if (s.device_total_bytes != 0 && reserved > i(s.device_total_bytes)) {
+    fail(fmt::format("within_limit: reserved {} (peak {}), device {}", reserved,
+                     s.reserved_bytes[0].peak, s.device_total_bytes));
+  }
+  for (const double rate : {s.external_fragmentation(), s.overhead_fragmentation()}) {
+    if (!(rate >= 0.0 && rate <= 1.0)) {
+      fail(fmt::format("rates_in_unit_interval: external {}, overhead {}",
+                       s.external_fragmentation(), s.overhead_fragmentation()));
+    }
+  }
+  return why;
+}
 
 void device_allocator::reset_peak_stats() {
   auto all = impl_->pools.lock_all();

@@ -1,6 +1,7 @@
 // Size rules of the caching core (see src/core/size_policy.hpp).
 #include "core/size_policy.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <limits>
 #include <optional>
@@ -26,6 +27,8 @@ size_policy::size_policy(const config& cfg)
                                               : cfg.max_split_size),
       max_non_split_rounding_(cfg.max_non_split_rounding),
       divisions_(cfg.roundup_power2_divisions),
+      pow2_divisions_(std::all_of(divisions_.begin(), divisions_.end(),
+                                  [](std::uint32_t d) { return d == 0 || std::has_single_bit(d); })),
       split_any_remainder_(cfg.expandable_segments) {}
 
 std::optional<std::size_t> size_policy::round_size_divided(std::size_t bytes) const noexcept {
@@ -55,6 +58,28 @@ std::optional<std::size_t> size_policy::round_size_divided(std::size_t bytes) co
 }
 
 std::size_t size_policy::largest_rounded_within(std::size_t bytes) const noexcept {
+  // Rounding is monotonic, never rounds down and maps rounded sizes to themselves, so the answer
+  // is the largest fixed point of round_size at most `bytes` (and at most k_max_request_bytes,
+  // past which nothing is rounded). With power-of-two divisions the fixed points of the interval
+  // [f, 2f) (f a power of two, f >= 512) are: f itself, and the multiples of 512 -- or, where the
+  // interval's division d > 1 applies to all of it (f > 512 d), the multiples of the step f / d
+  // (a power of two above 512, so a multiple of 512). The largest at most x, for x in [f, 2f), is
+  // x rounded down to that unit: it is at least f. (Where f <= 512 d the divided rule applies
+  // only above 512 d, with a step f / d <= 512 that divides 512: multiples of 512 again.)
+  if (!pow2_divisions_) [[unlikely]]
+    return largest_rounded_within_by_search(bytes);
+  const std::size_t x = std::min(bytes, k_max_request_bytes) & ~(k_min_block_bytes - 1);
+  if (x == 0 || divisions_.empty()) return x;
+  const std::size_t f = std::bit_floor(x);
+  const int log2 = static_cast<int>(std::bit_width(x)) - 1;
+  const std::size_t index = log2 <= 20 ? 0 : static_cast<std::size_t>(log2 - 20);
+  const std::size_t div = divisions_[index < divisions_.size() ? index : divisions_.size() - 1];
+  if (div <= 1 || f <= k_min_block_bytes * div) return x;
+  const std::size_t step = f / div;
+  return x / step * step;
+}
+
+std::size_t size_policy::largest_rounded_within_by_search(std::size_t bytes) const noexcept {
   // Rounding is monotonic, never rounds down and maps rounded sizes to themselves, so the largest
   // multiple of 512 whose rounded size fits is itself a rounded size.
   const auto fits = [&](std::size_t units) {

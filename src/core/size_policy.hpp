@@ -60,8 +60,15 @@ class size_policy {
     return rounded < k_min_block_bytes ? k_min_block_bytes : rounded;
   }
   /// The largest rounded size at most `bytes` (0 if none): a request of that many bytes is
-  /// rounded to itself, and every larger request to more than `bytes`.
+  /// rounded to itself, and every larger request to more than `bytes`. O(1) when every division
+  /// is 0 or a power of two (what config accepts): the largest multiple of 512 -- or, where
+  /// roundup_power2_divisions steps, of the step -- at most `bytes`; otherwise
+  /// largest_rounded_within_by_search. Called per free block and per page boundary by the
+  /// statistics' largest request (the pager's dry run), so it must not cost a search (issue 30).
   [[nodiscard]] std::size_t largest_rounded_within(std::size_t bytes) const noexcept;
+  /// The same by a binary search over round_size (O(log bytes) calls): the definition, for
+  /// divisions that are not powers of two, and the reference of the tests.
+  [[nodiscard]] std::size_t largest_rounded_within_by_search(std::size_t bytes) const noexcept;
   [[nodiscard]] static pool_kind pool_for(std::size_t rounded) noexcept {
     return rounded <= k_small_request_max_bytes ? pool_kind::small : pool_kind::large;
   }
@@ -98,6 +105,7 @@ class size_policy {
   std::size_t max_split_size_ = std::numeric_limits<std::size_t>::max();
   std::size_t max_non_split_rounding_ = 20 * k_mib;
   std::vector<std::uint32_t> divisions_;  // empty: plain 512 B rounding
+  bool pow2_divisions_ = true;            // every division 0 or a power of two
   bool split_any_remainder_ = false;      // expandable segments: split both pools like the small
 };
 

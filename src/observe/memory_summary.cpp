@@ -67,7 +67,7 @@ std::string device_allocator::memory_summary() const {
                         detail::format_bytes(static_cast<double>(s.free_bytes)), s.free_block_count,
                         detail::format_bytes(static_cast<double>(s.largest_free_block))));
   line(out, fmt::format("Fragmentation: external {:.1f}% (1 - largest servable / free), "
-                        "overhead {:.1f}% (1 - allocated / reserved)",
+                        "overhead {:.1f}% (unused share of reserved)",
                         100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation()));
   line(out, fmt::format("Oversize allocations: {}   oversize segments: {}   pending frees: {}",
                         s.oversize_allocations, s.oversize_segments, s.events_pending));

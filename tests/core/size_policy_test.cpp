@@ -5,6 +5,8 @@
 
 #include <limits>
 #include <optional>
+#include <random>
+#include <string>
 #include <vector>
 
 namespace cucache::detail {
@@ -118,6 +120,75 @@ TEST(SizePolicy, RoundingIsCheckedAtTheTopOfTheRange) {
   EXPECT_EQ(div4.round_size(std::size_t{1} << 63), std::size_t{1} << 63);
   EXPECT_EQ(size_policy().round_size(k_max_request_bytes - 511), 0xfffffffffd7ffe00ULL);
   EXPECT_EQ(size_policy().round_size(k_max_request_bytes), std::nullopt);  // rounds past it
+}
+
+// largest_rounded_within (O(1), used per free block and page by the statistics' largest request)
+// against its definition, the binary search over round_size: every size up to 16 KiB, the
+// neighbourhood of every power of two and of every step of every interval, and seeded random
+// sizes of every bit length, over fixed configurations (the interval tables of config.md
+// included), random per-interval division lists, and divisions that are not powers of two
+// (which take the search itself).
+TEST(SizePolicy, LargestRoundedWithinIsTheSearchsAnswer) {
+  constexpr std::size_t max = std::numeric_limits<std::size_t>::max();
+  std::vector<config> configs;
+  for (const char* text :
+       {"", "roundup_power2_divisions:2", "roundup_power2_divisions:4",
+        "roundup_power2_divisions:16", "roundup_power2_divisions:2147483648",
+        "roundup_power2_divisions:[1:4,64:2,>:1]", "roundup_power2_divisions:[256:4,512:2,>:1]",
+        "roundup_power2_divisions:[1:0,>:2147483648]", "expandable_segments:True",
+        "max_split_size_mb:20,roundup_power2_divisions:8"}) {
+    configs.push_back(parse_config(text));
+  }
+  std::mt19937_64 rng(30);
+  for (int i = 0; i < 12; ++i) {
+    config c;
+    c.roundup_power2_divisions.resize(1 + rng() % k_roundup_power2_intervals);
+    for (auto& d : c.roundup_power2_divisions) {
+      d = rng() % 4 == 0 ? 0 : std::uint32_t{1} << (rng() % 32);
+    }
+    configs.push_back(c);
+  }
+  for (const std::uint32_t odd : {3u, 5u, 6u, 1000u}) {  // not powers of two: the search
+    config c;
+    c.roundup_power2_divisions.assign(k_roundup_power2_intervals, odd);
+    configs.push_back(c);
+  }
+  std::vector<std::size_t> sizes;
+  for (std::size_t b = 0; b <= 16 * 1024; ++b) sizes.push_back(b);
+  for (int k = 9; k < 64; ++k) {
+    const std::size_t f = std::size_t{1} << k;
+    for (std::size_t d = 1; d <= (std::size_t{1} << 12) && d <= f; d <<= 1) {
+      for (std::size_t m = 1; m < 2 * d && m < 12; ++m) {  // steps of f / d within [f, 2f)
+        const std::size_t at = f + m * (f / d);
+        for (std::size_t delta : {0, 1, 511, 512, 513}) {
+          sizes.push_back(at - delta);
+          if (at <= max - delta) sizes.push_back(at + delta);
+        }
+      }
+    }
+  }
+  for (std::size_t k = 0; k < 4096; ++k) sizes.push_back(max - k * 97);
+  for (int i = 0; i < 5000; ++i) sizes.push_back(rng() >> (rng() % 64));
+  std::size_t checked = 0;
+  for (std::size_t ci = 0; ci < configs.size(); ++ci) {
+    const size_policy p(configs[ci]);
+    for (const std::size_t bytes : sizes) {
+      const std::size_t expect = p.largest_rounded_within_by_search(bytes);
+      ASSERT_EQ(p.largest_rounded_within(bytes), expect)
+          << "config " << ci << ", bytes " << std::hex << bytes;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 1'000'000u);
+  // Worked cases: halves of [256 MiB, 512 MiB) under 2 divisions, quarters of [1 GiB, 2 GiB).
+  const size_policy halves(parse_config("roundup_power2_divisions:[256:4,512:2,>:1]"));
+  EXPECT_EQ(halves.largest_rounded_within(300 * k_mib), 256 * k_mib);
+  EXPECT_EQ(halves.largest_rounded_within(700 * k_mib - 1), 512 * k_mib);
+  const size_policy quarters(parse_config("roundup_power2_divisions:4"));
+  EXPECT_EQ(quarters.largest_rounded_within(1791 * k_mib), 1536 * k_mib);
+  EXPECT_EQ(quarters.largest_rounded_within(1500), 1024u);  // below 512 * 4: 512 B steps
+  EXPECT_EQ(quarters.largest_rounded_within(511), 0u);
+  EXPECT_EQ(size_policy().largest_rounded_within(max), k_max_request_bytes - 511);
 }
 
 }  // namespace

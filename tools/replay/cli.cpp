@@ -183,7 +183,7 @@ std::string format_legend(const std::vector<trace_result>& results, const std::s
   line("frag ext",
        "external fragmentation at the reserved peak: 1 - largest free block / free "
        "bytes");
-  line("frag ovh", "overhead fragmentation at the reserved peak: 1 - allocated / reserved");
+  line("frag ovh", "overhead fragmentation at the reserved peak: unused share of reserved");
   if (first.capacity_bytes) {
     line("fits, ooms", "whether every allocation succeeded under --capacity-gib; how many failed");
   }

@@ -106,7 +106,7 @@ struct options {
 /// Allocator state at the moment reserved memory reached its peak.
 struct fragmentation_sample {
   double external = 0.0;  // 1 - largest free block / free bytes
-  double overhead = 0.0;  // 1 - allocated / reserved
+  double overhead = 0.0;  // device_stats::overhead_fragmentation: unused share of reserved
   std::size_t reserved_bytes = 0;
   std::size_t allocated_bytes = 0;
   std::size_t free_bytes = 0;
