@@ -335,7 +335,8 @@ std::string advice_legend(const advice& a) {
        "the smallest memory limit under which the trace replays with no out-of-memory "
        "(bisection at the resolution above): the smallest card the job runs on");
   line("min/req", "min capacity / the trace's peak requested bytes; 1.0 is the floor");
-  line("peak reserved", "peak reserved bytes of a replay without a limit");
+  line("peak reserved", a.capacity_bytes ? "peak reserved bytes of a replay on the card"
+                                         : "peak reserved bytes of a replay without a limit");
   line("device calls", "cudaMalloc and cudaFree calls of that replay (with expandable segments: "
                        "cuMemCreate and cuMemRelease)");
   line("VM calls", "cuMemMap and cuMemUnmap calls of that replay (expandable segments only)");
