@@ -60,8 +60,12 @@ write_basic_package_version_file(${_pkg}/cucacheConfigVersion.cmake
   VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 # One template, two configurations: the install's, and the build tree's (find_package with
 # cucache_DIR=<build>, or export(PACKAGE)); both include the cucacheTargets.cmake beside them.
+set(CUCACHE_PACKAGE_BUILD_TREE FALSE)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/cucacheConfig.cmake.in
   ${_pkg}/cucacheConfig.cmake INSTALL_DESTINATION ${CUCACHE_CMAKE_INSTALL_DIR})
+# The build tree's targets keep the layers' BUILD_INTERFACE links (fmt, nlohmann_json): its
+# configuration finds them too.
+set(CUCACHE_PACKAGE_BUILD_TREE TRUE)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/cucacheConfig.cmake.in
   ${PROJECT_BINARY_DIR}/cucacheConfig.cmake
   INSTALL_DESTINATION ${PROJECT_BINARY_DIR} INSTALL_PREFIX ${PROJECT_BINARY_DIR})

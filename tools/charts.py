@@ -194,7 +194,7 @@ def main():
         import matplotlib
     except ImportError:
         print("charts: skipped: matplotlib is not installed (pip install matplotlib; "
-              "tools/install_deps.sh installs it)", file=sys.stderr)
+              "tools/install_deps.sh --tests installs it)", file=sys.stderr)
         return 77
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -10,7 +10,12 @@ snippet leaves out. A block that cannot compile by its nature (a synopsis of dec
 preceded by the line <!-- snippet: not compiled (REASON) -->. Each block is compiled with
 -fsyntax-only (nvcc: its front end only), so nothing is linked or run.
 
-    tools/check_doc_snippets.py --cc CC --cxx CXX [--nvcc NVCC] --include DIR... FILE.md...
+A page given with --programs (README.md) holds whole programs, which a reader pastes into a file:
+each of its C and C++ blocks is compiled exactly as written -- nothing wrapped, no "..." line --
+and must define main.
+
+    tools/check_doc_snippets.py --cc CC --cxx CXX [--nvcc NVCC] --include DIR...
+                                [--programs FILE.md]... FILE.md...
 """
 import argparse
 import re
@@ -70,12 +75,17 @@ def main():
     ap.add_argument("--cxx", required=True)
     ap.add_argument("--nvcc")
     ap.add_argument("--include", action="append", default=[])
-    ap.add_argument("pages", nargs="+", type=Path)
+    ap.add_argument("--programs", action="append", default=[], type=Path,
+                    help="a page whose blocks are whole programs, compiled exactly as written")
+    ap.add_argument("pages", nargs="*", type=Path)
     args = ap.parse_args()
+    programs = {p.resolve() for p in args.programs}
+    pages = list(args.programs) + [p for p in args.pages if p.resolve() not in programs]
     flags = [f"-I{d}" for d in args.include]
     failed = compiled = skipped = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for page in args.pages:
+        for page in pages:
+            whole = page.resolve() in programs
             for line, lang, text, skip in blocks(page):
                 if lang not in LANGS:
                     continue
@@ -88,7 +98,15 @@ def main():
                 cuda = lang == "cpp" and "cucache/thrust.hpp" in text
                 suffix = ".cu" if cuda else (".c" if lang == "c" else ".cpp")
                 src = Path(tmp) / f"snippet_{line}{suffix}"
-                src.write_text(translation_unit(text, line), encoding="utf-8")
+                if whole:
+                    if not re.search(r"\bint\s+main\s*\(", text):
+                        print(f"{where}: the {lang} block is not a whole program: no main()")
+                        failed += 1
+                        compiled += 1
+                        continue
+                    src.write_text(f"#line {line}\n{text}\n", encoding="utf-8")
+                else:
+                    src.write_text(translation_unit(text, line), encoding="utf-8")
                 if cuda:
                     if not args.nvcc:
                         print(f"{where}: skipped: needs nvcc (CUDA C++), none given")
@@ -108,7 +126,8 @@ def main():
                     out = (r.stdout + r.stderr).replace(str(src), str(page))
                     print(f"{where}: the {lang} snippet does not compile as written:\n{out}")
                 else:
-                    print(f"{where}: {lang}{' (CUDA)' if cuda else ''} snippet compiles")
+                    kind = "program" if whole else "snippet"
+                    print(f"{where}: {lang}{' (CUDA)' if cuda else ''} {kind} compiles")
     print(f"doc snippets: {compiled - failed} passed, {failed} failed, {skipped} not compiled")
     return 1 if failed else 0
 

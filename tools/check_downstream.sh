@@ -5,7 +5,8 @@
 #   1. installs BUILD_DIR (default: build/, a static build) with `cmake --install`, checks what was
 #      installed (public headers only, the package files, cucache.pc, cucache-replay);
 #   2. builds examples/ as a separate project with find_package(cucache) against it, with the
-#      compiler's default C++ standard (C++17 for GCC 12) and nvcc's for the CUDA examples;
+#      compiler's default C++ standard (C++17 for GCC 12) and nvcc's for the CUDA examples; and
+#      against BUILD_DIR itself (-Dcucache_DIR=BUILD_DIR: the build tree's package);
 #   3. builds and links by hand with pkg-config (C99 and C++20 programs, and header checks: cucache.h
 #      as C99 and C++11, thrust.hpp as C++14, memory_resource.hpp as C++17), and builds examples/
 #      with CUCACHE_EXAMPLES_USE=pkg-config;
@@ -53,6 +54,12 @@ step "examples/ with find_package(cucache), static"
 configure -S "$src/examples" -B "$work/ex-package" -DCMAKE_PREFIX_PATH="$static"
 grep -q "shared: OFF" "$work/last.log" || fail "find_package did not report the static package"
 build_and_test "$work/ex-package"
+
+step "examples/ with find_package(cucache) from the build tree (cucache_DIR=$build)"
+# docs/api.md: the build tree is a package too, without installing it.
+configure -S "$src/examples" -B "$work/ex-buildtree" -Dcucache_DIR="$build" -DCUCACHE_EXAMPLES_CUDA=OFF
+grep -q "from $build" "$work/last.log" || fail "find_package did not use the build tree $build"
+build_and_test "$work/ex-buildtree"
 
 step "pkg-config, by hand"
 export PKG_CONFIG_PATH="$static/lib/pkgconfig"

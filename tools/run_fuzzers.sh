@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every fuzz harness (tests/fuzz) for a bounded time under AddressSanitizer + UBSan:
 #   bash tools/run_fuzzers.sh [seconds per harness, default 60]
-# With clang and its libFuzzer runtime (Debian: clang, libclang-rt-dev; tools/install_deps.sh),
+# With clang and its libFuzzer runtime (Debian: clang, libclang-rt-dev; tools/install_deps.sh --tests),
 # configures a clang tree with -DCUCACHE_SANITIZE=address,undefined -DCUCACHE_BUILD_FUZZERS=ON,
 # builds only the harnesses and runs them side by side, each for the given time, starting from its
 # seed corpus (tests/fuzz/corpus/<name>; new inputs go to <build>/fuzz-work/<name>, not into the

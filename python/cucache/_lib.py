@@ -93,6 +93,15 @@ def _candidates() -> list[Path]:
 def _find_lib(lib_path: Optional[str]) -> Path:
     if lib_path:
         return Path(lib_path)
+    # A variable that names a library is the user's choice: a wrong path is an error, never a fall
+    # back to another copy (beside the package or in build/lib) that may be a different build.
+    for var in ("CUCACHE_LIB", "CUCACHE_TORCH_LIB"):
+        env = os.environ.get(var)
+        if env:
+            if not Path(env).is_file():
+                raise FileNotFoundError(f"cucache: {var}={env}: no such file (unset {var} to use the "
+                                        f"{_LIB_NAME} beside the package or in build/lib)")
+            break
     for p in _candidates():
         if p.is_file():
             return p

@@ -15,6 +15,7 @@
 
 #include "allocator/tag_sleeper.hpp"
 #include "api/registry.hpp"
+#include "core/format_bytes.hpp"
 #include "cucache/trace.hpp"
 #include "observe/observe_hub.hpp"
 
@@ -90,24 +91,28 @@ std::string memory_summary(int device) {
   const std::vector<tag_stat> tags = tag_stats(device);
   if (!tags.empty()) {
     // The tags' table follows PyTorch's, in its frame: requested bytes of live allocations.
-    text += fmt::format("|{:^75}|\n", "Tags (requested bytes)");
-    text += fmt::format("| {:<30}| {:>10} | {:>10} | {:>8} | {:>6} |\n", "tag", "current",
+    static_assert(detail::k_summary_width == 86, "the tags' tables below are 86 wide");
+    // Rows of detail::k_summary_width: "| " + 33 + "| " + 12 + " | " + 12 + " | " + 8 + " | " + 6
+    // + " |".
+    text += fmt::format("|{:^84}|\n", "Tags (requested bytes)");
+    text += fmt::format("| {:<33}| {:>12} | {:>12} | {:>8} | {:>6} |\n", "tag", "current",
                         "peak", "live", "total");
     for (const tag_stat& t : tags) {
-      text += fmt::format("| {:<30.30}| {:>10} | {:>10} | {:>8} | {:>6} |\n", t.tag,
+      text += fmt::format("| {:<33.33}| {:>12} | {:>12} | {:>8} | {:>6} |\n", t.tag,
                           t.current_bytes, t.peak_bytes, t.allocations, t.total_allocations);
     }
-    text += fmt::format("|{:=^75}|\n", "");
+    text += fmt::format("|{:=^84}|\n", "");
   }
   const std::vector<sleep_stat> asleep = sleeping(device);
   if (!asleep.empty()) {
     // Sleeping tags (sleep and wake): device bytes released, host bytes holding their contents.
-    text += fmt::format("|{:^75}|\n", "Sleeping tags");
-    text += fmt::format("| {:<30}| {:>20} | {:>19} |\n", "tag", "device released", "host copy");
+    // "| " + 33 + "| " + 22 + " | " + 22 + " |".
+    text += fmt::format("|{:^84}|\n", "Sleeping tags");
+    text += fmt::format("| {:<33}| {:>22} | {:>22} |\n", "tag", "device released", "host copy");
     for (const sleep_stat& t : asleep) {
-      text += fmt::format("| {:<30.30}| {:>20} | {:>19} |\n", t.tag, t.bytes, t.host_bytes);
+      text += fmt::format("| {:<33.33}| {:>22} | {:>22} |\n", t.tag, t.bytes, t.host_bytes);
     }
-    text += fmt::format("|{:=^75}|\n", "");
+    text += fmt::format("|{:=^84}|\n", "");
   }
   return text;
 }

@@ -516,6 +516,13 @@ config parse_config(std::string_view text, config base) {
     }
     const key_spec* spec = find_spec(key);
     if (spec == nullptr) {
+      // key=value, a shell habit: suggest the entry with ':' when the part before '=' is a key.
+      if (const std::size_t eq = entry.find('=');
+          eq < colon && find_spec(trim(entry.substr(0, eq))) != nullptr) {
+        fail(key, fmt::format("'=' between key and value (did you mean '{}:{}'? a key and its value "
+                              "are separated by ':', as in PyTorch's PYTORCH_ALLOC_CONF)",
+                              trim(entry.substr(0, eq)), trim(entry.substr(eq + 1))));
+      }
       const auto near = nearest_key(key);
       fail(key, near ? fmt::format("unknown key (did you mean '{}'?)", *near) : "unknown key");
     }

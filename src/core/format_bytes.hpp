@@ -21,4 +21,8 @@ inline std::string format_bytes(double bytes) {
   return fmt::format("{}{:.2f} {}", negative ? "-" : "", v, units[u]);
 }
 
+/// The width of every row of memory_summary()'s text, its frame included (src/observe's table and
+/// the tags' tables the API appends): the width of PyTorch's stat rows.
+inline constexpr int k_summary_width = 86;
+
 }  // namespace cucache::detail

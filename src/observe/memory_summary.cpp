@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <string>
+#include <string_view>
 
 #include "core/format_bytes.hpp"
 #include "cucache/device_allocator.hpp"
@@ -11,7 +12,9 @@
 namespace cucache {
 namespace {
 
-constexpr int k_width = 83;
+// Every row is k_width characters, as the stat rows are: "| " + 21 + "| " + 13 + " | " + 13 +
+// " | " + 12 + " | " + 12 + " |".
+constexpr int k_width = detail::k_summary_width;
 
 void rule(std::string& out, char c) {
   out.append("|");
@@ -19,11 +22,26 @@ void rule(std::string& out, char c) {
   out.append("|\n");
 }
 
-void line(std::string& out, const std::string& text) {
-  out += fmt::format("| {:<{}}|\n", text, k_width - 3);
+// A row of free text; text longer than the row is wrapped at spaces onto rows indented by two.
+void line(std::string& out, std::string_view text) {
+  constexpr std::size_t room = k_width - 4;  // "| " + text + " |"
+  std::string_view indent;
+  while (true) {
+    const std::size_t fits = room - indent.size();
+    if (text.size() <= fits) {
+      out += fmt::format("| {}{:<{}} |\n", indent, text, fits);
+      return;
+    }
+    std::size_t cut = text.rfind(' ', fits);
+    if (cut == std::string_view::npos || cut == 0) cut = fits;  // one word longer than a row
+    out += fmt::format("| {}{:<{}} |\n", indent, text.substr(0, cut), fits);
+    text.remove_prefix(cut);
+    while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+    indent = "  ";
+  }
 }
 
-void stat_rows(std::string& out, const char* title, const stat_array& s, bool bytes) {
+void stat_rows(std::string& out, std::string_view title, const stat_array& s, bool bytes) {
   auto cell = [&](std::int64_t v) {
     return bytes ? detail::format_bytes(static_cast<double>(v)) : fmt::format("{}", v);
   };
@@ -63,12 +81,15 @@ std::string device_allocator::memory_summary() const {
   stat_rows(out, "Segments", s.segment_count, false);
   stat_rows(out, "Non-releasable allocs (current only)", s.inactive_split_count, false);
   // The largest request the cache serves without new device memory (docs/design.md).
-  line(out, fmt::format("Free (cached) memory: {} in {} pieces, largest servable request {}",
-                        detail::format_bytes(static_cast<double>(s.free_bytes)), s.free_block_count,
+  // Two rows each, broken where a reader expects (line() would wrap them anywhere).
+  line(out, fmt::format("Free (cached) memory: {} in {} pieces,",
+                        detail::format_bytes(static_cast<double>(s.free_bytes)), s.free_block_count));
+  line(out, fmt::format("  largest servable request {}",
                         detail::format_bytes(static_cast<double>(s.largest_free_block))));
-  line(out, fmt::format("Fragmentation: external {:.1f}% (1 - largest servable / free), "
-                        "overhead {:.1f}% (unused share of reserved)",
-                        100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation()));
+  line(out, fmt::format("Fragmentation: external {:.1f}% (1 - largest servable / free),",
+                        100.0 * s.external_fragmentation()));
+  line(out, fmt::format("  overhead {:.1f}% (unused share of reserved)",
+                        100.0 * s.overhead_fragmentation()));
   line(out, fmt::format("Oversize allocations: {}   oversize segments: {}   pending frees: {}",
                         s.oversize_allocations, s.oversize_segments, s.events_pending));
   if (get_config().expandable_segments) {

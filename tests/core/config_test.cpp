@@ -370,6 +370,28 @@ TEST(ConfigParse, MistypedKeySuggestsTheNearestOne) {
   }
 }
 
+// key=value (a shell habit) instead of key:value: the suggestion is the entry with ':'.
+TEST(ConfigParse, EqualsSignInsteadOfColonSuggestsTheColonForm) {
+  const struct {
+    const char* text;
+    const char* suggestion;
+  } cases[] = {
+      {"expandable_segments=True", "expandable_segments:True"},
+      {"max_split_size_mb = 128", "max_split_size_mb:128"},
+      {"garbage_collection_threshold:0.8,expandable_segments=True", "expandable_segments:True"},
+      {"trace=/tmp/a.csv", "trace:/tmp/a.csv"},
+  };
+  for (const auto& c : cases) {
+    const std::string msg = parse_error(c.text);
+    EXPECT_NE(msg.find(std::string("(did you mean '") + c.suggestion + "'?"), std::string::npos)
+        << c.text << " -> " << msg;
+    EXPECT_NE(msg.find("':'"), std::string::npos) << c.text << " -> " << msg;
+  }
+  // An unknown key with '=' gets no made-up suggestion.
+  const std::string msg = parse_error("bogus=1");
+  EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
+}
+
 TEST(ConfigParse, PyTorchOnlyKeysAreRejectedByName) {
   for (const char* key : {"backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
                           "pinned_num_register_threads", "pinned_use_background_threads",

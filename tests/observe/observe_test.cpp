@@ -546,4 +546,43 @@ TEST_F(Observe, TagErrorsAndTheCApi) {
 }
 
 }  // namespace
+// Every row of memory_summary has the same width: PyTorch's table, cucache's lines under it (the
+// long expandable ones wrapped), and the tags' and sleeping tags' tables after it.
+TEST_F(Observe, MemorySummaryRowsAllHaveTheSameWidth) {
+  conf("expandable_segments:True");
+  ASSERT_EQ(cucacheMakeTagSleepable("train"), cudaSuccess) << cucacheGetLastErrorMessage();
+  void* a = nullptr;
+  void* b = nullptr;
+  {
+    scoped_tag t("train");
+    a = cucache::malloc(40 * k_mib);
+  }
+  {
+    scoped_tag t("a tag whose name is longer than the tag column is wide");
+    b = cucache::malloc(1000);
+  }
+  ASSERT_EQ(cucacheSleep(0, "train", 1), cudaSuccess) << cucacheGetLastErrorMessage();
+  const std::string summary = memory_summary(0);
+  for (const char* part : {"Expandable:", "Tags (requested bytes)", "Sleeping tags", "Sleeping:"}) {
+    EXPECT_NE(summary.find(part), std::string::npos) << part << " missing in\n" << summary;
+  }
+  std::size_t width = 0;
+  std::size_t start = 0;
+  int row = 0;
+  while (start < summary.size()) {
+    std::size_t end = summary.find('\n', start);
+    if (end == std::string::npos) end = summary.size();
+    const std::size_t w = end - start;
+    if (row == 0) width = w;
+    EXPECT_EQ(w, width) << "row " << row << " is " << w << " characters, the first " << width
+                        << ": '" << summary.substr(start, w) << "'\n" << summary;
+    ++row;
+    start = end + 1;
+  }
+  EXPECT_GT(row, 30);
+  ASSERT_EQ(cucacheWake(0, "train"), cudaSuccess) << cucacheGetLastErrorMessage();
+  cucache::free(a);
+  cucache::free(b);
+}
+
 }  // namespace cucache

@@ -41,6 +41,15 @@ TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_
       << r.out;
   const prepared_trace trace = load_trace(k_resnet);
   EXPECT_EQ(advice_candidates(trace).size(), 13u);
+  // The table has a legend, as the replay's and --fit's have: every column named.
+  const std::size_t legend = r.out.find("\nlegend:\n");
+  ASSERT_NE(legend, std::string::npos) << r.out;
+  for (const char* column :
+       {"  rank ", "  min capacity ", "  min/req ", "  peak reserved ", "  device calls ",
+        "  VM calls "}) {
+    EXPECT_NE(r.out.find(column, legend), std::string::npos) << column << " not in the legend:\n"
+                                                             << r.out;
+  }
 }
 
 TEST(replay_advise, every_row_matches_fit_and_replay_of_its_setting) {

@@ -15,7 +15,7 @@ if [[ -z $browser ]]; then
   done
 fi
 if [[ -z $browser ]]; then
-  echo "SKIP: no chromium to load the page with (apt package chromium; tools/install_deps.sh installs it)"
+  echo "SKIP: no chromium to load the page with (apt package chromium; tools/install_deps.sh --tests installs it)"
   exit 77
 fi
 name=$(basename "$trace")
@@ -54,7 +54,28 @@ check "the peak's text reads $grouped bytes" ">$grouped bytes<"
 # among the "all" group's series and the sleep and wake lanes are drawn.
 if grep -q '"sleeps":[1-9]' "$work/$name.json"; then
   check "the sleeping series is offered" '<input type="checkbox"[^>]*><span class="swatch"[^>]*></span>sleeping</label>'
+else
+  # ... and not on a trace that never sleeps (it would be zero throughout).
+  if grep -Eq '</span>sleeping</label>' "$dom"; then
+    echo "FAIL: the sleeping series is offered on a trace that never sleeps"
+    fail=1
+  else
+    echo "ok: no sleeping series on a trace that never sleeps"
+  fi
 fi
+# The series picker: one row per group, each metric in its own column (the page checks the
+# boxes' positions and reports a misplaced one in #errors, checked above); every group offers
+# requested, allocated and reserved.
+for metric in requested allocated reserved; do
+  rows=$(grep -o "data-metric=\"$metric\"" "$dom" | wc -l)
+  groups=$(grep -o '<div class="group"' "$dom" | wc -l)
+  if ((rows == groups && rows > 0)); then
+    echo "ok: $metric offered in each of the $groups groups"
+  else
+    echo "FAIL: $metric offered $rows times for $groups groups"
+    fail=1
+  fi
+done
 if grep -q 'id="errors"' "$dom"; then
   sed -n 's/.*<div id="errors"[^>]*>\([^<]*\(<div>[^<]*<\/div>\)*\).*/\1/p' "$dom" | head -c 2000
 fi

@@ -320,6 +320,30 @@ std::string rows_table(const advice& a, const std::vector<advice_row>& rows, con
   return s;
 }
 
+/// What the ranked table's columns and order mean (as the replay's and --fit's tables have).
+std::string advice_legend(const advice& a) {
+  std::string s = "\nlegend:\n";
+  const auto line = [&](const char* name, const std::string& text) {
+    s += fmt::format("  {:<14} {}\n", name, text);
+  };
+  line("rank", a.capacity_bytes
+                   ? "best first: the settings that fit the card, fewest device and VM calls first "
+                     "(then the smallest min capacity); then those that do not fit, by min capacity"
+                   : "best first: the smallest min capacity, then the lowest peak reserved, then "
+                     "the fewest device and VM calls; ties keep the order tried (defaults first)");
+  line("min capacity",
+       "the smallest memory limit under which the trace replays with no out-of-memory "
+       "(bisection at the resolution above): the smallest card the job runs on");
+  line("min/req", "min capacity / the trace's peak requested bytes; 1.0 is the floor");
+  line("peak reserved", a.capacity_bytes ? "peak reserved bytes of a replay on the card"
+                                         : "peak reserved bytes of a replay without a limit");
+  line("device calls", "cudaMalloc and cudaFree calls of that replay (with expandable segments: "
+                       "cuMemCreate and cuMemRelease)");
+  line("VM calls", "cuMemMap and cuMemUnmap calls of that replay (expandable segments only)");
+  if (a.capacity_bytes) line("fits", "whether min capacity is within the card given (--capacity-gib)");
+  return s;
+}
+
 }  // namespace
 
 std::string format_advice(const advice& a) {
@@ -342,6 +366,7 @@ std::string format_advice(const advice& a) {
     s += "PyTorch's allocator (c10, on the GPU) under the settings PyTorch shares:\n";
     s += rows_table(a, a.pytorch_rows, "setting (PYTORCH_ALLOC_CONF)", false);
   }
+  s += advice_legend(a);
   if (a.pytorch_conf) {
     // PyTorch reads PYTORCH_ALLOC_CONF and still PYTORCH_CUDA_ALLOC_CONF (older versions read only
     // the latter): both are named.

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -397,7 +399,36 @@ void write_report_at_exit() noexcept {
 }
 }  // namespace
 
+namespace {
+std::atomic<bool> g_used{false};
+}  // namespace
+
+bool used_cucache() noexcept { return g_used.load(std::memory_order_relaxed); }
+
+std::string nothing_reached_text(bool driver_loaded, bool sim) {
+  std::string out = fmt::format(
+      "cucache preload: nothing reached cucache in {} (pid {}), so there is no report: ",
+      program_invocation_name, static_cast<long>(getpid()));
+  if (!driver_loaded) {
+    out += fmt::format(
+        "no CUDA driver (libcuda.so.1) is loaded, and without one a CUDA runtime fails "
+        "(cudaErrorInsufficientDriver) before any allocation reaches the shim, which works at the "
+        "driver level. {}See docs/preload.md, \"Without a GPU\".\n",
+        sim ? "CUCACHE_BACKEND=sim answers the allocation calls (cudaMalloc, cudaFree, ...) of a "
+              "program linked with the shared CUDA runtime (libcudart.so, nvcc -cudart shared) "
+              "only; a program with the static runtime (nvcc's default) needs a driver. "
+            : "Without a GPU, run with CUCACHE_BACKEND=sim a program linked with the shared CUDA "
+              "runtime (libcudart.so, nvcc -cudart shared). ");
+  } else {
+    out +=
+        "the program allocated no device memory, or allocated it around the shim; "
+        "CUCACHE_PRELOAD_TRACE=1 lists the lookups that reached the shim (docs/preload.md).\n";
+  }
+  return out;
+}
+
 void arm_exit_report() noexcept {
+  g_used.store(true, std::memory_order_relaxed);
   static std::once_flag once;
   try {
     std::call_once(once, [] { static_cast<void>(std::atexit(write_report_at_exit)); });

@@ -131,6 +131,13 @@ cu_result mem_get_address_range(const real_driver& real, cu_deviceptr* base, std
 /// Where CUCACHE_REPORT=`setting` puts the report of process `pid`: every "%p" becomes the pid
 /// (one report per process of a tree that inherits the variable), "stderr" stays.
 [[nodiscard]] std::string report_path(std::string_view setting, long pid);
+/// Whether this process used cucache (an allocation or cuMemGetInfo reached it); set by
+/// arm_exit_report().
+[[nodiscard]] bool used_cucache() noexcept;
+/// The stderr line of a process that never used cucache while CUCACHE_REPORT asked for a report:
+/// that nothing reached cucache, and why (`driver_loaded`: whether libcuda.so.1 is in the process;
+/// `sim`: CUCACHE_BACKEND=sim).
+[[nodiscard]] std::string nothing_reached_text(bool driver_loaded, bool sim);
 /// Registers, once, the exit handler that writes report_text() where CUCACHE_REPORT says and
 /// flushes the trace; a child forked after the handler was registered writes nothing. Called after
 /// the registry is built, so it runs before the registry's own exit handler empties the cache.

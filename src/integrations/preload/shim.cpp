@@ -14,6 +14,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <string>
 
 #include "preload.hpp"
 
@@ -398,6 +399,153 @@ cu_result cuGetProcAddress(const char* symbol, void** pfn, int version, std::uin
   }
   return rc;
 }
+
+}  // extern "C"
+
+// The shared CUDA runtime's allocation calls (docs/preload.md, "Without a GPU"). Without a driver
+// no runtime gets as far as the driver calls above: it fails in its first call with
+// cudaErrorInsufficientDriver. So with CUCACHE_BACKEND=sim the shim also answers the allocation
+// calls of libcudart.so itself -- a program linked with the shared runtime then runs its
+// allocations on the simulated device. A static runtime has no symbol to interpose. Without the
+// sim (a real device), each call goes on to the runtime's own, which reaches the driver hooks above.
+//
+// The hooks carry libcudart's symbol versions (non-default, ".symver ..., remove"): a program's
+// reference to cudaMalloc@libcudart.so.13 binds to them, while cucache's own calls inside this
+// library keep binding to its static runtime's cudaMalloc at link time (no clash of names).
+namespace cucache::preload {
+namespace {
+
+bool sim_backend() noexcept {
+  static const bool on = [] {
+    const char* env = std::getenv("CUCACHE_BACKEND");
+    return env != nullptr && std::strcmp(env, "sim") == 0;
+  }();
+  return on;
+}
+
+// The runtime's error code for a driver code the routing returned; the two share the values of
+// the codes the routing produces, except CUDA_ERROR_NOT_FOUND (a free of a pointer nobody holds),
+// which the runtime answers with cudaErrorInvalidValue.
+int runtime_code(cu_result rc) noexcept { return rc == k_not_found ? k_invalid_value : rc; }
+
+constexpr int k_runtime_insufficient_driver = 35;  // cudaErrorInsufficientDriver
+
+const real_driver& no_driver() noexcept {
+  static const real_driver none{};
+  return none;
+}
+
+template <typename Fn>
+Fn next_runtime(const char* name, const char* version) noexcept {
+  return reinterpret_cast<Fn>(dlvsym(RTLD_NEXT, name, version));
+}
+
+}  // namespace
+}  // namespace cucache::preload
+
+// One set of hooks per runtime major version V (the symbol version libcudart.so.V).
+#define CUCACHE_PRELOAD_RUNTIME_HOOKS(V)                                                          \
+  extern "C" CUCACHE_PRELOAD_API int cucache_rt##V##_cudaMalloc(void** ptr, std::size_t bytes) { \
+    if (!sim_backend() || t_depth > 0) {                                                          \
+      static const auto fn =                                                                      \
+          next_runtime<int (*)(void**, std::size_t)>("cudaMalloc", "libcudart.so." #V);           \
+      return fn != nullptr ? fn(ptr, bytes) : k_runtime_insufficient_driver;                      \
+    }                                                                                             \
+    inside guard;                                                                                 \
+    return runtime_code(mem_alloc(no_driver(), reinterpret_cast<cu_deviceptr*>(ptr), bytes,       \
+                                  nullptr));                                                      \
+  }                                                                                               \
+  __asm__(".symver cucache_rt" #V "_cudaMalloc, cudaMalloc@libcudart.so." #V ", remove");        \
+  extern "C" CUCACHE_PRELOAD_API int cucache_rt##V##_cudaMallocAsync(void** ptr,                  \
+                                                                    std::size_t bytes,            \
+                                                                    cu_stream stream) {           \
+    if (!sim_backend() || t_depth > 0) {                                                          \
+      static const auto fn = next_runtime<int (*)(void**, std::size_t, cu_stream)>(              \
+          "cudaMallocAsync", "libcudart.so." #V);                                                 \
+      return fn != nullptr ? fn(ptr, bytes, stream) : k_runtime_insufficient_driver;              \
+    }                                                                                             \
+    inside guard;                                                                                 \
+    return runtime_code(mem_alloc(no_driver(), reinterpret_cast<cu_deviceptr*>(ptr), bytes,       \
+                                  stream));                                                       \
+  }                                                                                               \
+  __asm__(".symver cucache_rt" #V "_cudaMallocAsync, cudaMallocAsync@libcudart.so." #V          \
+          ", remove");                                                                            \
+  extern "C" CUCACHE_PRELOAD_API int cucache_rt##V##_cudaMallocPitch(                             \
+      void** ptr, std::size_t* pitch, std::size_t width, std::size_t height) {                    \
+    if (!sim_backend() || t_depth > 0) {                                                          \
+      static const auto fn =                                                                      \
+          next_runtime<int (*)(void**, std::size_t*, std::size_t, std::size_t)>(                  \
+              "cudaMallocPitch", "libcudart.so." #V);                                             \
+      return fn != nullptr ? fn(ptr, pitch, width, height) : k_runtime_insufficient_driver;       \
+    }                                                                                             \
+    inside guard;                                                                                 \
+    return runtime_code(mem_alloc_pitch(no_driver(), reinterpret_cast<cu_deviceptr*>(ptr), pitch, \
+                                        width, height, 4));                                       \
+  }                                                                                               \
+  __asm__(".symver cucache_rt" #V "_cudaMallocPitch, cudaMallocPitch@libcudart.so." #V          \
+          ", remove");                                                                            \
+  extern "C" CUCACHE_PRELOAD_API int cucache_rt##V##_cudaFree(void* ptr) {                        \
+    if (!sim_backend() || t_depth > 0) {                                                          \
+      static const auto fn = next_runtime<int (*)(void*)>("cudaFree", "libcudart.so." #V);       \
+      return fn != nullptr ? fn(ptr) : k_runtime_insufficient_driver;                             \
+    }                                                                                             \
+    inside guard;                                                                                 \
+    return runtime_code(mem_free(no_driver(), reinterpret_cast<cu_deviceptr>(ptr), mode()));      \
+  }                                                                                               \
+  __asm__(".symver cucache_rt" #V "_cudaFree, cudaFree@libcudart.so." #V ", remove");            \
+  extern "C" CUCACHE_PRELOAD_API int cucache_rt##V##_cudaFreeAsync(void* ptr, cu_stream stream) { \
+    if (!sim_backend() || t_depth > 0) {                                                          \
+      static const auto fn =                                                                      \
+          next_runtime<int (*)(void*, cu_stream)>("cudaFreeAsync", "libcudart.so." #V);          \
+      return fn != nullptr ? fn(ptr, stream) : k_runtime_insufficient_driver;                     \
+    }                                                                                             \
+    inside guard;                                                                                 \
+    return runtime_code(                                                                          \
+        mem_free_async(no_driver(), reinterpret_cast<cu_deviceptr>(ptr), stream, false));         \
+  }                                                                                               \
+  __asm__(".symver cucache_rt" #V "_cudaFreeAsync, cudaFreeAsync@libcudart.so." #V ", remove");  \
+  extern "C" CUCACHE_PRELOAD_API int cucache_rt##V##_cudaMemGetInfo(std::size_t* free,            \
+                                                                   std::size_t* total) {          \
+    if (!sim_backend() || t_depth > 0) {                                                          \
+      static const auto fn = next_runtime<int (*)(std::size_t*, std::size_t*)>(                   \
+          "cudaMemGetInfo", "libcudart.so." #V);                                                  \
+      return fn != nullptr ? fn(free, total) : k_runtime_insufficient_driver;                     \
+    }                                                                                             \
+    inside guard;                                                                                 \
+    return runtime_code(mem_get_info(no_driver(), free, total));                                  \
+  }                                                                                               \
+  __asm__(".symver cucache_rt" #V "_cudaMemGetInfo, cudaMemGetInfo@libcudart.so." #V ", remove");
+
+CUCACHE_PRELOAD_RUNTIME_HOOKS(12)
+CUCACHE_PRELOAD_RUNTIME_HOOKS(13)
+
+#undef CUCACHE_PRELOAD_RUNTIME_HOOKS
+
+// CUCACHE_REPORT set and nothing reached cucache: a line on stderr at exit that says so and why,
+// instead of silence (docs/preload.md). Registered when the shim is loaded; the report of a
+// process that used cucache is written by the routing's own exit handler.
+namespace cucache::preload {
+namespace {
+void notice_if_nothing_reached() noexcept {
+  if (used_cucache()) return;
+  const char* env = std::getenv("CUCACHE_REPORT");
+  if (env == nullptr || *env == '\0') return;
+  // Loaded already, or not at all: RTLD_NOLOAD never loads the driver at exit.
+  void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  const bool driver_loaded = driver != nullptr;
+  if (driver != nullptr) dlclose(driver);
+  const std::string text = nothing_reached_text(driver_loaded, sim_backend());
+  std::fputs(text.c_str(), stderr);
+}
+
+__attribute__((constructor)) void arm_notice() noexcept {
+  const char* env = std::getenv("CUCACHE_REPORT");
+  if (env != nullptr && *env != '\0') static_cast<void>(std::atexit(notice_if_nothing_reached));
+}
+}  // namespace
+}  // namespace cucache::preload
+
+extern "C" {
 
 // dlsym as glibc's, except that a caller outside this library asking any library for one of the
 // driver symbols above gets this library's function (when the library has the symbol at all).

@@ -59,7 +59,9 @@
       color: g === 0 ? METRIC_COLORS[s.metric] : GROUP_COLORS[(g - 1) % GROUP_COLORS.length],
       dash: s.metric === 'sleeping' ? METRIC_DASH.sleeping : g === 0 ? [] : METRIC_DASH[s.metric],
       width: s.metric === 'reserved' ? 2 : 1.5,
-      // The sleeping series shows only when a tag slept (it is zero throughout otherwise).
+      // The sleeping series is drawn and offered only when a tag slept (it is zero throughout
+      // otherwise).
+      slept: s.metric === 'sleeping' && s.max.some(function (v) { return v > 0; }),
       visible: g === 0 && (s.metric !== 'sleeping' || s.max.some(function (v) { return v > 0; }))
     };
   });
@@ -128,16 +130,23 @@
   text('format', D.format);
 
   // --- series picker ----------------------------------------------------------------------------
+  // One row per group: its name in the first column, then one column per metric, always the same
+  // column for a metric (the "all" group alone has a fifth, sleeping, and only when a tag slept).
+  var PICKER_COLUMN = { requested: 2, allocated: 3, reserved: 4, sleeping: 5 };
   var picker = document.getElementById('series-picker');
+  var offered = series.filter(function (s) { return s.metric !== 'sleeping' || s.slept; });
   var groups = [];
-  series.forEach(function (s) { if (groups.indexOf(s.group) < 0) groups.push(s.group); });
+  offered.forEach(function (s) { if (groups.indexOf(s.group) < 0) groups.push(s.group); });
   groups.forEach(function (g) {
     var head = document.createElement('div');
     head.className = 'group';
+    head.style.gridColumn = '1';
     head.textContent = g;
     picker.appendChild(head);
-    series.filter(function (s) { return s.group === g; }).forEach(function (s) {
+    offered.filter(function (s) { return s.group === g; }).forEach(function (s) {
       var label = document.createElement('label');
+      label.setAttribute('data-metric', s.metric);
+      label.style.gridColumn = String(PICKER_COLUMN[s.metric] || 2);
       var box = document.createElement('input');
       box.type = 'checkbox';
       box.checked = s.visible;
@@ -152,6 +161,16 @@
       picker.appendChild(label);
     });
   });
+  // The layout holds: every metric's boxes line up in one column, whatever the groups (a box out
+  // of its column is reported in #errors, which the browser test checks).
+  (function () {
+    var left = {};
+    Array.prototype.forEach.call(picker.querySelectorAll('label'), function (l) {
+      var m = l.getAttribute('data-metric'), x = l.offsetLeft;
+      if (m in left && left[m] !== x) console.error('series picker: the ' + m + ' boxes are not in one column');
+      left[m] = x;
+    });
+  })();
 
   // --- the chart --------------------------------------------------------------------------------
   var canvas = document.getElementById('chart');
