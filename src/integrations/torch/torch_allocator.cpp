@@ -538,6 +538,8 @@ class cucache_allocator final : public cca::CUDAAllocator {
   // --- cucache's side ---------------------------------------------------------------------------
   void* alloc_on(std::size_t size, c10::DeviceIndex device, cudaStream_t stream);
   void note_free(void* ptr) noexcept;
+  void report_to_profiler(void* p, std::size_t size, c10::DeviceIndex device);
+  void report_free_to_profiler(void* p) noexcept;
   // Frees ptr when it is not cucache's: a cudaMalloc of the uncached mode, or a block of a pool
   // with an allocator of its own. False when cucache holds it.
   bool free_elsewhere(void* ptr);
@@ -656,6 +658,7 @@ class cucache_allocator final : public cca::CUDAAllocator {
 
   std::atomic<bool> enabled_{true};
   std::atomic<std::size_t> live_size_{0};   // live_.size(), read without mu_
+  std::atomic<std::size_t> profiled_size_{0};  // profiled_.size(), read without mu_
   std::atomic<int> foreign_pools_{0};       // foreign_.size(), read without fmu_
   std::atomic<int> foreign_routes_{0};      // routes_ of foreign pools
   std::atomic<std::size_t> uncached_count_{0};
@@ -678,6 +681,8 @@ class cucache_allocator final : public cca::CUDAAllocator {
 
   std::mutex mu_;  // everything below
   std::unordered_map<void*, live_rec> live_;
+  // Allocations reported to the memory profiler: their size and device for the free's report.
+  std::unordered_map<void*, std::pair<std::size_t, c10::DeviceIndex>> profiled_;
   std::unordered_map<std::uint64_t, std::shared_ptr<c10::GatheredContext>> segment_ctx_;
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
   std::vector<std::vector<TraceEntry>> traces_;  // per device: a ring of max_entries_
@@ -749,6 +754,7 @@ void* cucache_allocator::alloc_on(std::size_t size, c10::DeviceIndex device,
       // PyTorch's use_on_oom: the cached free blocks of such pools serve what no memory can.
       p = foreign_pools_.load() > 0 ? use_on_oom_alloc(device, size, stream, ctx) : nullptr;
       if (p == nullptr) raise_oom(size, device, stream, why);
+      if (c10::memoryProfilingEnabled()) report_to_profiler(p, size, device);
       return p;  // recorded by use_on_oom_alloc
     }
     TORCH_CHECK(rc == CUCACHE_TORCH_ALLOC_OK, "cucache: allocating ", size, " bytes on device ",
@@ -759,10 +765,52 @@ void* cucache_allocator::alloc_on(std::size_t size, c10::DeviceIndex device,
     live_insert_locked(p, live_rec{size, stream, device, ctx});
     record_locked(TraceEntry::ALLOC, device, reinterpret_cast<std::size_t>(p), size, stream, ctx);
   }
+  if (p != nullptr && c10::memoryProfilingEnabled()) report_to_profiler(p, size, device);
   return p;
 }
 
+// torch.profiler(profile_memory=True): PyTorch's allocator reports every allocation and free
+// (size, then the totals allocated and reserved); the profiler's memory timeline and
+// _memory_profiler read them.
+void cucache_allocator::report_to_profiler(void* p, std::size_t size, c10::DeviceIndex device) {
+  {
+    std::lock_guard lock(mu_);
+    profiled_[p] = {size, device};
+    profiled_size_.store(profiled_.size());
+  }
+  cucache_torch_stats s{};
+  static_cast<void>(cucache_torch_get_stats(device, &s));
+  c10::reportMemoryUsageToProfiler(p, static_cast<int64_t>(size),
+                                   static_cast<std::size_t>(s.allocated_bytes[0].current),
+                                   static_cast<std::size_t>(s.reserved_bytes[0].current),
+                                   c10::Device(c10::DeviceType::CUDA, device));
+}
+
+void cucache_allocator::report_free_to_profiler(void* p) noexcept {
+  if (profiled_size_.load() == 0) return;
+  try {
+    std::pair<std::size_t, c10::DeviceIndex> rec;
+    {
+      std::lock_guard lock(mu_);
+      auto it = profiled_.find(p);
+      if (it == profiled_.end()) return;
+      rec = it->second;
+      profiled_.erase(it);
+      profiled_size_.store(profiled_.size());
+    }
+    if (!c10::memoryProfilingEnabled()) return;
+    cucache_torch_stats s{};
+    static_cast<void>(cucache_torch_get_stats(rec.second, &s));
+    c10::reportMemoryUsageToProfiler(p, -static_cast<int64_t>(rec.first),
+                                     static_cast<std::size_t>(s.allocated_bytes[0].current),
+                                     static_cast<std::size_t>(s.reserved_bytes[0].current),
+                                     c10::Device(c10::DeviceType::CUDA, rec.second));
+  } catch (...) {
+  }
+}
+
 void cucache_allocator::note_free(void* ptr) noexcept {
+  report_free_to_profiler(ptr);
   // Blocks keep their allocation's context while they live, history on or off (as PyTorch's
   // blocks do): live_ is kept up to date whenever it holds anything.
   if (!recording() && live_size_.load() == 0) return;
