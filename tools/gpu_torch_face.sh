@@ -15,8 +15,20 @@
 #             written by the child), a _dump_snapshot of a training step loaded by _memory_viz --
 #             under cucache in both modes (and torch's allocator as the control)
 #
-# Budget: build ~2 min, tests ~4 min (TIMEOUT per test 60 s), programs ~2 min; run the parts in
-# separate calls if one call would pass 9 minutes.
+# Knobs (environment):
+#   CUCACHE_GPU_LIB  folder holding libcucache_torch.so and libcucache_torch_hooks.so built
+#                    elsewhere against the same torch and carried (then nothing is built here)
+#   SPECS            which runs, "allocator mode" pairs separated by ';' (default: the torch
+#                    control, cucache default, cucache expandable)
+#   SELECT           a regex of "<Class>.<test>" ids: only those tests (run_tests.py's SELECT),
+#                    e.g. SELECT='TestMemPool|test_memory_plots|test_memory_stats$'
+#   CASES            the programs to run (default "compile graph ipc snapshot")
+#   RUN_TIMEOUT      seconds for one whole test run (default 240), under `timeout`, so that one
+#                    hanging run never eats the others; PROG_TIMEOUT likewise per program
+#                    (default 150); TIMEOUT per test (default 60)
+#
+# Budget: build ~2 min, a full test run ~4 min, programs ~2 min per allocator: the three full
+# runs do not fit one 10-minute call; use SELECT, SPECS or the parts in separate calls.
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 part=${1:-all}
@@ -29,6 +41,9 @@ py=${PYTHON:-python3}
 lib=${CUCACHE_GPU_LIB:-$repo/build-gpu/lib}
 # Which runs: "allocator mode" pairs (default all three).
 specs=${SPECS:-"torch default;cucache default;cucache expandable"}
+cases=${CASES:-"compile graph ipc snapshot"}
+run_timeout=${RUN_TIMEOUT:-240}
+prog_timeout=${PROG_TIMEOUT:-150}
 summary=$out/summary.txt
 
 build() {
@@ -58,13 +73,17 @@ tests() {
     [ "$mode" = expandable ] && conf="expandable_segments:True,ipc_handles:True"
     start=$SECONDS
     if [ "$alloc" = torch ]; then
-      env -u CUCACHE_CONF TIMEOUT=${TIMEOUT:-60} "$py" "$runner/run_tests.py" > "$out/$name.txt" 2> "$out/$name.err"
+      env -u CUCACHE_CONF TIMEOUT=${TIMEOUT:-60} timeout -k 10 "$run_timeout" \
+        "$py" "$runner/run_tests.py" > "$out/$name.txt" 2> "$out/$name.err"
     else
       env CUCACHE_CONF="$conf" ALLOC=cucache HOOKS=1 CUCACHE_PY="$repo/python" \
         CUCACHE_LIB="$lib/libcucache_torch.so" CUCACHE_TORCH_HOOKS_LIB="$lib/libcucache_torch_hooks.so" \
-        TIMEOUT=${TIMEOUT:-60} "$py" "$runner/run_tests.py" > "$out/$name.txt" 2> "$out/$name.err"
+        TIMEOUT=${TIMEOUT:-60} timeout -k 10 "$run_timeout" \
+        "$py" "$runner/run_tests.py" > "$out/$name.txt" 2> "$out/$name.err"
     fi
-    echo "$name: exit $? in $((SECONDS - start)) s: $(grep '^SUMMARY' "$out/$name.txt" || echo 'no SUMMARY')" | tee -a "$summary"
+    local rc=$?
+    [ "$rc" = 124 ] && echo "RESULT <run> timeout: the whole run passed RUN_TIMEOUT=$run_timeout s" >> "$out/$name.txt"
+    echo "$name: exit $rc in $((SECONDS - start)) s${SELECT:+ (SELECT=$SELECT)}: $(grep '^SUMMARY' "$out/$name.txt" || echo 'no SUMMARY')" | tee -a "$summary"
   done
   # Tests passing under torch's allocator but not under cucache, per mode.
   for mode in default expandable; do
@@ -84,11 +103,11 @@ programs() {
     read -r alloc mode <<<"$spec"
     conf=""
     [ "$mode" = expandable ] && conf="expandable_segments:True,ipc_handles:True"
-    for c in compile graph ipc snapshot; do
+    for c in $cases; do
       start=$SECONDS
       env CUCACHE_CONF="$conf" ALLOC="$alloc" MODE="$mode" CUCACHE_LIB="$lib/libcucache_torch.so" \
         CUCACHE_TORCH_HOOKS_LIB="$lib/libcucache_torch_hooks.so" \
-        timeout 300 "$py" bench/torch/torch_face.py "$c" --out "$out" > "$out/prog_${alloc}_${mode}_$c.log" 2>&1
+        timeout -k 10 "$prog_timeout" "$py" bench/torch/torch_face.py "$c" --out "$out" > "$out/prog_${alloc}_${mode}_$c.log" 2>&1
       echo "program $c ($alloc $mode): exit $? in $((SECONDS - start)) s: $(grep '^RESULT' "$out/prog_${alloc}_${mode}_$c.log" | tail -1)" | tee -a "$summary"
     done
   done
@@ -98,6 +117,6 @@ case $part in
   build) build ;;
   tests) [ -f "$lib/libcucache_torch_hooks.so" ] || build; tests ;;
   programs) [ -f "$lib/libcucache_torch_hooks.so" ] || build; programs ;;
-  all) build && tests && programs ;;
+  all) { [ -f "$lib/libcucache_torch_hooks.so" ] || build; } && tests && programs ;;
   *) echo "usage: $0 [build|tests|programs|all]" >&2; exit 2 ;;
 esac

@@ -43,13 +43,35 @@ def compile_case(torch, out):
             outs = [compiled(x).clone() for x in xs]
     err = max((a - b).abs().max().item() for a, b in zip(eager, outs))
     ok = err < 1e-2
-    # Training step too: forward + backward through graphs.
+    # Training steps too: forward + backward through graphs. Two loops, told apart in the result:
+    # "marked" calls torch.compiler.cudagraph_mark_step_begin() before each step (what PyTorch's
+    # error message and docs prescribe when steps are not detected); "unmarked" leaves the step
+    # boundaries to cudagraph trees' own detection (a new generation at a forward with no
+    # backward pending). Only "marked" decides the result: "unmarked" failing under both
+    # allocators is PyTorch's rule; failing under cucache alone points at cucache (checkpoints,
+    # live-allocation checks).
     model.train()
     opt_model = torch.compile(model, mode="reduce-overhead")
-    for _ in range(3):
-        loss = opt_model(xs[0]).float().pow(2).mean()
-        loss.backward()
-    return result("compile_reduce_overhead", ok, f"max_abs_err={err:.2e} allocator={torch.cuda.memory.get_allocator_backend() if hasattr(torch.cuda.memory, 'get_allocator_backend') else '?'}")
+
+    def train(marked):
+        try:
+            for _ in range(4):
+                if marked:
+                    torch.compiler.cudagraph_mark_step_begin()
+                loss = opt_model(xs[0]).float().pow(2).mean()
+                loss.backward()
+            torch.cuda.synchronize()
+            return "ok"
+        except RuntimeError as e:
+            return "failed: " + str(e).splitlines()[0][:160]
+
+    marked = train(True)
+    unmarked = train(False)
+    ok = ok and marked == "ok"
+    backend = torch.cuda.memory.get_allocator_backend() if hasattr(torch.cuda.memory, "get_allocator_backend") else "?"
+    print(f"NOTE train marked: {marked}")
+    print(f"NOTE train unmarked: {unmarked}")
+    return result("compile_reduce_overhead", ok, f"max_abs_err={err:.2e} train_marked={marked == 'ok'} train_unmarked={unmarked == 'ok'} allocator={backend}")
 
 
 def graph_case(torch, out):

@@ -495,6 +495,20 @@ TEST(TorchExtensionCalls, PoolUseCountLiveAllocationsAndCheckpoints) {
   EXPECT_EQ(uses, 0u);
 }
 
+TEST(TorchExtensionCalls, PoolNoSplitExistsAndNamesItsRefusals) {
+  // setNoSplit's call: a device that does not exist is refused by name; until the core splits no
+  // pool's blocks on request, a real device's pool is refused with the reason (never a silent 0).
+  EXPECT_EQ(cucache_torch_set_pool_no_split(99, 0, 41), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("invalid device ordinal 99"),
+            std::string::npos)
+      << cucache_torch_last_error();
+  const int rc = cucache_torch_set_pool_no_split(0, 0, 41);
+  if (rc != 0) {
+    EXPECT_NE(std::string(cucache_torch_last_error()).find("no_split"), std::string::npos)
+        << cucache_torch_last_error();
+  }
+}
+
 TEST(TorchExtensionCalls, IpcHandleSizeAndRefusals) {
   EXPECT_GT(cucache_torch_ipc_handle_size(), 64u);
   std::vector<char> h(cucache_torch_ipc_handle_size());

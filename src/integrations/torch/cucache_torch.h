@@ -160,6 +160,9 @@ CUCACHE_TORCH_API int cucache_torch_pool_live_allocations(int device, uint64_t f
 /* releases the pool's wholly free cached segments (emptyCache of one MemPool), after a device
  * synchronization. */
 CUCACHE_TORCH_API int cucache_torch_empty_pool_cache(int device, uint64_t first, uint64_t second);
+/* setNoSplit (MemPool(no_split=True)): the pool's blocks are never split; each allocation takes a
+ * block of its own. 0, or -1 with the reason (refused until the core supports it). */
+CUCACHE_TORCH_API int cucache_torch_set_pool_no_split(int device, uint64_t first, uint64_t second);
 /* A pool's state for cudagraph trees (getCheckpointState): its segments and live blocks. Opaque;
  * NULL on failure. Free with cucache_torch_checkpoint_free (NULL: no-op). */
 typedef struct cucache_torch_checkpoint cucache_torch_checkpoint;
