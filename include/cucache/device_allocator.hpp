@@ -243,6 +243,10 @@ class device_allocator {
   /// synchronization since its release). Throws invalid_argument for {0, 0} and for a released
   /// pool whose last graph may still replay (a capture kept cucache from synchronizing).
   void create_or_incref_graph_pool(graph_pool_id pool);
+  /// Makes `pool` never split a block (PyTorch's MemPool(no_split=True)): a request it serves
+  /// takes a free block whole, or a segment of its own size (2 MiB granules), so that every
+  /// segment of the pool holds one block. Throws invalid_argument for an unknown pool.
+  void set_graph_pool_no_split(graph_pool_id pool);
   /// Every live allocation of `pool`, by address (empty when the pool does not exist): what
   /// PyTorch's checkPoolLiveAllocations compares with the tensors it knows.
   [[nodiscard]] std::vector<void*> graph_pool_live_allocations(graph_pool_id pool) const;

@@ -67,8 +67,15 @@ struct device_allocator::impl {
                                    std::size_t rounded) const;
   /// The segment path's miss: a new segment, after the oversize release, garbage collection and,
   /// if the device refuses, the out-of-memory ladder.
+  /// `segment_bytes`: the new segment's size (0: the size policy's for `rounded`).
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                      std::unique_lock<detail::pool_mutex>& lk);
+                      std::unique_lock<detail::pool_mutex>& lk, std::size_t segment_bytes = 0);
+  /// The allocation path of a graph pool that never splits (PyTorch's MemPool(no_split=True),
+  /// graph_checkpoint.cpp): a free block that holds the request is taken whole, else a segment
+  /// of the request's size in 2 MiB granules is made for it. REQUIRES: p.mu held (lk).
+  void* allocate_unsplit(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
+                         std::size_t bytes, stream_handle stream,
+                         std::unique_lock<detail::pool_mutex>& lk);
   /// The expandable path: place in p's ranges (a new range if none holds it), back the pages,
   /// the ladder once if that fails. nullptr when nothing could serve the request; then
   /// `no_address_space` says whether the last try found no address space for a new range.

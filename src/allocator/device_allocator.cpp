@@ -469,8 +469,9 @@ void device_allocator::impl::settle_graph_pools() {
 // --- allocate ---------------------------------------------------------------------------------
 
 block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t rounded,
-                                    std::unique_lock<detail::pool_mutex>& lk) {
-  const std::size_t seg_bytes = policy.segment_size(rounded);
+                                    std::unique_lock<detail::pool_mutex>& lk,
+                                    std::size_t segment_bytes) {
+  const std::size_t seg_bytes = segment_bytes != 0 ? segment_bytes : policy.segment_size(rounded);
   if (budget.never_fits(seg_bytes)) return nullptr;
 
   // While a capture is underway nothing may be given back (cudaFree synchronizes the device): a
@@ -653,6 +654,8 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   if (graph_part != nullptr) [[unlikely]]
     pools.note_change(p);  // (lock_pool_for notes the stream pools)
   if (!p.pending.empty()) poll_pending(p);
+  if (graph_part != nullptr && graph_part->graph->no_split) [[unlikely]]
+    return allocate_unsplit(p, kind, rounded, bytes, stream, lk);
   if (cfg.expandable_segments && p.graph == nullptr) {
     // (Graph pools use segments in every mode: nothing of theirs may be unmapped or moved while
     // a graph may replay on it.)

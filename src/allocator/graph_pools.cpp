@@ -85,6 +85,18 @@ graph_pools::parts_view graph_pools::parts_of(graph_pool_id gid) const {
   return out;
 }
 
+void graph_pools::set_no_split(graph_pool_id gid) {
+  std::lock_guard lock(mu_);
+  graph_pool* g = find_locked(gid);
+  if (g == nullptr) {
+    throw invalid_argument(fmt::format(
+        "cucache::set_graph_pool_no_split: graph pool ({:#x}, {:#x}) does not exist (create it "
+        "first: create_or_incref_graph_pool)",
+        gid.first, gid.second));
+  }
+  g->no_split = true;
+}
+
 void graph_pools::end_route(graph_pool_id gid) {
   std::lock_guard lock(mu_);
   graph_pool* g = find_locked(gid);

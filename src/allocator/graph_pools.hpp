@@ -42,6 +42,7 @@ struct graph_pool {
   bool routed = false;     // a begin_allocate_to_pool route is active
   bool released = false;   // uses reached 0 (or never had any: sync_waiters)
   bool settled = false;    // released, and a device synchronization completed since
+  bool no_split = false;   // blocks are never split (MemPool(no_split=True)); set under all locks
   std::unordered_map<std::uint64_t, stream_pool*> parts;  // by stream key
   std::vector<retained_block> retained;
 };
@@ -83,6 +84,9 @@ class graph_pools {
     std::vector<stream_pool*> parts;
   };
   [[nodiscard]] parts_view parts_of(graph_pool_id pool) const;
+  /// Makes `pool` never split its blocks. Throws invalid_argument for an unknown pool.
+  /// REQUIRES: all pools locked (the allocation path reads the flag under a part's lock).
+  void set_no_split(graph_pool_id pool);
 
   // --- the allocation and free paths ---
   /// True while a capture cucache knows of may be underway (a route, or a capture not seen

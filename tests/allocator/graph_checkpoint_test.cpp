@@ -208,6 +208,34 @@ TEST_P(GraphCheckpoint, RandomizedRestoresKeepEveryInvariant) {
   EXPECT_EQ(a.sim->used_bytes(), 0u);
 }
 
+TEST_P(GraphCheckpoint, ANoSplitPoolHoldsOneBlockPerSegment) {
+  // MemPool(no_split=True): requests take a free block whole, or a segment of their own size.
+  EXPECT_THROW(a.alloc.set_graph_pool_no_split(pool), invalid_argument);  // no such pool yet
+  route();
+  a.alloc.set_graph_pool_no_split(pool);
+  void* x = a.alloc.allocate(4 * MiB, s);
+  void* y = a.alloc.allocate(4 * MiB, s);
+  void* z = a.alloc.allocate(4096, s);  // small: a 2 MiB segment, taken whole
+  EXPECT_EQ(a.alloc.allocation_size(x), 4 * MiB);
+  EXPECT_EQ(a.alloc.allocation_size(z), 2 * MiB);
+  std::size_t segments = 0;
+  for (const segment_view& sv : a.alloc.segments()) {
+    if (sv.pool != pool) continue;
+    ++segments;
+    EXPECT_EQ(sv.blocks.size(), 1u);
+  }
+  EXPECT_EQ(segments, 3u);
+  a.alloc.deallocate(y);
+  void* w = a.alloc.allocate(1 * MiB + 512, s);  // y's free segment, whole
+  EXPECT_EQ(w, y);
+  EXPECT_EQ(a.alloc.allocation_size(w), 4 * MiB);
+  a.alloc.check_invariants();
+  for (void* p : {x, z, w}) a.alloc.deallocate(p);
+  drop();
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
+}
+
 TEST_P(GraphCheckpoint, TheMemoryFractionChangesAtRunTime) {
   EXPECT_EQ(a.alloc.memory_fraction(), 1.0);
   const std::size_t total = a.sim->mem_get_info().total_bytes;

@@ -495,18 +495,45 @@ TEST(TorchExtensionCalls, PoolUseCountLiveAllocationsAndCheckpoints) {
   EXPECT_EQ(uses, 0u);
 }
 
-TEST(TorchExtensionCalls, PoolNoSplitExistsAndNamesItsRefusals) {
-  // setNoSplit's call: a device that does not exist is refused by name; until the core splits no
-  // pool's blocks on request, a real device's pool is refused with the reason (never a silent 0).
+TEST(TorchExtensionCalls, PoolNoSplitMakesOneBlockPerSegment) {
+  // setNoSplit's call: a device that does not exist and a pool that does not exist are refused
+  // by name; a MemPool(no_split=True) then holds one block per segment.
   EXPECT_EQ(cucache_torch_set_pool_no_split(99, 0, 41), -1);
   EXPECT_NE(std::string(cucache_torch_last_error()).find("invalid device ordinal 99"),
             std::string::npos)
       << cucache_torch_last_error();
-  const int rc = cucache_torch_set_pool_no_split(0, 0, 41);
-  if (rc != 0) {
-    EXPECT_NE(std::string(cucache_torch_last_error()).find("no_split"), std::string::npos)
-        << cucache_torch_last_error();
-  }
+  EXPECT_EQ(cucache_torch_set_pool_no_split(0, 0, 41), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("does not exist"), std::string::npos)
+      << cucache_torch_last_error();
+  ASSERT_EQ(cucache_torch_create_or_incref_pool(0, 0, 41), 0) << cucache_torch_last_error();
+  ASSERT_EQ(cucache_torch_set_pool_no_split(0, 0, 41), 0) << cucache_torch_last_error();
+  const auto filter = [](void*, cucache_torch_stream s) -> int { return s == stream(0x77) ? 1 : 0; };
+  ASSERT_EQ(cucache_torch_begin_allocate_to_pool(0, 0, 41, filter, nullptr, nullptr), 0);
+  void* a = cucache_torch_alloc(4 * MiB, 0, stream(0x77));
+  void* b = cucache_torch_alloc(4 * MiB, 0, stream(0x77));
+  ASSERT_TRUE(a && b);
+  struct count {
+    int segments = 0;
+    int blocks = 0;
+  } c;
+  ASSERT_EQ(cucache_torch_segments(
+                0,
+                [](void* ctx, const cucache_torch_segment_info* s) {
+                  if (s->pool_first == 0 && s->pool_second == 41) {
+                    ++static_cast<count*>(ctx)->segments;
+                    static_cast<count*>(ctx)->blocks += static_cast<int>(s->block_count);
+                  }
+                  return 0;
+                },
+                &c),
+            0);
+  EXPECT_EQ(c.segments, 2);  // a 4 MiB segment each, no 20 MiB one split
+  EXPECT_EQ(c.blocks, 2);
+  EXPECT_EQ(cucache_torch_delete(a), 0);
+  EXPECT_EQ(cucache_torch_delete(b), 0);
+  EXPECT_EQ(cucache_torch_end_allocate_to_pool(0, 0, 41), 0);
+  EXPECT_EQ(cucache_torch_release_pool(0, 0, 41), 0);
+  EXPECT_EQ(cucache_torch_release_pool(0, 0, 41), 0);
 }
 
 TEST(TorchExtensionCalls, IpcHandleSizeAndRefusals) {

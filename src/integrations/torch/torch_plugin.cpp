@@ -527,10 +527,7 @@ int cucache_torch_empty_pool_cache(int device, uint64_t first, uint64_t second) 
 
 int cucache_torch_set_pool_no_split(int device, uint64_t first, uint64_t second) {
   return guarded("set_pool_no_split", [&] {
-    require_device(device);
-    throw std::runtime_error("pool (" + std::to_string(first) + ", " + std::to_string(second) +
-                             "): cucache splits a pool's blocks by its own policy "
-                             "(max_split_size); MemPool(no_split=True) is not supported yet");
+    registry::instance().allocator(device).set_graph_pool_no_split(graph_pool_id{first, second});
   });
 }
 
