@@ -50,16 +50,22 @@ def compile_case(torch, out):
     # backward pending). Only "marked" decides the result: "unmarked" failing under both
     # allocators is PyTorch's rule; failing under cucache alone points at cucache (checkpoints,
     # live-allocation checks).
+    # Gradients are set to None before each step (optimizer.zero_grad's default): accumulating
+    # into .grad tensors that the previous step's backward graph wrote is an error under
+    # cudagraph trees, whatever the allocator (seen under torch's own on the H200).
     model.train()
     opt_model = torch.compile(model, mode="reduce-overhead")
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def train(marked):
         try:
             for _ in range(4):
                 if marked:
                     torch.compiler.cudagraph_mark_step_begin()
+                sgd.zero_grad(set_to_none=True)
                 loss = opt_model(xs[0]).float().pow(2).mean()
                 loss.backward()
+                sgd.step()
             torch.cuda.synchronize()
             return "ok"
         except RuntimeError as e:
