@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <new>
@@ -124,6 +125,7 @@ registry::registry() {
   } catch (const invalid_argument& e) {
     throw environment_error(e.what());
   }
+  note_pytorch_settings();
   if (kind_ == backend_kind::sim) {
     census_.count = sim_devices_from_env();
   } else {
@@ -246,6 +248,24 @@ int registry::try_current_device() const noexcept {
   if (census_.count == 1 || kind_ == backend_kind::sim) return census_.count > 0 ? 0 : -1;
   if (census_.count == 0) return -1;
   return try_current_cuda_device();
+}
+
+void registry::note_pytorch_settings() {
+  // PyTorch's variables configure PyTorch's allocator, not cucache's: said once, so that a
+  // program moved to cucache with them set does not silently run with the defaults.
+  // (cucache.torch.install() applies them to CUCACHE_CONF itself, docs/torch.md.)
+  const char* own = std::getenv("CUCACHE_CONF");
+  if (own != nullptr && *own != '\0') return;
+  for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') continue;
+    std::fprintf(stderr,
+                 "cucache: %s is set, but it configures PyTorch's allocator, not cucache, which "
+                 "runs with its defaults: give the keys to CUCACHE_CONF (same syntax; "
+                 "docs/config.md)\n",
+                 name);
+    return;
+  }
 }
 
 device_allocator& registry::create(int device) {

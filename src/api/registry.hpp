@@ -96,6 +96,9 @@ class registry {
   /// else the configuration's (CUCACHE_CONF's memory_fraction); 1.0 when there is none, as
   /// PyTorch answers. Throws invalid_argument for a device that does not exist.
   [[nodiscard]] double memory_fraction(int device);
+  /// Prints one line when CUCACHE_CONF is unset and PyTorch's PYTORCH_ALLOC_CONF or
+  /// PYTORCH_CUDA_ALLOC_CONF is set: those do not configure cucache (the registry's constructor).
+  static void note_pytorch_settings();
 
   /// Empties the cache of every created allocator; every one gets its turn, the first failure is
   /// rethrown afterwards.
