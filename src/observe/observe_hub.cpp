@@ -93,13 +93,15 @@ namespace {
 struct segment_listener {
   segment_listener_fn fn;
   void* ctx;
+  const segment_listener* replaced;  // kept reachable: a reader may still hold it
 };
 // Never freed: a listener read by one thread while another replaces it stays valid.
 std::atomic<const segment_listener*> g_segment_listener{nullptr};
 
 void notify_segment(int device, bool freed, std::uintptr_t base, std::size_t bytes,
                     stream_handle stream) noexcept {
-  if (const segment_listener* l = g_segment_listener.load(std::memory_order_acquire)) [[unlikely]]
+  const segment_listener* l = g_segment_listener.load(std::memory_order_acquire);
+  if (l != nullptr && l->fn != nullptr) [[unlikely]]
     l->fn(l->ctx, device, freed, base, bytes, stream);
 }
 
@@ -145,11 +147,11 @@ class device_observer final : public allocation_observer {
 }  // namespace
 
 void set_segment_listener(segment_listener_fn fn, void* ctx) noexcept {
-  const segment_listener* next = nullptr;
-  if (fn != nullptr) {
-    next = new (std::nothrow) segment_listener{fn, ctx};  // leaked on purpose, see above
-    if (next == nullptr) return;
-  }
+  // Never freed (a reader may still call the one replaced), and each keeps the one it replaced
+  // reachable, so that nothing is a leak; clearing installs one whose fn is null.
+  const segment_listener* old = g_segment_listener.load(std::memory_order_acquire);
+  const segment_listener* next = new (std::nothrow) segment_listener{fn, ctx, old};
+  if (next == nullptr) return;
   g_segment_listener.store(next, std::memory_order_release);
 }
 
