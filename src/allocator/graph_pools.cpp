@@ -28,23 +28,8 @@ void graph_pools::begin_route(graph_pool_id gid, stream_filter filter) {
         fmt::format("cucache::begin_allocate_to_pool: graph pool ({:#x}, {:#x}) is routed already",
                     gid.first, gid.second));
   }
-  if (g != nullptr && g->released && !g->settled) {
-    throw invalid_argument(fmt::format(
-        "cucache::begin_allocate_to_pool: graph pool ({:#x}, {:#x}) was released and a replay "
-        "of its last graph may still run (no device synchronization since: a capture is "
-        "underway)",
-        gid.first, gid.second));
-  }
   routes_.reserve(routes_.size() + 1);
-  if (g == nullptr) {
-    auto owned = std::make_unique<graph_pool>();
-    owned->id = gid;
-    g = owned.get();
-    pools_by_id_.emplace(gid, std::move(owned));
-  }
-  ++g->uses;
-  g->released = false;
-  g->settled = false;
+  g = add_owner_locked(gid, "begin_allocate_to_pool");
   g->routed = true;
   routes_.push_back({g, std::move(filter)});
   update_blockers_locked();
@@ -55,13 +40,16 @@ void graph_pools::incref(graph_pool_id gid) {
     throw invalid_argument("cucache::create_or_incref_graph_pool: pool id (0, 0) names no pool");
   }
   std::lock_guard lock(mu_);
+  add_owner_locked(gid, "create_or_incref_graph_pool");
+}
+
+graph_pool* graph_pools::add_owner_locked(graph_pool_id gid, const char* what) {
   graph_pool* g = find_locked(gid);
   if (g != nullptr && g->released && !g->settled) {
     throw invalid_argument(fmt::format(
-        "cucache::create_or_incref_graph_pool: graph pool ({:#x}, {:#x}) was released and a "
-        "replay of its last graph may still run (no device synchronization since: a capture is "
-        "underway)",
-        gid.first, gid.second));
+        "cucache::{}: graph pool ({:#x}, {:#x}) was released and a replay of its last graph may "
+        "still run (no device synchronization since: a capture is underway)",
+        what, gid.first, gid.second));
   }
   if (g == nullptr) {
     auto owned = std::make_unique<graph_pool>();
@@ -72,6 +60,7 @@ void graph_pools::incref(graph_pool_id gid) {
   ++g->uses;
   g->released = false;
   g->settled = false;
+  return g;
 }
 
 graph_pools::parts_view graph_pools::parts_of(graph_pool_id gid) const {

@@ -140,6 +140,10 @@ class graph_pools {
 
  private:
   [[nodiscard]] graph_pool* find_locked(graph_pool_id id) const;  // REQUIRES: mu_
+  /// One more owner of `gid` (created with none first), reviving a released pool once settled;
+  /// throws invalid_argument, naming the call `what`, for one released and not yet settled.
+  /// REQUIRES: mu_.
+  graph_pool* add_owner_locked(graph_pool_id gid, const char* what);
   graph_pool* capture_pool_locked(stream_handle stream, std::uint64_t key, capture_info cap);
   [[nodiscard]] graph_pool* known_capture_locked(std::uint64_t key) const;  // REQUIRES: mu_
   void update_blockers_locked();                                            // REQUIRES: mu_
