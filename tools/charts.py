@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Draws the charts of docs/benchmarks.md from the raw results in docs/results, with matplotlib.
+"""Draws the charts of docs/benchmarks.md from the pinned measurements in docs/data/charts, with matplotlib.
 
-    tools/charts.py [--results docs/results] [--out docs/img]
+    tools/charts.py [--data docs/data/charts] [--out docs/img]
 
-Writes three PNG files, each from measurements recorded in docs/results (never typed in here):
+Writes three PNG files, each from measurements recorded in docs/data/charts (never typed in here;
+all on one NVIDIA H200, driver 580.159.04, PyTorch 2.11.0+cu130):
 
 - min_capacity.png: the minimum capacity of each bundled trace (the smallest memory limit it
   replays under with no out-of-memory, over its peak requested bytes) for cucache with expandable
@@ -16,9 +17,11 @@ Writes three PNG files, each from measurements recorded in docs/results (never t
   allocator (c10) and cudaMallocAsync (cucache-bench, median of 3 repetitions, spread = standard
   deviation, H200).
 
-The inputs and the commits they were measured at are the constants below: a new measurement
-replaces a file name here and the charts are drawn again (`python3 tools/charts.py`). ctest
-`charts` draws them into the build folder, so a change of the results' format fails CI.
+The inputs and the commits they were measured at are the constants below. The files are the
+measurements' own output, cut to what the charts read (pair_*.json: cucache-bench's JSON, only the
+`pair/` aggregates). A new measurement replaces a file there and its name here, and the charts
+are drawn again (`python3 tools/charts.py`). ctest `charts` draws them into the build folder, so a
+change of the data's format fails CI.
 """
 import argparse
 import json
@@ -26,11 +29,12 @@ import statistics
 import sys
 from pathlib import Path
 
-# What each chart is drawn from: (file under docs/results, what it is, the commit measured).
-FIT_EXPANDABLE = ("h200/2026-12-01b/fit_expandable.jsonl", "0fbabf6")  # cucache + c10, expandable
-FIT_PEERS = ("h200/2026-12-01/fit_default.jsonl", "0b39047")  # c10 default, cudaMallocAsync
-TORCH_STEPS = ("h200/2026-12-02b/torch_expandable.jsonl", "c7aa86a")
-BENCH = ("h200/2026-12-02c/bench.json", "b6d2391")
+# What each chart is drawn from: (file under docs/data/charts, the commit measured).
+FIT_EXPANDABLE = ("fit_expandable_0fbabf6.jsonl", "0fbabf6")  # cucache + c10, expandable
+FIT_PEERS = ("fit_default_0b39047.jsonl", "0b39047")  # c10 default, cudaMallocAsync
+TORCH_STEPS = ("torch_expandable_c7aa86a.jsonl", "c7aa86a")
+BENCH = ("pair_b6d2391.json", "b6d2391")
+GPU = "NVIDIA H200, driver 580.159.04"
 
 COLORS = {"cucache": "#1f77b4", "cucache (default)": "#9ecae1", "PyTorch (default)": "#ff7f0e",
           "PyTorch (expandable)": "#ffbb78", "cudaMallocAsync": "#2ca02c"}
@@ -52,7 +56,7 @@ def new_figure(plt, width=9.0, height=4.8):
 
 def save(fig, path):
     fig.tight_layout()
-    # No software version or date in the file: the same results draw the same bytes' meaning.
+    # No software version or date in the file: the same data draw the same bytes' meaning.
     fig.savefig(path, metadata={"Software": None})
     print(f"charts: wrote {path}")
 
@@ -84,9 +88,9 @@ def grouped_bars(ax, groups, series, values, errors=None, width=0.8, label_forma
     ax.set_xticklabels(groups)
 
 
-def min_capacity_chart(plt, results, out):
-    expandable = {r["trace"]: r for r in read_jsonl(results / FIT_EXPANDABLE[0])}
-    peers = {r["trace"]: r for r in read_jsonl(results / FIT_PEERS[0])}
+def min_capacity_chart(plt, data_dir, out):
+    expandable = {r["trace"]: r for r in read_jsonl(data_dir / FIT_EXPANDABLE[0])}
+    peers = {r["trace"]: r for r in read_jsonl(data_dir / FIT_PEERS[0])}
     traces = sorted(expandable)
     series = ["cucache", "PyTorch (default)", "PyTorch (expandable)", "cudaMallocAsync"]
     values = {
@@ -104,7 +108,7 @@ def min_capacity_chart(plt, results, out):
     ax.set_ylim(1.0, 1.0 + (top - 1.0) * 1.12)
     ax.set_ylabel("minimum capacity / peak requested bytes\n(1.0 = the floor; lower is better)")
     ax.set_xlabel("trace (traces/, recorded from PyTorch 2.11 workloads)")
-    ax.set_title("Smallest memory limit each trace runs under (H200, --fit)\n"
+    ax.set_title(f"Smallest memory limit each trace runs under ({GPU}, --fit)\n"
                  f"cucache (expandable segments) and PyTorch (expandable): one run at "
                  f"{FIT_EXPANDABLE[1]}\nPyTorch (default) and cudaMallocAsync: one run at "
                  f"{FIT_PEERS[1]}", fontsize=10)
@@ -114,8 +118,8 @@ def min_capacity_chart(plt, results, out):
     plt.close(fig)
 
 
-def step_time_chart(plt, results, out):
-    runs = read_jsonl(results / TORCH_STEPS[0])
+def step_time_chart(plt, data_dir, out):
+    runs = read_jsonl(data_dir / TORCH_STEPS[0])
     workloads = sorted({r["workload"] for r in runs})
     names = {"torch": "PyTorch (expandable)", "cucache": "cucache"}
     series = ["PyTorch (expandable)", "cucache"]
@@ -133,7 +137,7 @@ def step_time_chart(plt, results, out):
     counts = {len(v) for s in series for v in per[s].values()}
     ax.set_ylabel("training step time (ms; lower is better)")
     ax.set_xlabel("workload (bench/torch/workloads.py), expandable segments")
-    ax.set_title("PyTorch training step, H200, at " + TORCH_STEPS[1] + "\nbar: median of "
+    ax.set_title(f"PyTorch training step, {GPU}, at {TORCH_STEPS[1]}\nbar: median of "
                  f"{'/'.join(map(str, sorted(counts)))} interleaved runs' median steps; "
                  "whiskers: their range; dots: each run", fontsize=10)
     ax.legend(frameon=False, loc="upper right", fontsize=9)
@@ -141,8 +145,8 @@ def step_time_chart(plt, results, out):
     plt.close(fig)
 
 
-def pair_time_chart(plt, results, out):
-    data = json.loads((results / BENCH[0]).read_text(encoding="utf-8"))
+def pair_time_chart(plt, data_dir, out):
+    data = json.loads((data_dir / BENCH[0]).read_text(encoding="utf-8"))
     stats = {}
     for b in data["benchmarks"]:
         if b.get("run_type") != "aggregate" or not b["run_name"].startswith("pair/"):
@@ -177,7 +181,7 @@ def pair_time_chart(plt, results, out):
     grouped_bars(ax, sizes, series, values, errors)
     ax.set_ylabel("ns per allocate + free pair (lower is better)")
     ax.set_xlabel("request size (a cache hit: the block is reused every time)")
-    ax.set_title(f"Cache-hit pair, one thread, H200, at {BENCH[1]}\nbar: median of 3 "
+    ax.set_title(f"Cache-hit pair, one thread, {GPU}, at {BENCH[1]}\nbar: median of 3 "
                  "repetitions; whiskers: ± one standard deviation", fontsize=10)
     ax.legend(frameon=False, ncols=4, loc="upper left", fontsize=9)
     save(fig, out / "pair_time.png")
@@ -187,7 +191,7 @@ def pair_time_chart(plt, results, out):
 def main():
     repo = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", type=Path, default=repo / "docs" / "results")
+    ap.add_argument("--data", type=Path, default=repo / "docs" / "data" / "charts")
     ap.add_argument("--out", type=Path, default=repo / "docs" / "img")
     args = ap.parse_args()
     try:
@@ -199,9 +203,9 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     args.out.mkdir(parents=True, exist_ok=True)
-    min_capacity_chart(plt, args.results, args.out)
-    step_time_chart(plt, args.results, args.out)
-    pair_time_chart(plt, args.results, args.out)
+    min_capacity_chart(plt, args.data, args.out)
+    step_time_chart(plt, args.data, args.out)
+    pair_time_chart(plt, args.data, args.out)
     return 0
 
 

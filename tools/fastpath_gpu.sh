@@ -69,7 +69,7 @@ run bench 240 "$bin/cucache-bench" \
   --benchmark_report_aggregates_only=true --benchmark_format=json "--benchmark_out=$out/bench.json"
 # Pairs by size, on a created stream and on the legacy default stream; churn. (The report script
 # this step called, tools/bench_report.py, is gone: tools/charts.py draws docs/benchmarks.md's
-# charts from docs/results.)
+# charts from docs/data/charts.)
 python3 - "$out/bench.json" "$out/churn.md" > "$out/pair.md" <<'EOF'
 import json, sys
 try:
