@@ -25,7 +25,8 @@ OUTSIDE = re.compile(r"\.\./shared|(?<![\w.])/work/")
 
 
 def pages(repo):
-    return [repo / "README.md"] + sorted((repo / "docs").glob("*.md"))
+    return ([repo / "README.md"] + sorted((repo / "docs").glob("*.md"))
+            + sorted((repo / "docs" / "decisions").glob("*.md")))
 
 
 def slug(heading):
