@@ -19,7 +19,7 @@ all on one NVIDIA H200, driver 580.159.04, PyTorch 2.11.0+cu130):
 
 The inputs and the commits they were measured at are the constants below. The files are the
 measurements' own output, cut to what the charts read (pair_*.json: cucache-bench's JSON, only the
-`pair/` aggregates). A new measurement replaces a file there and its name here, and the charts
+`pair/` aggregates; the library paths of the machine that ran them reduced to file names). A new measurement replaces a file there and its name here, and the charts
 are drawn again (`python3 tools/charts.py`). ctest `charts` draws them into the build folder, so a
 change of the data's format fails CI.
 """
