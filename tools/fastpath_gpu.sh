@@ -15,7 +15,7 @@
 #   tools/fastpath_gpu.sh BIN_DIR OUT_DIR
 #
 # BIN_DIR holds cucache-bench (with its libbenchmark), cucache-fastpath and the five test
-# binaries, built elsewhere with the static cudart (docs/benchmarks.md, "Issue 21"), and
+# binaries, built elsewhere with the static cudart (docs/benchmarks.md, "Host time: cache hits, threads, churn"), and
 # libcucache_c10_peer.so if it was built; without it, tools/build_c10_peer.sh builds it into
 # BIN_DIR first (needs torch). BIN_DIR/COMMIT, if present, names the commit the binaries were
 # built from. Writes one log per step and summary.txt into OUT_DIR; exit status 0 only if every
