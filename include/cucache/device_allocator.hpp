@@ -52,6 +52,20 @@ class allocation_observer {
                                stream_handle stream) noexcept {
     static_cast<void>(base), static_cast<void>(bytes), static_cast<void>(stream);
   }
+  /// Expandable segments: `bytes` at `base` in the pool of `stream`'s address range were mapped
+  /// and made accessible (one call per run of pages given access at once), under that pool's
+  /// lock, before any block there is handed out. PyTorch's SEGMENT_MAP. Default: ignored.
+  virtual void on_segment_map(std::uintptr_t base, std::size_t bytes,
+                              stream_handle stream) noexcept {
+    static_cast<void>(base), static_cast<void>(bytes), static_cast<void>(stream);
+  }
+  /// Expandable segments: the accessible mapping of `bytes` at `base` is about to be unmapped
+  /// (one call per mapping: a page, or a chunk of pages), under its pool's lock. PyTorch's
+  /// SEGMENT_UNMAP. Default: ignored.
+  virtual void on_segment_unmap(std::uintptr_t base, std::size_t bytes,
+                                stream_handle stream) noexcept {
+    static_cast<void>(base), static_cast<void>(bytes), static_cast<void>(stream);
+  }
 };
 
 /// Names a private pool of CUDA graph memory (PyTorch's MempoolId_t). A program (or PyTorch,

@@ -104,6 +104,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
     // is underway: unmapping waits for a device synchronization.)
     pager = std::make_unique<detail::pager>(*backend, budget, page_bytes, pools);
     pager->set_synchronization_gate([this] { return !sync_blocked(); });
+    pager->set_observer(&observer);
     pager->nvtx = cfg.nvtx;
     // Which devices every mapping is made accessible to, and whether its physical memory can be
     // exported (docs/config.md: peer_access, ipc_handles).

@@ -365,6 +365,9 @@ void pager::release_unmapped(std::size_t target_reserved) {
 pager::piece pager::unmap(stream_pool& p, vm_range& r, std::size_t pg) {
   const page_span m = r.mapping_of(pg);
   const std::size_t bytes = m.pages() * page_bytes_;
+  if (allocation_observer* o = observer(); o != nullptr && r.pages.get(m.first).accessible)
+      [[unlikely]]
+    o->on_segment_unmap(r.page_addr(m.first), bytes, p.stream);
   timed(counters.vm_ns,
         [&] { backend_.unmap(reinterpret_cast<void*>(r.page_addr(m.first)), bytes); });
   counters.unmap.fetch_add(1, std::memory_order_relaxed);
@@ -516,6 +519,8 @@ void pager::grant_access(stream_pool& p, vm_range& r, std::size_t first, std::si
     }
     counters.set_access.fetch_add(1, std::memory_order_relaxed);
     for (std::size_t q = pg; q < run_end; ++q) r.grant(q);
+    if (allocation_observer* o = observer()) [[unlikely]]
+      o->on_segment_map(r.page_addr(pg), (run_end - pg) * page_bytes_, p.stream);
     pg = run_end;
   }
 }

@@ -39,6 +39,7 @@
 #include "allocator/stream_pool.hpp"
 #include "core/vm_range.hpp"
 #include "cucache/backend.hpp"
+#include "cucache/device_allocator.hpp"
 
 namespace cucache::detail {
 
@@ -119,6 +120,10 @@ class pager {
   /// is underway). While it says no, nothing is unmapped: idle pages are neither moved, split
   /// nor reclaimed, and back() uses only unmapped handles and new memory.
   void set_synchronization_gate(std::function<bool()> gate) { may_synchronize_ = std::move(gate); }
+  /// Who is told of mappings made accessible and of accessible mappings about to be unmapped
+  /// (allocation_observer::on_segment_map / on_segment_unmap): the allocator's observer slot,
+  /// read at each event (null: nobody). Set before use; `*slot` outlives the pager.
+  void set_observer(const std::atomic<allocation_observer*>* slot) noexcept { observer_ = slot; }
 
   /// Address space for a pool's next range of kind `kind`, given that its ranges of that kind
   /// span `held` bytes already and that the range must hold a request of `need` bytes
@@ -386,6 +391,10 @@ class pager {
   std::shared_mutex& pools_mu_;
   const std::vector<std::unique_ptr<stream_pool>>& pools_;
   std::function<bool()> may_synchronize_ = [] { return true; };
+  const std::atomic<allocation_observer*>* observer_ = nullptr;
+  [[nodiscard]] allocation_observer* observer() const noexcept {
+    return observer_ != nullptr ? observer_->load(std::memory_order_acquire) : nullptr;
+  }
   std::atomic<std::uint64_t> syncs_started_{0};
   std::atomic<std::uint64_t> syncs_done_{0};
   /// The address space of every range of the device (reserve_range adds, destroy_range

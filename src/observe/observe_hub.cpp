@@ -80,6 +80,10 @@ const char* to_string(history_entry::action a) noexcept {
       return "segment_alloc";
     case history_entry::action::segment_free:
       return "segment_free";
+    case history_entry::action::segment_map:
+      return "segment_map";
+    case history_entry::action::segment_unmap:
+      return "segment_unmap";
     case history_entry::action::oom:
       return "oom";
     case history_entry::action::snapshot:
@@ -98,11 +102,11 @@ struct segment_listener {
 // Never freed: a listener read by one thread while another replaces it stays valid.
 std::atomic<const segment_listener*> g_segment_listener{nullptr};
 
-void notify_segment(int device, bool freed, std::uintptr_t base, std::size_t bytes,
+void notify_segment(int device, segment_event event, std::uintptr_t base, std::size_t bytes,
                     stream_handle stream) noexcept {
   const segment_listener* l = g_segment_listener.load(std::memory_order_acquire);
   if (l != nullptr && l->fn != nullptr) [[unlikely]]
-    l->fn(l->ctx, device, freed, base, bytes, stream);
+    l->fn(l->ctx, device, event, base, bytes, stream);
 }
 
 class device_observer final : public allocation_observer {
@@ -128,13 +132,25 @@ class device_observer final : public allocation_observer {
   }
   void on_segment_alloc(std::uintptr_t base, std::size_t bytes,
                         stream_handle stream) noexcept override {
-    notify_segment(device_, false, base, bytes, stream);
+    notify_segment(device_, segment_event::alloc, base, bytes, stream);
     if (hub_.history_on())
       hub_.record_event(device_, history_entry::action::segment_alloc, base, bytes, stream);
   }
+  void on_segment_map(std::uintptr_t base, std::size_t bytes,
+                      stream_handle stream) noexcept override {
+    notify_segment(device_, segment_event::map, base, bytes, stream);
+    if (hub_.history_on())
+      hub_.record_event(device_, history_entry::action::segment_map, base, bytes, stream);
+  }
+  void on_segment_unmap(std::uintptr_t base, std::size_t bytes,
+                        stream_handle stream) noexcept override {
+    notify_segment(device_, segment_event::unmap, base, bytes, stream);
+    if (hub_.history_on())
+      hub_.record_event(device_, history_entry::action::segment_unmap, base, bytes, stream);
+  }
   void on_segment_free(std::uintptr_t base, std::size_t bytes,
                        stream_handle stream) noexcept override {
-    notify_segment(device_, true, base, bytes, stream);
+    notify_segment(device_, segment_event::free, base, bytes, stream);
     if (hub_.history_on())
       hub_.record_event(device_, history_entry::action::segment_free, base, bytes, stream);
   }

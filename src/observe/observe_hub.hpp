@@ -39,12 +39,21 @@ void pop_tag_id(const char* function);
 
 // --- segment listener (process-wide) -----------------------------------------------------------
 
-/// Told of every segment a device allocator creates (`freed` false) or returns to the device
-/// (`freed` true), on any device whose allocator reports to the hub (registry::activate_observers).
-/// Called under the segment's pool lock: it must be quick and must not call cucache. The PyTorch
-/// extension's SEGMENT_ALLOC / SEGMENT_FREE trace entries (cucache_torch_set_segment_listener).
-using segment_listener_fn = void (*)(void* ctx, int device, bool freed, std::uintptr_t base,
-                                     std::size_t bytes, stream_handle stream);
+/// What a segment listener is told of (the values are cucache_torch.h's CUCACHE_TORCH_SEGMENT_*).
+enum class segment_event : int {
+  alloc = 0,  ///< a segment created (cudaMalloc)
+  free = 1,   ///< a segment returned to the device
+  map = 2,    ///< expandable segments: pages of a pool's range mapped and made accessible
+  unmap = 3,  ///< expandable segments: an accessible mapping about to be unmapped
+};
+/// Told of every segment a device allocator creates or returns to the device, and in expandable
+/// mode of every range of pages it maps or unmaps, on any device whose allocator reports to the
+/// hub (registry::activate_observers). Called under the pool's lock: it must be quick and must not
+/// call cucache. The PyTorch extension's SEGMENT_ALLOC / SEGMENT_FREE / SEGMENT_MAP /
+/// SEGMENT_UNMAP trace entries (cucache_torch_set_segment_listener), which NCCL's user-buffer
+/// registration listens to.
+using segment_listener_fn = void (*)(void* ctx, int device, segment_event event,
+                                     std::uintptr_t base, std::size_t bytes, stream_handle stream);
 /// Sets (fn non-null) or clears (fn null) the process's one listener. Thread-safe; a listener
 /// replaced or cleared may still be running on another thread when this returns.
 void set_segment_listener(segment_listener_fn fn, void* ctx) noexcept;
@@ -59,6 +68,8 @@ struct history_entry {
     free_completed,
     segment_alloc,
     segment_free,
+    segment_map,
+    segment_unmap,
     oom,
     snapshot,
   };

@@ -55,6 +55,77 @@ TEST(Expandable, MapsOnlyTheMissingPagesOneHandlePerPage) {
   expect_no_leak(a);
 }
 
+/// PyTorch's SEGMENT_MAP / SEGMENT_UNMAP (NCCL's user-buffer registration listens to them): a
+/// map event for each run of pages given access at once, after the access; an unmap event for
+/// each accessible mapping, before it goes; none for segments (expandable mode has none).
+TEST(Expandable, ObserverIsToldOfEveryAccessibleMappingAndItsUnmap) {
+  struct event {
+    char kind;  // 'm' map, 'u' unmap, 'a' segment alloc, 'f' segment free
+    std::uintptr_t base;
+    std::size_t bytes;
+    bool accessible_then;
+  };
+  struct recorder final : allocation_observer {
+    std::shared_ptr<sim_backend> sim;
+    std::vector<event> events;
+    void on_allocate(const void*, std::size_t, stream_handle) noexcept override {}
+    void on_free(const void*, std::size_t, stream_handle) noexcept override {}
+    void on_failure(std::size_t, stream_handle) noexcept override {}
+    void on_segment_alloc(std::uintptr_t b, std::size_t n, stream_handle) noexcept override {
+      events.push_back({'a', b, n, false});
+    }
+    void on_segment_free(std::uintptr_t b, std::size_t n, stream_handle) noexcept override {
+      events.push_back({'f', b, n, false});
+    }
+    void on_segment_map(std::uintptr_t b, std::size_t n, stream_handle) noexcept override {
+      events.push_back({'m', b, n, sim->accessible(reinterpret_cast<void*>(b), n)});
+    }
+    void on_segment_unmap(std::uintptr_t b, std::size_t n, stream_handle) noexcept override {
+      events.push_back({'u', b, n, sim->accessible(reinterpret_cast<void*>(b), n)});
+    }
+  };
+  sim_allocator a(expandable());
+  auto rec = std::make_shared<recorder>();
+  rec->sim = a.sim;
+  a.alloc.attach_observer(rec);
+  void* p = a.alloc.allocate(3 * MiB);  // pages 0-1: one run, one event
+  ASSERT_EQ(rec->events.size(), 1u);
+  EXPECT_EQ(rec->events[0].kind, 'm');
+  EXPECT_EQ(rec->events[0].base, addr(p));
+  EXPECT_EQ(rec->events[0].bytes, 4 * MiB);
+  EXPECT_TRUE(rec->events[0].accessible_then);
+  void* q = a.alloc.allocate(3 * MiB);  // [3, 6) MiB: only page 2 is new
+  ASSERT_EQ(rec->events.size(), 2u);
+  EXPECT_EQ(rec->events[1].kind, 'm');
+  EXPECT_EQ(rec->events[1].base, addr(p) + 4 * MiB);
+  EXPECT_EQ(rec->events[1].bytes, 2 * MiB);
+  void* r = a.alloc.allocate(3 * MiB);  // [6, 9) MiB: pages 3-4, one run
+  ASSERT_EQ(rec->events.size(), 3u);
+  EXPECT_EQ(rec->events[2].base, addr(r));
+  EXPECT_EQ(rec->events[2].bytes, 4 * MiB);
+  std::size_t mapped = 0;
+  for (const event& e : rec->events) mapped += e.bytes;
+  EXPECT_EQ(mapped, static_cast<std::size_t>(a.reserved()));
+  a.alloc.deallocate(p);
+  a.alloc.deallocate(q);
+  a.alloc.deallocate(r);
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.reserved(), 0);
+  std::size_t unmapped = 0;
+  for (std::size_t i = 3; i < rec->events.size(); ++i) {
+    EXPECT_EQ(rec->events[i].kind, 'u') << i;
+    EXPECT_TRUE(rec->events[i].accessible_then) << i;  // told before the unmap
+    unmapped += rec->events[i].bytes;
+  }
+  EXPECT_EQ(unmapped, mapped);
+  for (const event& e : rec->events) {
+    EXPECT_NE(e.kind, 'a');
+    EXPECT_NE(e.kind, 'f');
+  }
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
 /// A block over [0, 10) MiB of the large range whose page 2 is an idle mapping with access and
 /// whose pages 0-1 and 3-4 are unmapped, nothing reusable cached: backing it maps four handles,
 /// a run of two on each side of page 2.

@@ -236,11 +236,17 @@ CUCACHE_TORCH_API size_t cucache_torch_ipc_handle_size(void);
  * none is set (PyTorch's answer). (cucache_torch_set_memory_fraction sets it.) */
 CUCACHE_TORCH_API int cucache_torch_get_memory_fraction(int device, double* out);
 
-/* Segment events: fn(ctx, device, freed, base, bytes, stream) for every segment a device
- * allocator creates (freed 0) or returns to the device (freed 1), from now on, on every device
- * (it turns the allocators' observers on). Runs under the allocator's pool lock: quick, and no
- * call into cucache. NULL clears it. 0, or -1. */
-typedef void (*cucache_torch_segment_listener)(void* ctx, int device, int freed, uint64_t base,
+/* Segment events: fn(ctx, device, event, base, bytes, stream) for every segment a device
+ * allocator creates (CUCACHE_TORCH_SEGMENT_ALLOC) or returns to the device (..._FREE) and, in
+ * expandable mode, every run of pages it maps and makes accessible (..._MAP) or every mapping it
+ * is about to unmap (..._UNMAP) -- PyTorch's SEGMENT_ALLOC/FREE/MAP/UNMAP trace entries -- from
+ * now on, on every device (it turns the allocators' observers on). Runs under the allocator's
+ * pool lock: quick, and no call into cucache. NULL clears it. 0, or -1. */
+#define CUCACHE_TORCH_SEGMENT_ALLOC 0
+#define CUCACHE_TORCH_SEGMENT_FREE 1
+#define CUCACHE_TORCH_SEGMENT_MAP 2
+#define CUCACHE_TORCH_SEGMENT_UNMAP 3
+typedef void (*cucache_torch_segment_listener)(void* ctx, int device, int event, uint64_t base,
                                                uint64_t bytes, cucache_torch_stream stream);
 CUCACHE_TORCH_API int cucache_torch_set_segment_listener(cucache_torch_segment_listener fn,
                                                          void* ctx);

@@ -22,6 +22,7 @@
 #include <torch/headeronly/version.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -157,6 +158,29 @@ struct foreign_pool {
   bool no_split = false;
   std::list<foreign_segment> segments;  // stable addresses
 };
+// What the pools with an allocator of their own hold, per device, in PyTorch's statistics' terms
+// (PyTorch counts their segments and blocks in memory_stats() as any pool's): added to cucache's
+// own figures by getDeviceStats, so that memory_reserved() includes them -- as PyTorch's tests
+// that size a memory fraction from memory_reserved() expect. Index 0 is "all", 1 small, 2 large
+// (c10's StatType). Peaks are these pools' own; getDeviceStats adds them to cucache's peaks (an
+// upper bound of the one peak PyTorch keeps, exact while only one side changes).
+struct foreign_stat {
+  std::int64_t current = 0, peak = 0, allocated = 0, freed = 0;
+  void add(std::int64_t n) {
+    current += n;
+    if (n > 0) allocated += n; else freed -= n;
+    peak = std::max(peak, current);
+  }
+};
+struct foreign_stats {
+  std::array<foreign_stat, 3> segment, reserved_bytes, allocation, allocated_bytes, active,
+      active_bytes, requested_bytes;
+  static void add(std::array<foreign_stat, 3>& s, bool small, std::int64_t n) {
+    s[0].add(n);
+    s[small ? 1 : 2].add(n);
+  }
+};
+
 // An allocation route (beginAllocateToPool), of a cucache pool or a foreign one: the newest route
 // whose filter accepts the stream decides where an allocation goes.
 struct route {
@@ -221,6 +245,7 @@ class cucache_allocator final : public cca::CUDAAllocator {
     d.num_sync_all_streams = static_cast<int64_t>(s.vm_sync_count);
     d.num_device_alloc = static_cast<int64_t>(s.num_device_alloc);
     d.num_device_free = static_cast<int64_t>(s.num_device_free);
+    if (foreign_pools_.load() > 0) add_foreign_stats(device, d);
     return d;
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
@@ -549,7 +574,8 @@ class cucache_allocator final : public cca::CUDAAllocator {
   static thread_local std::shared_ptr<c10::GatheredContext>* t_free_ctx;
   // Set while an allocation runs: the context its new segment gets.
   static thread_local std::shared_ptr<c10::GatheredContext>* t_alloc_ctx;
-  void on_segment(int device, bool freed, std::uint64_t base, std::uint64_t bytes,
+  // event: CUCACHE_TORCH_SEGMENT_*.
+  void on_segment(int device, int event, std::uint64_t base, std::uint64_t bytes,
                   cudaStream_t stream) noexcept;
 
  private:
@@ -634,6 +660,7 @@ class cucache_allocator final : public cca::CUDAAllocator {
   std::size_t device_total(c10::DeviceIndex device);
   void apply_fraction_locked(c10::DeviceIndex device, double fraction);
   void add_foreign_reserved_locked(c10::DeviceIndex device, std::int64_t delta);
+  void add_foreign_stats(c10::DeviceIndex device, DeviceStats& d);
   void snapshot_foreign(MempoolId_t pool, const std::unordered_map<void*, live_rec>& live,
                         std::vector<SegmentInfo>& out);
   bool skipped(TraceEntry::Action a) const {
@@ -677,6 +704,7 @@ class cucache_allocator final : public cca::CUDAAllocator {
   std::unordered_set<void*> uncached_;
   std::map<c10::DeviceIndex, double> user_fraction_;     // setMemoryFraction's, per device
   std::map<c10::DeviceIndex, std::int64_t> foreign_reserved_;
+  std::map<c10::DeviceIndex, foreign_stats> foreign_stats_;
   std::map<c10::DeviceIndex, std::size_t> totals_;
 
   std::mutex mu_;  // everything below
@@ -867,6 +895,11 @@ bool cucache_allocator::free_elsewhere(void* ptr) {
     pf.events.push_back(ev);
   }
   f.block->uses.clear();
+  foreign_stats& fs = foreign_stats_[f.pool->device];
+  foreign_stats::add(fs.allocation, f.seg->small, -1);
+  foreign_stats::add(fs.allocated_bytes, f.seg->small, -static_cast<std::int64_t>(f.block->size));
+  foreign_stats::add(fs.requested_bytes, f.seg->small,
+                     -static_cast<std::int64_t>(f.block->requested));
   f.block->allocated = false;
   f.block->pending = true;
   f.block->requested = 0;
@@ -878,11 +911,22 @@ void cucache_allocator::foreign_free_block_locked(foreign_pool* fp, foreign_segm
                                                   std::uintptr_t addr) {
   auto it = seg->blocks.find(addr);
   if (it == seg->blocks.end()) return;
+  foreign_stats& fs = foreign_stats_[fp->device];
+  const auto bytes = static_cast<std::int64_t>(it->second.size);
+  if (it->second.allocated) {
+    foreign_stats::add(fs.allocation, seg->small, -1);
+    foreign_stats::add(fs.allocated_bytes, seg->small, -bytes);
+    foreign_stats::add(fs.requested_bytes, seg->small,
+                       -static_cast<std::int64_t>(it->second.requested));
+  }
+  if (it->second.allocated || it->second.pending) {
+    foreign_stats::add(fs.active, seg->small, -1);
+    foreign_stats::add(fs.active_bytes, seg->small, -bytes);
+  }
   it->second.allocated = false;
   it->second.pending = false;
   it->second.requested = 0;
   it->second.uses.clear();
-  static_cast<void>(fp);
   // Merges with free neighbours (PyTorch's try_merge_blocks).
   if (auto next = std::next(it);
       next != seg->blocks.end() && !next->second.allocated && !next->second.pending) {
@@ -949,6 +993,28 @@ void cucache_allocator::add_foreign_reserved_locked(c10::DeviceIndex device, std
   if (auto it = user_fraction_.find(device); it != user_fraction_.end() && it->second > 0) {
     apply_fraction_locked(device, it->second);
   }
+}
+
+void cucache_allocator::add_foreign_stats(c10::DeviceIndex device, DeviceStats& d) {
+  std::lock_guard lock(fmu_);
+  auto it = foreign_stats_.find(device);
+  if (it == foreign_stats_.end()) return;
+  const foreign_stats& f = it->second;
+  auto merge = [](const std::array<foreign_stat, 3>& from, c10::CachingAllocator::StatArray& to) {
+    for (std::size_t i = 0; i < from.size(); ++i) {
+      to[i].current += from[i].current;
+      to[i].peak += from[i].peak;
+      to[i].allocated += from[i].allocated;
+      to[i].freed += from[i].freed;
+    }
+  };
+  merge(f.segment, d.segment);
+  merge(f.reserved_bytes, d.reserved_bytes);
+  merge(f.allocation, d.allocation);
+  merge(f.allocated_bytes, d.allocated_bytes);
+  merge(f.active, d.active);
+  merge(f.active_bytes, d.active_bytes);
+  merge(f.requested_bytes, d.requested_bytes);
 }
 
 void* cucache_allocator::foreign_alloc(foreign_pool* fp, std::size_t size, cudaStream_t stream,
@@ -1028,6 +1094,9 @@ void* cucache_allocator::foreign_alloc_locked(foreign_pool* fp, std::size_t size
     seg.blocks[best_addr] = foreign_block{seg_size, 0, false, false, {}};
     best_seg = &seg;
     add_foreign_reserved_locked(fp->device, static_cast<std::int64_t>(seg_size));
+    foreign_stats& fs = foreign_stats_[fp->device];
+    foreign_stats::add(fs.segment, small, 1);
+    foreign_stats::add(fs.reserved_bytes, small, static_cast<std::int64_t>(seg_size));
     if (recording()) {
       std::lock_guard lock(mu_);
       segment_ctx_[best_addr] = ctx;
@@ -1043,6 +1112,13 @@ void* cucache_allocator::foreign_alloc_locked(foreign_pool* fp, std::size_t size
   foreign_block& got = best_seg->blocks[best_addr];
   got.allocated = true;
   got.requested = size;
+  foreign_stats& fs = foreign_stats_[fp->device];
+  const auto bytes = static_cast<std::int64_t>(got.size);
+  foreign_stats::add(fs.allocation, best_seg->small, 1);
+  foreign_stats::add(fs.allocated_bytes, best_seg->small, bytes);
+  foreign_stats::add(fs.active, best_seg->small, 1);
+  foreign_stats::add(fs.active_bytes, best_seg->small, bytes);
+  foreign_stats::add(fs.requested_bytes, best_seg->small, static_cast<std::int64_t>(size));
   void* p = reinterpret_cast<void*>(best_addr);
   fptr_[p] = fp;
   return p;
@@ -1102,6 +1178,9 @@ bool cucache_allocator::empty_foreign(MempoolId_t pool,
         fp.allocator->raw_delete(seg->base);
       }
       add_foreign_reserved_locked(fp.device, -static_cast<std::int64_t>(seg->size));
+      foreign_stats& fs = foreign_stats_[fp.device];
+      foreign_stats::add(fs.segment, seg->small, -1);
+      foreign_stats::add(fs.reserved_bytes, seg->small, -static_cast<std::int64_t>(seg->size));
       if (recording()) {
         std::lock_guard hl(mu_);
         std::shared_ptr<c10::GatheredContext> c = ctx;
@@ -1166,12 +1245,23 @@ void cucache_allocator::snapshot_foreign(MempoolId_t pool,
   }
 }
 
-void cucache_allocator::on_segment(int device, bool freed, std::uint64_t base,
+void cucache_allocator::on_segment(int device, int event, std::uint64_t base,
                                    std::uint64_t bytes, cudaStream_t stream) noexcept {
   if (!recording()) return;
   try {
     std::lock_guard lock(mu_);
     std::shared_ptr<c10::GatheredContext> ctx;
+    if (event == CUCACHE_TORCH_SEGMENT_MAP || event == CUCACHE_TORCH_SEGMENT_UNMAP) {
+      // Expandable segments: the context of the allocation that maps, or of the call that
+      // unmaps (emptyCache, a free that gives pages back) -- PyTorch's as well.
+      const bool map = event == CUCACHE_TORCH_SEGMENT_MAP;
+      std::shared_ptr<c10::GatheredContext>* c = map ? t_alloc_ctx : t_free_ctx;
+      if (c != nullptr) ctx = *c;
+      record_locked(map ? TraceEntry::SEGMENT_MAP : TraceEntry::SEGMENT_UNMAP,
+                    static_cast<c10::DeviceIndex>(device), base, bytes, stream, std::move(ctx));
+      return;
+    }
+    const bool freed = event == CUCACHE_TORCH_SEGMENT_FREE;
     if (freed) {
       // PyTorch: the context of the call that frees (emptyCache under context="all"), else the
       // segment's allocation context.
@@ -1572,9 +1662,9 @@ void cucache_allocator::on_settings(const std::string& env) {
   }
 }
 
-void segment_listener(void* /*ctx*/, int device, int freed, std::uint64_t base,
+void segment_listener(void* /*ctx*/, int device, int event, std::uint64_t base,
                       std::uint64_t bytes, cucache_torch_stream stream) {
-  if (g_self != nullptr) g_self->on_segment(device, freed != 0, base, bytes, stream);
+  if (g_self != nullptr) g_self->on_segment(device, event, base, bytes, stream);
 }
 
 }  // namespace

@@ -251,11 +251,15 @@ exported_fds& kept_fds() {
 // The C segment listener behind observe_hub's.
 std::atomic<cucache_torch_segment_listener> g_c_listener{nullptr};
 std::atomic<void*> g_c_listener_ctx{nullptr};
-void segment_trampoline(void* /*ctx*/, int device, bool freed, std::uintptr_t base,
+void segment_trampoline(void* /*ctx*/, int device, segment_event event, std::uintptr_t base,
                         std::size_t bytes, stream_handle stream) {
+  static_assert(static_cast<int>(segment_event::alloc) == CUCACHE_TORCH_SEGMENT_ALLOC &&
+                static_cast<int>(segment_event::free) == CUCACHE_TORCH_SEGMENT_FREE &&
+                static_cast<int>(segment_event::map) == CUCACHE_TORCH_SEGMENT_MAP &&
+                static_cast<int>(segment_event::unmap) == CUCACHE_TORCH_SEGMENT_UNMAP);
   if (cucache_torch_segment_listener fn = g_c_listener.load(std::memory_order_acquire)) {
-    fn(g_c_listener_ctx.load(std::memory_order_acquire), device, freed ? 1 : 0, base, bytes,
-       static_cast<cucache_torch_stream>(stream));
+    fn(g_c_listener_ctx.load(std::memory_order_acquire), device, static_cast<int>(event), base,
+       bytes, static_cast<cucache_torch_stream>(stream));
   }
 }
 
