@@ -165,7 +165,23 @@ def snapshot_case(torch, out):
     ok = len(snap["segments"]) > 0 and n_trace > 0 and len(html) > 1000 and len(segs) > 1000
     stats = torch.cuda.memory_stats()
     ok = ok and "active_bytes.all.current" in stats
-    return result("snapshot_memory_viz", ok, f"segments={len(snap['segments'])} trace_entries={n_trace} {path}")
+    # Segment events as trace trackers (NCCL's registration) see them: in expandable mode the
+    # memory arrives by SEGMENT_MAP, elsewhere by SEGMENT_ALLOC. empty_cache() gives the cached
+    # memory back (SEGMENT_UNMAP / SEGMENT_FREE) while history is still on.
+    del model, opt
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del x
+    torch.cuda.empty_cache()
+    actions = {}
+    for e in torch.cuda.memory._snapshot()["device_traces"][0]:
+        actions[e["action"]] = actions.get(e["action"], 0) + 1
+    torch.cuda.memory._record_memory_history(enabled=None)
+    expandable = os.environ.get("MODE") == "expandable"
+    grown, gone = ("segment_map", "segment_unmap") if expandable else ("segment_alloc", "segment_free")
+    ok = ok and actions.get(grown, 0) > 0 and actions.get(gone, 0) > 0
+    return result("snapshot_memory_viz", ok, f"segments={len(snap['segments'])} trace_entries={n_trace} "
+                  f"segment_events={sorted(actions.items())} {path}")
 
 
 def main():
