@@ -6,7 +6,8 @@
 // MODE (default plain): plain, a device_allocator of its own, without an observer; untagged, the
 // process-wide allocator (CUCACHE_BACKEND=sim) once a tag was pushed and popped (the observe hub
 // watches every allocation), pairs made outside any tag; tagged, the same with every pair made
-// under a tag; limited, under a tag with a limit (set_tag_limit) that every pair stays within.
+// under a tag; limited, under a tag with a limit (set_tag_limit) that every pair stays within;
+// untagged_limits, outside any tag while another tag has a limit (every allocation is admitted).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -28,7 +29,9 @@ void pairs(cucache::device_allocator& a, std::size_t bytes, long n) {
 
 int main(int argc, char** argv) {
   if (argc != 3 && argc != 4) {
-    std::fprintf(stderr, "usage: cucache-pair-count BYTES N [plain|untagged|tagged|limited]\n");
+    std::fprintf(stderr,
+                 "usage: cucache-pair-count BYTES N "
+                 "[plain|untagged|tagged|limited|untagged_limits]\n");
     return 2;
   }
   const std::size_t bytes = std::strtoull(argv[1], nullptr, 0);
@@ -46,7 +49,8 @@ int main(int argc, char** argv) {
   }
   const bool tagged = std::strcmp(mode, "tagged") == 0;
   const bool limited = std::strcmp(mode, "limited") == 0;
-  if (!tagged && !limited && std::strcmp(mode, "untagged") != 0) {
+  const bool other_limited = std::strcmp(mode, "untagged_limits") == 0;
+  if (!tagged && !limited && !other_limited && std::strcmp(mode, "untagged") != 0) {
     std::fprintf(stderr, "cucache-pair-count: unknown mode '%s'\n", mode);
     return 2;
   }
@@ -55,6 +59,7 @@ int main(int argc, char** argv) {
   cucache::push_tag("pair");  // turns the observe hub on for every allocator
   if (!tagged && !limited) cucache::pop_tag();
   if (limited) cucache::set_tag_limit(0, "pair", bytes);
+  if (other_limited) cucache::set_tag_limit(0, "another", bytes);
   pairs(cucache::get(0), bytes, n);
   std::printf("%s\n", mode);
   return 0;
