@@ -250,15 +250,20 @@ TEST_F(TagLimit, ExactUnderThreads) {
   std::atomic<std::uint64_t> refused{0};
   std::atomic<std::uint64_t> served{0};
   std::atomic<std::uint64_t> other_refused{0};
+  std::atomic<int> ready{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < k_threads; ++t) {
     threads.emplace_back([&, t] {
       std::mt19937_64 rng(1234 + t);
       std::vector<void*> mine;
+      // All start together, so that they overlap as much as the machine lets them. (One thread
+      // alone can also reach the limit: up to 4 blocks of up to 4 MiB.)
+      ready.fetch_add(1);
+      while (ready.load() < k_threads) std::this_thread::yield();
       for (int i = 0; i < k_ops; ++i) {
         const bool limited = t % 4 != 3;
         cucache::scoped_tag scope(limited ? "shared" : "free");
-        const std::size_t bytes = 1 + rng() % (3 * k_mib);
+        const std::size_t bytes = 1 + rng() % (4 * k_mib);
         try {
           mine.push_back(cucache::malloc(bytes));
           served.fetch_add(1);
@@ -266,7 +271,7 @@ TEST_F(TagLimit, ExactUnderThreads) {
           (limited ? refused : other_refused).fetch_add(1);
           EXPECT_GT(e.used() + e.requested(), e.limit());
         }
-        if (mine.size() > 2 || (!mine.empty() && rng() % 3 == 0)) {
+        if (mine.size() > 3 || (!mine.empty() && rng() % 4 == 0)) {
           const std::size_t k = rng() % mine.size();
           cucache::free(mine[k]);
           mine.erase(mine.begin() + static_cast<std::ptrdiff_t>(k));
