@@ -348,7 +348,7 @@ std::string metrics() {
   for (int d = 0; d < r.device_count(); ++d) {
     const device_allocator* a = r.find(d);
     if (a == nullptr) continue;  // never used: no allocator is created for a scrape
-    devices.push_back(detail::device_metrics{d, a->stats(), r.hub().tag_stats(d)});
+    devices.push_back(detail::device_metrics{d, a->stats(), r.hub().tag_stats(d), sleeping(d)});
   }
   std::string out;
   out.reserve(32768);

@@ -10,6 +10,12 @@
 
 namespace cucache::detail {
 
+#define CUCACHE_SLEEP_STAT_SIZE_(member, ...) +sizeof(sleep_stat::member)
+static_assert(sizeof(sleep_stat) ==
+                  sizeof(std::string) CUCACHE_SLEEP_STAT_FIELDS(CUCACHE_SLEEP_STAT_SIZE_),
+              "a member of sleep_stat is missing from CUCACHE_SLEEP_STAT_FIELDS (metrics.hpp)");
+#undef CUCACHE_SLEEP_STAT_SIZE_
+
 namespace {
 
 constexpr std::array<stat_part, 4> k_parts = {stat_part::current, stat_part::peak,
@@ -175,6 +181,17 @@ void append_metrics(std::string& out, const std::vector<device_metrics>& devices
   }
   CUCACHE_TAG_STAT_FIELDS(CUCACHE_TAG_METRIC_)
 #undef CUCACHE_TAG_METRIC_
+  // Sleeping tags (sleep and wake): gauges with a sample per tag asleep.
+#define CUCACHE_SLEEP_METRIC_(member, metric, unit, help)                                      \
+  header(out, #metric, help, false);                                                            \
+  for (const device_metrics& d : devices) {                                                     \
+    for (const sleep_stat& t : d.sleeping) {                                                    \
+      fmt::format_to(std::back_inserter(out), "{}{{device=\"{}\",tag=\"{}\"}} {}\n", #metric,  \
+                     d.device, escape_label_value(t.tag), t.member);                            \
+    }                                                                                           \
+  }
+  CUCACHE_SLEEP_STAT_FIELDS(CUCACHE_SLEEP_METRIC_)
+#undef CUCACHE_SLEEP_METRIC_
 }
 
 }  // namespace cucache::detail

@@ -13,12 +13,24 @@
 
 namespace cucache::detail {
 
-/// What one device contributes: its statistics and its tags' (tag_stats order: by name).
+/// What one device contributes: its statistics, its tags' (tag_stats order: by name) and its
+/// sleeping tags' (cucache::sleeping).
 struct device_metrics {
   int device = 0;
   device_stats stats;
   std::vector<tag_stat> tags;
+  std::vector<sleep_stat> sleeping;
 };
+
+/// The field table of sleep_stat (after its name): X(member, metric name, unit, help), every one
+/// a gauge with a sample per sleeping tag. metrics.cpp checks that it lists every member.
+#define CUCACHE_SLEEP_STAT_FIELDS(X)                                                           \
+  X(bytes, cucache_tag_sleeping_bytes, bytes,                                                  \
+    "Device bytes a sleeping tag released, that wake maps again (no sample while awake)")     \
+  X(host_bytes, cucache_tag_sleeping_host_bytes, bytes,                                        \
+    "Pinned host bytes holding a sleeping tag's contents (keep_contents)")                    \
+  X(copy_seconds, cucache_tag_sleep_copy_seconds, seconds,                                     \
+    "Seconds the sleep of a sleeping tag spent copying its contents to the host")
 
 /// The sub-statistic of a per-pool field a metric carries (stat's members).
 enum class stat_part : std::uint8_t { current, peak, allocated, freed };

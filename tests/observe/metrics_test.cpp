@@ -297,6 +297,38 @@ TEST_F(Metrics, EveryFieldOfEveryDeviceAndTagWithItsExactValue) {
   cucache::get(2).deallocate(c);
 }
 
+TEST_F(Metrics, SleepingTagsHaveTheirSleepStatistics) {
+  restore("expandable_segments:True");
+  cucache::make_sleepable("train");
+  void* p = nullptr;
+  {
+    cucache::scoped_tag scope("train");
+    p = cucache::get(0).allocate(40 * k_mib);
+  }
+  std::map<std::string, family> fams = parse(cucache::metrics());
+  for (const char* name : {"cucache_tag_sleeping_bytes", "cucache_tag_sleeping_host_bytes",
+                           "cucache_tag_sleep_copy_seconds"}) {
+    EXPECT_EQ(fams.at(name).type, "gauge");
+    EXPECT_TRUE(fams.at(name).samples.empty()) << name << ": nothing sleeps yet";
+  }
+  cucache::sleep(0, "train", false);
+  const std::vector<cucache::sleep_stat> asleep = cucache::sleeping(0);
+  ASSERT_EQ(asleep.size(), 1u);
+  fams = parse(cucache::metrics());
+  EXPECT_EQ(fams.at("cucache_tag_sleeping_bytes").samples.at("device=0,tag=train"),
+            double(asleep[0].bytes));
+  EXPECT_EQ(asleep[0].bytes, 40 * k_mib);
+  EXPECT_EQ(fams.at("cucache_tag_sleeping_host_bytes").samples.at("device=0,tag=train"),
+            double(asleep[0].host_bytes));
+  EXPECT_EQ(fams.at("cucache_tag_sleep_copy_seconds").samples.at("device=0,tag=train"),
+            asleep[0].copy_seconds);
+  expect_device(fams, cucache::get(0).stats(), 0);
+  cucache::wake(0, "train");
+  fams = parse(cucache::metrics());
+  EXPECT_TRUE(fams.at("cucache_tag_sleeping_bytes").samples.empty());
+  cucache::get(0).deallocate(p);
+}
+
 TEST_F(Metrics, WriteMetricsSizesCopiesAndRefusesSmallBuffers) {
   void* p = nullptr;
   ASSERT_EQ(cucacheMalloc(&p, 4096), cudaSuccess);
