@@ -8,10 +8,11 @@
 #                                   machine lacks it
 #   tools/install_deps.sh --tests   also what some tests and CI jobs use (README's test command):
 #                                   about 600 MB more (chromium 290 MB, clang/LLVM 230 MB, doxygen,
-#                                   matplotlib). Without them those
+#                                   matplotlib, prometheus_client). Without them those
 #                                   tests skip with a one-line reason: timeline_browser_* (chromium),
-#                                   api_reference (doxygen), charts (matplotlib); the fuzz job falls
-#                                   back to its standalone driver (clang, libclang-rt-dev)
+#                                   api_reference (doxygen), charts (matplotlib), python_metrics
+#                                   (prometheus_client); the fuzz job falls back to its standalone
+#                                   driver (clang, libclang-rt-dev)
 set -euo pipefail
 
 tests=0
@@ -19,7 +20,7 @@ for arg in "$@"; do
   case $arg in
     --tests) tests=1 ;;
     -h | --help)
-      sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
       exit 0
       ;;
     *)
@@ -67,6 +68,19 @@ if ((tests)) && ! python3 -c 'import matplotlib' 2>/dev/null; then
       python3-matplotlib >/dev/null
   else
     python3 -m pip install --quiet matplotlib
+  fi
+fi
+# --tests: prometheus_client parses the metrics in ctest python_metrics (skipped without it), for
+# the python3 first on PATH, as matplotlib.
+if ((tests)) && ! python3 -c 'import prometheus_client' 2>/dev/null; then
+  echo "cucache: installing prometheus_client for $(command -v python3)" >&2
+  if [[ $(command -v python3) == /usr/bin/python3 ]]; then
+    sudo_cmd=()
+    [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+      python3-prometheus-client >/dev/null
+  else
+    python3 -m pip install --quiet prometheus-client
   fi
 fi
 if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then

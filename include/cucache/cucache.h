@@ -192,6 +192,35 @@ cudaError_t cucachePopTag(void) CUCACHE_NOEXCEPT;
  * Errors: cudaErrorInvalidValue (a NULL argument), cudaErrorInitializationError. */
 cudaError_t cucacheGetTagStats(int device, const char* tag, size_t* currentBytes,
                                size_t* peakBytes) CUCACHE_NOEXCEPT;
+/** No limit on a tag (cucacheSetTagLimit, cucacheGetTagLimit). */
+#define CUCACHE_NO_TAG_LIMIT ((size_t)-1)
+/** Tag limits (docs/api.md, "Tag limits"). Limits the bytes `tag` may hold on `device`: from now
+ * on, an allocation made under the tag on that device that would take its use -- the bytes callers
+ * asked for, of its live allocations, as cucacheGetTagStats counts them -- past `bytes` fails with
+ * cudaErrorMemoryAllocation, nothing allocated and nothing else changed;
+ * cucacheGetLastErrorMessage() names the tag, its limit, its use and the request. Per device, as
+ * tag statistics are. A limit below the tag's use is accepted: what it holds stays, and its
+ * allocations fail until frees bring it under. CUCACHE_NO_TAG_LIMIT removes the limit; 0 lets
+ * nothing be allocated under the tag. Exact under threads for the allocations that start after
+ * the call returns.
+ * Errors: cudaErrorInvalidValue (tag NULL or empty), cudaErrorInvalidDevice,
+ * cudaErrorInitializationError. */
+cudaError_t cucacheSetTagLimit(int device, const char* tag, size_t bytes) CUCACHE_NOEXCEPT;
+/** *bytes = the limit of `tag` on `device`, CUCACHE_NO_TAG_LIMIT when none. Errors as
+ * cucacheSetTagLimit, and cudaErrorInvalidValue for bytes NULL. */
+cudaError_t cucacheGetTagLimit(int device, const char* tag, size_t* bytes) CUCACHE_NOEXCEPT;
+
+/** Metrics (docs/api.md, "Metrics"): every statistics field of every device allocator created so
+ * far, per device, pool kind and tag, in Prometheus' text exposition format (0.0.4), the body of
+ * a /metrics answer. *needed = the size of the whole text with its terminating NUL. When `size`
+ * >= *needed, the text and its NUL are written to buf. Otherwise nothing is written (buf[0] = NUL
+ * when size > 0) and the call fails with cudaErrorInvalidValue -- except a size query (buf NULL,
+ * size 0), which succeeds. The text grows as tags and devices appear: allocate a little more than
+ * *needed, and call again when it did not fit. Creates no allocator.
+ * Errors: cudaErrorInvalidValue (needed NULL, buf NULL with size > 0, size < *needed),
+ * cudaErrorInitializationError. */
+cudaError_t cucacheWriteMetrics(char* buf, size_t size, size_t* needed) CUCACHE_NOEXCEPT;
+
 /** Sleep and wake (docs/api.md, "Sleep and wake"; expandable segments only).
  * cucacheMakeTagSleepable makes `tag` sleepable, process-wide and for good: allocations made under
  * it from then on are placed in physical pages of their own (one pool per stream and tag) that no

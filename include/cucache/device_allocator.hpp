@@ -8,6 +8,7 @@
     "cucache/device_allocator.hpp requires C++20: compile with -std=c++20 (CMake: link cucache::cucache, which asks for cxx_std_20; a .cu file needs CUDA_STANDARD 20). C++17 and older take cucache.h, thrust.hpp and memory_resource.hpp only (docs/api.md)."
 #endif
 
+#include <atomic>
 #include <compare>
 #include <cstddef>
 #include <cstdint>
@@ -40,6 +41,24 @@ class allocation_observer {
   virtual void on_free(const void* ptr, std::size_t requested, stream_handle stream) noexcept = 0;
   /// An allocation of `requested` bytes on `stream` failed (it threw).
   virtual void on_failure(std::size_t requested, stream_handle stream) noexcept = 0;
+  /// Called, while admits() is true, before the allocator acts on a request of `requested` (> 0)
+  /// bytes on `stream`: what it throws refuses the allocation with nothing changed (no
+  /// on_failure follows; tag limits throw tag_limit_error here). When it returns, exactly one of
+  /// on_allocate and on_failure follows on the same thread. Default: admits everything.
+  virtual void admit(std::size_t requested, stream_handle stream) {
+    static_cast<void>(requested), static_cast<void>(stream);
+  }
+  /// Whether the allocator calls admit: false until the observer says so (set_admits), so that an
+  /// observer that never refuses costs no call.
+  [[nodiscard]] bool admits() const noexcept { return admits_.load(std::memory_order_acquire); }
+
+ protected:
+  void set_admits(bool on) noexcept { admits_.store(on, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> admits_{false};
+
+ public:
   /// A cudaMalloc'd segment of `bytes` at `base` was created for the pool of `stream` (called
   /// under that pool's lock, before any block of it is handed out). Default: ignored.
   virtual void on_segment_alloc(std::uintptr_t base, std::size_t bytes,

@@ -3,6 +3,7 @@
 // pointer that is not a live allocation throws invalid_argument.
 #pragma once
 
+#include <cstddef>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -49,6 +50,35 @@ class out_of_memory : public std::bad_alloc {
 
  private:
   std::string report_;
+};
+
+/// An allocation under a tag was refused because it would take the tag past its limit
+/// (set_tag_limit, cucacheSetTagLimit): an out_of_memory, so that every handler of one catches it,
+/// whose what() names the tag, its limit, its use and the request. Nothing was allocated and
+/// nothing else changed. used() is what counts against the limit: the bytes callers asked for,
+/// of the tag's live allocations on the device, and of those being made on other threads.
+class tag_limit_error : public out_of_memory {
+ public:
+  tag_limit_error(std::string report, std::string tag, int device, std::size_t limit,
+                  std::size_t used, std::size_t requested)
+      : out_of_memory(std::move(report)),
+        tag_(std::move(tag)),
+        device_(device),
+        limit_(limit),
+        used_(used),
+        requested_(requested) {}
+  [[nodiscard]] const std::string& tag() const noexcept { return tag_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
+  [[nodiscard]] std::size_t used() const noexcept { return used_; }
+  [[nodiscard]] std::size_t requested() const noexcept { return requested_; }
+
+ private:
+  std::string tag_;
+  int device_;
+  std::size_t limit_;
+  std::size_t used_;
+  std::size_t requested_;
 };
 
 }  // namespace cucache

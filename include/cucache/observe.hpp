@@ -91,6 +91,9 @@ class scoped_tag {
   scoped_tag& operator=(const scoped_tag&) = delete;
 };
 
+/// No limit on a tag (set_tag_limit): no tag can hold more than SIZE_MAX bytes anyway.
+inline constexpr std::size_t k_no_tag_limit = static_cast<std::size_t>(-1);
+
 /// Bytes of one tag on one device: the sizes callers asked for, of live allocations.
 struct tag_stat {
   std::string tag;
@@ -98,11 +101,63 @@ struct tag_stat {
   std::size_t peak_bytes = 0;         ///< since the process started
   std::uint64_t allocations = 0;      ///< live allocations
   std::uint64_t total_allocations = 0;  ///< ever made under the tag
+  std::size_t limit_bytes = k_no_tag_limit;  ///< set_tag_limit's; k_no_tag_limit when none
+  std::uint64_t limit_refusals = 0;   ///< allocations the limit refused (tag_limit_error)
 };
-/// Every tag that allocated on `device`, by name. Empty when no allocator of `device` exists.
+
+/// The field table of tag_stat (after its name), as CUCACHE_STAT_*_FIELDS is device_stats': the
+/// JSON of tag statistics (Python's cucache.tag_stats) and the metrics (cucache::metrics) are
+/// produced from it, and a member missing from it fails the static_assert below.
+/// X(member, metric name, kind: gauge|counter, unit: bytes|count, help).
+#define CUCACHE_TAG_STAT_FIELDS(X)                                                               \
+  X(current_bytes, cucache_tag_bytes, gauge, bytes,                                              \
+    "Bytes callers asked for, of the live allocations made under the tag")                      \
+  X(peak_bytes, cucache_tag_peak_bytes, gauge, bytes,                                            \
+    "Highest cucache_tag_bytes since the process started")                                      \
+  X(allocations, cucache_tag_live_allocations, gauge, count,                                     \
+    "Live allocations made under the tag")                                                      \
+  X(total_allocations, cucache_tag_allocations_total, counter, count,                            \
+    "Allocations ever made under the tag")                                                      \
+  X(limit_bytes, cucache_tag_limit_bytes, gauge, bytes,                                          \
+    "The tag's limit (set_tag_limit); no sample for a tag without one")                         \
+  X(limit_refusals, cucache_tag_limit_refusals_total, counter, count,                            \
+    "Allocations refused because they would take the tag past its limit")
+
+#define CUCACHE_TAG_STAT_SIZE_(member, ...) +sizeof(tag_stat::member)
+static_assert(sizeof(tag_stat) == sizeof(std::string) CUCACHE_TAG_STAT_FIELDS(CUCACHE_TAG_STAT_SIZE_),
+              "a member of tag_stat is missing from CUCACHE_TAG_STAT_FIELDS");
+#undef CUCACHE_TAG_STAT_SIZE_
+
+/// Every tag that allocated on `device`, or has a limit there, by name. Empty for a device that
+/// does not exist.
 [[nodiscard]] std::vector<tag_stat> tag_stats(int device);
-/// One tag on `device` (all zero when it never allocated there).
+/// One tag on `device` (all zero, no limit, when it never allocated there).
 [[nodiscard]] tag_stat tag_stats(int device, std::string_view tag);
+
+/// Limits the bytes `tag` may hold on `device`: from now on, an allocation made under the tag
+/// there that would take its use -- the bytes callers asked for, of its live allocations, as
+/// tag_stats counts them -- past `bytes` throws tag_limit_error (an out_of_memory) naming the
+/// tag, the limit, the use and the request, with nothing allocated and nothing else changed.
+/// Per device, as tag statistics are: a tenant's share of one GPU's memory. `bytes` may be below
+/// the tag's use: what it holds stays, and its allocations are refused until frees bring it
+/// under. k_no_tag_limit removes the limit; 0 lets nothing be allocated under the tag. Allocations
+/// already being made on other threads when a limit is set are not checked against it; once it
+/// is set, the check is exact under any number of threads. Throws invalid_argument for an empty
+/// tag, cuda_error (cudaErrorInvalidDevice) for a device that does not exist. docs/api.md, "Tag
+/// limits".
+void set_tag_limit(int device, std::string_view tag, std::size_t bytes);
+/// The limit of `tag` on `device`; k_no_tag_limit when none. Errors as set_tag_limit.
+[[nodiscard]] std::size_t tag_limit(int device, std::string_view tag);
+
+// --- metrics ----------------------------------------------------------------------------------
+
+/// Every statistics field of every device allocator created so far (device_stats: per pool,
+/// counters, rates) and of every tag of each (tag_stat), in Prometheus' text exposition format
+/// (version 0.0.4): a # HELP and a # TYPE line per metric, then one sample per device (label
+/// device), pool (label pool: all, small_pool, large_pool) and tag (label tag). Names and kinds
+/// come from the field tables (stats.hpp, CUCACHE_TAG_STAT_FIELDS); docs/api.md, "Metrics",
+/// lists them. Creates no allocator.
+[[nodiscard]] std::string metrics();
 
 // --- sleep and wake (docs/api.md, "Sleep and wake") ----------------------------------------------
 

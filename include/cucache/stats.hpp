@@ -158,33 +158,35 @@ struct device_stats {
   X(active_count, active, count)                       \
   X(inactive_split_count, inactive_split, count)
 
-/// Scalars, read as std::uint64_t.
-#define CUCACHE_STAT_COUNTER_FIELDS(X)                   \
-  X(device_alloc_count, num_device_alloc, count)         \
-  X(device_free_count, num_device_free, count)           \
-  X(oom_count, num_ooms, count)                          \
-  X(alloc_retry_count, num_alloc_retries, count)         \
-  X(oversize_allocations, oversize_allocations, count)   \
-  X(oversize_segments, oversize_segments, count)         \
-  X(events_pending, events_pending, count)               \
-  X(vm_map_count, vm_map_count, count)                   \
-  X(vm_unmap_count, vm_unmap_count, count)               \
-  X(stitched_pages, stitched_pages, count)               \
-  X(shared_pages, shared_pages, count)                   \
-  X(vm_sync_count, vm_sync_count, count)                 \
-  X(vm_split_count, vm_split_count, count)               \
-  X(vm_reclaim_count, vm_reclaim_count, count)           \
-  X(vm_host_ns, vm_host_ns, ns)                          \
-  X(sync_host_ns, sync_host_ns, ns)                      \
-  X(mapped_bytes, mapped_bytes, bytes)                   \
-  X(unmapped_handle_bytes, unmapped_handle_bytes, bytes) \
-  X(free_bytes, free_bytes, bytes)                       \
-  X(free_block_count, free_block_count, count)           \
-  X(largest_free_block, largest_free_block, bytes)       \
-  X(memory_limit, memory_limit, bytes)                   \
-  X(device_total_bytes, device_total_bytes, bytes)       \
-  X(sleeping_bytes, sleeping_bytes, bytes)               \
-  X(sleeping_host_bytes, sleeping_host_bytes, bytes)
+/// Scalars, read as std::uint64_t. The fourth column says how a monotonic scraper reads it:
+/// counter (only grows, between resets of the accumulated stats: Prometheus' counter, exported
+/// with a _total suffix) or gauge (goes up and down).
+#define CUCACHE_STAT_COUNTER_FIELDS(X)                                \
+  X(device_alloc_count, num_device_alloc, count, counter)       \
+  X(device_free_count, num_device_free, count, counter)         \
+  X(oom_count, num_ooms, count, counter)                        \
+  X(alloc_retry_count, num_alloc_retries, count, counter)       \
+  X(oversize_allocations, oversize_allocations, count, gauge)   \
+  X(oversize_segments, oversize_segments, count, gauge)         \
+  X(events_pending, events_pending, count, gauge)               \
+  X(vm_map_count, vm_map_count, count, counter)                 \
+  X(vm_unmap_count, vm_unmap_count, count, counter)             \
+  X(stitched_pages, stitched_pages, count, counter)             \
+  X(shared_pages, shared_pages, count, counter)                 \
+  X(vm_sync_count, vm_sync_count, count, counter)               \
+  X(vm_split_count, vm_split_count, count, counter)             \
+  X(vm_reclaim_count, vm_reclaim_count, count, counter)         \
+  X(vm_host_ns, vm_host_ns, ns, counter)                        \
+  X(sync_host_ns, sync_host_ns, ns, counter)                    \
+  X(mapped_bytes, mapped_bytes, bytes, gauge)                   \
+  X(unmapped_handle_bytes, unmapped_handle_bytes, bytes, gauge) \
+  X(free_bytes, free_bytes, bytes, gauge)                       \
+  X(free_block_count, free_block_count, count, gauge)           \
+  X(largest_free_block, largest_free_block, bytes, gauge)       \
+  X(memory_limit, memory_limit, bytes, gauge)                   \
+  X(device_total_bytes, device_total_bytes, bytes, gauge)       \
+  X(sleeping_bytes, sleeping_bytes, bytes, gauge)               \
+  X(sleeping_host_bytes, sleeping_host_bytes, bytes, gauge)
 
 /// Rates in [0, 1], computed by a member function: X(function, torch_name).
 #define CUCACHE_STAT_RATE_FIELDS(X)                 \
@@ -193,6 +195,9 @@ struct device_stats {
 
 enum class stat_shape : std::uint8_t { per_pool, counter, rate };
 enum class stat_unit : std::uint8_t { bytes, count, ns, ratio };
+/// How a scraper reads a value: counter (monotonic between resets of the accumulated stats) or
+/// gauge. A per-pool field's current and peak are gauges, its allocated and freed sums counters.
+enum class stat_kind : std::uint8_t { gauge, counter };
 
 /// One entry of the field table.
 struct stat_field {
@@ -200,6 +205,7 @@ struct stat_field {
   std::string_view torch_name;  // PyTorch's name: the plug-in struct's field, the Python key
   stat_shape shape;
   stat_unit unit;
+  stat_kind kind;  // counter fields only: gauge for per-pool fields (see stat_kind) and rates
 };
 
 /// Key of each stat_array slot in PyTorch's vocabulary ("allocated_bytes.large_pool.peak").
@@ -210,14 +216,15 @@ inline constexpr std::array<std::string_view, k_stat_pools> k_stat_pool_names = 
 // clang-format off
 inline constexpr stat_field k_stat_fields[] = {
 #define CUCACHE_STAT_ENTRY_(member, torch, unit) \
-  {#member, #torch, stat_shape::per_pool, stat_unit::unit},
+  {#member, #torch, stat_shape::per_pool, stat_unit::unit, stat_kind::gauge},
   CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_STAT_ENTRY_)
 #undef CUCACHE_STAT_ENTRY_
-#define CUCACHE_STAT_ENTRY_(member, torch, unit) \
-  {#member, #torch, stat_shape::counter, stat_unit::unit},
+#define CUCACHE_STAT_ENTRY_(member, torch, unit, kind) \
+  {#member, #torch, stat_shape::counter, stat_unit::unit, stat_kind::kind},
   CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_STAT_ENTRY_)
 #undef CUCACHE_STAT_ENTRY_
-#define CUCACHE_STAT_ENTRY_(fn, torch) {#fn, #torch, stat_shape::rate, stat_unit::ratio},
+#define CUCACHE_STAT_ENTRY_(fn, torch) \
+  {#fn, #torch, stat_shape::rate, stat_unit::ratio, stat_kind::gauge},
   CUCACHE_STAT_RATE_FIELDS(CUCACHE_STAT_ENTRY_)
 #undef CUCACHE_STAT_ENTRY_
 };
@@ -245,7 +252,7 @@ void for_each_stat(const device_stats& s, F&& f) {
 #define CUCACHE_STAT_VISIT_(member, torch, unit) f(k_stat_fields[i++], s.member);
   CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_STAT_VISIT_)
 #undef CUCACHE_STAT_VISIT_
-#define CUCACHE_STAT_VISIT_(member, torch, unit) \
+#define CUCACHE_STAT_VISIT_(member, torch, unit, kind) \
   f(k_stat_fields[i++], static_cast<std::uint64_t>(s.member));
   CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_STAT_VISIT_)
 #undef CUCACHE_STAT_VISIT_

@@ -133,6 +133,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_push_tag": (i, [ctypes.c_char_p]),
         "cucache_torch_pop_tag": (i, []),
         "cucache_torch_tag_stats": (i64, [i, ctypes.c_char_p, sz]),
+        "cucache_torch_set_tag_limit": (i, [i, ctypes.c_char_p, u64]),
+        "cucache_torch_tag_limit": (i, [i, ctypes.c_char_p, ctypes.POINTER(u64)]),
+        "cucache_torch_metrics": (i64, [ctypes.c_char_p, sz]),
         "cucache_torch_make_sleepable": (i, [ctypes.c_char_p]),
         "cucache_torch_sleep": (i, [i, ctypes.c_char_p, i]),
         "cucache_torch_wake": (i, [i, ctypes.c_char_p, ctypes.POINTER(ctypes.c_double)]),
@@ -641,12 +644,50 @@ def sleeping(device: Any = None) -> dict[str, dict[str, int]]:
     return {r.pop("tag"): r for r in rows}
 
 
-def tag_stats(device: Any = None) -> dict[str, dict[str, int]]:
+def tag_stats(device: Any = None) -> dict[str, dict[str, Any]]:
     """Per tag on one device: {"kv_cache": {"current_bytes", "peak_bytes", "allocations",
-    "total_allocations"}} (requested bytes of live allocations)."""
+    "total_allocations", "limit_bytes", "limit_refusals"}} (requested bytes of live allocations;
+    limit_bytes is None for a tag without a limit). Lists the tags that allocated on the device
+    or have a limit there."""
     d = _ready(_device(device))
     rows = json.loads(_text(library().cucache_torch_tag_stats, d, "tag_stats"))
     return {r.pop("tag"): r for r in rows}
+
+
+_NO_TAG_LIMIT = 2**64 - 1  # cucache_torch.h: UINT64_MAX is no limit
+
+
+def set_tag_limit(name: str, nbytes: Optional[int], device: Any = None) -> None:
+    """Limits the bytes tag `name` may hold on one device (docs/python.md, "Tag limits"): an
+    allocation under the tag that would take its use (requested bytes of its live allocations, as
+    tag_stats counts them) past `nbytes` fails as out of memory -- MemoryError from alloc(),
+    torch.OutOfMemoryError through PyTorch -- with a message naming the tag, its limit, its use
+    and the request, and nothing else changes. None removes the limit; 0 allows nothing. A limit
+    below the tag's use is kept: its allocations fail until frees bring it under."""
+    b = _tag_name(name)
+    if not name:
+        raise ValueError("cucache: set_tag_limit: the tag is empty")
+    limit = _NO_TAG_LIMIT if nbytes is None else _in_range(nbytes, "set_tag_limit: nbytes", _SIZE_MAX)
+    d = _ready(_device(device))
+    _check(library().cucache_torch_set_tag_limit(d, b, limit), "set_tag_limit")
+
+
+def tag_limit(name: str, device: Any = None) -> Optional[int]:
+    """The limit of tag `name` on one device in bytes, None when it has none."""
+    b = _tag_name(name)
+    if not name:
+        raise ValueError("cucache: tag_limit: the tag is empty")
+    d = _ready(_device(device))
+    out = ctypes.c_uint64(0)
+    _check(library().cucache_torch_tag_limit(d, b, ctypes.byref(out)), "tag_limit")
+    return None if out.value in (_NO_TAG_LIMIT, _SIZE_MAX) else int(out.value)
+
+
+def metrics_text() -> str:
+    """Every statistics field of every device used so far, per device, pool and tag, in
+    Prometheus' text exposition format (docs/python.md, "Metrics"); cucache.metrics wraps it."""
+    _configured()
+    return _text(lambda _d, b, n: library().cucache_torch_metrics(b, n), 0, "metrics")
 
 
 def memory_stats(device: Any = None) -> dict[str, Any]:

@@ -50,7 +50,7 @@ inline void add_fields(device_stats& into, const device_stats& from, int sign) n
     op(into.member[i].allocated, from.member[i].allocated); \
     op(into.member[i].freed, from.member[i].freed);     \
   }
-#define CUCACHE_LEDGER_COUNTER(member, torch_name, unit) op(into.member, from.member);
+#define CUCACHE_LEDGER_COUNTER(member, torch_name, unit, kind) op(into.member, from.member);
   CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_LEDGER_ARRAY)
   CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_LEDGER_COUNTER)
 #undef CUCACHE_LEDGER_ARRAY
@@ -67,7 +67,7 @@ inline bool same_fields(const device_stats& a, const device_stats& b) noexcept {
            a.member[i].allocated == b.member[i].allocated &&                       \
            a.member[i].freed == b.member[i].freed;                                 \
   }
-#define CUCACHE_LEDGER_COUNTER(member, torch_name, unit) same = same && a.member == b.member;
+#define CUCACHE_LEDGER_COUNTER(member, torch_name, unit, kind) same = same && a.member == b.member;
   CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_LEDGER_ARRAY)
   CUCACHE_STAT_COUNTER_FIELDS(CUCACHE_LEDGER_COUNTER)
 #undef CUCACHE_LEDGER_ARRAY

@@ -230,6 +230,36 @@ cudaError_t cucacheGetTagStats(int device, const char* tag, size_t* currentBytes
   });
 }
 
+cudaError_t cucacheSetTagLimit(int device, const char* tag, size_t bytes) noexcept {
+  if (tag == nullptr) return null_argument("cucacheSetTagLimit", "tag");
+  return guarded("cucacheSetTagLimit", [&] { cucache::set_tag_limit(device, tag, bytes); });
+}
+
+cudaError_t cucacheGetTagLimit(int device, const char* tag, size_t* bytes) noexcept {
+  if (tag == nullptr) return null_argument("cucacheGetTagLimit", "tag");
+  if (bytes == nullptr) return null_argument("cucacheGetTagLimit", "bytes");
+  return guarded("cucacheGetTagLimit", [&] { *bytes = cucache::tag_limit(device, tag); });
+}
+
+cudaError_t cucacheWriteMetrics(char* buf, size_t size, size_t* needed) noexcept {
+  if (needed == nullptr) return null_argument("cucacheWriteMetrics", "needed");
+  if (buf == nullptr && size != 0) return null_argument("cucacheWriteMetrics", "buf (with size > 0)");
+  return guarded("cucacheWriteMetrics", [&] {
+    const std::string text = cucache::metrics();
+    *needed = text.size() + 1;
+    if (size >= text.size() + 1) {
+      std::memcpy(buf, text.data(), text.size());
+      buf[text.size()] = '\0';
+      return;
+    }
+    if (size != 0) buf[0] = '\0';
+    if (buf == nullptr) return;  // a size query
+    throw cucache::invalid_argument(
+        "a buffer of " + std::to_string(size) + " bytes is too small: the metrics need " +
+        std::to_string(text.size() + 1) + " (call with buf NULL and size 0 to ask)");
+  });
+}
+
 cudaError_t cucacheMakeTagSleepable(const char* tag) noexcept {
   if (tag == nullptr) return null_argument("cucacheMakeTagSleepable", "tag");
   return guarded("cucacheMakeTagSleepable", [&] { cucache::make_sleepable(tag); });

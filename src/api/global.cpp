@@ -17,6 +17,7 @@
 #include "api/registry.hpp"
 #include "core/format_bytes.hpp"
 #include "cucache/trace.hpp"
+#include "observe/metrics.hpp"
 #include "observe/observe_hub.hpp"
 
 namespace cucache {
@@ -92,14 +93,17 @@ std::string memory_summary(int device) {
   if (!tags.empty()) {
     // The tags' table follows PyTorch's, in its frame: requested bytes of live allocations.
     static_assert(detail::k_summary_width == 86, "the tags' tables below are 86 wide");
-    // Rows of detail::k_summary_width: "| " + 33 + "| " + 12 + " | " + 12 + " | " + 8 + " | " + 6
-    // + " |".
+    // Rows of detail::k_summary_width: "| " + 18 + "| " + 12 + " | " + 12 + " | " + 12 + " | " +
+    // 8 + " | " + 6 + " |". limit: set_tag_limit's, "-" when none.
     text += fmt::format("|{:^84}|\n", "Tags (requested bytes)");
-    text += fmt::format("| {:<33}| {:>12} | {:>12} | {:>8} | {:>6} |\n", "tag", "current",
-                        "peak", "live", "total");
+    text += fmt::format("| {:<18}| {:>12} | {:>12} | {:>12} | {:>8} | {:>6} |\n", "tag", "current",
+                        "peak", "limit", "live", "total");
     for (const tag_stat& t : tags) {
-      text += fmt::format("| {:<33.33}| {:>12} | {:>12} | {:>8} | {:>6} |\n", t.tag,
-                          t.current_bytes, t.peak_bytes, t.allocations, t.total_allocations);
+      text += fmt::format("| {:<18.18}| {:>12} | {:>12} | {:>12} | {:>8} | {:>6} |\n", t.tag,
+                          t.current_bytes, t.peak_bytes,
+                          t.limit_bytes == k_no_tag_limit ? std::string("-")
+                                                          : std::to_string(t.limit_bytes),
+                          t.allocations, t.total_allocations);
     }
     text += fmt::format("|{:=^84}|\n", "");
   }
@@ -294,7 +298,7 @@ std::string current_tag() {
 
 std::vector<tag_stat> tag_stats(int device) {
   registry& r = registry::instance();
-  if (r.find(device) == nullptr) return {};
+  if (device < 0 || device >= r.device_count()) return {};
   return r.hub().tag_stats(device);
 }
 
@@ -302,7 +306,54 @@ tag_stat tag_stats(int device, std::string_view tag) {
   for (tag_stat& t : tag_stats(device)) {
     if (t.tag == tag) return t;
   }
-  return tag_stat{std::string(tag), 0, 0, 0, 0};
+  tag_stat none;
+  none.tag = std::string(tag);
+  return none;
+}
+
+namespace {
+
+/// `device` when it exists, else cuda_error cudaErrorInvalidDevice naming `function`.
+int existing_device(registry& r, int device, const char* function) {
+  if (device < 0 || device >= r.device_count()) {
+    throw cuda_error(fmt::format("cucache::{}", function), static_cast<int>(cudaErrorInvalidDevice),
+                     fmt::format("invalid device ordinal {} ({} device{})", device,
+                                 r.device_count(), r.device_count() == 1 ? "" : "s"));
+  }
+  return device;
+}
+
+}  // namespace
+
+void set_tag_limit(int device, std::string_view tag, std::size_t bytes) {
+  if (tag.empty()) throw invalid_argument("cucache: set_tag_limit: the tag is empty");
+  registry& r = registry::instance();
+  existing_device(r, device, "set_tag_limit");
+  const std::uint32_t id = detail::tag_id(tag);
+  r.activate_observers();  // the limit is checked by the hub's observer
+  r.hub().set_tag_limit(device, id, bytes);
+}
+
+std::size_t tag_limit(int device, std::string_view tag) {
+  if (tag.empty()) throw invalid_argument("cucache: tag_limit: the tag is empty");
+  registry& r = registry::instance();
+  existing_device(r, device, "tag_limit");
+  const std::uint32_t id = detail::find_tag_id(tag);
+  return id == 0 ? k_no_tag_limit : r.hub().tag_limit(device, id);
+}
+
+std::string metrics() {
+  registry& r = registry::instance();
+  std::vector<detail::device_metrics> devices;
+  for (int d = 0; d < r.device_count(); ++d) {
+    const device_allocator* a = r.find(d);
+    if (a == nullptr) continue;  // never used: no allocator is created for a scrape
+    devices.push_back(detail::device_metrics{d, a->stats(), r.hub().tag_stats(d), sleeping(d)});
+  }
+  std::string out;
+  out.reserve(32768);
+  detail::append_metrics(out, devices);
+  return out;
 }
 
 namespace detail {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <new>
 
+#include "core/format_bytes.hpp"
 #include "cucache/errors.hpp"
 #include "observe/name_table.hpp"
 
@@ -26,6 +27,16 @@ name_table& tags() {
 // thread-local word.
 thread_local std::uint32_t t_current_tag = 0;
 thread_local std::vector<std::uint32_t> t_tag_stack;
+
+// The admission of the calling thread's allocation under way (observe_hub::admit): settled by
+// its on_allocate (record_allocate) or on_failure (refund_admission). An allocation admits,
+// allocates and reports on one thread, with no other allocation of that thread in between.
+struct admission {
+  std::uint32_t tag = 0;
+  int device = -1;
+  std::size_t bytes = 0;
+};
+thread_local admission t_admission;
 
 std::uint64_t now_us() noexcept {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -112,6 +123,8 @@ void notify_segment(int device, segment_event event, std::uintptr_t base, std::s
 class device_observer final : public allocation_observer {
  public:
   device_observer(observe_hub& hub, int device) : hub_(hub), device_(device) {}
+  /// From the first tag limit on, the allocator asks admit before every allocation.
+  void enable_admission() noexcept { set_admits(true); }
 
   void on_allocate(const void* ptr, std::size_t requested, stream_handle stream) noexcept override {
     if (allocation_observer* t = hub_.trace()) t->on_allocate(ptr, requested, stream);
@@ -126,7 +139,12 @@ class device_observer final : public allocation_observer {
       return;
     hub_.record_free(device_, ptr, requested, stream);
   }
+  void admit(std::size_t requested, stream_handle /*stream*/) override {
+    const std::uint32_t tag = current_tag_id();
+    if (tag != 0) hub_.admit(device_, tag, requested);
+  }
   void on_failure(std::size_t requested, stream_handle stream) noexcept override {
+    if (t_admission.bytes != 0) hub_.refund_admission(device_);
     if (allocation_observer* t = hub_.trace()) t->on_failure(requested, stream);
     if (hub_.history_on()) hub_.record_event(device_, history_entry::action::oom, 0, requested, stream);
   }
@@ -184,7 +202,11 @@ observe_hub::observe_hub(const config& cfg, std::shared_ptr<allocation_observer>
 observe_hub::~observe_hub() = default;
 
 std::shared_ptr<allocation_observer> observe_hub::observer_for(int device) {
-  return std::make_shared<device_observer>(*this, device);
+  auto o = std::make_shared<device_observer>(*this, device);
+  std::lock_guard lock(observers_mu_);
+  if (limits_on()) o->enable_admission();
+  observers_.push_back(o);
+  return o;
 }
 
 void observe_hub::push_locked(device_state& d, history_entry e) {
@@ -204,6 +226,12 @@ void observe_hub::record_allocate(int device, const void* ptr, std::size_t size,
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   try {
     std::lock_guard lock(d.mu);
+    if (t_admission.bytes != 0 && t_admission.device == device && t_admission.tag == tag)
+        [[unlikely]] {
+      // Counted by admit until now: from here on as a live allocation (below).
+      d.tags[tag].admitted -= t_admission.bytes;
+      t_admission = {};
+    }
     if (tag != 0 || always_record_) {
       d.live[addr] = live_record{size, stream, tag, step_.load(std::memory_order_relaxed), bt};
       d.live_total += size;
@@ -360,14 +388,89 @@ std::vector<tag_stat> observe_hub::tag_stats(int device) const {
     std::lock_guard lock(d.mu);
     for (std::size_t id = 1; id < d.tags.size(); ++id) {
       const tag_counter& c = d.tags[id];
-      if (c.total == 0) continue;
-      out.push_back(tag_stat{std::to_string(id), c.current, c.peak, c.live, c.total});
+      if (c.total == 0 && c.limit == k_no_tag_limit && c.refusals == 0) continue;
+      out.push_back(tag_stat{std::to_string(id), c.current, c.peak, c.live, c.total, c.limit,
+                             c.refusals});
     }
   }
   for (tag_stat& t : out) t.tag = tag_name(static_cast<std::uint32_t>(std::stoul(t.tag)));
   std::sort(out.begin(), out.end(),
             [](const tag_stat& a, const tag_stat& b) { return a.tag < b.tag; });
   return out;
+}
+
+// --- tag limits ---------------------------------------------------------------------------------
+
+void observe_hub::set_tag_limit(int device, std::uint32_t tag, std::size_t bytes) {
+  device_state& d = *devices_[static_cast<std::size_t>(device)];
+  {
+    std::lock_guard lock(d.mu);
+    if (d.tags.size() <= tag) d.tags.resize(tag + 1);
+    d.tags[tag].limit = bytes;
+  }
+  if (bytes != k_no_tag_limit && !limits_on()) {
+    std::lock_guard lock(observers_mu_);
+    limits_on_.store(true, std::memory_order_release);
+    for (const std::weak_ptr<allocation_observer>& w : observers_) {
+      if (auto o = w.lock()) static_cast<device_observer&>(*o).enable_admission();
+    }
+  }
+}
+
+std::size_t observe_hub::tag_limit(int device, std::uint32_t tag) const {
+  const device_state& d = *devices_[static_cast<std::size_t>(device)];
+  std::lock_guard lock(d.mu);
+  return tag < d.tags.size() ? d.tags[tag].limit : k_no_tag_limit;
+}
+
+void observe_hub::admit(int device, std::uint32_t tag, std::size_t requested) {
+  device_state& d = *devices_[static_cast<std::size_t>(device)];
+  std::size_t limit = 0;
+  std::size_t used = 0;
+  std::size_t in_flight = 0;
+  {
+    std::lock_guard lock(d.mu);
+    if (tag >= d.tags.size()) return;  // never limited on this device
+    tag_counter& c = d.tags[tag];
+    if (c.limit == k_no_tag_limit) return;
+    // What counts: the live allocations' requested bytes and those of allocations under way
+    // (admitted, not yet settled). used may exceed a limit lowered under it.
+    used = c.current + c.admitted;
+    if (used <= c.limit && requested <= c.limit - used) {
+      c.admitted += requested;
+      t_admission = admission{tag, device, requested};
+      return;
+    }
+    ++c.refusals;
+    limit = c.limit;
+    in_flight = c.admitted;
+  }
+  const std::string name = tag_name(tag);
+  const auto both = [](std::size_t b) {
+    return fmt::format("{} ({} bytes)", format_bytes(static_cast<double>(b)), b);
+  };
+  throw tag_limit_error(
+      fmt::format("cucache: out of memory under tag '{}' on device {}: allocating {} would take "
+                  "the tag past its limit of {}: it uses {}{}. Nothing was allocated; free memory "
+                  "of the tag or raise its limit (set_tag_limit, cucacheSetTagLimit)",
+                  name, device, both(requested), both(limit), both(used),
+                  in_flight == 0 ? std::string()
+                                 : fmt::format(", {} of them in allocations under way on other "
+                                               "threads", in_flight)),
+      name, device, limit, used, requested);
+}
+
+void observe_hub::refund_admission(int device) noexcept {
+  const admission a = t_admission;
+  t_admission = {};
+  if (a.bytes == 0 || a.device != device) return;
+  device_state& d = *devices_[static_cast<std::size_t>(device)];
+  try {
+    std::lock_guard lock(d.mu);
+    d.tags[a.tag].admitted -= a.bytes;
+  } catch (...) {
+    // std::mutex::lock failing: the bytes stay counted (a system error, not a caller's).
+  }
 }
 
 }  // namespace cucache::detail

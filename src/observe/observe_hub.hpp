@@ -121,6 +121,20 @@ class observe_hub {
 
   [[nodiscard]] std::vector<tag_stat> tag_stats(int device) const;
 
+  // Tag limits (cucache::set_tag_limit). `device` must be in [0, devices).
+  void set_tag_limit(int device, std::uint32_t tag, std::size_t bytes);
+  [[nodiscard]] std::size_t tag_limit(int device, std::uint32_t tag) const;
+  /// Whether any tag ever had a limit: until then an allocation pays nothing for them.
+  [[nodiscard]] bool limits_on() const noexcept {
+    return limits_on_.load(std::memory_order_acquire);
+  }
+  /// Counts `requested` bytes against `tag`'s limit on `device` until record_allocate or
+  /// refund_admission settles them (the calling thread's next allocation event), or throws
+  /// tag_limit_error, changing nothing but the tag's refusal count.
+  void admit(int device, std::uint32_t tag, std::size_t requested);
+  /// An allocation admit counted failed: its bytes no longer count.
+  void refund_admission(int device) noexcept;
+
   // The observer's entry points (observe_hub.cpp).
   void record_allocate(int device, const void* ptr, std::size_t size, stream_handle stream,
                        std::uint32_t tag) noexcept;
@@ -141,6 +155,9 @@ class observe_hub {
     std::size_t peak = 0;
     std::uint64_t live = 0;
     std::uint64_t total = 0;
+    std::size_t limit = k_no_tag_limit;
+    std::size_t admitted = 0;  // bytes of allocations under way that admit counted
+    std::uint64_t refusals = 0;
   };
   struct device_state {
     mutable std::mutex mu;
@@ -160,6 +177,10 @@ class observe_hub {
   bool always_record_ = false;  // leak hunting or call stacks: every allocation is recorded
   std::atomic<std::uint64_t> step_{0};
   std::atomic<std::uint64_t> tagged_live_{0};
+  std::atomic<bool> limits_on_{false};
+  // The observers handed out (observer_for), told when the first limit is set; under observers_mu_.
+  std::mutex observers_mu_;
+  std::vector<std::weak_ptr<allocation_observer>> observers_;
   mutable std::mutex step_mu_;
   std::vector<std::unique_ptr<device_state>> devices_;
 };
@@ -169,7 +190,8 @@ class observe_hub {
 [[nodiscard]] std::string torch_snapshot_json(const std::vector<const device_allocator*>& by_device,
                                               const observe_hub& hub);
 /// Tag statistics as a JSON array of {tag, current_bytes, peak_bytes, allocations,
-/// total_allocations} (the Python package's cucache.tag_stats).
+/// total_allocations, limit_bytes (null: none), limit_refusals} (CUCACHE_TAG_STAT_FIELDS; the
+/// Python package's cucache.tag_stats).
 [[nodiscard]] std::string tag_stats_json(const std::vector<tag_stat>& tags);
 /// Sleeping tags as a JSON array of {tag, bytes, host_bytes, copy_seconds} (the Python package's
 /// cucache.sleeping).

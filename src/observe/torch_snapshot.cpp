@@ -121,11 +121,13 @@ std::string sleeping_json(const std::vector<sleep_stat>& tags) {
 std::string tag_stats_json(const std::vector<tag_stat>& tags) {
   json out = json::array();
   for (const tag_stat& t : tags) {
-    out.push_back({{"tag", t.tag},
-                   {"current_bytes", t.current_bytes},
-                   {"peak_bytes", t.peak_bytes},
-                   {"allocations", t.allocations},
-                   {"total_allocations", t.total_allocations}});
+    // Every field of CUCACHE_TAG_STAT_FIELDS under its member's name; a limit is null when none.
+    json row = {{"tag", t.tag}};
+#define CUCACHE_TAG_JSON_(member, ...) row[#member] = t.member;
+    CUCACHE_TAG_STAT_FIELDS(CUCACHE_TAG_JSON_)
+#undef CUCACHE_TAG_JSON_
+    if (t.limit_bytes == k_no_tag_limit) row["limit_bytes"] = nullptr;
+    out.push_back(std::move(row));
   }
   return out.dump();
 }

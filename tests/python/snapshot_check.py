@@ -138,7 +138,8 @@ def main() -> None:
     cucache.free(act, 3 * MIB + 7, 0)
     stats = cucache.tag_stats(0)
     assert stats["activations"] == {"current_bytes": 0, "peak_bytes": 3 * MIB + 7,
-                                    "allocations": 0, "total_allocations": 1}, stats
+                                    "allocations": 0, "total_allocations": 1,
+                                    "limit_bytes": None, "limit_refusals": 0}, stats
     try:
         cucache.pop_tag()
     except RuntimeError as e:

@@ -277,6 +277,13 @@ CUCACHE_TORCH_API int64_t cucache_torch_leak_report(uint64_t steps, char* buf, s
 CUCACHE_TORCH_API int cucache_torch_push_tag(const char* tag);
 CUCACHE_TORCH_API int cucache_torch_pop_tag(void);
 CUCACHE_TORCH_API int64_t cucache_torch_tag_stats(int device, char* buf, size_t len);
+/* Tag limits (cucache::set_tag_limit; docs/api.md, "Tag limits"): UINT64_MAX is no limit. An
+ * allocation refused by a limit fails as out of memory (CUCACHE_TORCH_ALLOC_OUT_OF_MEMORY). 0, or
+ * -1 with the reason (empty tag, a device that does not exist). */
+CUCACHE_TORCH_API int cucache_torch_set_tag_limit(int device, const char* tag, uint64_t bytes);
+CUCACHE_TORCH_API int cucache_torch_tag_limit(int device, const char* tag, uint64_t* bytes);
+/* cucache::metrics() (Prometheus' text format), copied as tag_stats copies its JSON. */
+CUCACHE_TORCH_API int64_t cucache_torch_metrics(char* buf, size_t len);
 /* Sleep and wake (docs/api.md, "Sleep and wake"; expandable segments): 0 on success, -1 on
  * failure with nothing changed (cucache_torch_last_error says why). sleeping copies a JSON array of {tag, bytes, host_bytes,
  * copy_seconds} as

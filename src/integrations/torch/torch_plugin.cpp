@@ -83,7 +83,7 @@ static_assert(CUCACHE_TORCH_POOLS == k_stat_pools);
   static_assert(std::is_same_v<decltype(cucache_torch_stats::torch),     \
                                cucache_torch_stat[CUCACHE_TORCH_POOLS]>, \
                 #torch);
-#define CUCACHE_TORCH_COUNTER_TYPE_(member, torch, unit) \
+#define CUCACHE_TORCH_COUNTER_TYPE_(member, torch, unit, kind) \
   static_assert(std::is_same_v<decltype(cucache_torch_stats::torch), std::uint64_t>, #torch);
 #define CUCACHE_TORCH_RATE_TYPE_(fn, torch) \
   static_assert(std::is_same_v<decltype(cucache_torch_stats::torch), double>, #torch);
@@ -103,7 +103,7 @@ struct torch_field {
 constexpr torch_field k_torch_fields[] = {
 #define CUCACHE_TORCH_ARRAY_(member, torch, unit) \
   {#torch, offsetof(cucache_torch_stats, torch), sizeof(cucache_torch_stats::torch), "stat[3]"},
-#define CUCACHE_TORCH_COUNTER_(member, torch, unit) \
+#define CUCACHE_TORCH_COUNTER_(member, torch, unit, kind) \
   {#torch, offsetof(cucache_torch_stats, torch), sizeof(std::uint64_t), "u64"},
 #define CUCACHE_TORCH_RATE_(fn, torch) \
   {#torch, offsetof(cucache_torch_stats, torch), sizeof(double), "f64"},
@@ -129,7 +129,7 @@ static_assert(torch_layout_matches(),
 cucache_torch_stats to_torch(const device_stats& s) {
   cucache_torch_stats out{};
 #define CUCACHE_TORCH_FILL_ARRAY_(member, torch, unit) copy_stat_array(s.member, out.torch);
-#define CUCACHE_TORCH_FILL_COUNTER_(member, torch, unit) \
+#define CUCACHE_TORCH_FILL_COUNTER_(member, torch, unit, kind) \
   out.torch = static_cast<std::uint64_t>(s.member);
 #define CUCACHE_TORCH_FILL_RATE_(fn, torch) out.torch = s.fn();
   CUCACHE_STAT_ARRAY_FIELDS(CUCACHE_TORCH_FILL_ARRAY_)
@@ -818,6 +818,27 @@ int64_t cucache_torch_tag_stats(int device, char* buf, size_t len) {
     require_device(device);
     n = copy_out(tag_stats_json(cucache::tag_stats(device)), buf, len);
   });
+  return n;
+}
+
+int cucache_torch_set_tag_limit(int device, const char* tag, uint64_t bytes) {
+  return guarded("set_tag_limit", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    cucache::set_tag_limit(device, tag, static_cast<std::size_t>(bytes));
+  });
+}
+
+int cucache_torch_tag_limit(int device, const char* tag, uint64_t* bytes) {
+  return guarded("tag_limit", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    if (bytes == nullptr) throw invalid_argument("bytes is NULL");
+    *bytes = cucache::tag_limit(device, tag);
+  });
+}
+
+int64_t cucache_torch_metrics(char* buf, size_t len) {
+  int64_t n = -1;
+  guarded("metrics", [&] { n = copy_out(cucache::metrics(), buf, len); });
   return n;
 }
 
