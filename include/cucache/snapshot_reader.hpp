@@ -101,8 +101,9 @@ struct torch_snapshot_trace {
   /// dump that the history never allocated.
   std::size_t before_history_freed = 0;
   std::size_t before_history_alive = 0;
-  /// Blocks active_allocated at the dump that the history freed and never allocated again (a
-  /// snapshot whose segments disagree with its history): left out.
+  /// Blocks active_allocated at the dump that the history freed and never allocated again, or a
+  /// second block at one address (a snapshot whose segments disagree with its history): left
+  /// out.
   std::size_t disagreeing_blocks = 0;
 
   /// One line saying what was read and every rule that applied (prints nothing it did not do).

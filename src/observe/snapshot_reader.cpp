@@ -335,7 +335,8 @@ class converter {
     for (const snapshot_segment& seg : out_.segments) {
       for (const snapshot_block& b : seg.blocks) {
         if (b.state != "active_allocated" || live.contains(b.address)) continue;
-        if (seen.contains(b.address)) {
+        // One the history freed (or a second block at one address): the segments disagree.
+        if (!seen.try_emplace(b.address, 0).second) {
           ++out_.disagreeing_blocks;
           continue;
         }
@@ -407,7 +408,7 @@ std::string torch_snapshot_trace::note() const {
                      segment_entries, snapshot_entries);
   }
   if (disagreeing_blocks != 0) {
-    s += fmt::format("; {} block{} active at the dump but freed in the history left out",
+    s += fmt::format("; {} block{} active at the dump but freed in the history (or listed twice) left out",
                      disagreeing_blocks, disagreeing_blocks == 1 ? "" : "s");
   }
   return s;
