@@ -27,7 +27,8 @@
   function timeOfDay(us) {
     if (us === undefined || us === null) return '';
     var s = Math.floor(us / 1e6), f = String(us % 1000000).padStart(6, '0');
-    var h = Math.floor(s / 3600), m = Math.floor(s / 60) % 60, sec = s % 60;
+    // % 24: a PyTorch snapshot times its entries in microseconds since the epoch (UTC).
+    var h = Math.floor(s / 3600) % 24, m = Math.floor(s / 60) % 60, sec = s % 60;
     return String(h).padStart(2, '0') + ':' + String(m).padStart(2, '0') + ':' + String(sec).padStart(2, '0') + '.' + f;
   }
   function text(id, t) { document.getElementById(id).textContent = t; }
