@@ -87,6 +87,9 @@ struct torch_snapshot_trace {
   /// on another stream through record_stream, reusable only once that work was done): the
   /// replay frees such a block at its request, earlier than PyTorch could reuse it.
   std::size_t late_completions = 0;
+  /// free_requested entries with no free_completed after them by the dump (a block waiting for
+  /// another stream's work, record_stream: active_pending_free in the segments).
+  std::size_t pending_at_dump = 0;
   /// free_completed of a block the history never allocated nor requested to free (its free was
   /// requested before the history began): nothing to replay.
   std::size_t completions_before_history = 0;

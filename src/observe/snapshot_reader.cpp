@@ -331,6 +331,7 @@ class converter {
                                  action));
       }
     }
+    out_.pending_at_dump = requested.size();
     // Blocks active at the dump that the history never saw: alive all along.
     for (const snapshot_segment& seg : out_.segments) {
       for (const snapshot_block& b : seg.blocks) {
@@ -398,6 +399,10 @@ std::string torch_snapshot_trace::note() const {
                        "those blocks later than the replay does)",
                        late_completions);
     }
+  }
+  if (pending_at_dump != 0) {
+    s += fmt::format("; {} free_requested still waiting to complete at the dump (record_stream)",
+                     pending_at_dump);
   }
   if (completions_without_request != 0) {
     s += fmt::format("; {} free_completed without a free_requested replayed as frees",

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstdlib>
@@ -346,6 +347,82 @@ TEST(SnapshotReader, CorruptTruncatedAndObjectPicklesAreRefusedClearly) {
             f.path().string() +
                 ": not a PyTorch memory snapshot: its dict has neither 'segments' nor "
                 "'device_traces'");
+}
+
+// Snapshots written by torch 2.11 on the H200 (tests/data/torch_snapshots/h200/README.md). The
+// figures are exact: the counts of each action, the allocations from before the history, and
+// the peak of requested bytes, which a 15-line python3 reading of the same pickles (pickle.load,
+// the same rules) gave. Independently of the history, the rows leave live exactly the requested
+// bytes of the blocks PyTorch lists as active_allocated at the dump.
+TEST(SnapshotReader, H200SnapshotsReadExactly) {
+  struct expect {
+    const char* file;
+    std::size_t entries, allocs, frees, completions, pending, completions_before, segment_entries,
+        before_alive;
+    std::size_t peak_requested;
+    bool frames;
+  };
+  const auto h200 = k_data / "h200";
+  for (const expect& x : {
+           expect{"mlp_default_python.pickle.gz", 235, 78, 75, 75, 0, 0, 7, 1, 111462404, true},
+           // The side stream's tensor, record_stream'ed, is still pending at the dump.
+           expect{"transformer_default_python.pickle.gz", 1158, 384, 384, 383, 1, 0, 7, 4,
+                  85773320, true},
+           // Here the history starts with the completion of a free requested before it.
+           expect{"transformer_expandable_nocontext.pickle.gz", 793, 264, 264, 264, 1, 1, 1, 4,
+                  84069896, false},
+       }) {
+    SCOPED_TRACE(x.file);
+    const torch_snapshot_trace t = read_torch_snapshot(h200 / x.file);
+    EXPECT_EQ(t.device, 0);
+    EXPECT_EQ(t.devices, 1U);
+    EXPECT_EQ(t.entries, x.entries);
+    EXPECT_EQ(t.allocs, x.allocs);
+    EXPECT_EQ(t.frees, x.frees);
+    EXPECT_EQ(t.ooms, 0U);
+    EXPECT_EQ(t.completions, x.completions);
+    EXPECT_EQ(t.pending_at_dump, x.pending);
+    EXPECT_EQ(t.late_completions, 0U);
+    EXPECT_EQ(t.completions_before_history, x.completions_before);
+    EXPECT_EQ(t.completions_without_request, 0U);
+    EXPECT_EQ(t.segment_entries, x.segment_entries);
+    EXPECT_EQ(t.before_history_freed, 0U);
+    EXPECT_EQ(t.before_history_alive, x.before_alive);
+    EXPECT_EQ(t.disagreeing_blocks, 0U);
+    EXPECT_EQ(t.events.size(), x.allocs + x.frees + x.before_alive);
+    const trace_summary sum = summarize(t.events);
+    EXPECT_EQ(sum.peak_requested_bytes, x.peak_requested);
+    std::map<std::uintptr_t, std::size_t> live;
+    for (const trace_event& e : t.events) {
+      if (e.act == act::allocate) live[e.pointer] = e.size;
+      if (e.act == act::free) live.erase(e.pointer);
+    }
+    std::size_t live_bytes = 0, active_bytes = 0;
+    for (const auto& [p, n] : live) live_bytes += n;
+    for (const snapshot_segment& seg : t.segments) {
+      for (const snapshot_block& b : seg.blocks) {
+        if (b.state == "active_allocated") {
+          active_bytes += b.requested_size;
+          EXPECT_TRUE(live.contains(b.address)) << b.address;
+        }
+      }
+    }
+    EXPECT_EQ(live_bytes, active_bytes);
+    EXPECT_GT(live_bytes, 0U);
+    // Python stacks: allocations made from Python have frames (others, none); context=None: none.
+    const auto with_frames = static_cast<std::size_t>(std::count_if(
+        t.event_stacks.begin(), t.event_stacks.end(), [](std::uint32_t s) { return s != 0; }));
+    if (x.frames) {
+      EXPECT_GT(with_frames, x.allocs / 4);
+      EXPECT_FALSE(t.stacks.at(t.event_stacks.at(x.before_alive)).empty());  // the first alloc
+    } else {
+      // The history's rows have none; blocks from before it keep their blocks' frames.
+      EXPECT_TRUE(std::all_of(t.event_stacks.begin() + static_cast<std::ptrdiff_t>(x.before_alive),
+                              t.event_stacks.end(), [](std::uint32_t s) { return s == 0; }));
+    }
+  }
+  EXPECT_NE(rejection(h200 / "nohistory_default.pickle.gz").find("has no allocation history"),
+            std::string::npos);
 }
 
 // cucache's own snapshot JSON (CUCACHE_CONF history:N), pickled: the same rows as the CSV trace

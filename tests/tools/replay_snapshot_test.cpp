@@ -94,6 +94,36 @@ TEST(ReplaySnapshot, FitAndAdviseTakeSnapshots) {
   EXPECT_FALSE(a["recommended_conf"].is_null());
 }
 
+// Snapshots written by torch 2.11 on the H200 (tests/data/torch_snapshots/h200): --fit's answer on
+// the simulated device passes under --capacity-gib and one 2 MiB step below fails, for PyTorch's
+// default and expandable recordings alike.
+TEST(ReplaySnapshot, FitOnH200Snapshots) {
+  for (const char* file : {"h200/mlp_default_python.pickle.gz",
+                           "h200/transformer_default_python.pickle.gz",
+                           "h200/transformer_expandable_nocontext.pickle.gz"}) {
+    SCOPED_TRACE(file);
+    const cli_run fit = run({"--backend", "sim", "--fit", "--json", data(file)});
+    ASSERT_EQ(fit.status, 0) << fit.err;
+    const nlohmann::json f = json_lines(fit.out).at(0);
+    const auto min = f["min_capacity_bytes"].get<std::size_t>();
+    const auto gib = [](std::size_t b) {
+      return fmt::format("{:.17g}", static_cast<double>(b) / (1 << 30));
+    };
+    EXPECT_EQ(json_lines(run({"--backend", "sim", "--json", "--capacity-gib", gib(min), data(file)}).out)
+                  .at(0)["fits"],
+              true);
+    EXPECT_EQ(json_lines(run({"--backend", "sim", "--json", "--capacity-gib", gib(min - (2 << 20)),
+                              data(file)})
+                             .out)
+                  .at(0)["fits"],
+              false);
+  }
+  const cli_run r = run({"--backend", "sim", "--json", data("h200/transformer_default_python.pickle.gz")});
+  EXPECT_NE(r.err.find("1 free_requested still waiting to complete at the dump (record_stream)"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST(ReplaySnapshot, TimelineShowsCallSites) {
   const auto out = std::filesystem::temp_directory_path() /
                    ("cucache-snap-timeline." + std::to_string(::getpid()) + ".html");
