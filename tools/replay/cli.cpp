@@ -283,7 +283,8 @@ void write_timeline(const std::string& out, const prepared_trace& trace,
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
   CLI::App app{
-      "Replays allocation traces (RMM CSV, plain or gzip) through cucache and reports peak "
+      "Replays allocation traces (RMM CSV, plain or gzip) and PyTorch memory snapshots "
+      "(torch.cuda.memory._dump_snapshot pickles) through cucache and reports peak "
       "reserved memory, fragmentation and host time per allocate/free, optionally beside peer "
       "allocators on a GPU.",
       "cucache-replay"};
