@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
 build=${CUCACHE_FUZZ_BUILD_DIR:-build-fuzz}
-harnesses=(config trace c_api)
+harnesses=(config trace c_api pickle)
 jobs=$(nproc)
 
 probe_dir=$(mktemp -d)

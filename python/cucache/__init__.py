@@ -8,12 +8,15 @@ libcucache_torch.so) behind PyTorch, CuPy and Numba, and one statistics API.
     print(cucache.memory_summary())
     cucache.memory_stats()["allocated_bytes.all.current"]
 
+    cucache.fit("snapshot.pickle", capacity_gib=24)["fits"]   # will a recorded job fit? (no GPU)
+
 No framework is imported until its install() runs. CUCACHE_CONF configures the allocator
 (docs/config.md); CUCACHE_BACKEND=sim runs it on the simulated device. See docs/python.md.
 """
 
 from __future__ import annotations
 
+from ._fit import fit
 from ._lib import (
     alloc,
     backend,
@@ -58,6 +61,7 @@ __all__ = [
     "canonical_conf",
     "dump_snapshot",
     "empty_cache",
+    "fit",
     "free",
     "last_error",
     "leak_report",

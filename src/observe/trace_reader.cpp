@@ -35,7 +35,9 @@
 #include <fmt/format.h>
 
 #include "cucache/errors.hpp"
+#include "cucache/snapshot_reader.hpp"
 #include "cucache/trace.hpp"
+#include "observe/trace_files.hpp"
 #include "observe/name_table.hpp"
 
 namespace cucache {
@@ -431,10 +433,13 @@ std::vector<trace_event> parse_chunks(line_parser& parser, Read&& read) {
   return parser.finish();
 }
 
-std::vector<trace_event> read_plain(const std::filesystem::path& path, line_parser& parser) {
+// read_plain and read_gzip hand `consume` a read(buffer, n) function (at most n bytes; 0 at the
+// end) over the file's (decompressed) bytes, and return what it returns.
+template <typename Consume>
+auto read_plain(const std::filesystem::path& path, Consume&& consume) {
   std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "rb"));
   if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
-  return parse_chunks(parser, [&](char* to, std::size_t n) {
+  return consume([&](char* to, std::size_t n) {
     const std::size_t got = std::fread(to, 1, n, file.get());
     if (got == 0 && std::ferror(file.get())) {
       throw invalid_argument(fmt::format("error reading trace file '{}'", path.string()));
@@ -447,7 +452,8 @@ std::vector<trace_event> read_plain(const std::filesystem::path& path, line_pars
 // After a member's end only another whole member or the file's end may come: zlib's gzread
 // skips anything else silently, so a trace with junk appended -- or a member cut short and then
 // garbage -- read as if whole (issue 30 item 10). Such bytes are refused, naming their offset.
-std::vector<trace_event> read_gzip(const std::filesystem::path& path, line_parser& parser) {
+template <typename Consume>
+auto read_gzip(const std::filesystem::path& path, Consume&& consume) {
   std::unique_ptr<std::FILE, file_closer> file(std::fopen(path.c_str(), "rb"));
   if (!file) throw invalid_argument(fmt::format("cannot open trace file '{}'", path.string()));
   z_stream zs{};
@@ -475,7 +481,7 @@ std::vector<trace_event> read_gzip(const std::filesystem::path& path, line_parse
         "member{}: not a whole gzip member ({})",
         path.string(), member_start, members, members == 1 ? "" : "s", why));
   };
-  return parse_chunks(parser, [&](char* to, std::size_t n) -> std::size_t {
+  return consume([&](char* to, std::size_t n) -> std::size_t {
     const auto want = static_cast<uInt>(std::min<std::size_t>(n, std::size_t{1} << 30));
     zs.next_out = reinterpret_cast<Bytef*>(to);
     zs.avail_out = want;
@@ -576,10 +582,34 @@ std::vector<trace_event> parse_trace(std::istream& in, std::string_view name) {
   });
 }
 
+namespace detail {
+
+std::string read_file_bytes(const std::filesystem::path& path, std::size_t limit) {
+  const auto all = [&](auto&& read) {
+    std::string out;
+    constexpr std::size_t k_step = std::size_t{1} << 20;
+    while (out.size() < limit) {
+      const std::size_t want = std::min(k_step, limit - out.size());
+      const std::size_t old = out.size();
+      out.resize(old + want);
+      const std::size_t got = read(out.data() + old, want);
+      out.resize(old + got);
+      if (got == 0) break;
+    }
+    return out;
+  };
+  return is_gzip(path) ? read_gzip(path, all) : read_plain(path, all);
+}
+
+}  // namespace detail
+
 std::vector<trace_event> read_trace(const std::filesystem::path& path) {
+  // A PyTorch memory snapshot (a pickle) reads as the trace of its one device with a history.
+  if (is_torch_snapshot(path)) return read_torch_snapshot(path).events;
   const std::string name = path.string();
   line_parser parser(name);
-  return is_gzip(path) ? read_gzip(path, parser) : read_plain(path, parser);
+  const auto parse = [&](auto&& read) { return parse_chunks(parser, read); };
+  return is_gzip(path) ? read_gzip(path, parse) : read_plain(path, parse);
 }
 
 trace_summary summarize(const std::vector<trace_event>& events) {

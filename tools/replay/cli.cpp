@@ -245,14 +245,19 @@ void check_timeline_output(const std::string& out, std::size_t traces) {
 }
 
 /// load_trace that keeps the rows too (the timeline shows each allocation's line and thread).
-prepared_trace load_trace_keeping(const std::string& path, std::vector<trace_event>& events) {
-  events = read_trace(path);
-  std::string name = std::filesystem::path(path).filename().string();
-  for (const std::string_view suffix : {".gz", ".csv"}) {  // as load_trace names traces
-    if (name.size() > suffix.size() && name.ends_with(suffix))
-      name.resize(name.size() - suffix.size());
-  }
-  return prepare(events, std::move(name));
+prepared_trace load_trace_keeping(const std::string& path, std::optional<int> device,
+                                  std::vector<trace_event>& events) {
+  loaded_events loaded = read_events(path, device);
+  prepared_trace t = prepare(loaded, trace_name(path));
+  events = std::move(loaded.events);
+  return t;
+}
+
+/// A PyTorch snapshot's note (what its reading did), one line on stderr.
+void say_note(const prepared_trace& t, progress* line, std::ostream& err) {
+  if (t.source_note.empty()) return;
+  if (line != nullptr) line->clear();
+  err << "cucache-replay: " << t.name << ": " << t.source_note << '\n';
 }
 
 void write_timeline(const std::string& out, const prepared_trace& trace,
@@ -278,7 +283,8 @@ void write_timeline(const std::string& out, const prepared_trace& trace,
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
   CLI::App app{
-      "Replays allocation traces (RMM CSV, plain or gzip) through cucache and reports peak "
+      "Replays allocation traces (RMM CSV, plain or gzip) and PyTorch memory snapshots "
+      "(torch.cuda.memory._dump_snapshot pickles) through cucache and reports peak "
       "reserved memory, fragmentation and host time per allocate/free, optionally beside peer "
       "allocators on a GPU.",
       "cucache-replay"};
@@ -348,7 +354,17 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   fit_opt->excludes(warm_opt);
   advise_opt->excludes(warm_opt);
   timeline_opt->excludes(advise_opt);
-  app.add_option("trace", traces, "trace files")->required()->check(CLI::ExistingFile);
+  int snapshot_device = -1;
+  auto* device_opt = app.add_option(
+      "--device", snapshot_device,
+      "for PyTorch memory snapshots: the device whose allocation history is replayed (default: "
+      "the one device that has a history)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("trace", traces,
+                 "trace files: RMM CSV (plain or gzip), or PyTorch memory snapshots "
+                 "(torch.cuda.memory._dump_snapshot pickles, plain or gzip)")
+      ->required()
+      ->check(CLI::ExistingFile);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -435,13 +451,18 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     opts.repeat = repeat;
     opts.warm = warm;
+    const std::optional<int> device =
+        device_opt->count() > 0 ? std::optional<int>(snapshot_device) : std::nullopt;
     std::unique_ptr<progress> progress_line = progress::for_terminal(err);
     opts.progress_line = progress_line.get();
 
     if (advise) {
       // Every trace is read before any advice is printed: a bad file fails the run up front.
       std::vector<prepared_trace> loaded;
-      for (const std::string& path : traces) loaded.push_back(load_trace(path));
+      for (const std::string& path : traces) {
+        loaded.push_back(load_trace(path, device));
+        say_note(loaded.back(), progress_line.get(), err);
+      }
       const std::optional<std::size_t> card = opts.capacity_bytes;
       opts.capacity_bytes.reset();
       for (std::size_t k = 0; k < loaded.size(); ++k) {
@@ -483,7 +504,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
         const std::string& path = traces[k];
         set_trace_prefix(progress_line.get(), k, traces.size());
         report(progress_line.get(), fmt::format("reading {}", path));
-        const prepared_trace trace = load_trace(path);
+        const prepared_trace trace = load_trace(path, device);
+        say_note(trace, progress_line.get(), err);
         fit_result r = fit_trace(trace, opts, fit_opts, peer_ptrs);
         if (progress_line) progress_line->clear();
         if (json) {
@@ -509,7 +531,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       report(progress_line.get(), fmt::format("reading {}", path));
       std::vector<trace_event> events;
       const prepared_trace trace =
-          timeline_path.empty() ? load_trace(path) : load_trace_keeping(path, events);
+          timeline_path.empty() ? load_trace(path, device) : load_trace_keeping(path, device, events);
+      say_note(trace, progress_line.get(), err);
       trace_result r = replay_trace(trace, opts, peer_ptrs);
       if (!timeline_path.empty()) {
         write_timeline(timeline_path, trace, events, opts, r, progress_line.get(), err);

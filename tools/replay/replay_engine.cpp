@@ -60,16 +60,6 @@ namespace {
 
 // --- preparation ------------------------------------------------------------------------------
 
-std::string trace_name(const std::filesystem::path& path) {
-  std::string name = path.filename().string();
-  for (const std::string_view suffix : {".gz", ".csv"}) {
-    if (name.size() > suffix.size() && name.ends_with(suffix)) {
-      name.resize(name.size() - suffix.size());
-    }
-  }
-  return name;
-}
-
 // --- the cucache side -------------------------------------------------------------------------
 
 struct cucache_ops {
@@ -394,8 +384,46 @@ void check_sleep_replayable(const prepared_trace& trace, bool expandable, bool p
   }
 }
 
-prepared_trace load_trace(const std::filesystem::path& path) {
-  return prepare(read_trace(path), trace_name(path));
+std::string trace_name(const std::filesystem::path& path) {
+  std::string name = path.filename().string();
+  for (const std::string_view suffix : {".gz", ".csv", ".pickle"}) {
+    if (name.size() > suffix.size() && name.ends_with(suffix)) {
+      name.resize(name.size() - suffix.size());
+    }
+  }
+  return name;
+}
+
+loaded_events read_events(const std::filesystem::path& path, std::optional<int> snapshot_device) {
+  loaded_events out;
+  if (!is_torch_snapshot(path)) {
+    if (snapshot_device.has_value()) {
+      throw invalid_argument(fmt::format(
+          "--device {}: {} is a CSV trace, not a PyTorch memory snapshot (a trace has no "
+          "devices to pick from)",
+          *snapshot_device, path.string()));
+    }
+    out.events = read_trace(path);
+    return out;
+  }
+  auto snap = std::make_shared<torch_snapshot_trace>(
+      read_torch_snapshot(path, torch_snapshot_options{snapshot_device}));
+  out.events = std::move(snap->events);
+  snap->events.clear();
+  out.note = snap->note();
+  out.snapshot = std::move(snap);
+  return out;
+}
+
+prepared_trace prepare(const loaded_events& loaded, std::string name) {
+  prepared_trace t = prepare(loaded.events, std::move(name));
+  t.source_note = loaded.note;
+  t.snapshot = loaded.snapshot;
+  return t;
+}
+
+prepared_trace load_trace(const std::filesystem::path& path, std::optional<int> snapshot_device) {
+  return prepare(read_events(path, snapshot_device), trace_name(path));
 }
 
 // --- replay -----------------------------------------------------------------------------------

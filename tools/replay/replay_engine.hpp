@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <iosfwd>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -18,6 +19,7 @@
 #include "cucache/backend_factory.hpp"
 #include "cucache/config.hpp"
 #include "cucache/stats.hpp"
+#include "cucache/snapshot_reader.hpp"
 #include "cucache/trace.hpp"
 
 namespace cucache::replay {
@@ -70,6 +72,11 @@ struct prepared_trace {
   std::size_t sleeps = 0;
   std::size_t wakes = 0;
   std::size_t first_sleep_line = 0;
+  /// A PyTorch memory snapshot read as this trace (load_trace): what the reading did
+  /// (torch_snapshot_trace::note), and its call stacks and segments, which the timeline shows.
+  /// Empty and null for a CSV trace.
+  std::string source_note;
+  std::shared_ptr<const torch_snapshot_trace> snapshot;
 };
 
 /// Throws cucache::invalid_argument naming the first sleep row when `trace` sleeps and `opts`
@@ -79,8 +86,23 @@ void check_sleep_replayable(const prepared_trace& trace, bool expandable, bool p
 
 /// Resolves events: every free gets the slot of the latest live allocate of its pointer.
 [[nodiscard]] prepared_trace prepare(const std::vector<trace_event>& events, std::string name);
-/// read_trace + prepare; the name is the file name without ".gz" and ".csv".
-[[nodiscard]] prepared_trace load_trace(const std::filesystem::path& path);
+/// A trace file's rows: a CSV trace's (read_trace), or a PyTorch memory snapshot's
+/// (read_torch_snapshot of `snapshot_device`, told apart by content), with its note and stacks.
+struct loaded_events {
+  std::vector<trace_event> events;
+  std::string note;
+  std::shared_ptr<const torch_snapshot_trace> snapshot;  // events moved out
+};
+/// Throws cucache::invalid_argument for `snapshot_device` with a CSV trace (it has no devices).
+[[nodiscard]] loaded_events read_events(const std::filesystem::path& path,
+                                        std::optional<int> snapshot_device = std::nullopt);
+/// read_events + prepare; the name is the file name without ".gz", ".csv" and ".pickle".
+[[nodiscard]] prepared_trace load_trace(const std::filesystem::path& path,
+                                        std::optional<int> snapshot_device = std::nullopt);
+/// prepare, carrying over what read_events found besides the rows.
+[[nodiscard]] prepared_trace prepare(const loaded_events& loaded, std::string name);
+/// The name load_trace gives a trace file.
+[[nodiscard]] std::string trace_name(const std::filesystem::path& path);
 
 /// Default simulated capacity: large enough that any trace fits.
 inline constexpr std::size_t k_unbounded_sim_capacity = std::size_t{1} << 40;

@@ -491,6 +491,15 @@ nlohmann::json timeline_replay::run() {
       a["thread"] = ev.thread;
       a["time_us"] = ev.time_us;
     }
+    if (t_.snapshot != nullptr && i < t_.snapshot->event_stacks.size()) {
+      // A PyTorch snapshot's call stack of the allocation, innermost first (at most 16 frames).
+      json frames = json::array();
+      for (const snapshot_frame& f : t_.snapshot->stacks[t_.snapshot->event_stacks[i]]) {
+        if (frames.size() == 16) break;
+        frames.push_back(fmt::format("{} at {}:{}", f.name, f.filename, f.line));
+      }
+      if (!frames.empty()) a["frames"] = std::move(frames);
+    }
     allocations.push_back(std::move(a));
   }
   slots_.clear();
@@ -543,6 +552,7 @@ nlohmann::json timeline_replay::run() {
       {"config", to_string(opts_.cfg)},
       {"expandable", opts_.cfg.expandable_segments},
       {"events", n},
+      {"snapshot", t_.snapshot != nullptr},
       {"buckets", series_.buckets},
       {"streams", std::move(stream_ids)},
       {"series", std::move(series)},

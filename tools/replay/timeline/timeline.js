@@ -27,7 +27,8 @@
   function timeOfDay(us) {
     if (us === undefined || us === null) return '';
     var s = Math.floor(us / 1e6), f = String(us % 1000000).padStart(6, '0');
-    var h = Math.floor(s / 3600), m = Math.floor(s / 60) % 60, sec = s % 60;
+    // % 24: a PyTorch snapshot times its entries in microseconds since the epoch (UTC).
+    var h = Math.floor(s / 3600) % 24, m = Math.floor(s / 60) % 60, sec = s % 60;
     return String(h).padStart(2, '0') + ':' + String(m).padStart(2, '0') + ':' + String(sec).padStart(2, '0') + '.' + f;
   }
   function text(id, t) { document.getElementById(id).textContent = t; }
@@ -405,11 +406,12 @@
       var tr = document.createElement('tr');
       [String(i + 1), human(a.size), human(a.rounded), streamName(a.stream), '0x' + a.address.toString(16),
        grouped(a.event), a.line ? grouped(a.line) : '', a.thread !== undefined ? String(a.thread) : '',
-       timeOfDay(a.time_us)].forEach(function (t, j) {
+       timeOfDay(a.time_us), a.frames && a.frames.length ? a.frames[0] : ''].forEach(function (t, j) {
         var td = document.createElement('td');
         td.textContent = t;
         if (j === 1) td.title = exact(a.size);
         if (j === 2) td.title = exact(a.rounded);
+        if (j === 9 && a.frames) td.title = a.frames.join('\n');  // the whole stack, innermost first
         tr.appendChild(td);
       });
       frag.appendChild(tr);
@@ -424,7 +426,10 @@
   text('alive-summary', grouped(peak.alive_count) + ' allocations, ' + human(peak.alive_requested_bytes) + ' requested, ' +
        human(peak.alive_rounded_bytes) + ' rounded; largest first' +
        (peak.alive_count > peak.allocations.length ? ' (the ' + grouped(peak.allocations.length) + ' largest listed)' : '') +
-       '. Trace line, thread and time are where the trace recorded each allocation.');
+       '. Trace line, thread and time are where the trace recorded each allocation' +
+       (D.snapshot ? ' (a PyTorch snapshot: the line is the entry of its device trace, 0 for an ' +
+        'allocation made before its history began; the call site is the innermost frame, hover ' +
+        'for the stack)' : '') + '.');
 
   // --- segment map at the peak ------------------------------------------------------------------
   var mapCanvas = document.getElementById('map');
