@@ -187,7 +187,7 @@ void observe_hub::record_allocate(int device, const void* ptr, std::size_t size,
   if (backtraces_) bt = capture_backtrace();
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   try {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     if (tag != 0 || always_record_) {
       d.live[addr] = live_record{size, stream, tag, step_.load(std::memory_order_relaxed), bt};
       d.live_total += size;
@@ -215,7 +215,7 @@ void observe_hub::record_free(int device, const void* ptr, std::size_t size,
   device_state& d = *devices_[static_cast<std::size_t>(device)];
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   try {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     std::uint32_t tag = 0;
     if (auto it = d.live.find(addr); it != d.live.end()) {
       tag = it->second.tag;
@@ -246,7 +246,7 @@ void observe_hub::record_event(int device, history_entry::action act, std::uintp
                                std::size_t size, stream_handle stream) noexcept {
   device_state& d = *devices_[static_cast<std::size_t>(device)];
   try {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     push_locked(d, history_entry{act, addr, size, stream, now_us(), 0, nullptr});
   } catch (...) {
   }
@@ -254,7 +254,7 @@ void observe_hub::record_event(int device, history_entry::action act, std::uintp
 
 std::vector<history_entry> observe_hub::history(int device) const {
   const device_state& d = *devices_[static_cast<std::size_t>(device)];
-  std::lock_guard lock(d.mu);
+  detail::lock_guard lock(d.mu);
   std::vector<history_entry> out;
   out.reserve(d.ring.size());
   for (std::size_t i = 0; i < d.ring.size(); ++i) {
@@ -272,7 +272,7 @@ void observe_hub::note_snapshot() {
 
 std::unordered_map<std::uintptr_t, live_record> observe_hub::live(int device) const {
   const device_state& d = *devices_[static_cast<std::size_t>(device)];
-  std::lock_guard lock(d.mu);
+  detail::lock_guard lock(d.mu);
   return d.live;
 }
 
@@ -283,9 +283,9 @@ void observe_hub::mark_step() {
         "alive for more than K steps while the live total grows is a leak candidate)");
   }
   // One marker at a time, so that every device's totals are numbered alike.
-  std::lock_guard step_lock(step_mu_);
+  detail::lock_guard step_lock(step_mu_);
   for (auto& d : devices_) {
-    std::lock_guard lock(d->mu);
+    detail::lock_guard lock(d->mu);
     d->step_totals.push_back(d->live_total);
   }
   step_.fetch_add(1, std::memory_order_relaxed);
@@ -302,7 +302,7 @@ std::uint64_t observe_hub::leak_window(std::uint64_t steps) const {
 
 std::vector<leak_candidate> observe_hub::leak_report(std::uint64_t steps) const {
   const std::uint64_t k = leak_window(steps);
-  std::lock_guard step_lock(step_mu_);
+  detail::lock_guard step_lock(step_mu_);
   const std::uint64_t s = step_.load(std::memory_order_relaxed);
   if (s == 0) {
     throw invalid_argument(
@@ -313,7 +313,7 @@ std::vector<leak_candidate> observe_hub::leak_report(std::uint64_t steps) const 
   if (s <= k) return out;  // nothing can have survived more than K markers yet
   for (std::size_t dev = 0; dev < devices_.size(); ++dev) {
     const device_state& d = *devices_[dev];
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     if (!(d.step_totals[s] > d.step_totals[s - k])) continue;  // not growing: no leak
     for (const auto& [addr, r] : d.live) {
       if (r.step >= s || s - r.step <= k) continue;
@@ -341,7 +341,7 @@ std::vector<tag_stat> observe_hub::tag_stats(int device) const {
   const device_state& d = *devices_[static_cast<std::size_t>(device)];
   std::vector<tag_stat> out;
   {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     for (std::size_t id = 1; id < d.tags.size(); ++id) {
       const tag_counter& c = d.tags[id];
       if (c.total == 0) continue;
