@@ -33,7 +33,7 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:history_size=4}
 # ASan runs a tenth of the million checked operations (the whole million is 10 CPU-minutes
 # there, 2.5 times the Release build's), of the 16-thread stress and of the randomized tests'
-# operations (scaled_ops in tests/allocator/test_support.hpp; the Release build runs them whole); TSan a fifth of the 16-thread
+# operations (scaled_ops in tests/support/sim_device.hpp; the Release build runs them whole); TSan a fifth of the 16-thread
 # stress (about ten times slower there; the single-threaded runs are not given to it, see below).
 if [[ $kind == asan ]]; then
   export CUCACHE_STRESS_SCALE=${CUCACHE_STRESS_SCALE:-0.1}

@@ -15,9 +15,10 @@
 // (oom_report.cpp) and the invariant check (check_invariants.cpp), written in terms of the parts.
 //
 // Lock order: stats_mu (statistics readers) -> the pool list (shared) -> stream_pool::mu in index
-// order -> device_budget::mu -> event_cache. block_map shard locks and the graph pools' lock are leaves (the graph pools' is
-// never held while another lock is taken; stream filters run under it and must not call the
-// allocator).
+// order -> device_budget::mu -> event_cache. block_map shard locks and the graph pools' lock are
+// leaves (the graph pools' is never held while another lock is taken; stream filters run under it
+// and must not call the allocator). The rules are clang thread-safety annotations (REQUIRES,
+// GUARDED_BY; "every pool locked" is detail::every_pool), checked by tools/check_thread_safety.sh.
 #pragma once
 
 #include <atomic>
@@ -51,98 +52,100 @@ struct device_allocator::impl {
   void* allocate(std::size_t bytes, stream_handle stream);
   /// False (nothing changed) when ptr is not the start of a live block.
   bool deallocate(void* ptr, stream_handle stream, bool ordered);
-  /// deallocate's general path (captures, observer, other streams). REQUIRES: p.mu held, b
-  /// taken out of the block map.
+  /// deallocate's general path (captures, observer, other streams). REQUIRES: b taken out of
+  /// the block map.
   bool deallocate_locked(detail::stream_pool& p, detail::block* b, void* ptr, stream_handle stream,
-                         bool ordered);
+                         bool ordered) REQUIRES(p.mu);
   bool record_stream(void* ptr, stream_handle stream);
   void empty_cache();
 
   /// The segment path's placement (placement.hpp, place_in_segments): the free block of p a
   /// request of `rounded` bytes is carved from, or nullptr.
   CUCACHE_HOT detail::block* find_free(const detail::stream_pool& p, detail::pool_kind kind,
-                                       std::size_t rounded) const;
+                                       std::size_t rounded) const REQUIRES(p.mu);
   /// find_free for the other translation units: out of line.
   detail::block* find_free_outline(const detail::stream_pool& p, detail::pool_kind kind,
-                                   std::size_t rounded) const;
+                                   std::size_t rounded) const REQUIRES(p.mu);
   /// The segment path's miss: a new segment, after the oversize release, garbage collection and,
   /// if the device refuses, the out-of-memory ladder.
   /// `segment_bytes`: the new segment's size (0: the size policy's for `rounded`).
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                      std::unique_lock<detail::pool_mutex>& lk, std::size_t segment_bytes = 0);
+                      detail::pool_lock& lk, std::size_t segment_bytes = 0) REQUIRES(p.mu);
   /// The allocation path of a graph pool that never splits (PyTorch's MemPool(no_split=True),
   /// graph_checkpoint.cpp): a free block that holds the request is taken whole, else a segment
-  /// of the request's size in 2 MiB granules is made for it. REQUIRES: p.mu held (lk).
+  /// of the request's size in 2 MiB granules is made for it. lk holds p.mu.
   void* allocate_unsplit(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                         std::size_t bytes, stream_handle stream,
-                         std::unique_lock<detail::pool_mutex>& lk);
+                         std::size_t bytes, stream_handle stream, detail::pool_lock& lk)
+      REQUIRES(p.mu);
   /// The expandable path: place in p's ranges (a new range if none holds it), back the pages,
   /// the ladder once if that fails. nullptr when nothing could serve the request; then
   /// `no_address_space` says whether the last try found no address space for a new range.
   void* allocate_expandable(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                            std::size_t bytes, std::unique_lock<detail::pool_mutex>& lk,
-                            bool& no_address_space);
+                            std::size_t bytes, detail::pool_lock& lk, bool& no_address_space)
+      REQUIRES(p.mu);
   /// What the out-of-memory ladder gives back besides pending frees and settled graph pools.
   enum class ladder_release : bool { free_segments, idle_pages };
   /// The out-of-memory ladder, one rung: unlocks p (held by lk; p keeps its stream meanwhile), waits for every pending free,
   /// settles released graph pools and gives back what `what` names from every pool (unless a
   /// capture forbids synchronizing the device), and locks p again. The caller retries once.
-  void run_ladder(detail::stream_pool& p, std::unique_lock<detail::pool_mutex>& lk,
-                  ladder_release what);
+  void run_ladder(detail::stream_pool& p, detail::pool_lock& lk, ladder_release what)
+      REQUIRES(p.mu);
 
   /// A new device segment of `bytes` for p (its one block free and indexed); nullptr when the
   /// device or the memory limit refuses.
-  detail::segment* new_segment(detail::stream_pool& p, detail::pool_kind kind, std::size_t bytes);
+  detail::segment* new_segment(detail::stream_pool& p, detail::pool_kind kind, std::size_t bytes)
+      REQUIRES(p.mu);
   /// Expandable mode: where a request of `rounded` bytes of `kind` goes in p -- the placement
   /// rule's free block of p's ranges, else the one free block of a new range of p that holds it
   /// (pager::next_range_bytes). nullptr when the address space has no room for that range.
-  detail::block* place_or_grow(detail::stream_pool& p, detail::pool_kind kind,
-                               std::size_t rounded);
+  detail::block* place_or_grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded)
+      REQUIRES(p.mu);
   /// A new virtual range of p for `kind` that holds `need` bytes, its one block free and
   /// indexed; nullptr when the address space has no room.
-  detail::segment* add_range(detail::stream_pool& p, detail::pool_kind kind, std::size_t need);
+  detail::segment* add_range(detail::stream_pool& p, detail::pool_kind kind, std::size_t need)
+      REQUIRES(p.mu);
   /// Gives range s of p back: its one free block leaves the index, its segment the pool, its
   /// address space the process. REQUIRES: s is empty (one free block, no page mapped).
-  void drop_range(detail::stream_pool& p, detail::segment* s) noexcept;
+  void drop_range(detail::stream_pool& p, detail::segment* s) noexcept REQUIRES(p.mu);
   detail::block* carve(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
-                       std::size_t rounded, std::size_t requested);
+                       std::size_t rounded, std::size_t requested) REQUIRES(p.mu);
   /// Takes a carved block that could not be backed back to free (expandable mode).
-  void undo_carve(detail::stream_pool& p, detail::block* b);
-  void release_to_free(detail::stream_pool& p, detail::block* b);
+  void undo_carve(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
+  void release_to_free(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
   // carve and release_to_free as the allocation and free paths inline them (the named functions
   // call these, for the other translation units).
   CUCACHE_HOT detail::block* carve_inline(detail::stream_pool& p, detail::block* b,
                                           detail::pool_kind kind, std::size_t rounded,
-                                          std::size_t requested);
-  CUCACHE_HOT void release_to_free_inline(detail::stream_pool& p, detail::block* b);
+                                          std::size_t requested) REQUIRES(p.mu);
+  CUCACHE_HOT void release_to_free_inline(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
   detail::segment* add_segment(detail::stream_pool& p, detail::pool_kind kind, std::uintptr_t base,
-                               std::size_t bytes, detail::vm_range* vm);
-  void release_segment(detail::stream_pool& p, detail::segment* s);
+                               std::size_t bytes, detail::vm_range* vm) REQUIRES(p.mu);
+  void release_segment(detail::stream_pool& p, detail::segment* s) REQUIRES(p.mu);
   CUCACHE_HOT detail::block* split_off(detail::stream_pool& p, detail::block* b,
-                                       std::size_t front_bytes);
+                                       std::size_t front_bytes) REQUIRES(p.mu);
   /// split_off for the other translation units: out of line.
   detail::block* split_off_outline(detail::stream_pool& p, detail::block* b,
-                                   std::size_t front_bytes);
+                                   std::size_t front_bytes) REQUIRES(p.mu);
   /// Marks a freed block pending (stats); its events or retentions are added by the caller.
-  void mark_pending(detail::stream_pool& p, detail::block* b);
-  void poll_pending(detail::stream_pool& p);
-  void sync_pending(detail::stream_pool& p);
-  void release_oversize(detail::stream_pool& p);
-  void release_free_segments(std::size_t target_reserved, bool oldest_first);
-  void collect_garbage(std::size_t incoming);
+  void mark_pending(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
+  void poll_pending(detail::stream_pool& p) REQUIRES(p.mu);
+  void sync_pending(detail::stream_pool& p) REQUIRES(p.mu);
+  void release_oversize(detail::stream_pool& p) REQUIRES(p.mu);
+  void release_free_segments(std::size_t target_reserved, bool oldest_first)
+      REQUIRES(detail::every_pool);
+  void collect_garbage(std::size_t incoming) REQUIRES(detail::every_pool);
   /// Released graph pools: after one device synchronization, their retained blocks go back to
-  /// their pools and their wholly free segments to the device. REQUIRES: all pools locked, no
-  /// capture blocking.
-  void settle_graph_pools();
+  /// their pools and their wholly free segments to the device. REQUIRES: no capture blocking.
+  void settle_graph_pools() REQUIRES(detail::every_pool);
 
   // --- retirement of pools whose streams are gone (device_allocator.cpp) ---
   /// An ordered free on p's own stream left p with no allocated block: records p's quiet event on
-  /// that stream (rate-limited) and queues p for retirement. REQUIRES: p.mu held.
-  void note_quiet(detail::stream_pool& p);
+  /// that stream (rate-limited) and queues p for retirement.
+  void note_quiet(detail::stream_pool& p) REQUIRES(p.mu);
   /// Quiet pools without device memory: their virtual ranges are given back and they are queued
   /// for the next new stream; other pools give back every empty range but the newest of each
-  /// kind (expandable mode). REQUIRES: all pools locked.
-  void retire_empty_pools();
+  /// kind (expandable mode).
+  void retire_empty_pools() REQUIRES(detail::every_pool);
 
   // --- graph pools: the public calls (device_allocator.cpp, on graphs) ---
   void begin_allocate_to_pool(graph_pool_id pool, stream_filter filter);
@@ -160,7 +163,7 @@ struct device_allocator::impl {
   [[nodiscard]] std::size_t largest_request_within(std::size_t rounded) const;
   /// Would the out-of-memory ladder (release_free_segments) give segment s of pool p back?
   [[nodiscard]] static bool ladder_may_release(const detail::stream_pool& p,
-                                               const detail::segment& s) noexcept {
+                                               const detail::segment& s) noexcept REQUIRES(p.mu) {
     return (p.graph == nullptr || p.graph->released) && s.whole_free();
   }
 
@@ -170,16 +173,17 @@ struct device_allocator::impl {
   [[noreturn]] void roll_back_sleep(std::uint32_t domain,
                                     const std::vector<detail::stream_pool*>& domain_pools,
                                     detail::tag_sleeper::record& rec, const std::string& name,
-                                    const std::string& why, int code);
+                                    const std::string& why, int code) REQUIRES(detail::every_pool);
   void wake(std::uint32_t domain, const std::string& label);
   /// Frees the spare pinned host buffers of woken domains (~impl).
-  void free_spare_host_buffers() noexcept;
+  void free_spare_host_buffers() noexcept REQUIRES(detail::every_pool);
   /// Throws invalid_argument naming the block's domain when p's domain sleeps (allocate, free).
-  /// REQUIRES: p locked.
-  void refuse_if_asleep(const detail::stream_pool& p, const void* ptr, const char* what) const;
+  void refuse_if_asleep(const detail::stream_pool& p, const void* ptr, const char* what) const
+      REQUIRES(p.mu);
   /// invalid_argument: `what`(ptr) on a block of sleeping domain d. Takes every pool lock (to
-  /// read the domain's label). REQUIRES: no pool lock held.
-  [[noreturn]] void refuse_asleep_block(std::uint32_t d, const void* ptr, const char* what);
+  /// read the domain's label). No pool lock held.
+  [[noreturn]] void refuse_asleep_block(std::uint32_t d, const void* ptr, const char* what)
+      EXCLUDES(detail::every_pool);
 
   // --- errors (oom_report.cpp) ---
   /// What an out-of-memory error reports as its cause.
@@ -190,25 +194,25 @@ struct device_allocator::impl {
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
 
   // --- statistics (stats.cpp; the ledger: stats_ledger.hpp) ---
-  /// The statistics, exact. REQUIRES: stats_mu held, then every pool locked.
-  device_stats stats_locked() const;
-  /// The statistics as one consistent view (a validated read, else stats_locked). REQUIRES: no
-  /// pool lock held, nor stats_mu.
-  device_stats stats_unlocked() const;
+  /// The statistics, exact. stats_mu held, then every pool locked.
+  device_stats stats_locked() const REQUIRES(stats_mu, detail::every_pool);
+  /// The statistics as one consistent view (a validated read, else stats_locked). No pool lock
+  /// held, nor stats_mu.
+  device_stats stats_unlocked() const EXCLUDES(stats_mu, detail::every_pool);
   /// The summaries of the pools marked stale since the last call taken again (every pool's
   /// when lock_all ran meanwhile or the unmapped one-page handles differ from `handles`, the
   /// caller's read of them), each under its pool's lock -- the caller's when `all_locked`.
   /// Returns the count of marks when the queue was taken (pool_table::changed_since).
-  /// REQUIRES: stats_mu held.
-  std::uint64_t refresh_stats(bool all_locked, std::size_t handles) const;
-  /// p's share of the statistics. REQUIRES: p.mu held.
-  detail::pool_summary summarize(const detail::stream_pool& p) const;
-  /// summarize(p) into the ledger and p. REQUIRES: p.mu held.
-  void resummarize(detail::stream_pool& p) const;
+  std::uint64_t refresh_stats(bool all_locked, std::size_t handles) const REQUIRES(stats_mu);
+  /// p's share of the statistics.
+  detail::pool_summary summarize(const detail::stream_pool& p) const REQUIRES(p.mu);
+  /// summarize(p) into the ledger and p.
+  void resummarize(detail::stream_pool& p) const REQUIRES(p.mu);
   /// The ledger's totals and the device-wide figures (budget, pager, sleeper) as device_stats;
   /// `budget_changes`, when given, receives the budget's count of changes read with them.
-  /// `all_locked`: the caller holds every pool lock. REQUIRES: stats_mu held.
-  device_stats compose_stats(bool all_locked, std::uint64_t* budget_changes) const;
+  /// `all_locked`: the caller holds every pool lock.
+  device_stats compose_stats(bool all_locked, std::uint64_t* budget_changes) const
+      REQUIRES(stats_mu);
   /// compose_stats from given sums of pool summaries instead of the ledger's (the invariant
   /// check's recount). REQUIRES: stats_mu held, or every pool locked.
   device_stats compose_stats_from(const device_stats& totals, std::size_t largest,
@@ -216,12 +220,12 @@ struct device_allocator::impl {
                                   std::uint64_t* budget_changes) const;
   /// The largest request p serves from cached memory alone -- no device allocation -- on its
   /// stream (device_stats::largest_free_block is the largest over the pools; docs/design.md,
-  /// "Free memory"). REQUIRES: p.mu held.
-  std::size_t largest_cached_request(const detail::stream_pool& p) const;
+  /// "Free memory").
+  std::size_t largest_cached_request(const detail::stream_pool& p) const REQUIRES(p.mu);
   mutable detail::stats_ledger ledger;
   /// Serializes the statistics' readers (stats_unlocked, and the callers of stats_locked, who
   /// take it before lock_all): one refresh of the ledger at a time. First in the lock order.
-  mutable std::mutex stats_mu;
+  mutable detail::mutex stats_mu;
 
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called
@@ -230,7 +234,7 @@ struct device_allocator::impl {
   /// read without a lock on every allocation and free: one load, as cheap as a plain pointer.
   std::atomic<allocation_observer*> observer{nullptr};
   std::shared_ptr<allocation_observer> observer_owner;  // keeps *observer alive
-  std::mutex observer_mu_;                              // serializes attach_observer
+  detail::mutex observer_mu_;                           // serializes attach_observer
   detail::size_policy policy;
   /// The physical page size in expandable mode (0 otherwise).
   std::size_t page_bytes = 0;

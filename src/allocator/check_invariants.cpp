@@ -34,7 +34,7 @@ namespace {
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
                  std::int64_t& mappings, std::size_t& idle_runs, std::size_t& idle_pages,
                  std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages,
-                 std::uint64_t straddles) {
+                 std::uint64_t straddles) REQUIRES(p.mu) {
   const detail::vm_range& r = *s.vm;
   if (r.page_count != r.size / r.page_bytes) {
     violated(fmt::format("range {:#x}: {} pages, size says {}", r.base, r.page_count,
@@ -193,7 +193,7 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
 
 /// The pending queues: one per stream, entries of this pool's pending blocks, counted right, and
 /// each block waiting on no more events than it has entries.
-void check_pending_queues(const detail::stream_pool& p) {
+void check_pending_queues(const detail::stream_pool& p) REQUIRES(p.mu) {
   std::size_t entries = 0;
   const auto& queues = p.pending.queues();
   std::unordered_set<stream_handle> streams;
@@ -223,7 +223,8 @@ void check_pending_queues(const detail::stream_pool& p) {
 
 void device_allocator::check_invariants() const {
   const impl& m = *impl_;
-  auto all = m.pools.lock_all_to_read();  // marks nothing stale: a missed mark shows below
+  // Marks nothing stale: a missed mark shows below.
+  detail::pool_table::all_locked all(m.pools, detail::pool_table::purpose::read);
   std::size_t allocated_blocks = 0;
   std::size_t reserved_total = 0;
   std::size_t mapped_total = 0;
@@ -231,6 +232,7 @@ void device_allocator::check_invariants() const {
   std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain, recounted
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
+    detail::pool_table::assert_locked(p);
     // The pool's range list: exactly its segments that own a vm_range, each once, their sizes
     // summed per kind.
     std::size_t range_bytes[2] = {0, 0};
@@ -460,7 +462,7 @@ void device_allocator::check_invariants() const {
                          m.pager->reserved_address_bytes(), address_total));
   }
   if (m.pager) {
-    std::lock_guard lock(m.budget.mu);
+    detail::lock_guard lock(m.budget.mu);
     for (const auto& [bytes, h] : m.pager->free_handles) handle_bytes += bytes;
     if (handle_bytes != m.pager->free_handle_bytes) {
       violated(fmt::format("unmapped handle list holds {} bytes, counter says {}", handle_bytes,
@@ -479,7 +481,7 @@ void device_allocator::check_invariants() const {
   }
   std::size_t above_limit = 0;
   {
-    std::lock_guard lock(m.budget.mu);
+    detail::lock_guard lock(m.budget.mu);
     above_limit = m.budget.allowed_above_limit();
   }
   if (const std::size_t limit = m.budget.limit.load(std::memory_order_relaxed);
@@ -494,13 +496,14 @@ void device_allocator::check_invariants() const {
   std::size_t asleep_sum = 0;
   std::map<std::size_t, std::size_t> largest;
   for (const auto& p : m.pools) {
+    detail::pool_table::assert_locked(*p);
     detail::add_fields(sum, p->summary.part, +1);
     asleep_sum += p->summary.asleep_active;
     if (p->summary.largest != 0) ++largest[p->summary.largest];
   }
   bool handles_seen = false;
   {
-    std::lock_guard lock(m.ledger.mu);
+    detail::lock_guard lock(m.ledger.mu);
     if (!detail::same_fields(sum, m.ledger.totals) || asleep_sum != m.ledger.asleep_active ||
         largest != m.ledger.largest) {
       violated("the statistics ledger's totals are not the sum of the pools' summaries");
@@ -514,6 +517,7 @@ void device_allocator::check_invariants() const {
   std::size_t now_largest = 0;
   std::size_t now_asleep = 0;
   for (const auto& p : m.pools) {
+    detail::pool_table::assert_locked(*p);
     const detail::pool_summary now = m.summarize(*p);
     detail::add_fields(now_sum, now.part, +1);
     now_largest = std::max(now_largest, now.largest);

@@ -196,6 +196,7 @@ void device_allocator::impl::sync_pending(stream_pool& p) {
   std::exception_ptr first_error;
   for (auto& q : p.pending.queues()) {
     p.pending.retain(q, [&](const detail::pending_free& pf) {
+      p.mu.assert_held();  // a lambda: the analysis does not carry the caller's locks into it
       try {
         backend->event_synchronize(pf.event);
       } catch (...) {
@@ -279,7 +280,7 @@ block* device_allocator::impl::split_off_outline(stream_pool& p, block* b,
 }
 
 void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
-  // REQUIRES: p.mu held, s whole and free. The device call comes first so that a failure leaves
+  // REQUIRES: s whole and free. The device call comes first so that a failure leaves
   // every structure as it was.
   budget.refund(s->size, [&] {
     const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
@@ -328,7 +329,7 @@ void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
 }
 
 void device_allocator::impl::release_to_free_inline(stream_pool& p, block* b) {
-  // REQUIRES: p.mu held; b allocated-then-freed (allocation stats already taken off).
+  // REQUIRES: b allocated-then-freed (allocation stats already taken off).
   const pool_kind kind = b->seg->kind;
   if (b->state == block_state::pending) {
     p.stats.pending_count.dec(kind, 1);
@@ -386,11 +387,12 @@ void device_allocator::impl::release_oversize(stream_pool& p) {
 }
 
 void device_allocator::impl::release_free_segments(std::size_t target_reserved, bool oldest_first) {
-  // REQUIRES: all pools locked, no capture blocking (cudaFree synchronizes the device). Releases
+  // REQUIRES: no capture blocking (cudaFree synchronizes the device). Releases
   // whole free segments until reserved <= target. Graph pools keep theirs until released: a graph
   // replays on their addresses.
   std::vector<std::pair<stream_pool*, segment*>> victims;
   for (auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
     for (segment* s = p->segments; s != nullptr; s = s->next) {
       if (ladder_may_release(*p, *s)) victims.emplace_back(p.get(), s);
     }
@@ -402,12 +404,12 @@ void device_allocator::impl::release_free_segments(std::size_t target_reserved, 
   }
   for (auto [p, s] : victims) {
     if (budget.reserved_bytes() <= target_reserved) break;
+    detail::pool_table::assert_locked(*p);
     release_segment(*p, s);
   }
 }
 
 void device_allocator::impl::collect_garbage(std::size_t incoming) {
-  // REQUIRES: all pools locked.
   const std::size_t gc_bytes = budget.gc_bytes;
   const std::size_t target = gc_bytes > incoming ? gc_bytes - incoming : 0;
   release_free_segments(target, /*oldest_first=*/true);
@@ -420,15 +422,16 @@ namespace {
 /// An allocation that unlocks its pool midway (the ladder, garbage collection) and locks it again
 /// before going on, also when what it did meanwhile throws. Meanwhile the pool is not quiet, so
 /// the pool table never hands it to another stream (stream_pool::unlocked_allocations).
-class unlocked_midway {
+/// For the analysis, a scoped unlock: p.mu is not held while it lives.
+class SCOPED_CAPABILITY unlocked_midway {
  public:
-  unlocked_midway(detail::pool_table& pools, stream_pool& p,
-                  std::unique_lock<detail::pool_mutex>& lk)
+  unlocked_midway(detail::pool_table& pools, stream_pool& p, detail::pool_lock& lk) RELEASE(p.mu)
       : pools_(pools), p_(p), lk_(lk) {
     ++p_.unlocked_allocations;
-    lk_.unlock();
+    lk_.unlock(p.mu);
   }
-  ~unlocked_midway() {
+  // Not analysed: it takes the lock again through a reference to the caller's scoped lock.
+  ~unlocked_midway() RELEASE() NO_THREAD_SAFETY_ANALYSIS {
     if (!lk_.owns_lock()) lk_.lock();
     pools_.note_change(p_);  // the allocation goes on changing p
     --p_.unlocked_allocations;
@@ -439,7 +442,7 @@ class unlocked_midway {
  private:
   detail::pool_table& pools_;
   stream_pool& p_;
-  std::unique_lock<detail::pool_mutex>& lk_;
+  detail::pool_lock& lk_;
 };
 }  // namespace
 
@@ -452,17 +455,20 @@ void device_allocator::impl::mark_pending(stream_pool& p, block* b) {
 }
 
 void device_allocator::impl::settle_graph_pools() {
-  // REQUIRES: all pools locked (no free can add a retention meanwhile), !sync_blocked().
+  // REQUIRES: !sync_blocked(). Every pool locked: no free can add a retention meanwhile.
   const detail::graph_pools::settled back = graphs.settle(*backend);
   for (auto [p, b] : back.blocks) {
+    detail::pool_table::assert_locked(*p);
     --p->retained;
     if (--b->uses->pending_events == 0) release_to_free(*p, b);
   }
   for (stream_pool* part : back.parts) {
+    detail::pool_table::assert_locked(*part);
     std::vector<segment*> victims;
     for (segment* s = part->segments; s != nullptr; s = s->next) {
       if (s->whole_free()) victims.push_back(s);
     }
+    detail::pool_table::assert_locked(*part);
     for (segment* s : victims) release_segment(*part, s);
   }
 }
@@ -470,8 +476,7 @@ void device_allocator::impl::settle_graph_pools() {
 // --- allocate ---------------------------------------------------------------------------------
 
 block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t rounded,
-                                    std::unique_lock<detail::pool_mutex>& lk,
-                                    std::size_t segment_bytes) {
+                                    detail::pool_lock& lk, std::size_t segment_bytes) {
   const std::size_t seg_bytes = segment_bytes != 0 ? segment_bytes : policy.segment_size(rounded);
   if (budget.never_fits(seg_bytes)) return nullptr;
 
@@ -485,7 +490,7 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   if (!blocked && budget.over_gc(seg_bytes)) {
     {
       const unlocked_midway away(pools, p, lk);
-      auto all = pools.lock_all();
+      detail::pool_table::all_locked all(pools);
       if (!sync_blocked()) collect_garbage(seg_bytes);
     }
     {
@@ -500,7 +505,7 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   return s != nullptr ? s->first : nullptr;
 }
 
-void device_allocator::impl::run_ladder(stream_pool& p, std::unique_lock<detail::pool_mutex>& lk,
+void device_allocator::impl::run_ladder(stream_pool& p, detail::pool_lock& lk,
                                         ladder_release what) {
   // Out-of-memory ladder: wait for every pending free, settle released graph pools, give back
   // every whole free segment of every pool (default mode) or unmap every idle page of every pool
@@ -510,14 +515,20 @@ void device_allocator::impl::run_ladder(stream_pool& p, std::unique_lock<detail:
   const detail::nvtx_range range(cfg.nvtx, "cucache: out-of-memory ladder");
   {
     const unlocked_midway away(pools, p, lk);
-    auto all = pools.lock_all();
-    for (auto& q : pools) sync_pending(*q);
+    detail::pool_table::all_locked all(pools);
+    for (auto& q : pools) {
+      detail::pool_table::assert_locked(*q);
+      sync_pending(*q);
+    }
     if (!sync_blocked()) {
       settle_graph_pools();
       if (what == ladder_release::free_segments) {
         release_free_segments(0, /*oldest_first=*/false);
       } else {
-        for (auto& q : pools) pager->unmap_idle(*q, /*release_handles=*/false);
+        for (auto& q : pools) {
+          detail::pool_table::assert_locked(*q);
+          pager->unmap_idle(*q, /*release_handles=*/false);
+        }
       }
       retire_empty_pools();
     }
@@ -579,15 +590,14 @@ void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
 
 void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind,
                                                   std::size_t rounded, std::size_t bytes,
-                                                  std::unique_lock<detail::pool_mutex>& lk,
-                                                  bool& no_address_space) {
+                                                  detail::pool_lock& lk, bool& no_address_space) {
   if (budget.never_fits(rounded)) return nullptr;
   for (int attempt = 0; attempt < 2; ++attempt) {
     // The ladder below unlocks p: a sleep of p's tag may have run meanwhile.
-    if (attempt > 0 && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
-      lk.unlock();
+    // Still under p's lock, so that the domain cannot wake between the check and the refusal
+    // (which throws; the caller's lock is released as the exception leaves).
+    if (attempt > 0 && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
       refuse_if_asleep(p, nullptr, "allocate");
-    }
     block* b = place_or_grow(p, kind, rounded);
     no_address_space = b == nullptr;
     if (b == nullptr) {  // the process's address space has no room for a range that holds it
@@ -647,11 +657,11 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   // its lock, then differs, and lock_pool_for looks again.)
   detail::pool_table::locked_pool lp =
       graph_part != nullptr
-          ? detail::pool_table::locked_pool{graph_part, std::unique_lock(graph_part->mu)}
-          : pools.lock_pool_for(stream, key,
-                                cfg.expandable_segments ? detail::t_sleep_domain : 0);
+          ? detail::pool_table::locked_pool{graph_part, detail::pool_lock(graph_part->mu)}
+          : pools.lock_pool_for(stream, key, cfg.expandable_segments ? detail::t_sleep_domain : 0);
   stream_pool& p = *lp.pool;
-  std::unique_lock<detail::pool_mutex>& lk = lp.lock;
+  detail::pool_lock& lk = lp.lock;
+  p.mu.assert_held();  // lp.lock holds it (the analysis cannot follow a lock out of a call)
   if (graph_part != nullptr) [[unlikely]]
     pools.note_change(p);  // (lock_pool_for notes the stream pools)
   if (!p.pending.empty()) poll_pending(p);
@@ -665,7 +675,7 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
     bool no_address_space = false;
     void* ptr = allocate_expandable(p, kind, rounded, bytes, lk, no_address_space);
     if (ptr == nullptr) {
-      lk.unlock();
+      lk.unlock(p.mu);
       throw_oom(bytes, rounded, stream,
                 no_address_space ? oom_cause::address_space : oom_cause::memory);
     }
@@ -674,7 +684,7 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   block* b = find_free(p, kind, rounded);
   if (b == nullptr) b = grow(p, kind, rounded, lk);
   if (b == nullptr) {
-    lk.unlock();
+    lk.unlock(p.mu);
     throw_oom(bytes, rounded, stream);
   }
   b = carve_inline(p, b, kind, rounded, bytes);
@@ -690,7 +700,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   block* b = blocks.take(addr);
   if (b == nullptr) return false;
   stream_pool& p = *b->seg->owner;
-  std::lock_guard lk(p.mu);
+  detail::lock_guard lk(p.mu);
   pools.note_change(p);
   if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
     blocks.insert(addr, b);  // nothing changed
@@ -716,7 +726,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
 
 bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* ptr,
                                                stream_handle stream, bool ordered) {
-  // REQUIRES: p.mu held; b taken out of the block map.
+  // REQUIRES: b taken out of the block map.
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   // A block of a stream pool freed while cucache knows that stream captures: the captured work
   // may use it at every replay, so it is held for that capture's graph pool, not reused.
@@ -833,12 +843,18 @@ bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
 }
 
 void device_allocator::impl::empty_cache() {
-  auto all = pools.lock_all();
-  for (auto& p : pools) sync_pending(*p);
+  detail::pool_table::all_locked all(pools);
+  for (auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
+    sync_pending(*p);
+  }
   if (sync_blocked()) graphs.throw_capture_blocks("empty_cache");
   settle_graph_pools();
   if (cfg.expandable_segments) {
-    for (auto& p : pools) pager->unmap_idle(*p, /*release_handles=*/true);
+    for (auto& p : pools) {
+      detail::pool_table::assert_locked(*p);
+      pager->unmap_idle(*p, /*release_handles=*/true);
+    }
     pager->release_unmapped(0);
   }
   release_free_segments(0, /*oldest_first=*/false);
@@ -848,7 +864,7 @@ void device_allocator::impl::empty_cache() {
 // --- retirement: pools of streams that are gone ---------------------------------------------
 
 void device_allocator::impl::note_quiet(stream_pool& p) {
-  // REQUIRES: p.mu held, p's stream named alive by the caller in this call (an ordered free on
+  // REQUIRES: p's stream named alive by the caller in this call (an ordered free on
   // it), p.stats.allocation_count[0].current == 0. A quiet event recorded now follows, on p's
   // stream, every use of p's blocks there (each was queued before its block's free); once it has
   // completed, and nothing was allocated or freed in p since (p.tick unchanged), p may serve
@@ -882,12 +898,13 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
 }
 
 void device_allocator::impl::retire_empty_pools() {
-  // REQUIRES: all pools locked. Address space is reserved on demand and returned when empty:
+  // Address space is reserved on demand and returned when empty:
   // quiet pools that hold no device memory (the device-wide path that called this gave it back,
   // behind a device synchronization) give back every range and are queued for the next stream
   // that needs a pool; other pools give back their empty ranges but the newest of each kind
   // (the one their next growth would use).
   for (auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
     // A sleeping tag's pool keeps its ranges: wake maps its blocks' pages at their addresses.
     if (p->domain != 0 && sleeper.asleep(p->domain)) continue;
     const bool retire = p->quiet() && p->holds_no_memory();
@@ -914,24 +931,24 @@ void device_allocator::impl::retire_empty_pools() {
 
 void device_allocator::impl::begin_allocate_to_pool(graph_pool_id gid, stream_filter filter) {
   // All pools locked too: release_free_segments reads `released` under the pool locks.
-  auto all = pools.lock_all();
+  detail::pool_table::all_locked all(pools);
   graphs.begin_route(gid, std::move(filter));
 }
 
 void device_allocator::impl::end_allocate_to_pool(graph_pool_id gid) {
-  auto all = pools.lock_all();
+  detail::pool_table::all_locked all(pools);
   graphs.end_route(gid);
   if (!sync_blocked()) settle_graph_pools();
 }
 
 void device_allocator::impl::release_graph_pool(graph_pool_id gid) {
-  auto all = pools.lock_all();
+  detail::pool_table::all_locked all(pools);
   graphs.release(gid);
   if (!sync_blocked()) settle_graph_pools();
 }
 
 graph_pool_info device_allocator::impl::graph_pool_state(graph_pool_id gid) const {
-  auto all = pools.lock_all();
+  detail::pool_table::all_locked all(pools);
   return graphs.state(gid);
 }
 
@@ -1052,7 +1069,7 @@ detail::block* device_allocator::impl::find_free_outline(const detail::stream_po
 
 void device_allocator::attach_observer(std::shared_ptr<allocation_observer> observer) {
   if (observer == nullptr) throw invalid_argument("cucache: attach_observer: no observer given");
-  std::lock_guard lock(impl_->observer_mu_);
+  detail::lock_guard lock(impl_->observer_mu_);
   if (impl_->observer.load(std::memory_order_acquire) != nullptr) {
     throw invalid_argument("cucache: attach_observer: this allocator already has an observer");
   }

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <mutex>
 
+#include "backend/thread_annotations.hpp"
+
 namespace cucache::detail {
 
 class pager;
@@ -39,14 +41,15 @@ class device_budget {
   /// reserved then stays at most what it was, and only falls until it is under the cap
   /// (allowed_above_limit() bounds it for the invariant check).
   void set_limit(std::size_t bytes) {
-    std::lock_guard lock(mu);
+    detail::lock_guard lock(mu);
     limit.store(bytes, std::memory_order_relaxed);
     above_limit_ = bytes != 0 && reserved > bytes ? reserved : 0;
     ++changes_;  // a statistics read that saw the old cap is retried
   }
   /// The most reserved may be while above the cap (0 when it was never lowered under reserved).
-  /// REQUIRES: mu held.
-  [[nodiscard]] std::size_t allowed_above_limit() const noexcept { return above_limit_; }
+  [[nodiscard]] std::size_t allowed_above_limit() const noexcept REQUIRES(mu) {
+    return above_limit_;
+  }
 
   /// A request of `bytes` can never be served: more than the device or the limit.
   [[nodiscard]] bool never_fits(std::size_t bytes) const noexcept {
@@ -60,7 +63,7 @@ class device_budget {
   auto charge(std::size_t bytes, F&& create) -> decltype(create()) {
     decltype(create()) made{};
     {
-      std::lock_guard lock(mu);
+      detail::lock_guard lock(mu);
       if (limit != 0 && reserved + bytes > limit) return made;
       made = create();
       if (!made) return made;
@@ -75,7 +78,7 @@ class device_budget {
   template <class F>
   void refund(std::size_t bytes, F&& release) {
     {
-      std::lock_guard lock(mu);
+      detail::lock_guard lock(mu);
       release();
       reserved -= bytes;
       ++changes_;
@@ -84,24 +87,24 @@ class device_budget {
   }
 
   [[nodiscard]] std::size_t reserved_bytes() const {
-    std::lock_guard lock(mu);
+    detail::lock_guard lock(mu);
     return reserved;
   }
   [[nodiscard]] std::size_t peak_bytes() const {
-    std::lock_guard lock(mu);
+    detail::lock_guard lock(mu);
     return peak;
   }
-  /// reserved and peak for readers that hold `mu` (with the pager's handle list). REQUIRES: mu.
-  [[nodiscard]] std::size_t reserved_bytes_locked() const noexcept { return reserved; }
-  [[nodiscard]] std::size_t peak_bytes_locked() const noexcept { return peak; }
+  /// reserved and peak for readers that hold `mu` (with the pager's handle list).
+  [[nodiscard]] std::size_t reserved_bytes_locked() const noexcept REQUIRES(mu) { return reserved; }
+  [[nodiscard]] std::size_t peak_bytes_locked() const noexcept REQUIRES(mu) { return peak; }
   /// Would `extra` more bytes pass the garbage-collection threshold? (False when it is off.)
   [[nodiscard]] bool over_gc(std::size_t extra) const {
     if (gc_bytes == 0) return false;
-    std::lock_guard lock(mu);
+    detail::lock_guard lock(mu);
     return reserved + extra > gc_bytes;
   }
   void reset_peak() {
-    std::lock_guard lock(mu);
+    detail::lock_guard lock(mu);
     peak = reserved;
     ++changes_;
   }
@@ -109,9 +112,8 @@ class device_budget {
   /// for the statistics' validated read (impl::stats_unlocked): equal counts read under `mu`
   /// mean nothing of it changed between the two reads. Bumped on the paths that change them,
   /// all slow paths under `mu` (a device call, a handle list change), never on a cache hit.
-  /// REQUIRES: mu.
-  [[nodiscard]] std::uint64_t changes_locked() const noexcept { return changes_; }
-  void note_change_locked() noexcept { ++changes_; }
+  [[nodiscard]] std::uint64_t changes_locked() const noexcept REQUIRES(mu) { return changes_; }
+  void note_change_locked() noexcept REQUIRES(mu) { ++changes_; }
   void reset_counters() noexcept {
     for (auto* c : {&device_allocs, &device_frees, &oom_count, &retry_count}) {
       c->store(0, std::memory_order_relaxed);
@@ -119,7 +121,7 @@ class device_budget {
   }
 
   /// Held across a device call that changes reserved (and by the pager around its handle list).
-  mutable std::mutex mu;
+  mutable mutex mu;
 
   // Relaxed counters.
   std::atomic<std::uint64_t> device_allocs{0};  // cudaMalloc / cuMemCreate calls that succeeded
@@ -131,10 +133,10 @@ class device_budget {
   // The pager charges and refunds physical handles in steps of its own under `mu` (its handle
   // list is under it too): it reads and writes these directly.
   friend class pager;
-  std::size_t reserved = 0;  // guarded by mu
-  std::size_t peak = 0;      // guarded by mu
-  std::size_t above_limit_ = 0;  // guarded by mu: reserved when the cap was lowered under it
-  std::uint64_t changes_ = 0;  // guarded by mu (changes_locked)
+  std::size_t reserved GUARDED_BY(mu) = 0;
+  std::size_t peak GUARDED_BY(mu) = 0;
+  std::size_t above_limit_ GUARDED_BY(mu) = 0;  // reserved when the cap was lowered under it
+  std::uint64_t changes_ GUARDED_BY(mu) = 0;    // (changes_locked)
 };
 
 }  // namespace cucache::detail

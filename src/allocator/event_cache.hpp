@@ -8,6 +8,7 @@
 #include <mutex>
 #include <vector>
 
+#include "backend/thread_annotations.hpp"
 #include "cucache/backend.hpp"
 
 namespace cucache::detail {
@@ -29,7 +30,7 @@ class event_cache {
   /// A kept event, else a new one (which may throw).
   event_handle take() {
     {
-      std::lock_guard lock(mu_);
+      detail::lock_guard lock(mu_);
       if (!free_.empty()) {
         event_handle e = free_.back();
         free_.pop_back();
@@ -40,7 +41,7 @@ class event_cache {
   }
   /// Keeps e for reuse (destroys it when it cannot be kept).
   void give_back(event_handle e) noexcept {
-    std::lock_guard lock(mu_);
+    detail::lock_guard lock(mu_);
     try {
       free_.push_back(e);
     } catch (...) {
@@ -53,8 +54,8 @@ class event_cache {
 
  private:
   device_backend& backend_;
-  std::mutex mu_;
-  std::vector<event_handle> free_;  // guarded by mu_
+  mutex mu_;
+  std::vector<event_handle> free_ GUARDED_BY(mu_);
 };
 
 }  // namespace cucache::detail

@@ -26,7 +26,7 @@ std::string pool_name(graph_pool_id gid) {
 }
 
 /// Whether any block of p waits for other streams' work (pending) or is held for a graph.
-bool has_waiting_blocks(const stream_pool& p) {
+bool has_waiting_blocks(const stream_pool& p) REQUIRES(p.mu) {
   if (!p.pending.empty() || p.retained != 0) return true;
   for (const segment* s = p.segments; s != nullptr; s = s->next) {
     for (const block* b = s->first; b != nullptr; b = b->next) {
@@ -39,26 +39,25 @@ bool has_waiting_blocks(const stream_pool& p) {
 }  // namespace
 
 void device_allocator::create_or_incref_graph_pool(graph_pool_id pool) {
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   impl_->graphs.incref(pool);
 }
 
 void device_allocator::set_graph_pool_no_split(graph_pool_id pool) {
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   impl_->graphs.set_no_split(pool);
 }
 
 void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind kind,
                                                std::size_t rounded, std::size_t bytes,
-                                               stream_handle stream,
-                                               std::unique_lock<detail::pool_mutex>& lk) {
+                                               stream_handle stream, detail::pool_lock& lk) {
   block* b = find_free_outline(p, kind, rounded);
   if (b == nullptr) {
     const std::size_t granule = detail::k_large_segment_round_bytes;
     b = grow(p, kind, rounded, lk, (rounded + granule - 1) / granule * granule);
   }
   if (b == nullptr) {
-    lk.unlock();
+    lk.unlock(p.mu);
     throw_oom(bytes, rounded, stream);
   }
   // Taken whole: the block keeps its segment's size (or the free block's), unsplit.
@@ -73,9 +72,10 @@ void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind
 }
 
 std::vector<void*> device_allocator::graph_pool_live_allocations(graph_pool_id pool) const {
-  auto all = impl_->pools.lock_all_to_read();
+  detail::pool_table::all_locked all(impl_->pools, detail::pool_table::purpose::read);
   std::vector<void*> out;
   for (const stream_pool* part : impl_->graphs.parts_of(pool).parts) {
+    detail::pool_table::assert_locked(*part);
     for (const segment* s = part->segments; s != nullptr; s = s->next) {
       for (const block* b = s->first; b != nullptr; b = b->next) {
         if (b->state == block_state::allocated) out.push_back(reinterpret_cast<void*>(b->addr));
@@ -88,7 +88,7 @@ std::vector<void*> device_allocator::graph_pool_live_allocations(graph_pool_id p
 
 void device_allocator::empty_graph_pool_cache(graph_pool_id pool) {
   impl& m = *impl_;
-  auto all = m.pools.lock_all();
+  detail::pool_table::all_locked all(m.pools);
   const detail::graph_pools::parts_view v = m.graphs.parts_of(pool);
   if (!v.exists) {
     throw invalid_argument(
@@ -98,6 +98,7 @@ void device_allocator::empty_graph_pool_cache(graph_pool_id pool) {
   // A replay of a graph of the pool may still run: one synchronization before anything goes.
   m.backend->device_synchronize();
   for (stream_pool* part : v.parts) {
+    detail::pool_table::assert_locked(*part);
     if (!part->pending.empty()) m.sync_pending(*part);
     std::vector<segment*> victims;
     for (segment* s = part->segments; s != nullptr; s = s->next) {
@@ -109,7 +110,7 @@ void device_allocator::empty_graph_pool_cache(graph_pool_id pool) {
 
 device_allocator::graph_pool_checkpoint device_allocator::checkpoint_graph_pool(
     graph_pool_id pool) const {
-  auto all = impl_->pools.lock_all_to_read();
+  detail::pool_table::all_locked all(impl_->pools, detail::pool_table::purpose::read);
   const detail::graph_pools::parts_view v = impl_->graphs.parts_of(pool);
   if (!v.exists) {
     throw invalid_argument(
@@ -118,6 +119,7 @@ device_allocator::graph_pool_checkpoint device_allocator::checkpoint_graph_pool(
   graph_pool_checkpoint cp;
   cp.pool = pool;
   for (const stream_pool* part : v.parts) {
+    detail::pool_table::assert_locked(*part);
     if (has_waiting_blocks(*part)) {
       throw invalid_argument(fmt::format(
           "cucache::checkpoint_graph_pool: {} holds blocks freed but waiting for other streams' "
@@ -145,7 +147,7 @@ device_allocator::graph_pool_restored device_allocator::restore_graph_pool(
   graph_pool_restored out;
   std::vector<std::pair<graph_pool_checkpoint::block, bool>> told;  // (block, freed) for observers
   {
-    auto all = m.pools.lock_all();
+    detail::pool_table::all_locked all(m.pools);
     const detail::graph_pools::parts_view v = m.graphs.parts_of(cp.pool);
     const auto refuse = [&](const std::string& why) {
       throw invalid_argument(
@@ -157,6 +159,7 @@ device_allocator::graph_pool_restored device_allocator::restore_graph_pool(
     // live blocks lie inside them without overlapping, no block of the pool waits.
     std::map<std::uintptr_t, std::pair<stream_pool*, segment*>> segs;
     for (stream_pool* part : v.parts) {
+      detail::pool_table::assert_locked(*part);
       if (has_waiting_blocks(*part)) {
         refuse("holds blocks freed but waiting for other streams' work (record_stream)");
       }
@@ -192,6 +195,7 @@ device_allocator::graph_pool_restored device_allocator::restore_graph_pool(
     }
     // Free every live allocation of the pool at once.
     for (stream_pool* part : v.parts) {
+      detail::pool_table::assert_locked(*part);
       std::vector<block*> live;
       for (segment* s = part->segments; s != nullptr; s = s->next) {
         for (block* b = s->first; b != nullptr; b = b->next) {
@@ -214,6 +218,7 @@ device_allocator::graph_pool_restored device_allocator::restore_graph_pool(
     for (std::size_t i = 0; i < cp.live.size(); ++i) {
       const auto& lb = cp.live[i];
       auto [part, s] = home[i];
+      detail::pool_table::assert_locked(*part);
       block* b = s->first;
       while (b != nullptr && lb.address >= b->addr + b->size) b = b->next;
       auto& index = part->index_of(s->kind);

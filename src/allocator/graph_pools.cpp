@@ -21,7 +21,7 @@ void graph_pools::begin_route(graph_pool_id gid, stream_filter filter) {
     throw invalid_argument("cucache::begin_allocate_to_pool: pool id (0, 0) names no pool");
   }
   if (!filter) throw invalid_argument("cucache::begin_allocate_to_pool: the filter is empty");
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   graph_pool* g = find_locked(gid);
   if (g != nullptr && g->routed) {
     throw invalid_argument(
@@ -39,7 +39,7 @@ void graph_pools::incref(graph_pool_id gid) {
   if (gid == graph_pool_id{}) {
     throw invalid_argument("cucache::create_or_incref_graph_pool: pool id (0, 0) names no pool");
   }
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   add_owner_locked(gid, "create_or_incref_graph_pool");
 }
 
@@ -64,7 +64,7 @@ graph_pool* graph_pools::add_owner_locked(graph_pool_id gid, const char* what) {
 }
 
 graph_pools::parts_view graph_pools::parts_of(graph_pool_id gid) const {
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   parts_view out;
   const graph_pool* g = find_locked(gid);
   if (g == nullptr) return out;
@@ -75,7 +75,7 @@ graph_pools::parts_view graph_pools::parts_of(graph_pool_id gid) const {
 }
 
 void graph_pools::set_no_split(graph_pool_id gid) {
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   graph_pool* g = find_locked(gid);
   if (g == nullptr) {
     throw invalid_argument(fmt::format(
@@ -87,7 +87,7 @@ void graph_pools::set_no_split(graph_pool_id gid) {
 }
 
 void graph_pools::end_route(graph_pool_id gid) {
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   graph_pool* g = find_locked(gid);
   bool found = false;
   if (g != nullptr) {
@@ -104,7 +104,7 @@ void graph_pools::end_route(graph_pool_id gid) {
 }
 
 void graph_pools::release(graph_pool_id gid) {
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   graph_pool* g = find_locked(gid);
   if (g == nullptr || g->uses == 0) {
     throw invalid_argument(fmt::format(
@@ -128,7 +128,7 @@ void graph_pools::release(graph_pool_id gid) {
 }
 
 graph_pool_info graph_pools::state(graph_pool_id gid) const {
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   graph_pool_info info;
   const graph_pool* g = find_locked(gid);
   if (g == nullptr) return info;
@@ -138,6 +138,7 @@ graph_pool_info graph_pools::state(graph_pool_id gid) const {
   info.released = g->released;
   info.retained_blocks = g->retained.size();
   for (auto [key, part] : g->parts) {
+    detail::pool_table::assert_locked(*part);
     info.reserved_bytes += static_cast<std::size_t>(part->stats.reserved_bytes[0].current);
     info.allocated_bytes += static_cast<std::size_t>(part->stats.allocated_bytes[0].current);
   }
@@ -164,12 +165,12 @@ graph_pool* graph_pools::known_capture_locked(std::uint64_t key) const {
 }
 
 graph_pool* graph_pools::capture_of(std::uint64_t key) const {
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   return known_capture_locked(key);
 }
 
 graph_pool* graph_pools::capture_pool(stream_handle stream, std::uint64_t key, capture_info cap) {
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   return capture_pool_locked(stream, key, cap);
 }
 
@@ -221,7 +222,7 @@ stream_pool* graph_pools::part_for(stream_handle stream, capture_info cap) {
   const std::uint64_t key = cap.state == capture_state::active ? ckey : pools_.stream_key(stream);
   graph_pool* g = nullptr;
   {
-    std::lock_guard lock(mu_);
+    detail::lock_guard lock(mu_);
     if (cap.state == capture_state::active) {
       g = capture_pool_locked(stream, ckey, cap);
     } else {
@@ -245,8 +246,8 @@ stream_pool* graph_pools::part_for(stream_handle stream, capture_info cap) {
     }
     if (auto it = g->parts.find(key); it != g->parts.end()) return it->second;
   }
-  auto list = pools_.lock_list();
-  std::lock_guard lock(mu_);
+  detail::lock_guard list(pools_.list_mutex());
+  detail::lock_guard lock(mu_);
   if (auto it = g->parts.find(key); it != g->parts.end()) return it->second;
   stream_pool& part = pools_.new_pool(stream, key, g);
   g->parts.emplace(key, &part);
@@ -255,7 +256,7 @@ stream_pool* graph_pools::part_for(stream_handle stream, capture_info cap) {
 
 void graph_pools::retain(graph_pool& g, stream_pool& p, block* b) {
   {
-    std::lock_guard lock(mu_);
+    detail::lock_guard lock(mu_);
     g.retained.push_back({&p, b});
   }
   ++b->uses->pending_events;
@@ -266,7 +267,7 @@ graph_pools::settled graph_pools::settle(device_backend& device) {
   std::vector<graph_pool*> released;
   bool wait = false;
   {
-    std::lock_guard lock(mu_);
+    detail::lock_guard lock(mu_);
     for (auto& [gid, g] : pools_by_id_) {
       if (!g->released) continue;
       released.push_back(g.get());
@@ -280,7 +281,7 @@ graph_pools::settled graph_pools::settle(device_backend& device) {
   // synchronization proves that its memory is idle. A failure changes nothing.
   if (wait) device.device_synchronize();
   {
-    std::lock_guard lock(mu_);
+    detail::lock_guard lock(mu_);
     out.blocks.swap(sync_waiters_.retained);
     for (graph_pool* g : released) {
       out.blocks.insert(out.blocks.end(), g->retained.begin(), g->retained.end());
@@ -303,7 +304,7 @@ graph_pools::settled graph_pools::settle(device_backend& device) {
 void graph_pools::throw_capture_blocks(const char* what) const {
   std::string who;
   {
-    std::lock_guard lock(mu_);
+    detail::lock_guard lock(mu_);
     for (const known_capture& c : captures_) {
       who += fmt::format("{}capture {} (stream id {:#x})", who.empty() ? "" : ", ", c.capture_id,
                          c.stream_key);
@@ -328,7 +329,7 @@ void graph_pools::check_invariants() const {
   const auto violated = [](const std::string& what) {
     throw std::logic_error("cucache invariant violated: " + what);
   };
-  std::lock_guard lock(mu_);
+  detail::lock_guard lock(mu_);
   std::map<const stream_pool*, std::size_t> retained;
   auto check_retained = [&](const graph_pool& g) {
     for (const retained_block& r : g.retained) {
@@ -352,6 +353,7 @@ void graph_pools::check_invariants() const {
     }
   }
   for (const auto& pp : pools_) {
+    detail::pool_table::assert_locked(*pp);
     const auto it = retained.find(pp.get());
     const std::size_t n = it == retained.end() ? 0 : it->second;
     if (n != pp->retained) {

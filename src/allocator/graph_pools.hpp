@@ -67,13 +67,12 @@ class graph_pools {
   graph_pools(const graph_pools&) = delete;
   graph_pools& operator=(const graph_pools&) = delete;
 
-  // --- the public calls (device_allocator's). REQUIRES: all pools locked (the ladder reads
-  // `released` under the pool locks), except for state(). ---
-  void begin_route(graph_pool_id pool, stream_filter filter);
-  void end_route(graph_pool_id pool);
-  void release(graph_pool_id pool);
-  /// REQUIRES: all pools locked (it reads the parts' statistics).
-  [[nodiscard]] graph_pool_info state(graph_pool_id pool) const;
+  // --- the public calls (device_allocator's): every pool locked (the ladder reads `released`
+  // under the pool locks); state() too, as it reads the parts' statistics. ---
+  void begin_route(graph_pool_id pool, stream_filter filter) REQUIRES(every_pool);
+  void end_route(graph_pool_id pool) REQUIRES(every_pool);
+  void release(graph_pool_id pool) REQUIRES(every_pool);
+  [[nodiscard]] graph_pool_info state(graph_pool_id pool) const REQUIRES(every_pool);
   /// One more owner of `pool`, created with one when missing (createOrIncrefPool); a released
   /// pool is revived once settled. Throws invalid_argument as begin_route does.
   void incref(graph_pool_id pool);
@@ -85,8 +84,8 @@ class graph_pools {
   };
   [[nodiscard]] parts_view parts_of(graph_pool_id pool) const;
   /// Makes `pool` never split its blocks. Throws invalid_argument for an unknown pool.
-  /// REQUIRES: all pools locked (the allocation path reads the flag under a part's lock).
-  void set_no_split(graph_pool_id pool);
+  /// Every pool locked: the allocation path reads the flag under a part's lock.
+  void set_no_split(graph_pool_id pool) REQUIRES(every_pool);
 
   // --- the allocation and free paths ---
   /// True while a capture cucache knows of may be underway (a route, or a capture not seen
@@ -109,11 +108,13 @@ class graph_pools {
   /// The graph pool for work on capturing stream `stream` (a route's, else the capture's own,
   /// created with one owner), noting the capture.
   graph_pool* capture_pool(stream_handle stream, std::uint64_t key, capture_info cap);
-  /// Holds b (pending, of pool p) for g. REQUIRES: p.mu held.
-  void retain(graph_pool& g, stream_pool& p, block* b);
+  /// Holds b (pending, of pool p) for g.
+  void retain(graph_pool& g, stream_pool& p, block* b) REQUIRES(p.mu);
   /// Holds b (pending, of pool p) until the next device synchronization cucache makes.
-  /// REQUIRES: p.mu held.
-  void retain_until_sync(stream_pool& p, block* b) { retain(sync_waiters_, p, b); }
+  /// Not analysed: it names sync_waiters_ unlocked; retain takes mu_ before it touches it.
+  void retain_until_sync(stream_pool& p, block* b) REQUIRES(p.mu) NO_THREAD_SAFETY_ANALYSIS {
+    retain(sync_waiters_, p, b);
+  }
 
   /// What settle() gives back: blocks no longer held (each still counted in its pool's
   /// `retained` and its pending_events), and the parts of the released graph pools settled for
@@ -126,8 +127,8 @@ class graph_pools {
   };
   /// Released graph pools: after one device synchronization (when anything is held, or a pool is
   /// not yet settled) their retained blocks and those waiting for a synchronization come back.
-  /// A failed synchronization changes nothing. REQUIRES: all pools locked, !sync_blocked().
-  settled settle(device_backend& device);
+  /// A failed synchronization changes nothing. REQUIRES: !sync_blocked().
+  settled settle(device_backend& device) REQUIRES(every_pool);
 
   /// Throws the cuda_error 900 of `what` (a call that would synchronize the device), naming the
   /// captures and routes that block it.
@@ -135,26 +136,26 @@ class graph_pools {
 
   /// Throws std::logic_error naming the first violated invariant: retained blocks are pending
   /// blocks of the pool they name, each pool's `retained` count is right, parts belong to their
-  /// graph pool, the lock-free counts equal the lists. REQUIRES: all pools locked.
-  void check_invariants() const;
+  /// graph pool, the lock-free counts equal the lists.
+  void check_invariants() const REQUIRES(every_pool);
 
  private:
-  [[nodiscard]] graph_pool* find_locked(graph_pool_id id) const;  // REQUIRES: mu_
+  [[nodiscard]] graph_pool* find_locked(graph_pool_id id) const REQUIRES(mu_);
   /// One more owner of `gid` (created with none first), reviving a released pool once settled;
   /// throws invalid_argument, naming the call `what`, for one released and not yet settled.
-  /// REQUIRES: mu_.
-  graph_pool* add_owner_locked(graph_pool_id gid, const char* what);
-  graph_pool* capture_pool_locked(stream_handle stream, std::uint64_t key, capture_info cap);
-  [[nodiscard]] graph_pool* known_capture_locked(std::uint64_t key) const;  // REQUIRES: mu_
-  void update_blockers_locked();                                            // REQUIRES: mu_
+  graph_pool* add_owner_locked(graph_pool_id gid, const char* what) REQUIRES(mu_);
+  graph_pool* capture_pool_locked(stream_handle stream, std::uint64_t key, capture_info cap)
+      REQUIRES(mu_);
+  [[nodiscard]] graph_pool* known_capture_locked(std::uint64_t key) const REQUIRES(mu_);
+  void update_blockers_locked() REQUIRES(mu_);
 
   device_backend& streams_;
   pool_table& pools_;
-  mutable std::mutex mu_;
-  std::map<graph_pool_id, std::unique_ptr<graph_pool>> pools_by_id_;  // guarded by mu_
-  std::vector<graph_route> routes_;                                   // guarded by mu_
-  std::vector<detail::known_capture> captures_;                       // guarded by mu_
-  graph_pool sync_waiters_;  // blocks waiting for the next device synchronization; by mu_
+  mutable mutex mu_;
+  std::map<graph_pool_id, std::unique_ptr<graph_pool>> pools_by_id_ GUARDED_BY(mu_);
+  std::vector<graph_route> routes_ GUARDED_BY(mu_);
+  std::vector<detail::known_capture> captures_ GUARDED_BY(mu_);
+  graph_pool sync_waiters_ GUARDED_BY(mu_);   // blocks waiting for the next device synchronization
   std::atomic<std::uint32_t> routes_n_{0};    // routes_.size()
   std::atomic<std::uint32_t> captures_n_{0};  // captures_.size()
 };

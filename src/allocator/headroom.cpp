@@ -55,17 +55,21 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   const std::uint64_t key = pools.stream_key(stream);
   const std::uint32_t domain = cfg.expandable_segments ? detail::t_sleep_domain : 0;
   stream_pool* own_pool = &pools.pool_for(stream, key, domain);
-  detail::pool_table::all_locked all = pools.lock_all();
+  detail::pool_table::all_locked all(pools);
   while (own_pool->key != key) {
-    all = {};
+    all.unlock();
     own_pool = &pools.pool_for(stream, key, domain);
-    all = pools.lock_all();
+    all.lock();
   }
   stream_pool& own = *own_pool;
   // An allocation under a sleeping tag is refused: nothing would be served.
   if (own.domain != 0 && sleeper.asleep(own.domain)) return 0;
   // The ladder's first step, taken now: pending frees become free blocks (and may coalesce).
-  for (auto& q : pools) sync_pending(*q);
+  for (auto& q : pools) {
+    detail::pool_table::assert_locked(*q);
+    sync_pending(*q);
+  }
+  own.mu.assert_held();
   const bool blocked = sync_blocked();  // the ladder then releases nothing
   const std::size_t device_free = backend->mem_get_info().free_bytes;
   const std::size_t reserved_now = budget.reserved_bytes();
@@ -92,6 +96,7 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
     std::size_t releasable = 0;
     if (!blocked) {
       for (auto& q : pools) {
+        detail::pool_table::assert_locked(*q);
         for (segment* s = q->segments; s != nullptr; s = s->next) {
           if (ladder_may_release(*q, *s)) releasable += s->size;
         }
@@ -201,7 +206,8 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   detail::pool_table::locked_pool lp = pools.lock_pool_for(
       stream, pools.stream_key(stream), cfg.expandable_segments ? detail::t_sleep_domain : 0);
   stream_pool& p = *lp.pool;
-  std::unique_lock<detail::pool_mutex>& lk = lp.lock;
+  detail::pool_lock& lk = lp.lock;
+  p.mu.assert_held();  // lp.lock holds it (the analysis cannot follow a lock out of a call)
   refuse_if_asleep(p, nullptr, "reserve");
   if (!cfg.expandable_segments) {
     // One large-pool segment, through the path a request that misses the cache takes.
@@ -214,7 +220,7 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
         new_segment(p, pool_kind::large, seg) != nullptr) {
       return;
     }
-    lk.unlock();
+    lk.unlock(p.mu);
     if (seg == 0) {
       // Its rounding to a segment size would overflow: no device can hold it.
       throw out_of_memory(fmt::format(
@@ -256,7 +262,7 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
     if (mapped) return;
     pager->unmap_idle(p, /*release=*/true);
   }
-  lk.unlock();
+  lk.unlock(p.mu);
   if (want == 0) {
     throw out_of_memory(fmt::format(
         "cucache: reserve({} bytes) on device {} ({}): larger than the device ({} bytes)", bytes,

@@ -15,8 +15,9 @@ namespace cucache {
 
 std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const void* ptr) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   for (const auto& p : impl_->pools) {
+    detail::pool_table::assert_locked(*p);
     for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
       if (addr < s->base || addr >= s->base + s->size) continue;
       const detail::block* b = s->first;
@@ -25,6 +26,7 @@ std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const 
         return std::nullopt;
       }
       // A sleeping domain's block has no physical memory to export: say so (invalid_argument).
+      detail::pool_table::assert_locked(*p);
       impl_->refuse_if_asleep(*p, ptr, "ipc_get_handle");
       ipc_block out;
       out.size = b->size;
@@ -58,14 +60,16 @@ std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const 
 
 void device_allocator::note_ipc_export(const void* ptr) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   for (const auto& p : impl_->pools) {
+    detail::pool_table::assert_locked(*p);
     for (detail::segment* s = p->segments; s != nullptr; s = s->next) {
       if (addr < s->base || addr >= s->base + s->size) continue;
       detail::block* b = s->first;
       while (b != nullptr && b->addr + b->size <= addr) b = b->next;
       if (b == nullptr || b->addr != addr || b->state != detail::block_state::allocated) break;
       // A sleep between ipc_describe and here released the exported handles: refused.
+      detail::pool_table::assert_locked(*p);
       impl_->refuse_if_asleep(*p, ptr, "ipc_get_handle");
       b->exported = true;
       return;

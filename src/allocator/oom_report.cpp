@@ -15,8 +15,8 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
   budget.oom_count.fetch_add(1, std::memory_order_relaxed);
   device_stats s;
   {
-    std::lock_guard reader(stats_mu);
-    auto all = pools.lock_all();
+    detail::lock_guard reader(stats_mu);
+    detail::pool_table::all_locked all(pools);
     s = stats_locked();
   }
   std::string device_free = "unknown";
@@ -63,8 +63,9 @@ std::string device_allocator::impl::explain_bad_pointer(const void* ptr, const c
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::string why = "it was not allocated by cucache on this device";
   {
-    auto all = pools.lock_all();
+    detail::pool_table::all_locked all(pools);
     for (const auto& p : pools) {
+      detail::pool_table::assert_locked(*p);
       for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
         if (addr < s->base || addr >= s->base + s->size) continue;
         for (const detail::block* b = s->first; b != nullptr; b = b->next) {
@@ -96,8 +97,9 @@ void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what
 device_allocator::address_info device_allocator::locate(const void* ptr) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   address_info info;
-  auto all = impl_->pools.lock_all_to_read();
+  detail::pool_table::all_locked all(impl_->pools, detail::pool_table::purpose::read);
   for (const auto& p : impl_->pools) {
+    detail::pool_table::assert_locked(*p);
     for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
       if (addr < s->base || addr >= s->base + s->size) continue;
       info.in_segment = true;

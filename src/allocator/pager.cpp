@@ -181,8 +181,10 @@ CUCACHE_HOT void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first
     park(p, r, first, last + 1);
     return;
   }
-  r.for_each_mapped_run(first, last,
-                        [&](std::size_t a, std::size_t e) { idle_add(p, r, a, e); });
+  r.for_each_mapped_run(first, last, [&](std::size_t a, std::size_t e) {
+    p.mu.assert_held();  // a lambda: the caller's locks are not carried in
+    idle_add(p, r, a, e);
+  });
 }
 
 CUCACHE_HOT bool pager::take_parked(stream_pool& p, vm_range& r, std::size_t first,
@@ -330,12 +332,12 @@ void pager::keep_locked(phys_handle h, std::size_t bytes) {
 }
 
 void pager::keep(phys_handle h, std::size_t bytes) {
-  std::lock_guard lock(budget_.mu);
+  detail::lock_guard lock(budget_.mu);
   keep_locked(h, bytes);
 }
 
 void pager::release(phys_handle h, std::size_t bytes) {
-  std::lock_guard lock(budget_.mu);
+  detail::lock_guard lock(budget_.mu);
   try {
     timed(counters.vm_ns, [&] { backend_.phys_release(h); });
   } catch (...) {
@@ -348,7 +350,7 @@ void pager::release(phys_handle h, std::size_t bytes) {
 }
 
 void pager::release_unmapped(std::size_t target_reserved) {
-  std::lock_guard lock(budget_.mu);
+  detail::lock_guard lock(budget_.mu);
   while (budget_.reserved > target_reserved && !free_handles.empty()) {
     auto it = std::prev(free_handles.end());
     const std::size_t bytes = it->first;
@@ -544,7 +546,7 @@ void pager::revoke(stream_pool& p, vm_range& r, const std::vector<std::size_t>& 
 // --- physical-memory sources --------------------------------------------------------------------
 
 std::optional<pager::piece> pager::take_unmapped(std::size_t want) {
-  std::lock_guard lock(budget_.mu);
+  detail::lock_guard lock(budget_.mu);
   auto it = free_handles.upper_bound(want);
   if (it == free_handles.begin()) return std::nullopt;
   --it;
@@ -579,12 +581,12 @@ std::optional<pager::piece> pager::take_idle(stream_pool& p, std::size_t want) {
 }
 
 std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t want) {
-  std::shared_lock list(pools_mu_, std::try_to_lock);
-  if (!list.owns_lock()) return std::nullopt;
+  if (!pools_mu_.try_lock_shared()) return std::nullopt;
+  detail::shared_lock list(pools_mu_, std::adopt_lock);
   for (const auto& q : pools_) {
     if (q.get() == &p) continue;
-    std::unique_lock lk(q->mu, std::try_to_lock);
-    if (!lk.owns_lock()) continue;
+    if (!q->mu.try_lock()) continue;
+    pool_lock lk(q->mu, std::adopt_lock);
     table_.note_change(*q);  // its idle pages may go
     std::optional<piece> pc = take_oldest_idle(*q, want);
     if (!pc) continue;
@@ -595,7 +597,7 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
 }
 
 std::optional<pager::piece> pager::create(std::size_t bytes) {
-  std::lock_guard lock(budget_.mu);
+  detail::lock_guard lock(budget_.mu);
   if (budget_.limit != 0 && budget_.reserved + bytes > budget_.limit) return std::nullopt;
   std::optional<phys_handle> h = timed(counters.vm_ns, [&] { return backend_.phys_create(bytes); });
   if (!h) return std::nullopt;
@@ -624,7 +626,7 @@ bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
 }
 
 bool pager::over_caps(std::size_t bytes) {
-  std::lock_guard lock(budget_.mu);
+  detail::lock_guard lock(budget_.mu);
   return (budget_.limit != 0 && budget_.reserved + bytes > budget_.limit) ||
          (budget_.gc_bytes != 0 && budget_.reserved + bytes > budget_.gc_bytes);
 }
@@ -645,12 +647,12 @@ bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   while (release_oldest_idle(p)) {
     if (fits(bytes)) return true;
   }
-  std::shared_lock list(pools_mu_, std::try_to_lock);
-  if (!list.owns_lock()) return false;
+  if (!pools_mu_.try_lock_shared()) return false;
+  detail::shared_lock list(pools_mu_, std::adopt_lock);
   for (const auto& q : pools_) {
     if (q.get() == &p) continue;
-    std::unique_lock lk(q->mu, std::try_to_lock);
-    if (!lk.owns_lock()) continue;
+    if (!q->mu.try_lock()) continue;
+    pool_lock lk(q->mu, std::adopt_lock);
     table_.note_change(*q);  // its idle pages may go
     while (release_oldest_idle(*q)) {
       if (fits(bytes)) return true;
@@ -731,7 +733,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
       // but refuses nothing). When memory was plentiful, may_grow has just found room for all.
       std::size_t kept = 0;
       {
-        std::lock_guard lock(budget_.mu);
+        detail::lock_guard lock(budget_.mu);
         kept = page_handle_bytes_locked();
       }
       const std::size_t fresh = missing > kept ? missing - kept : 0;
@@ -739,7 +741,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
         (void)reclaim(p, fresh);
         bool room = false;
         {
-          std::lock_guard lock(budget_.mu);
+          detail::lock_guard lock(budget_.mu);
           room = budget_.limit == 0 || budget_.reserved + fresh <= budget_.limit;
         }
         if (!room || backend_.mem_get_info().free_bytes < fresh) return false;
@@ -850,7 +852,7 @@ std::size_t pager::evict(stream_pool& p, bool synchronize) {
 
 std::size_t pager::room_bytes() {
   const std::size_t device_free = backend_.mem_get_info().free_bytes;
-  std::lock_guard lock(budget_.mu);
+  detail::lock_guard lock(budget_.mu);
   std::size_t room = device_free;
   if (budget_.limit != 0) {
     room = std::min(room, budget_.limit > budget_.reserved ? budget_.limit - budget_.reserved : 0);
@@ -874,7 +876,7 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
   const std::size_t hi = kind == pool_kind::small ? k_small_request_max_bytes : ~std::size_t{0};
   std::size_t handles = 0;  // unmapped one-page handles
   {
-    std::lock_guard lock(budget_.mu);
+    detail::lock_guard lock(budget_.mu);
     handles = page_handle_bytes_locked() / page_bytes_;
   }
   std::size_t best = 0;

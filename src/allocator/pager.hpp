@@ -158,7 +158,7 @@ class pager {
   /// would touch part of an idle chunk first unmaps and releases it (after
   /// wait_until_unmappable); when it cannot (gate closed, a failed call), the chunk stays,
   /// straddled. Throws nothing that a VM call raised.
-  void touch(stream_pool& p, const block* b, int delta);
+  void touch(stream_pool& p, const block* b, int delta) REQUIRES(p.mu);
 
   /// Maps every page carved block b touches -- while memory is plentiful, runs of new pages that b
   /// covers whole in chunks of up to max_chunk_pages pages, else each page with a handle of its
@@ -169,7 +169,7 @@ class pager {
   /// A failed VM call throws and leaves no half-mapped block (what this call mapped is unmapped
   /// again) and no untracked handle. Inline when every page of b is mapped with access (a cache
   /// hit: no call).
-  [[nodiscard]] CUCACHE_HOT bool back(stream_pool& p, const block* b) {
+  [[nodiscard]] CUCACHE_HOT bool back(stream_pool& p, const block* b) REQUIRES(p.mu) {
     const vm_range& r = *b->seg->vm;
     if (r.no_access_pages == 0 &&
         r.all_mapped(r.page_of(b->addr), r.page_of(b->addr + b->size - 1))) [[likely]]
@@ -182,28 +182,30 @@ class pager {
   /// the idle mappings the ladder may unmap: impl::idle_bytes_of_every_pool, or 0 when it may
   /// not; max_allocatable and reserve, headroom.cpp).
   [[nodiscard]] std::size_t reclaimable_bytes(std::size_t idle) const {
-    std::lock_guard lock(budget_.mu);
+    detail::lock_guard lock(budget_.mu);
     return idle + free_handle_bytes;
   }
 
   /// The bytes of the unmapped one-page handles (those back() reuses; what every expandable
   /// pool's largest_cached_request depends on besides the pool).
   [[nodiscard]] std::size_t unmapped_page_handle_bytes() const {
-    std::lock_guard lock(budget_.mu);
+    detail::lock_guard lock(budget_.mu);
     return page_handle_bytes_locked();
   }
 
   /// The idle bytes of every pool, read without their locks (a snapshot, as any figure about
   /// other pools is once read). REQUIRES: the caller holds the pool table's list lock (lock_all).
-  [[nodiscard]] std::size_t idle_bytes_of_every_pool_locked() const noexcept {
+  /// Not analysed: it reads each pool's atomic idle_bytes without the pool's lock, by design, and
+  /// the caller's list lock is the table's mu_, which the analysis cannot match to pools_mu_.
+  [[nodiscard]] std::size_t idle_bytes_of_every_pool_locked() const noexcept
+      NO_THREAD_SAFETY_ANALYSIS {
     std::size_t n = 0;
     for (const auto& q : pools_) n += q->pages.idle_bytes;
     return n;
   }
-  /// The same, under the list lock taken here. REQUIRES: the caller holds no pool lock nor the
-  /// list lock.
-  [[nodiscard]] std::size_t idle_bytes_of_every_pool() const {
-    std::shared_lock list(pools_mu_);
+  /// The same, under the list lock taken here. The caller holds no pool lock nor the list lock.
+  [[nodiscard]] std::size_t idle_bytes_of_every_pool() const EXCLUDES(pools_mu_) {
+    detail::shared_lock list(pools_mu_);
     return idle_bytes_of_every_pool_locked();
   }
 
@@ -211,11 +213,11 @@ class pager {
   /// unmapped one-page handle, else a new one), idle until a block touches it. False when the
   /// device or the limit has no room (the pages mapped so far stay mapped, idle).
   [[nodiscard]] bool map_idle_pages(stream_pool& p, vm_range& r, std::uintptr_t addr,
-                                    std::size_t bytes);
+                                    std::size_t bytes) REQUIRES(p.mu);
 
   /// Unmaps every idle page of p, most recently idle first: handles go to the reusable list, or
   /// are released.
-  void unmap_idle(stream_pool& p, bool release);
+  void unmap_idle(stream_pool& p, bool release) REQUIRES(p.mu);
 
   /// Sleep (tag_sleeper.hpp, docs/design.md "Sleep and wake"): unmaps every mapping of p's
   /// ranges -- touched by blocks or idle -- and releases its handle to the device. The virtual
@@ -224,10 +226,10 @@ class pager {
   /// them again (wake). With `synchronize`, one device synchronization first (the pager's own,
   /// so it counts for every idle mapping); without, the caller guarantees that no work has used
   /// the pages since they were mapped (wake undoing its own mappings). Returns the bytes
-  /// released. REQUIRES: p locked; nothing allocates in or frees into p until back() has mapped
+  /// released. REQUIRES: nothing allocates in or frees into p until back() has mapped
   /// its live blocks again. A failed VM call throws; the page table is consistent either way:
   /// what was released is gone, the rest stays mapped and recorded.
-  std::size_t evict(stream_pool& p, bool synchronize);
+  std::size_t evict(stream_pool& p, bool synchronize) REQUIRES(p.mu);
   /// Bytes that back() could take for new pages right now without moving another pool's idle
   /// pages: the unmapped one-page handles plus what the memory limit and the device leave room
   /// for (the smaller of the two). Changes nothing.
@@ -238,9 +240,9 @@ class pager {
   /// The largest rounded request of pool kind `kind` that, placed in p's range as the allocator
   /// places it (best fit, at the front of the free block), back() serves with no new physical
   /// memory: every page it touches is mapped already, or backed by an unmapped handle
-  /// (docs/design.md, "Free memory"). 0 when none is. Changes nothing. REQUIRES: p locked.
+  /// (docs/design.md, "Free memory"). 0 when none is. Changes nothing.
   [[nodiscard]] std::size_t largest_cached_request(const stream_pool& p, pool_kind kind,
-                                                   const size_policy& policy) const;
+                                                   const size_policy& policy) const REQUIRES(p.mu);
 
   // Under the budget's mutex (read by stats and the invariant check).
   std::multimap<std::size_t, phys_handle> free_handles;  // unmapped handles by size
@@ -264,11 +266,11 @@ class pager {
   /// 2. p's least recently idle page that can be unmapped, unmapped where it sits (its data is
   /// dead). When it is a chunk's, the whole chunk is unmapped and released instead: a piece of 0
   /// bytes (room made, nothing to map).
-  std::optional<piece> take_idle(stream_pool& p, std::size_t want);
+  std::optional<piece> take_idle(stream_pool& p, std::size_t want) REQUIRES(p.mu);
   /// 3. The same from another pool (pools that are busy are skipped).
-  std::optional<piece> take_peer_idle(stream_pool& p, std::size_t want);
+  std::optional<piece> take_peer_idle(stream_pool& p, std::size_t want) REQUIRES(p.mu);
   /// take_idle's work on q (locked).
-  std::optional<piece> take_oldest_idle(stream_pool& q, std::size_t want);
+  std::optional<piece> take_oldest_idle(stream_pool& q, std::size_t want) REQUIRES(q.mu);
   /// 4. New physical memory; none above the memory limit or the device's capacity.
   std::optional<piece> create(std::size_t bytes);
 
@@ -276,10 +278,10 @@ class pager {
   /// recently idle first, page by page, until the device, the limit and the garbage-collection
   /// threshold have room. True when they have. (Unmapped handles are kept: back() takes them
   /// before it creates, so `bytes` is what they cannot back.)
-  bool reclaim(stream_pool& p, std::size_t bytes);
+  bool reclaim(stream_pool& p, std::size_t bytes) REQUIRES(p.mu);
   /// Memory is plentiful for `extra` more: the device, the limit and the garbage-collection
   /// threshold have room for it, so missing pages are created and idle pages stay mapped.
-  bool may_grow(stream_pool& p, std::size_t extra);
+  bool may_grow(stream_pool& p, std::size_t extra) REQUIRES(p.mu);
 
   /// Unmapping is not stream-ordered: work queued before a free may still use the page at its
   /// old address. The one wait that is always safe is the device's -- the pool's stream may have
@@ -297,13 +299,13 @@ class pager {
     vm_range* range;
     std::size_t page;
   };
-  std::optional<idle_page> oldest_unmappable(const stream_pool& q) const;
+  std::optional<idle_page> oldest_unmappable(const stream_pool& q) const REQUIRES(q.mu);
   /// The same, most recently idle first (the last page of the head run).
-  std::optional<idle_page> newest_unmappable(const stream_pool& q) const;
+  std::optional<idle_page> newest_unmappable(const stream_pool& q) const REQUIRES(q.mu);
   /// The idle chunks holding b's first or last page that b does not cover whole are unmapped and
   /// released (touch, before b's span leaves the idle runs).
   void convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std::size_t first,
-                          std::size_t last) noexcept;
+                          std::size_t last) noexcept REQUIRES(p.mu);
   struct span_state {
     std::size_t missing_bytes = 0;  // b's pages that no mapping backs
     bool needs_access = false;      // a mapped page of b's span without access (a failed undo)
@@ -312,50 +314,52 @@ class pager {
   span_state scan(const vm_range& r, const block* b) const;
   /// back() past its inline test: some page of b unmapped, or some mapped page of r without
   /// access.
-  bool back_slow(stream_pool& p, const block* b);
+  bool back_slow(stream_pool& p, const block* b) REQUIRES(p.mu);
   /// back() without the access grant: maps pieces over b's missing pages.
   bool back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t missing,
-                  std::vector<std::size_t>& batch);
+                  std::vector<std::size_t>& batch) REQUIRES(p.mu);
   /// cuMemSetAccess over each run of adjacent mapped pages without access in pages [first, last];
   /// on failure, revoke(batch) and rethrow.
   void grant_access(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
-                    const std::vector<std::size_t>& batch);
+                    const std::vector<std::size_t>& batch) REQUIRES(p.mu);
   /// Unmaps the pages of `batch` (mapped by this call in r) that have no access yet, keeping
   /// their handles.
-  void revoke(stream_pool& p, vm_range& r, const std::vector<std::size_t>& batch) noexcept;
+  void revoke(stream_pool& p, vm_range& r, const std::vector<std::size_t>& batch) noexcept
+      REQUIRES(p.mu);
 
   // --- the idle runs (docs/design.md, "The pager's page table") ---
   /// Pages [first, end) of r, all mapped and untouched, went idle now: a run at the head of p's
   /// idle list (joined to the head run when it continues it with the same epoch: the order of the
   /// pages is the same).
-  void idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end);
+  void idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) REQUIRES(p.mu);
   /// idle_add for the free of a block whose pages are all mapped: the pages become the pool's
   /// parked span (vm_range::parked_first) instead of a run, the span parked before is linked
   /// first (unpark) unless the new pages continue it.
-  void park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end);
+  void park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) REQUIRES(p.mu);
   /// Links p's parked span, if any, as the head run of its idle list (the idle list then holds
   /// every idle page of p). Changes nothing when it throws.
-  void unpark(stream_pool& p);
+  void unpark(stream_pool& p) REQUIRES(p.mu);
   /// Links [first, end) of r, of epoch `epoch`, as the head run of p's idle list (joined to the
   /// head run when it continues it with the same epoch). Counts no bytes.
   void link_run(stream_pool& p, vm_range& r, std::size_t first, std::size_t end,
-                std::uint64_t epoch);
+                std::uint64_t epoch) REQUIRES(p.mu);
   /// The mapped pages of [first, last] of r, untouched now, went idle: one run per run of mapped
   /// pages, in address order (one run when all are mapped, as on every free after back()).
-  void make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last);
+  void make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) REQUIRES(p.mu);
   /// Pages [first, last] of r are idle no more (touched, or unmapped): they leave the idle runs,
   /// which are trimmed or split in place (the rest keeps its order). O(log runs + runs removed).
-  void idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last);
+  void idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) REQUIRES(p.mu);
   /// idle_remove's case of a cache hit: [first, last] is the parked span or one end of it, and
   /// leaves it. False (nothing changed) otherwise.
-  bool take_parked(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) noexcept;
-  void list_unlink(stream_pool& p, idle_run* u) noexcept;
-  void add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept;
+  bool take_parked(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) noexcept
+      REQUIRES(p.mu);
+  void list_unlink(stream_pool& p, idle_run* u) noexcept REQUIRES(p.mu);
+  void add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept REQUIRES(p.mu);
 
   /// Unmaps the mapping holding page pg of r -- one page, or a whole chunk -- (every page of it
   /// idle, wait_until_unmappable done; or mapped by this call, no access; or evict) and returns
   /// its handle and bytes.
-  piece unmap(stream_pool& p, vm_range& r, std::size_t pg);
+  piece unmap(stream_pool& p, vm_range& r, std::size_t pg) REQUIRES(p.mu);
   /// An unmapped mapping's handle: kept for reuse when it is one page, else released.
   void keep_or_release(const piece& pc);
   /// What a new mapping's page is to the blocks: touched by the carved block being backed
@@ -364,16 +368,15 @@ class pager {
   /// Maps pc at page pg -- a chunk over pages [pg, pg + its pages) -- (no access yet) and adds
   /// its pages to `batch`.
   void map(stream_pool& p, vm_range& r, std::size_t pg, const piece& pc,
-           std::vector<std::size_t>& batch, mapping_use use = mapping_use::touched);
+           std::vector<std::size_t>& batch, mapping_use use = mapping_use::touched) REQUIRES(p.mu);
   void keep(phys_handle h, std::size_t bytes);
-  void keep_locked(phys_handle h, std::size_t bytes);  // REQUIRES budget.mu
+  void keep_locked(phys_handle h, std::size_t bytes) REQUIRES(budget_.mu);
   void release(phys_handle h, std::size_t bytes);
   /// Unmaps the least recently idle page of q that can be unmapped (oldest_unmappable) and
   /// releases its handle: a chunk's page releases the whole chunk. False when none can.
-  bool release_oldest_idle(stream_pool& q);
+  bool release_oldest_idle(stream_pool& q) REQUIRES(q.mu);
   /// Bytes of the one-page handles among the unmapped ones (the ones back() reuses).
-  /// REQUIRES budget.mu.
-  [[nodiscard]] std::size_t page_handle_bytes_locked() const {
+  [[nodiscard]] std::size_t page_handle_bytes_locked() const REQUIRES(budget_.mu) {
     return free_handles.count(page_bytes_) * page_bytes_;
   }
   /// Would `bytes` more pass the memory limit or the garbage-collection threshold?
@@ -388,7 +391,7 @@ class pager {
   // The pool table's list and its lock, for the walks over other pools that must not wait
   // (take_peer_idle, reclaim: try_lock only).
   pool_table& table_;  // note_change of a pool the pager locks (another pool's, by try_lock)
-  std::shared_mutex& pools_mu_;
+  shared_mutex& pools_mu_;
   const std::vector<std::unique_ptr<stream_pool>>& pools_;
   std::function<bool()> may_synchronize_ = [] { return true; };
   const std::atomic<allocation_observer*>* observer_ = nullptr;

@@ -11,20 +11,22 @@
 #include <atomic>
 #include <cstdint>
 
+#include "backend/thread_annotations.hpp"
+
 namespace cucache::detail {
 
 /// A futex mutex: 0 free, 1 held, 2 held and a waiter may sleep. Under contention it spins
 /// briefly -- critical sections are usually short -- and then sleeps in the kernel, because a
 /// holder may be inside a slow device call (cudaMalloc, the out-of-memory ladder's
-/// synchronizations) for milliseconds. Meets Lockable, so it works with std::unique_lock and
-/// std::lock_guard.
+/// synchronizations) for milliseconds. Meets Lockable; a capability for clang's thread-safety
+/// analysis, held through pool_lock (or lock_guard) so that the analysis sees it.
 ///
 /// Unlock is an atomic exchange, so a sleeper that announced itself (2) is always woken. A
 /// plain-store unlock would save ~15 ns per pair but can miss a sleeper that announces itself
 /// between the unlock's read and its store; we keep wake-ups exact instead.
-class pool_mutex {
+class CAPABILITY("mutex") pool_mutex {
  public:
-  void lock() noexcept {
+  void lock() noexcept ACQUIRE() {
     std::uint32_t expected = 0;
     if (state_.compare_exchange_strong(expected, 1, std::memory_order_acquire,
                                        std::memory_order_relaxed)) [[likely]] {
@@ -32,16 +34,20 @@ class pool_mutex {
     }
     lock_contended();
   }
-  bool try_lock() noexcept {
+  bool try_lock() noexcept TRY_ACQUIRE(true) {
     std::uint32_t expected = 0;
     return state_.compare_exchange_strong(expected, 1, std::memory_order_acquire,
                                           std::memory_order_relaxed);
   }
-  void unlock() noexcept {
+  void unlock() noexcept RELEASE() {
     if (state_.exchange(0, std::memory_order_release) == 2) [[unlikely]] {
       futex(FUTEX_WAKE_PRIVATE, 1, nullptr);
     }
   }
+
+  /// Tells the analysis that the caller holds this lock where it cannot see it (a pool found
+  /// through a lookup that locked it, a walk under pool_table::all_locked). Checks nothing.
+  void assert_held() const noexcept ASSERT_CAPABILITY(this) {}
 
  private:
   void lock_contended() noexcept {
@@ -70,5 +76,14 @@ class pool_mutex {
   static constexpr int k_spins = 128;
   std::atomic<std::uint32_t> state_{0};
 };
+
+/// The scoped lock of a pool (an annotated std::unique_lock).
+using pool_lock = unique_lock<pool_mutex>;
+
+/// The capability "every pool of the table locked", held while a pool_table::all_locked lives:
+/// no state, a name for the analysis. One for every table: the analysis cannot tell two
+/// allocators' tables apart, and no code holds two tables' locks at once.
+class CAPABILITY("every pool lock") every_pool_lock {};
+inline every_pool_lock every_pool;
 
 }  // namespace cucache::detail

@@ -23,12 +23,12 @@ stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t stream
   pool_cache_entry& c = t_pool_cache;
   stream_pool* p = nullptr;
   {
-    std::shared_lock lock(mu_);
+    detail::shared_lock lock(mu_);
     auto it = pool_by_stream_.find(key);
     if (it != pool_by_stream_.end()) p = it->second;
   }
   if (p == nullptr) {
-    std::unique_lock lock(mu_);
+    detail::unique_lock lock(mu_);
     auto it = pool_by_stream_.find(key);
     if (it != pool_by_stream_.end()) {
       p = it->second;
@@ -48,7 +48,7 @@ stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t stream
 
 void pool_table::queue_quiet(stream_pool& p) noexcept {
   if (p.queued) return;
-  std::lock_guard lock(quiet_mu_);
+  detail::lock_guard lock(quiet_mu_);
   try {
     (p.holds_no_memory() ? empty_ : quiet_).push_back(&p);
     p.queued = true;
@@ -57,7 +57,7 @@ void pool_table::queue_quiet(stream_pool& p) noexcept {
 }
 
 void pool_table::requeue(std::deque<stream_pool*>& q, stream_pool* d) noexcept {
-  std::lock_guard lock(quiet_mu_);
+  detail::lock_guard lock(quiet_mu_);
   try {
     q.push_back(d);
   } catch (...) {
@@ -86,7 +86,7 @@ pool_table::verdict pool_table::judge(stream_pool& d) const {
 
 stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key,
                                       std::uint32_t domain) {
-  // REQUIRES: mu_ exclusive. Pools with cached memory first (the new stream gets their cache),
+  // Pools with cached memory first (the new stream gets their cache),
   // then pools without. In each queue the oldest candidates first; one whose proof is not there
   // yet goes to the back, one that is no longer quiet (or whose event a later activity made
   // stale) leaves the queue until it is queued again.
@@ -94,7 +94,7 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key,
     std::deque<stream_pool*>& q = probe < k_adopt_probes ? quiet_ : empty_;
     stream_pool* d = nullptr;
     {
-      std::lock_guard lock(quiet_mu_);
+      detail::lock_guard lock(quiet_mu_);
       if (q.empty()) {
         if (probe < k_adopt_probes) {
           probe = k_adopt_probes - 1;  // on to the pools without memory
@@ -110,11 +110,11 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key,
       requeue(q, d);
       continue;
     }
-    std::unique_lock lk(d->mu, std::try_to_lock);  // never waits: d.mu comes after mu_ anyway
-    if (!lk.owns_lock()) {
+    if (!d->mu.try_lock()) {  // never waits: d.mu comes after mu_ anyway
       requeue(q, d);  // d.queued stays true
       continue;
     }
+    pool_lock lk(d->mu, std::adopt_lock);
     const verdict v = judge(*d);
     if (v == verdict::wait) {
       lk.unlock();
@@ -157,41 +157,58 @@ std::string pool_table::check_map() const {
 }
 
 stream_pool& pool_table::new_pool(stream_handle stream, std::uint64_t key, graph_pool* g) {
-  // REQUIRES: mu_ held exclusively.
   pools_.push_back(std::make_unique<stream_pool>(stream, key, pools_.size(), g));
   return *pools_.back();
 }
 
-pool_table::all_locked pool_table::lock_all_to_read() const {
-  all_locked a{std::shared_lock(mu_), {}};
-  a.locks.reserve(pools_.size());
-  for (const auto& p : pools_) a.locks.emplace_back(p->mu);
-  return a;
+pool_table::all_locked::all_locked(const pool_table& t, purpose why) : t_(t), why_(why) {
+  lock();
 }
 
-pool_table::all_locked pool_table::lock_all() const {
-  all_locked a = lock_all_to_read();
-  mark_all_stale();
-  return a;
+pool_table::all_locked::~all_locked() {
+  if (held_) unlock();
+}
+
+void pool_table::all_locked::lock() {
+  t_.mu_.lock_shared();
+  try {
+    locked_.reserve(t_.pools_.size());
+  } catch (...) {
+    t_.mu_.unlock_shared();
+    throw;
+  }
+  for (const auto& p : t_.pools_) {
+    p->mu.lock();
+    locked_.push_back(&p->mu);
+  }
+  held_ = true;
+  if (why_ == purpose::change) t_.mark_all_stale();
+}
+
+void pool_table::all_locked::unlock() {
+  for (auto it = locked_.rbegin(); it != locked_.rend(); ++it) (*it)->unlock();
+  locked_.clear();
+  t_.mu_.unlock_shared();
+  held_ = false;
 }
 
 void pool_table::mark_all_stale() const noexcept {
-  std::lock_guard lock(stale_mu_);
+  detail::lock_guard lock(stale_mu_);
   all_stale_.store(true, std::memory_order_relaxed);  // read under stale_mu_ by take_stale
   ++changes_;
 }
 
 bool pool_table::changed_since(std::uint64_t changes) const {
-  std::lock_guard lock(stale_mu_);
+  detail::lock_guard lock(stale_mu_);
   return changes_ != changes;
 }
 
 void pool_table::queue_stale(stream_pool& p) noexcept {
-  // REQUIRES: p.mu held, p.stats_stale false. Queue membership is stale_queued's, under
+  // REQUIRES: p.stats_stale false. Queue membership is stale_queued's, under
   // stale_mu_, apart from stats_stale (p.mu): a refresh that walks every pool clears stats_stale
   // of pools still queued.
   p.stats_stale = true;
-  std::lock_guard lock(stale_mu_);
+  detail::lock_guard lock(stale_mu_);
   ++changes_;  // before the change itself (the caller holds p.mu): a validated read sees it
   if (p.stale_queued) return;
   p.stale_queued = true;
@@ -201,7 +218,7 @@ void pool_table::queue_stale(stream_pool& p) noexcept {
 
 pool_table::stale_pools pool_table::take_stale() const {
   stale_pools out;
-  std::lock_guard lock(stale_mu_);
+  detail::lock_guard lock(stale_mu_);
   std::size_t n = 0;
   for (const stream_pool* p = stale_head_; p != nullptr; p = p->next_stale) ++n;
   out.pools.reserve(n);  // may throw: nothing taken yet

@@ -12,6 +12,9 @@
 // hand a pool to another stream). Pools are locked in creation order (`index`); lock_all takes
 // the list shared and every pool. A pool's contents are under its own mutex (stream_pool::mu),
 // never under mu_. `quiet_mu_` (a leaf) guards the queue of retirement candidates.
+// For clang's thread-safety analysis, "every pool locked" is the capability `every_pool`
+// (pool_mutex.hpp), held
+// while an all_locked lives (docs/decisions/thread_safety_annotations.md).
 #pragma once
 
 #include <atomic>
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "allocator/hot.hpp"
+#include "allocator/pool_mutex.hpp"
 #include "allocator/stream_pool.hpp"
 #include "cucache/backend.hpp"
 
@@ -116,21 +120,24 @@ class pool_table {
   stream_pool& pool_for_key(stream_handle stream, std::uint64_t key, std::uint32_t domain = 0);
   /// The pool of `stream`, locked. A pool found through the thread's cache may have been handed
   /// to another stream since (its key then differs, read under its lock): looked up again.
+  /// The analysis cannot follow the lock out of the call: the caller asserts it
+  /// (`lp.pool->mu.assert_held()`).
   struct locked_pool {
     stream_pool* pool;
-    std::unique_lock<pool_mutex> lock;
+    pool_lock lock;
   };
   [[nodiscard]] locked_pool lock_pool_for(stream_handle stream) {
     return lock_pool_for(stream, stream_key(stream));
   }
+  // Not analysed: the lock moves from pool to pool at run time (the analysis names one mutex).
   [[nodiscard]] locked_pool lock_pool_for(stream_handle stream, std::uint64_t key,
-                                          std::uint32_t domain = 0) {
+                                          std::uint32_t domain = 0) NO_THREAD_SAFETY_ANALYSIS {
     stream_pool* p = &pool_for(stream, key, domain);
-    std::unique_lock lk(p->mu);
+    pool_lock lk(p->mu);
     while (p->key != key) [[unlikely]] {
       lk.unlock();
       p = &pool_for_key(stream, key, domain);
-      lk = std::unique_lock(p->mu);
+      lk = pool_lock(p->mu);
     }
     note_change(*p);
     return {p, std::move(lk)};
@@ -140,8 +147,7 @@ class pool_table {
   /// p is locked for a change: its summary is stale, queued once for the ledger. Every path that
   /// locks a pool to change it calls this (lock_pool_for, the free, a graph pool's part, the
   /// pager's try_lock of a peer, a re-lock after unlocked_midway; lock_all marks every pool).
-  /// REQUIRES: p.mu held.
-  CUCACHE_HOT void note_change(stream_pool& p) noexcept {
+  CUCACHE_HOT void note_change(stream_pool& p) noexcept REQUIRES(p.mu) {
     if (!p.stats_stale) [[unlikely]]
       queue_stale(p);
   }
@@ -173,73 +179,91 @@ class pool_table {
   /// any pool is queued. Without it only pools that hold no device memory are retired.
   void set_event_backend(device_backend* events) noexcept { events_ = events; }
   /// Queues p (once) as a candidate for retirement: it went quiet with a quiet event recorded,
-  /// or holds no device memory. REQUIRES: p.mu held. Never throws (a pool not queued is only
-  /// kept longer).
-  void queue_quiet(stream_pool& p) noexcept;
+  /// or holds no device memory. Never throws (a pool not queued is only kept longer).
+  void queue_quiet(stream_pool& p) noexcept REQUIRES(p.mu);
   /// Candidates looked at per new pool in each queue (each: one try_lock, at most one event
   /// query).
   static constexpr int k_adopt_probes = 4;
   /// The map and the pools agree: every stream pool the map names has that key, is no graph
-  /// pool's part, and is named once. Returns what is wrong, or an empty string. REQUIRES: the
-  /// list held (lock_all) and every pool locked.
-  [[nodiscard]] std::string check_map() const;
+  /// pool's part, and is named once. Returns what is wrong, or an empty string.
+  [[nodiscard]] std::string check_map() const REQUIRES(every_pool) REQUIRES_SHARED(mu_);
   /// Pools handed from a retired stream to a new one, since the table was made (for tests).
   [[nodiscard]] std::uint64_t adoptions() const noexcept {
     return adoptions_.load(std::memory_order_relaxed);
   }
-  /// The list lock, exclusive: for new_pool.
-  [[nodiscard]] std::unique_lock<std::shared_mutex> lock_list() { return std::unique_lock(mu_); }
-  /// A new pool outside the map (a graph pool's part). REQUIRES: lock_list() held.
-  stream_pool& new_pool(stream_handle stream, std::uint64_t key, graph_pool* g);
+  /// The list lock, exclusive: for new_pool (`lock_guard list(table.list_mutex())`).
+  /// A new pool outside the map (a graph pool's part).
+  stream_pool& new_pool(stream_handle stream, std::uint64_t key, graph_pool* g) REQUIRES(mu_);
 
   // --- device-wide work -----------------------------------------------------------------------
-  /// All pools, locked in index order, for device-wide work.
-  struct all_locked {
-    std::shared_lock<std::shared_mutex> list;
-    std::vector<std::unique_lock<pool_mutex>> locks;
-  };
-  /// Every pool locked, for device-wide work that may change any of them: marks every pool's
-  /// summary stale.
-  [[nodiscard]] all_locked lock_all() const;
-  /// Every pool locked to read them only (the invariant check): marks nothing.
-  [[nodiscard]] all_locked lock_all_to_read() const;
+  /// Why every pool is locked: `change` (device-wide work that may change any pool) marks every
+  /// pool's summary stale; `read` (the invariant check) marks nothing.
+  enum class purpose : bool { change, read };
+  /// Every pool locked in index order, the list held shared, while it lives: the capability
+  /// `every_pool` for the analysis. unlock() and lock() let a caller wait without them. Not
+  /// analysed inside (it takes a run-time list of locks); its annotations say what it holds.
+  class SCOPED_CAPABILITY all_locked {
+   public:
+    explicit all_locked(const pool_table& t, purpose why = purpose::change) ACQUIRE(every_pool)
+        ACQUIRE_SHARED(t.mu_) NO_THREAD_SAFETY_ANALYSIS;
+    ~all_locked() RELEASE() NO_THREAD_SAFETY_ANALYSIS;
+    all_locked(const all_locked&) = delete;
+    all_locked& operator=(const all_locked&) = delete;
+    void lock() ACQUIRE() NO_THREAD_SAFETY_ANALYSIS;
+    void unlock() RELEASE() NO_THREAD_SAFETY_ANALYSIS;
 
-  /// Every pool in creation order. REQUIRES: the list held (lock_all, or shared).
-  [[nodiscard]] auto begin() const noexcept { return pools_.begin(); }
-  [[nodiscard]] auto end() const noexcept { return pools_.end(); }
-  [[nodiscard]] std::size_t size() const noexcept { return pools_.size(); }
-  /// For walks that must not wait (the pager's, under try_lock): the list lock and the list.
-  [[nodiscard]] std::shared_mutex& list_mutex() const noexcept { return mu_; }
-  [[nodiscard]] const std::vector<std::unique_ptr<stream_pool>>& list() const noexcept {
+   private:
+    const pool_table& t_;
+    const purpose why_;
+    bool held_ = false;
+    std::vector<pool_mutex*> locked_;
+  };
+  /// Pool p is locked: for a walk over the pools under every_pool.
+  static void assert_locked([[maybe_unused]] const stream_pool& p) noexcept
+      ASSERT_CAPABILITY(p.mu) {}
+
+  /// Every pool in creation order. REQUIRES: the list held (all_locked, or shared). Not
+  /// annotated: a range-for names its range by a variable of its own, which the analysis cannot
+  /// match to mu_.
+  [[nodiscard]] auto begin() const noexcept NO_THREAD_SAFETY_ANALYSIS { return pools_.begin(); }
+  [[nodiscard]] auto end() const noexcept NO_THREAD_SAFETY_ANALYSIS { return pools_.end(); }
+  [[nodiscard]] std::size_t size() const noexcept NO_THREAD_SAFETY_ANALYSIS {
+    return pools_.size();
+  }
+  /// For walks that must not wait (the pager's, under try_lock), and for new_pool: the list
+  /// lock and the list.
+  [[nodiscard]] shared_mutex& list_mutex() const noexcept RETURN_CAPABILITY(mu_) { return mu_; }
+  [[nodiscard]] const std::vector<std::unique_ptr<stream_pool>>& list() const noexcept
+      NO_THREAD_SAFETY_ANALYSIS {  // as begin(): the callers' locks are conditional or try_locks
     return pools_;
   }
 
  private:
   enum class verdict { retired, wait, stale };
-  /// Whether candidate d (locked) may be handed to another stream now. REQUIRES: d.mu held.
-  verdict judge(stream_pool& d) const;
-  /// A retired pool of sleep domain `domain` for (stream, key), or nullptr. REQUIRES: mu_
-  /// exclusive.
-  stream_pool* adopt_locked(stream_handle stream, std::uint64_t key, std::uint32_t domain);
+  /// Whether candidate d (locked) may be handed to another stream now.
+  verdict judge(stream_pool& d) const REQUIRES(d.mu);
+  /// A retired pool of sleep domain `domain` for (stream, key), or nullptr.
+  stream_pool* adopt_locked(stream_handle stream, std::uint64_t key, std::uint32_t domain)
+      REQUIRES(mu_);
   void requeue(std::deque<stream_pool*>& q, stream_pool* d) noexcept;
 
   device_backend& streams_;
   device_backend* events_ = nullptr;
   const std::uint64_t id_;  // unique per table, for the thread-local cache
-  mutable std::shared_mutex mu_;
-  std::vector<std::unique_ptr<stream_pool>> pools_;                 // guarded by mu_
-  std::unordered_map<std::uint64_t, stream_pool*> pool_by_stream_;  // guarded by mu_; by key
-  std::mutex quiet_mu_;                   // a leaf
-  // Guarded by quiet_mu_: the candidates for retirement, oldest first -- quiet pools that hold
-  // cached memory (proof: their quiet event), and pools that hold none (no proof needed).
-  std::deque<stream_pool*> quiet_;
-  std::deque<stream_pool*> empty_;
+  mutable shared_mutex mu_;
+  std::vector<std::unique_ptr<stream_pool>> pools_ GUARDED_BY(mu_);
+  std::unordered_map<std::uint64_t, stream_pool*> pool_by_stream_ GUARDED_BY(mu_);  // by key
+  mutex quiet_mu_;                                                                  // a leaf
+  // The candidates for retirement, oldest first -- quiet pools that hold cached memory (proof:
+  // their quiet event), and pools that hold none (no proof needed).
+  std::deque<stream_pool*> quiet_ GUARDED_BY(quiet_mu_);
+  std::deque<stream_pool*> empty_ GUARDED_BY(quiet_mu_);
   std::atomic<std::uint64_t> adoptions_{0};
-  void queue_stale(stream_pool& p) noexcept;
-  mutable std::mutex stale_mu_;          // a leaf
-  mutable stream_pool* stale_head_ = nullptr;  // guarded by stale_mu_
+  void queue_stale(stream_pool& p) noexcept REQUIRES(p.mu);
+  mutable mutex stale_mu_;  // a leaf
+  mutable stream_pool* stale_head_ GUARDED_BY(stale_mu_) = nullptr;
   mutable std::atomic<bool> all_stale_{false};  // lock_all ran since the last take_stale
-  mutable std::uint64_t changes_ = 0;  // guarded by stale_mu_: marks and lock_alls, ever
+  mutable std::uint64_t changes_ GUARDED_BY(stale_mu_) = 0;  // marks and lock_alls, ever
 };
 
 }  // namespace cucache::detail

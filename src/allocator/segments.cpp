@@ -17,10 +17,10 @@ block_view::state state_of(const detail::block& b) {
 }
 
 /// Every segment of every pool, by pool in creation order, each pool's newest first.
-/// REQUIRES: all pools locked.
-std::vector<segment_view> walk(const device_allocator::impl& m) {
+std::vector<segment_view> walk(const device_allocator::impl& m) REQUIRES(detail::every_pool) {
   std::vector<segment_view> out;
   for (const auto& p : m.pools) {
+    detail::pool_table::assert_locked(*p);
     for (const detail::segment* seg = p->segments; seg != nullptr; seg = seg->next) {
       segment_view v;
       v.id = seg->id;
@@ -57,8 +57,8 @@ std::vector<segment_view> walk(const device_allocator::impl& m) {
 }  // namespace
 
 memory_snapshot device_allocator::take_snapshot() const {
-  std::lock_guard reader(impl_->stats_mu);
-  auto all = impl_->pools.lock_all();
+  detail::lock_guard reader(impl_->stats_mu);
+  detail::pool_table::all_locked all(impl_->pools);
   memory_snapshot s;
   s.stats = impl_->stats_locked();
   s.segments = walk(*impl_);
@@ -68,7 +68,7 @@ memory_snapshot device_allocator::take_snapshot() const {
 std::vector<segment_view> device_allocator::segments() const {
   std::vector<segment_view> out;
   {
-    auto all = impl_->pools.lock_all();
+    detail::pool_table::all_locked all(impl_->pools);
     out = walk(*impl_);
   }
   std::sort(out.begin(), out.end(),

@@ -50,10 +50,11 @@ std::string bytes_text(std::size_t n) {
 
 namespace {
 
-// REQUIRES: every pool locked.
-domain_walk walk_domain(const detail::pool_table& pools, std::uint32_t domain) {
+domain_walk walk_domain(const detail::pool_table& pools, std::uint32_t domain)
+    REQUIRES(detail::every_pool) {
   domain_walk w;
   for (const auto& q : pools) {
+    detail::pool_table::assert_locked(*q);
     if (q->domain != domain || q->graph != nullptr) continue;
     w.pools.push_back(q.get());
     for (const segment* seg : q->pages.ranges) {
@@ -131,8 +132,8 @@ std::string asleep_block_text(const std::string& name, int device, const void* p
 
 void device_allocator::impl::refuse_if_asleep(const stream_pool& p, const void* ptr,
                                               const char* what) const {
-  // REQUIRES: p locked (the records are read under a pool lock: sleep and wake change them
-  // under every pool lock).
+  // p locked (annotated): the records are read under a pool lock, and sleep and wake change
+  // them under every pool lock.
   if (p.domain == 0 || !sleeper.asleep(p.domain)) return;
   const auto& records = sleeper.records();
   const auto it = records.find(p.domain);
@@ -150,7 +151,7 @@ void device_allocator::impl::refuse_asleep_block(std::uint32_t d, const void* pt
                                                  const char* what) {
   std::string label;
   {
-    auto all = pools.lock_all();
+    detail::pool_table::all_locked all(pools);
     const auto& records = sleeper.records();
     if (const auto it = records.find(d); it != records.end()) label = it->second.label;
   }
@@ -158,10 +159,10 @@ void device_allocator::impl::refuse_asleep_block(std::uint32_t d, const void* pt
 }
 
 namespace {
-/// The first live block of `pools` exported to another process, or nullptr. REQUIRES: every pool
-/// locked.
-const block* exported_block(const std::vector<stream_pool*>& pools) {
+/// The first live block of `pools` exported to another process, or nullptr.
+const block* exported_block(const std::vector<stream_pool*>& pools) REQUIRES(detail::every_pool) {
   for (const stream_pool* q : pools) {
+    detail::pool_table::assert_locked(*q);
     for (const segment* seg : q->pages.ranges) {
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         if (b->state == block_state::allocated && b->exported) return b;
@@ -199,7 +200,7 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
                                  name, raw->device()));
   }
   check_domain(domain, "sleep");
-  auto all = pools.lock_all();
+  detail::pool_table::all_locked all(pools);
   if (sleeper.asleep(domain)) {
     throw invalid_argument(fmt::format(
         "cucache: sleep: {} on device {} is asleep already (wake it first); nothing changed", name,
@@ -210,6 +211,7 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
     // Under every pool lock: no allocation or free of the domain is half done in its pools.
     std::int64_t placed = 0;
     for (const auto& q : pools) {
+      detail::pool_table::assert_locked(*q);
       if (q->domain == domain && q->graph == nullptr) placed += q->stats.requested_bytes[0].current;
     }
     check(static_cast<std::size_t>(placed));
@@ -228,8 +230,12 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
   // Work still queued on the domain's memory is waited for, not refused: unmapping must wait for
   // it anyway (the pager never unmaps before a device synchronization), and the allocator cannot
   // see a block's use on its own stream. Pending frees (used on other streams) complete first.
-  for (stream_pool* q : w.pools) sync_pending(*q);
   for (stream_pool* q : w.pools) {
+    detail::pool_table::assert_locked(*q);
+    sync_pending(*q);
+  }
+  for (stream_pool* q : w.pools) {
+    detail::pool_table::assert_locked(*q);
     if (q->retained != 0 || !q->pending.empty()) {
       throw invalid_argument(fmt::format(
           "cucache: sleep: {} on device {} has {} freed block(s) held for a CUDA graph that may "
@@ -297,6 +303,7 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
   try {
     bool first = true;
     for (stream_pool* q : w.pools) {
+      detail::pool_table::assert_locked(*q);
       released += pager->evict(*q, /*synchronize=*/first);
       first = false;
     }
@@ -314,13 +321,14 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
                                              detail::tag_sleeper::record& rec,
                                              const std::string& name, const std::string& why,
                                              int code) {
-  // REQUIRES: every pool locked; the domain awake, its record reserved; sleep's evict failed
+  // REQUIRES: the domain awake, its record reserved; sleep's evict failed
   // part way. Maps every page of the domain's live blocks again and copies the kept bytes back:
   // the domain stays awake. If that fails too, the rest is released instead and the domain
   // sleeps (wake maps what is missing). Throws cuda_error(code) either way.
   std::string rollback_failure;
   try {
     for (stream_pool* q : domain_pools) {
+      detail::pool_table::assert_locked(*q);
       for (segment* seg : q->pages.ranges) {
         for (block* b = seg->first; b != nullptr; b = b->next) {
           if (b->state == block_state::free) continue;
@@ -360,6 +368,7 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
   bool first = true;
   for (stream_pool* q : domain_pools) {
     try {
+      detail::pool_table::assert_locked(*q);
       rec.released_bytes += pager->evict(*q, /*synchronize=*/first);
     } catch (...) {
       if (finish_failure.empty()) finish_failure = current_error().first;
@@ -379,7 +388,7 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
 
 void device_allocator::impl::wake(std::uint32_t domain, const std::string& label) {
   check_domain(domain, "wake");
-  auto all = pools.lock_all();
+  detail::pool_table::all_locked all(pools);
   if (!sleeper.asleep(domain)) {
     throw invalid_argument(fmt::format("cucache: wake: {} on device {} is not asleep; nothing "
                                        "changed",
@@ -393,6 +402,7 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
   // device failure stopped sleep part way).
   std::size_t missing_pages = 0;
   for (stream_pool* q : w.pools) {
+    detail::pool_table::assert_locked(*q);
     for (const segment* seg : q->pages.ranges) {
       const detail::vm_range& r = *seg->vm;
       bool counted_any = false;
@@ -417,11 +427,15 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
     // As the out-of-memory ladder: the stream-ordered frees whose work is still queued hold
     // room an allocation would get by waiting; their blocks become free (their pages idle,
     // given back below), and released graph pools settle.
-    for (const auto& q : pools) sync_pending(*q);
+    for (const auto& q : pools) {
+      detail::pool_table::assert_locked(*q);
+      sync_pending(*q);
+    }
     settle_graph_pools();
     room = pager->room_bytes();
   }
   for (const auto& q : pools) {
+    detail::pool_table::assert_locked(*q);
     if (room >= needed) break;
     if (q->domain == domain || !q->pages.has_idle()) continue;
     pager->unmap_idle(*q, /*release=*/true);
@@ -444,6 +458,7 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
     bool first = synchronize;
     for (stream_pool* q : w.pools) {
       try {
+        detail::pool_table::assert_locked(*q);
         pager->evict(*q, first);
       } catch (...) {
       }
@@ -456,6 +471,7 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
   };
   try {
     for (stream_pool* q : w.pools) {
+      detail::pool_table::assert_locked(*q);
       for (segment* seg : q->pages.ranges) {
         for (block* b = seg->first; b != nullptr; b = b->next) {
           if (b->state == block_state::free) continue;
@@ -502,7 +518,7 @@ void device_allocator::wake(std::uint32_t domain, std::string_view label) {
   impl_->wake(domain, std::string(label));
 }
 std::vector<device_allocator::sleep_state> device_allocator::sleeping() const {
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   std::vector<sleep_state> out;
   for (const auto& [domain, r] : impl_->sleeper.records()) {
     out.push_back({domain, r.sleeping_bytes, r.host_bytes, r.copy_seconds});
@@ -510,14 +526,13 @@ std::vector<device_allocator::sleep_state> device_allocator::sleeping() const {
   return out;
 }
 double device_allocator::last_wake_copy_seconds(std::uint32_t domain) const {
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   const auto& m = impl_->sleeper.last_copy_in();
   const auto it = m.find(domain);
   return it != m.end() ? it->second : 0.0;
 }
 
 void device_allocator::impl::free_spare_host_buffers() noexcept {
-  // REQUIRES: every pool locked.
   for (const auto& [domain, sp] : sleeper.spares()) {
     try {
       backend->host_free_pinned(sp.host);
@@ -529,15 +544,16 @@ void device_allocator::impl::free_spare_host_buffers() noexcept {
 
 bool device_allocator::is_asleep(std::uint32_t domain) const {
   if (domain == 0 || domain > detail::k_max_sleep_domain) return false;
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   return impl_->sleeper.asleep(domain);
 }
 
 std::size_t device_allocator::domain_requested_bytes(std::uint32_t domain) const {
   if (domain == 0) return 0;
-  auto all = impl_->pools.lock_all();
+  detail::pool_table::all_locked all(impl_->pools);
   std::int64_t n = 0;
   for (const auto& q : impl_->pools) {
+    detail::pool_table::assert_locked(*q);
     if (q->domain == domain && q->graph == nullptr) n += q->stats.requested_bytes[0].current;
   }
   return static_cast<std::size_t>(n);

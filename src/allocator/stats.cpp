@@ -29,7 +29,6 @@ stat_array copy_of(const detail::counter_array& from) {
 }  // namespace
 
 detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) const {
-  // REQUIRES: p.mu held.
   detail::pool_summary out;
   device_stats& s = out.part;
   const auto& ps = p.stats;
@@ -72,10 +71,9 @@ detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) con
 }
 
 void device_allocator::impl::resummarize(stream_pool& p) const {
-  // REQUIRES: p.mu held.
   detail::pool_summary now = summarize(p);
   {
-    std::lock_guard lock(ledger.mu);
+    detail::lock_guard lock(ledger.mu);
     ledger.replace(p.summary, now);
   }
   p.summary = std::move(now);
@@ -83,14 +81,14 @@ void device_allocator::impl::resummarize(stream_pool& p) const {
 }
 
 std::uint64_t device_allocator::impl::refresh_stats(bool all_locked, std::size_t handles) const {
-  // REQUIRES: stats_mu held. The pools marked stale since the last refresh are summarized again,
+  // The pools marked stale since the last refresh are summarized again,
   // each under its own lock (or the caller's lock_all); every pool when lock_all ran meanwhile
   // or, in expandable mode, the unmapped one-page handles (`handles`, read by the caller) differ
   // from those the ledger last saw (every expandable pool's largest request depends on them).
   detail::pool_table::stale_pools stale = pools.take_stale();
   bool every = stale.all;
   {
-    std::lock_guard lock(ledger.mu);
+    detail::lock_guard lock(ledger.mu);
     if (ledger.handles_seen != handles) {
       every = true;
       ledger.handles_seen = handles;
@@ -98,15 +96,17 @@ std::uint64_t device_allocator::impl::refresh_stats(bool all_locked, std::size_t
   }
   const auto one = [&](stream_pool& p) {
     if (all_locked) {
+      detail::pool_table::assert_locked(p);
       resummarize(p);
     } else {
-      std::lock_guard lk(p.mu);
+      detail::lock_guard lk(p.mu);
       resummarize(p);
     }
   };
   try {
     if (every) {
-      std::shared_lock<std::shared_mutex> list;
+      // Taken on one branch: a std lock, which the analysis does not follow.
+      std::shared_lock<detail::shared_mutex> list;
       if (!all_locked) list = std::shared_lock(pools.list_mutex());
       for (const auto& p : pools.list()) one(*p);
     } else {
@@ -127,7 +127,7 @@ device_stats device_allocator::impl::compose_stats(bool all_locked,
   std::size_t largest = 0;
   std::size_t asleep_active = 0;
   {
-    std::lock_guard lock(ledger.mu);
+    detail::lock_guard lock(ledger.mu);
     totals = ledger.totals;
     largest = ledger.largest_request();
     asleep_active = ledger.asleep_active;
@@ -147,7 +147,7 @@ device_stats device_allocator::impl::compose_stats_from(const device_stats& tota
   }
   std::size_t reserved = 0;
   {
-    std::lock_guard lock(budget.mu);
+    detail::lock_guard lock(budget.mu);
     // The device-wide reservation is exact, peak included: it changes only under the budget's
     // lock.
     reserved = budget.reserved_bytes_locked();
@@ -186,7 +186,7 @@ device_stats device_allocator::impl::compose_stats_from(const device_stats& tota
   if (sleeper.any() || all_locked) {
     // The records change only under every pool lock, which lock_all takes with the pool list
     // shared: the list held exclusively keeps them still as well (and never waits for a pool).
-    std::unique_lock<std::shared_mutex> list;
+    std::unique_lock<detail::shared_mutex> list;  // on one branch: not followed by the analysis
     if (!all_locked) list = std::unique_lock(pools.list_mutex());
     for (const auto& [domain, r] : sleeper.records()) {
       s.sleeping_bytes += r.sleeping_bytes;
@@ -225,11 +225,11 @@ device_stats device_allocator::impl::stats_unlocked() const {
   // this read. A try that fails (a writer marked a pool meanwhile) is repeated; after
   // k_optimistic_reads the read is taken with every pool locked, which is exact.
   constexpr int k_optimistic_reads = 3;
-  std::lock_guard reader(stats_mu);
+  detail::lock_guard reader(stats_mu);
   for (int attempt = 0; attempt < k_optimistic_reads; ++attempt) {
     std::uint64_t budget_before = 0;
     {
-      std::lock_guard lock(budget.mu);
+      detail::lock_guard lock(budget.mu);
       budget_before = budget.changes_locked();
     }
     const std::size_t handles = pager ? pager->unmapped_page_handle_bytes() : 0;
@@ -238,7 +238,8 @@ device_stats device_allocator::impl::stats_unlocked() const {
     device_stats s = compose_stats(/*all_locked=*/false, &budget_after);
     if (budget_after == budget_before && !pools.changed_since(marks)) return s;
   }
-  auto all = pools.lock_all_to_read();  // nothing changes while every pool is locked
+  // Nothing changes while every pool is locked.
+  detail::pool_table::all_locked all(pools, detail::pool_table::purpose::read);
   return stats_locked();
 }
 
@@ -246,7 +247,7 @@ std::size_t device_allocator::impl::largest_cached_request(const stream_pool& p)
   // The largest request p serves with no device allocation (docs/design.md, "Free memory").
   // Default mode, and graph pools in every mode: the block find_free() picks, under the
   // max_split_size rules; small requests stop at 1 MiB. Expandable mode: the pager's dry run of
-  // its placement. REQUIRES: p.mu held.
+  // its placement.
   std::size_t best = 0;
   for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
     if (cfg.expandable_segments && p.graph == nullptr) {
@@ -255,6 +256,7 @@ std::size_t device_allocator::impl::largest_cached_request(const stream_pool& p)
     }
     const bool small = kind == pool_kind::small;
     p.index_of(kind).for_each([&](const detail::block* b) {
+      p.mu.assert_held();  // a lambda: the analysis does not carry the caller's locks into it
       const std::size_t r = policy.largest_rounded_within(
           small ? std::min(b->size, detail::k_small_request_max_bytes) : b->size);
       if (r <= best || (!small && r <= detail::k_small_request_max_bytes)) return;
@@ -395,14 +397,20 @@ std::string violated_stats_relation(const device_stats& s, bool expandable_segme
 }
 
 void device_allocator::reset_peak_stats() {
-  auto all = impl_->pools.lock_all();
-  for (auto& p : impl_->pools) p->stats.reset_peaks();
+  detail::pool_table::all_locked all(impl_->pools);
+  for (auto& p : impl_->pools) {
+    detail::pool_table::assert_locked(*p);
+    p->stats.reset_peaks();
+  }
   impl_->budget.reset_peak();
 }
 
 void device_allocator::reset_accumulated_stats() {
-  auto all = impl_->pools.lock_all();
-  for (auto& p : impl_->pools) p->stats.reset_totals();
+  detail::pool_table::all_locked all(impl_->pools);
+  for (auto& p : impl_->pools) {
+    detail::pool_table::assert_locked(*p);
+    p->stats.reset_totals();
+  }
   impl_->budget.reset_counters();
   if (impl_->pager) impl_->pager->counters.reset();
 }

@@ -22,6 +22,7 @@
 #include <map>
 #include <mutex>
 
+#include "backend/thread_annotations.hpp"
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {
@@ -77,9 +78,9 @@ inline bool same_fields(const device_stats& a, const device_stats& b) noexcept {
 
 class stats_ledger {
  public:
-  /// Replaces the summary `old` of a pool by `now` in the totals. REQUIRES: mu held.
+  /// Replaces the summary `old` of a pool by `now` in the totals.
   /// Throws only before it changes anything (no memory for a new entry of `largest`).
-  void replace(const pool_summary& old, const pool_summary& now) {
+  void replace(const pool_summary& old, const pool_summary& now) REQUIRES(mu) {
     if (now.largest != 0) ++largest[now.largest];
     if (old.largest != 0) {
       if (auto it = largest.find(old.largest); it != largest.end() && --it->second == 0) {
@@ -91,17 +92,18 @@ class stats_ledger {
     asleep_active += now.asleep_active;
     asleep_active -= old.asleep_active;
   }
-  /// The largest request any pool's cached memory serves. REQUIRES: mu held.
-  [[nodiscard]] std::size_t largest_request() const noexcept {
+  /// The largest request any pool's cached memory serves.
+  [[nodiscard]] std::size_t largest_request() const noexcept REQUIRES(mu) {
     return largest.empty() ? 0 : largest.rbegin()->first;
   }
 
-  mutable std::mutex mu;
-  device_stats totals;                      // the sum of the pools' summaries
-  std::size_t asleep_active = 0;            // the sum of their asleep_active
-  std::map<std::size_t, std::size_t> largest;  // largest request -> pools with it (nonzero only)
+  mutable mutex mu;
+  device_stats totals GUARDED_BY(mu);            // the sum of the pools' summaries
+  std::size_t asleep_active GUARDED_BY(mu) = 0;  // the sum of their asleep_active
+  // largest request -> pools with it (nonzero only)
+  std::map<std::size_t, std::size_t> largest GUARDED_BY(mu);
   /// The unmapped one-page handles' bytes when every pool was last summarized (expandable mode).
-  std::size_t handles_seen = 0;
+  std::size_t handles_seen GUARDED_BY(mu) = 0;
 };
 
 }  // namespace cucache::detail

@@ -45,26 +45,26 @@ class stream_pool {
   /// ranges of its own, so that no page of it is shared with another tag's or untagged blocks.
   const std::uint32_t domain;
   /// Blocks of this pool held pending by graph pools (each also counts in uses->pending_events).
-  std::size_t retained = 0;
+  std::size_t retained GUARDED_BY(mu) = 0;
   alignas(64) pool_mutex mu;
-  free_index free[2];           // [pool_kind]
-  segment* segments = nullptr;  // doubly linked, newest first
-  pending_frees pending;        // freed blocks waiting on events
-  pool_stats stats;
-  std::uint64_t tick = 0;  // free order, for garbage collection
-  object_arena<block>
-      block_arena;  // storage of this pool's blocks (the pointer map is impl::blocks)
-  object_arena<segment> segment_arena;
+  free_index free[2] GUARDED_BY(mu);           // [pool_kind]
+  segment* segments GUARDED_BY(mu) = nullptr;  // doubly linked, newest first
+  pending_frees pending GUARDED_BY(mu);        // freed blocks waiting on events
+  pool_stats stats GUARDED_BY(mu);
+  std::uint64_t tick GUARDED_BY(mu) = 0;  // free order, for garbage collection
+  // storage of this pool's blocks (the pointer map is impl::blocks)
+  object_arena<block> block_arena GUARDED_BY(mu);
+  object_arena<segment> segment_arena GUARDED_BY(mu);
 
   /// Expandable segments: the pager's state for this pool (its ranges, idle mappings).
-  pool_pages pages;
+  pool_pages pages GUARDED_BY(mu);
 
   // --- statistics (stats_ledger.hpp), under mu ------------------------------------------------
   /// The pool's share of the device-wide statistics, as last summarized.
-  pool_summary summary;
+  pool_summary summary GUARDED_BY(mu);
   /// Locked for a change since `summary` was taken: queued in the pool table for the ledger
   /// (pool_table::note_change).
-  bool stats_stale = false;
+  bool stats_stale GUARDED_BY(mu) = false;
   // The pool table's queue of stale pools, under its stale_mu_ (not mu).
   bool stale_queued = false;
   stream_pool* next_stale = nullptr;
@@ -73,31 +73,34 @@ class stream_pool {
   static constexpr std::uint64_t k_never = ~std::uint64_t{0};
   /// Recorded on `stream` while the program named it in a call (an ordered free on it that left
   /// the pool quiet); nullptr until first needed, then kept for the pool's life.
-  event_handle quiet_event = nullptr;
+  event_handle quiet_event GUARDED_BY(mu) = nullptr;
   /// `tick` when quiet_event was last recorded with the pool quiet: while tick still equals it,
   /// nothing was allocated or freed since, so the event's completion proves that every use of
   /// the pool's blocks on its stream has completed.
-  std::uint64_t quiet_tick = k_never;
-  std::uint64_t quiet_frees = 0;  // ordered frees that left the pool quiet (the record's rate)
-  bool queued = false;            // in the pool table's queue of retirement candidates
+  std::uint64_t quiet_tick GUARDED_BY(mu) = k_never;
+  std::uint64_t quiet_frees GUARDED_BY(mu) =
+      0;                               // ordered frees that left the pool quiet (the record's rate)
+  bool queued GUARDED_BY(mu) = false;  // in the pool table's queue of retirement candidates
   /// Allocations on this pool that unlocked it midway (the ladder, garbage collection) and will
   /// lock it again to go on: while any is, the pool is not quiet, so it keeps its stream.
-  std::uint32_t unlocked_allocations = 0;
+  std::uint32_t unlocked_allocations GUARDED_BY(mu) = 0;
 
   /// No block of the pool is allocated, pending or held for a graph, and it is a stream's own
   /// pool: its cached memory is all free, and it may be retired once its stream's work on it is
   /// proven complete.
-  [[nodiscard]] bool quiet() const noexcept {
+  [[nodiscard]] bool quiet() const noexcept REQUIRES(mu) {
     return graph == nullptr && stats.allocation_count[0].current == 0 &&
            stats.pending_count[0].current == 0 && retained == 0 && unlocked_allocations == 0;
   }
   /// The pool holds no device memory (no segment; in expandable mode, no mapped page).
-  [[nodiscard]] bool holds_no_memory() const noexcept {
+  [[nodiscard]] bool holds_no_memory() const noexcept REQUIRES(mu) {
     return stats.reserved_bytes[0].current == 0;
   }
 
-  free_index& index_of(pool_kind k) noexcept { return free[static_cast<int>(k)]; }
-  const free_index& index_of(pool_kind k) const noexcept { return free[static_cast<int>(k)]; }
+  free_index& index_of(pool_kind k) noexcept REQUIRES(mu) { return free[static_cast<int>(k)]; }
+  const free_index& index_of(pool_kind k) const noexcept REQUIRES(mu) {
+    return free[static_cast<int>(k)];
+  }
 };
 
 }  // namespace cucache::detail

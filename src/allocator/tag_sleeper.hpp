@@ -12,7 +12,8 @@
 // Locking: the asleep bits change only while every pool lock is held (impl::sleep / wake take
 // lock_all) and are read under the reader's pool lock (allocate, free) or under lock_all
 // (stats, the invariant check), so a reader sees a domain either wholly asleep or wholly awake.
-// The records are guarded by the same rule (every pool lock), and read under it.
+// The records are guarded by the same rule: written under every pool lock (annotated:
+// REQUIRES(every_pool), pool_mutex.hpp), read under any one pool lock.
 #pragma once
 
 #include <array>
@@ -22,6 +23,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "allocator/pool_mutex.hpp"
 
 namespace cucache::detail {
 
@@ -68,41 +71,45 @@ class tag_sleeper {
   [[nodiscard]] bool any() const noexcept { return count_.load(std::memory_order_relaxed) != 0; }
 
   /// Makes room for d's record before anything of d is released, so that put_to_sleep cannot
-  /// fail. REQUIRES: every pool lock held; d awake.
-  void reserve_record(std::uint32_t d) { records_.try_emplace(d); }
-  /// Drops a record reserved for a sleep that did not happen. REQUIRES: every pool lock held; d
-  /// awake.
-  void drop_record(std::uint32_t d) noexcept { records_.erase(d); }
-  /// Marks d asleep with `r` (into its reserved record, if any). REQUIRES: every pool lock held;
-  /// d awake.
-  void put_to_sleep(std::uint32_t d, record r) {
+  /// fail. REQUIRES: d awake.
+  void reserve_record(std::uint32_t d) REQUIRES(every_pool) { records_.try_emplace(d); }
+  /// Drops a record reserved for a sleep that did not happen. REQUIRES: d awake.
+  void drop_record(std::uint32_t d) noexcept REQUIRES(every_pool) { records_.erase(d); }
+  /// Marks d asleep with `r` (into its reserved record, if any). REQUIRES: d awake.
+  void put_to_sleep(std::uint32_t d, record r) REQUIRES(every_pool) {
     records_[d] = std::move(r);
     bits_[d / 64].fetch_or(std::uint64_t{1} << (d % 64), std::memory_order_relaxed);
     count_.fetch_add(1, std::memory_order_relaxed);
   }
-  /// d's record. REQUIRES: every pool lock held; d asleep.
-  [[nodiscard]] record& of(std::uint32_t d) { return records_.at(d); }
-  /// Marks d awake and drops its record. REQUIRES: every pool lock held; d asleep.
-  void wake_up(std::uint32_t d) {
+  /// d's record. REQUIRES: d asleep.
+  [[nodiscard]] record& of(std::uint32_t d) REQUIRES(every_pool) { return records_.at(d); }
+  /// Marks d awake and drops its record. REQUIRES: d asleep.
+  void wake_up(std::uint32_t d) REQUIRES(every_pool) {
     records_.erase(d);
     bits_[d / 64].fetch_and(~(std::uint64_t{1} << (d % 64)), std::memory_order_relaxed);
     count_.fetch_sub(1, std::memory_order_relaxed);
   }
-  /// Every sleeping domain and its record, by domain. REQUIRES: every pool lock held.
-  [[nodiscard]] const std::map<std::uint32_t, record>& records() const noexcept {
+  /// Every sleeping domain and its record, by domain. Read under any one pool lock (writers hold
+  /// every one): not analysed, as the analysis has no "any of these locks" rule.
+  [[nodiscard]] const std::map<std::uint32_t, record>& records() const noexcept
+      NO_THREAD_SAFETY_ANALYSIS {
     return records_;
   }
-  /// The spare host buffers, by domain. REQUIRES: every pool lock held.
-  [[nodiscard]] std::map<std::uint32_t, spare_buffer>& spares() noexcept { return spares_; }
+  /// The spare host buffers, by domain.
+  [[nodiscard]] std::map<std::uint32_t, spare_buffer>& spares() noexcept REQUIRES(every_pool) {
+    return spares_;
+  }
   /// Seconds of the last wake's host-to-device copies (and their synchronization), by domain.
-  [[nodiscard]] std::map<std::uint32_t, double>& last_copy_in() noexcept { return copy_in_; }
+  [[nodiscard]] std::map<std::uint32_t, double>& last_copy_in() noexcept REQUIRES(every_pool) {
+    return copy_in_;
+  }
 
  private:
   std::array<std::atomic<std::uint64_t>, (k_max_sleep_domain + 1) / 64> bits_{};
   std::atomic<std::size_t> count_{0};
-  std::map<std::uint32_t, record> records_;         // guarded by every pool lock (see above)
-  std::map<std::uint32_t, spare_buffer> spares_;    // the same
-  std::map<std::uint32_t, double> copy_in_;         // the same
+  std::map<std::uint32_t, record> records_ GUARDED_BY(every_pool);  // (see above)
+  std::map<std::uint32_t, spare_buffer> spares_ GUARDED_BY(every_pool);
+  std::map<std::uint32_t, double> copy_in_ GUARDED_BY(every_pool);
 };
 
 }  // namespace cucache::detail

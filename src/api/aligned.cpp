@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "backend/thread_annotations.hpp"
 #include "cucache/aligned.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
@@ -21,8 +22,9 @@ namespace {
 using record_key = std::pair<const device_allocator*, std::uintptr_t>;
 
 struct over_aligned_records {
-  std::mutex mu;
-  std::map<record_key, void*> block_of;  // aligned pointer handed out -> start of its block
+  detail::mutex mu;
+  std::map<record_key, void*> block_of
+      GUARDED_BY(mu);  // aligned pointer handed out -> start of its block
   // Read without the lock by every deallocation, so that the common case (nothing over-aligned is
   // live) takes no lock.
   std::atomic<std::size_t> live{0};
@@ -63,7 +65,7 @@ void* allocate_aligned(device_allocator& alloc, std::size_t bytes, std::size_t a
   if (aligned == start) return block;  // aligned by chance: nothing to remember
   over_aligned_records& r = records();
   try {
-    std::lock_guard lock(r.mu);
+    detail::lock_guard lock(r.mu);
     r.block_of.emplace(record_key{&alloc, aligned}, block);
     r.live.fetch_add(1, std::memory_order_release);
   } catch (...) {
@@ -82,7 +84,7 @@ void deallocate_aligned(device_allocator& alloc, void* ptr, stream_handle stream
   if (r.live.load(std::memory_order_acquire) != 0) {
     // Taken out before the free: once the block is free another thread may get it back at once,
     // and with it the same aligned pointer and a new record.
-    std::lock_guard lock(r.mu);
+    detail::lock_guard lock(r.mu);
     if (auto it = r.block_of.find(key); it != r.block_of.end()) {
       block = it->second;
       r.block_of.erase(it);
@@ -98,7 +100,7 @@ void deallocate_aligned(device_allocator& alloc, void* ptr, stream_handle stream
     }
   } catch (...) {
     if (recorded) {  // nothing was freed: the record stands
-      std::lock_guard lock(r.mu);
+      detail::lock_guard lock(r.mu);
       r.block_of.emplace(key, block);
       r.live.fetch_add(1, std::memory_order_relaxed);
     }

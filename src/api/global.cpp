@@ -147,11 +147,11 @@ std::string leak_report_json(std::uint64_t steps) {
 namespace {
 // Sleepable tags (make_sleepable): process-wide, by tag id; each thread's sleep domain follows its
 // current tag (set on push and pop). Guarded by g_sleepable_mu; read on push and pop only.
-std::mutex g_sleepable_mu;
-std::vector<bool> g_sleepable;  // by tag id
+detail::mutex g_sleepable_mu;
+std::vector<bool> g_sleepable GUARDED_BY(g_sleepable_mu);  // by tag id
 
 bool sleepable_id(std::uint32_t id) {
-  std::lock_guard lock(g_sleepable_mu);
+  detail::lock_guard lock(g_sleepable_mu);
   return id < g_sleepable.size() && g_sleepable[id];
 }
 
@@ -211,7 +211,7 @@ void make_sleepable(std::string_view tag) {
   }
   registry::instance().activate_observers();  // tag statistics, as push_tag
   {
-    std::lock_guard lock(g_sleepable_mu);
+    detail::lock_guard lock(g_sleepable_mu);
     if (g_sleepable.size() <= id) g_sleepable.resize(id + 1, false);
     g_sleepable[id] = true;
   }

@@ -50,9 +50,9 @@ struct ipc_imports {
     std::unique_ptr<vm_open> vm;
   };
 
-  std::mutex mu;
-  std::map<std::string, segment_open> segments;  // by device and cudaIpcMemHandle_t bytes
-  std::map<void*, open_rec> opens;               // by the address handed out
+  detail::mutex mu;
+  std::map<std::string, segment_open> segments GUARDED_BY(mu);  // by device and handle bytes
+  std::map<void*, open_rec> opens GUARDED_BY(mu);               // by the address handed out
 
   ~ipc_imports() {
     // The registry is going: close what the program left open. Nothing can report a failure.
@@ -88,7 +88,7 @@ struct ipc_imports {
 };
 
 ipc_imports& registry::imports() {
-  std::lock_guard lock(create_mu_);
+  detail::lock_guard lock(create_mu_);
   if (!imports_) imports_ = std::make_shared<ipc_imports>();
   return *imports_;
 }
@@ -252,7 +252,7 @@ void* ipc_open_handle(const cucacheIpcHandle& h) {
         h.pid));
   }
   ipc_imports& t = r.imports();
-  std::lock_guard lock(t.mu);
+  detail::lock_guard lock(t.mu);
   if (h.kind == cucacheIpcKindSegment) {
     const std::string key = detail::segment_key(h, device);
     auto s = t.segments.find(key);
@@ -322,7 +322,7 @@ void ipc_close_handle(void* ptr) {
   };
   if (r == nullptr) throw not_open();
   ipc_imports& t = r->imports();
-  std::lock_guard lock(t.mu);
+  detail::lock_guard lock(t.mu);
   auto it = t.opens.find(ptr);
   if (it == t.opens.end()) throw not_open();
   if (it->second.vm) {

@@ -28,9 +28,9 @@ namespace {
 constinit std::atomic<registry*> g_registry{nullptr};
 // A forked child's copy of the parent's registry (after_fork_in_child), never destroyed.
 constinit std::atomic<registry*> g_abandoned_registry{nullptr};
-constinit std::mutex g_init_mu;
-bool g_atexit_registered = false;  // under g_init_mu
-bool g_atfork_registered = false;  // under g_init_mu
+constinit detail::mutex g_init_mu;
+bool g_atexit_registered GUARDED_BY(g_init_mu) = false;
+bool g_atfork_registered GUARDED_BY(g_init_mu) = false;
 
 // Fork. A child forked after the registry was built shares nothing with the parent's device: CUDA
 // contexts do not survive fork (the runtime answers cudaErrorInitializationError in the child),
@@ -46,18 +46,18 @@ constinit std::atomic<long> g_parent_pid{0};
 // A fork copies the mutexes as they are: one held by another thread of the parent at that moment
 // would stay locked forever in the child. The handlers hold the registry's own (process-wide)
 // mutexes across the fork, so the child gets them unlocked and consistent.
-std::mutex g_error_mu;
-std::string g_last_error;  // under g_error_mu
+detail::mutex g_error_mu;
+std::string g_last_error GUARDED_BY(g_error_mu);
 
-void before_fork() noexcept {
+void before_fork() noexcept ACQUIRE(g_init_mu, g_error_mu) {
   g_init_mu.lock();
   g_error_mu.lock();
 }
-void after_fork_in_parent() noexcept {
+void after_fork_in_parent() noexcept RELEASE(g_init_mu, g_error_mu) {
   g_error_mu.unlock();
   g_init_mu.unlock();
 }
-void after_fork_in_child() noexcept {
+void after_fork_in_child() noexcept RELEASE(g_init_mu, g_error_mu) {
   if (g_registry.load(std::memory_order_relaxed) != nullptr) {
     g_parent_pid.store(static_cast<long>(getppid()), std::memory_order_relaxed);
     g_forked_child.store(true, std::memory_order_relaxed);
@@ -159,7 +159,7 @@ registry::registry() {
 
 void registry::activate_observers() {
   if (observing_.load(std::memory_order_acquire)) return;
-  std::lock_guard lock(create_mu_);
+  detail::lock_guard lock(create_mu_);
   if (observing_.load(std::memory_order_relaxed)) return;
   for (int d = 0; d < census_.count; ++d) {
     if (device_allocator* a = slots_[static_cast<std::size_t>(d)].load(std::memory_order_acquire)) {
@@ -178,7 +178,7 @@ registry::~registry() {
 registry& registry::instance() {
   if (registry* r = g_registry.load(std::memory_order_acquire)) [[likely]]
     return *r;
-  std::lock_guard lock(g_init_mu);
+  detail::lock_guard lock(g_init_mu);
   if (registry* r = g_registry.load(std::memory_order_acquire)) return *r;
   require_not_forked();
   auto* r = new registry();  // throws, storing nothing, on a bad environment
@@ -217,7 +217,7 @@ void registry::require_not_forked() {
 }
 
 void registry::reset_for_testing() {
-  std::lock_guard lock(g_init_mu);
+  detail::lock_guard lock(g_init_mu);
   registry* r = g_registry.load(std::memory_order_acquire);
   if (r == nullptr) return;
   if (r->kind_ == backend_kind::cuda) {
@@ -275,7 +275,7 @@ device_allocator& registry::create(int device) {
                      fmt::format("invalid device ordinal {} ({} {} device{})", device,
                                  census_.count, to_string(kind_), census_.count == 1 ? "" : "s"));
   }
-  std::lock_guard lock(create_mu_);
+  detail::lock_guard lock(create_mu_);
   auto& slot = slots_[static_cast<std::size_t>(device)];
   if (device_allocator* a = slot.load(std::memory_order_acquire)) return *a;
   config cfg = cfg_;
@@ -313,7 +313,7 @@ void registry::set_memory_fraction(int device, double fraction) {
     throw invalid_argument(
         fmt::format("set_memory_fraction: fraction {} is not in [0, 1]", fraction));
   }
-  std::lock_guard lock(create_mu_);
+  detail::lock_guard lock(create_mu_);
   // Before the device's first allocation the cap goes into its allocator's config; after, the
   // allocator changes its cap at once (device_allocator::set_memory_fraction).
   if (device_allocator* a = find(device)) {
@@ -328,7 +328,7 @@ double registry::memory_fraction(int device) {
     throw invalid_argument(fmt::format("memory_fraction: device {} does not exist ({} {})", device,
                                        census_.count, to_string(kind_)));
   }
-  std::lock_guard lock(create_mu_);
+  detail::lock_guard lock(create_mu_);
   if (const device_allocator* a = find(device)) return a->memory_fraction();
   if (const double f = fractions_[static_cast<std::size_t>(device)]; f >= 0) return f;
   return cfg_.memory_fraction > 0 ? cfg_.memory_fraction : 1.0;
@@ -445,7 +445,7 @@ void throw_not_ours(const void* ptr, release_kind kind, int current) {
 void set_last_error(std::string_view message) noexcept {
   try {
     t_last_error.assign(message);
-    std::lock_guard lock(g_error_mu);
+    detail::lock_guard lock(g_error_mu);
     g_last_error.assign(message);
   } catch (...) {
     // Out of host memory while reporting: the text is lost, the code still says what failed.
@@ -458,7 +458,7 @@ const char* thread_last_error() noexcept {
 }
 
 std::string process_last_error() {
-  std::lock_guard lock(g_error_mu);
+  detail::lock_guard lock(g_error_mu);
   return g_last_error;
 }
 

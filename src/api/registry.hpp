@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/thread_annotations.hpp"
 #include "cucache/backend_factory.hpp"
 #include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
@@ -146,8 +147,8 @@ class registry {
   /// config asks for tracing, history, leak hunting or call stacks; else from the first tag.
   std::atomic<bool> observing_{false};
   std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
-  std::mutex create_mu_;
-  std::vector<double> fractions_;         // per device, under create_mu_; < 0: the config's
+  detail::mutex create_mu_;
+  std::vector<double> fractions_ GUARDED_BY(create_mu_);  // per device; < 0: the config's
   std::shared_ptr<ipc_imports> imports_;  // under create_mu_ until set
 };
 

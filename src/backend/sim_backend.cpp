@@ -17,6 +17,7 @@
 #include <cstring>
 #include <utility>
 
+#include "backend/thread_annotations.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache {
@@ -67,23 +68,23 @@ struct sim_export {
   std::size_t bytes = 0;
   int device = 0;
 };
-std::mutex g_exports_mu;
-std::unordered_map<std::uint64_t, sim_export> g_exports;  // under g_exports_mu
-std::uint64_t g_next_export = 1;                          // under g_exports_mu
+detail::mutex g_exports_mu;
+std::unordered_map<std::uint64_t, sim_export> g_exports GUARDED_BY(g_exports_mu);
+std::uint64_t g_next_export GUARDED_BY(g_exports_mu) = 1;
 
 std::uint64_t add_export(sim_export e) {
-  std::lock_guard lock(g_exports_mu);
+  detail::lock_guard lock(g_exports_mu);
   const std::uint64_t id = g_next_export++;
   g_exports.emplace(id, std::move(e));
   return id;
 }
 void drop_export(std::uint64_t id) {
   if (id == 0) return;
-  std::lock_guard lock(g_exports_mu);
+  detail::lock_guard lock(g_exports_mu);
   g_exports.erase(id);
 }
 std::optional<sim_export> find_export(std::uint64_t id) {
-  std::lock_guard lock(g_exports_mu);
+  detail::lock_guard lock(g_exports_mu);
   auto it = g_exports.find(id);
   if (it == g_exports.end()) return std::nullopt;
   return it->second;

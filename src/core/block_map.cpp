@@ -33,7 +33,7 @@ void block_map::shard::grow() {
 std::size_t block_map::size() const noexcept {
   std::size_t n = 0;
   for (std::size_t i = 0; i < k_shards; ++i) {
-    std::lock_guard lock(shards_[i].mu);
+    lock_guard lock(shards_[i].mu);
     n += shards_[i].used;
   }
   return n;

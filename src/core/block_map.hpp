@@ -11,14 +11,15 @@
 #include <mutex>
 #include <new>
 
+#include "backend/thread_annotations.hpp"
 #include "core/block.hpp"
 
 namespace cucache::detail {
 
 /// A test-and-test-and-set spin lock. Critical sections under it are a few dozen instructions.
-class spin_lock {
+class CAPABILITY("mutex") spin_lock {
  public:
-  void lock() noexcept {
+  void lock() noexcept ACQUIRE() {
     for (;;) {
       if (!flag_.exchange(true, std::memory_order_acquire)) return;
       while (flag_.load(std::memory_order_relaxed)) {
@@ -28,7 +29,7 @@ class spin_lock {
       }
     }
   }
-  void unlock() noexcept {
+  void unlock() noexcept RELEASE() {
     flag_.store(false, std::memory_order_release);
   }
 
@@ -54,7 +55,7 @@ class block_map {
   template <class F>
   bool with(std::uintptr_t addr, F&& f) {
     shard& s = shard_of(addr);
-    std::lock_guard lock(s.mu);
+    lock_guard lock(s.mu);
     block* b = s.find(addr);
     if (b == nullptr) return false;
     f(b);
@@ -70,13 +71,13 @@ class block_map {
   };
   struct alignas(64) shard {
     spin_lock mu;
-    slot* slots = nullptr;
-    std::size_t mask = 0;  // capacity - 1 (capacity a power of two)
-    std::size_t used = 0;
-    block* find(std::uintptr_t key) const noexcept;
-    void insert(std::uintptr_t key, block* value);
-    block* take(std::uintptr_t key) noexcept;
-    void grow();
+    slot* slots GUARDED_BY(mu) = nullptr;
+    std::size_t mask GUARDED_BY(mu) = 0;  // capacity - 1 (capacity a power of two)
+    std::size_t used GUARDED_BY(mu) = 0;
+    block* find(std::uintptr_t key) const noexcept REQUIRES(mu);
+    void insert(std::uintptr_t key, block* value) REQUIRES(mu);
+    block* take(std::uintptr_t key) noexcept REQUIRES(mu);
+    void grow() REQUIRES(mu);
   };
   static std::size_t hash(std::uintptr_t addr) noexcept {
     // Blocks are 512 B aligned; mix the significant bits (Fibonacci hashing).
@@ -136,19 +137,19 @@ inline block* block_map::shard::take(std::uintptr_t key) noexcept {
 
 [[gnu::always_inline]] inline void block_map::insert(std::uintptr_t addr, block* b) {
   shard& s = shard_of(addr);
-  std::lock_guard lock(s.mu);
+  lock_guard lock(s.mu);
   s.insert(addr, b);
 }
 
 inline block* block_map::take(std::uintptr_t addr) noexcept {
   shard& s = shard_of(addr);
-  std::lock_guard lock(s.mu);
+  lock_guard lock(s.mu);
   return s.take(addr);
 }
 
 inline block* block_map::find(std::uintptr_t addr) const noexcept {
   shard& s = shard_of(addr);
-  std::lock_guard lock(s.mu);
+  lock_guard lock(s.mu);
   return s.find(addr);
 }
 

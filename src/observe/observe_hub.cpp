@@ -203,7 +203,7 @@ observe_hub::~observe_hub() = default;
 
 std::shared_ptr<allocation_observer> observe_hub::observer_for(int device) {
   auto o = std::make_shared<device_observer>(*this, device);
-  std::lock_guard lock(observers_mu_);
+  detail::lock_guard lock(observers_mu_);
   if (limits_on()) o->enable_admission();
   observers_.push_back(o);
   return o;
@@ -225,7 +225,7 @@ void observe_hub::record_allocate(int device, const void* ptr, std::size_t size,
   if (backtraces_) bt = capture_backtrace();
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   try {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     if (t_admission.bytes != 0 && t_admission.device == device && t_admission.tag == tag)
         [[unlikely]] {
       // Counted by admit until now: from here on as a live allocation (below).
@@ -259,7 +259,7 @@ void observe_hub::record_free(int device, const void* ptr, std::size_t size,
   device_state& d = *devices_[static_cast<std::size_t>(device)];
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   try {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     std::uint32_t tag = 0;
     if (auto it = d.live.find(addr); it != d.live.end()) {
       tag = it->second.tag;
@@ -290,7 +290,7 @@ void observe_hub::record_event(int device, history_entry::action act, std::uintp
                                std::size_t size, stream_handle stream) noexcept {
   device_state& d = *devices_[static_cast<std::size_t>(device)];
   try {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     push_locked(d, history_entry{act, addr, size, stream, now_us(), 0, nullptr});
   } catch (...) {
   }
@@ -298,7 +298,7 @@ void observe_hub::record_event(int device, history_entry::action act, std::uintp
 
 std::vector<history_entry> observe_hub::history(int device) const {
   const device_state& d = *devices_[static_cast<std::size_t>(device)];
-  std::lock_guard lock(d.mu);
+  detail::lock_guard lock(d.mu);
   std::vector<history_entry> out;
   out.reserve(d.ring.size());
   for (std::size_t i = 0; i < d.ring.size(); ++i) {
@@ -316,7 +316,7 @@ void observe_hub::note_snapshot() {
 
 std::unordered_map<std::uintptr_t, live_record> observe_hub::live(int device) const {
   const device_state& d = *devices_[static_cast<std::size_t>(device)];
-  std::lock_guard lock(d.mu);
+  detail::lock_guard lock(d.mu);
   return d.live;
 }
 
@@ -327,9 +327,9 @@ void observe_hub::mark_step() {
         "alive for more than K steps while the live total grows is a leak candidate)");
   }
   // One marker at a time, so that every device's totals are numbered alike.
-  std::lock_guard step_lock(step_mu_);
+  detail::lock_guard step_lock(step_mu_);
   for (auto& d : devices_) {
-    std::lock_guard lock(d->mu);
+    detail::lock_guard lock(d->mu);
     d->step_totals.push_back(d->live_total);
   }
   step_.fetch_add(1, std::memory_order_relaxed);
@@ -346,7 +346,7 @@ std::uint64_t observe_hub::leak_window(std::uint64_t steps) const {
 
 std::vector<leak_candidate> observe_hub::leak_report(std::uint64_t steps) const {
   const std::uint64_t k = leak_window(steps);
-  std::lock_guard step_lock(step_mu_);
+  detail::lock_guard step_lock(step_mu_);
   const std::uint64_t s = step_.load(std::memory_order_relaxed);
   if (s == 0) {
     throw invalid_argument(
@@ -357,7 +357,7 @@ std::vector<leak_candidate> observe_hub::leak_report(std::uint64_t steps) const 
   if (s <= k) return out;  // nothing can have survived more than K markers yet
   for (std::size_t dev = 0; dev < devices_.size(); ++dev) {
     const device_state& d = *devices_[dev];
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     if (!(d.step_totals[s] > d.step_totals[s - k])) continue;  // not growing: no leak
     for (const auto& [addr, r] : d.live) {
       if (r.step >= s || s - r.step <= k) continue;
@@ -385,7 +385,7 @@ std::vector<tag_stat> observe_hub::tag_stats(int device) const {
   const device_state& d = *devices_[static_cast<std::size_t>(device)];
   std::vector<tag_stat> out;
   {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     for (std::size_t id = 1; id < d.tags.size(); ++id) {
       const tag_counter& c = d.tags[id];
       if (c.total == 0 && c.limit == k_no_tag_limit && c.refusals == 0) continue;
@@ -404,12 +404,12 @@ std::vector<tag_stat> observe_hub::tag_stats(int device) const {
 void observe_hub::set_tag_limit(int device, std::uint32_t tag, std::size_t bytes) {
   device_state& d = *devices_[static_cast<std::size_t>(device)];
   {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     if (d.tags.size() <= tag) d.tags.resize(tag + 1);
     d.tags[tag].limit = bytes;
   }
   if (bytes != k_no_tag_limit && !limits_on()) {
-    std::lock_guard lock(observers_mu_);
+    detail::lock_guard lock(observers_mu_);
     limits_on_.store(true, std::memory_order_release);
     for (const std::weak_ptr<allocation_observer>& w : observers_) {
       if (auto o = w.lock()) static_cast<device_observer&>(*o).enable_admission();
@@ -419,7 +419,7 @@ void observe_hub::set_tag_limit(int device, std::uint32_t tag, std::size_t bytes
 
 std::size_t observe_hub::tag_limit(int device, std::uint32_t tag) const {
   const device_state& d = *devices_[static_cast<std::size_t>(device)];
-  std::lock_guard lock(d.mu);
+  detail::lock_guard lock(d.mu);
   return tag < d.tags.size() ? d.tags[tag].limit : k_no_tag_limit;
 }
 
@@ -429,7 +429,7 @@ void observe_hub::admit(int device, std::uint32_t tag, std::size_t requested) {
   std::size_t used = 0;
   std::size_t in_flight = 0;
   {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     if (tag >= d.tags.size()) return;  // never limited on this device
     tag_counter& c = d.tags[tag];
     if (c.limit == k_no_tag_limit) return;
@@ -466,7 +466,7 @@ void observe_hub::refund_admission(int device) noexcept {
   if (a.bytes == 0 || a.device != device) return;
   device_state& d = *devices_[static_cast<std::size_t>(device)];
   try {
-    std::lock_guard lock(d.mu);
+    detail::lock_guard lock(d.mu);
     d.tags[a.tag].admitted -= a.bytes;
   } catch (...) {
     // std::mutex::lock failing: the bytes stay counted (a system error, not a caller's).

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/thread_annotations.hpp"
 #include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/observe.hpp"
@@ -160,15 +161,16 @@ class observe_hub {
     std::uint64_t refusals = 0;
   };
   struct device_state {
-    mutable std::mutex mu;
-    std::unordered_map<std::uintptr_t, live_record> live;
-    std::vector<tag_counter> tags;  // by tag id
-    std::vector<history_entry> ring;
-    std::size_t ring_next = 0;  // where the next event goes once the ring is full
-    std::size_t live_total = 0;
-    std::vector<std::size_t> step_totals{0};  // live_total at each marker; [0]: at the start
+    mutable mutex mu;
+    std::unordered_map<std::uintptr_t, live_record> live GUARDED_BY(mu);
+    std::vector<tag_counter> tags GUARDED_BY(mu);  // by tag id
+    std::vector<history_entry> ring GUARDED_BY(mu);
+    std::size_t ring_next GUARDED_BY(mu) = 0;  // where the next event goes once the ring is full
+    std::size_t live_total GUARDED_BY(mu) = 0;
+    // live_total at each marker; [0]: at the start
+    std::vector<std::size_t> step_totals GUARDED_BY(mu){0};
   };
-  void push_locked(device_state& d, history_entry e);
+  void push_locked(device_state& d, history_entry e) REQUIRES(d.mu);
 
   std::shared_ptr<allocation_observer> trace_;
   std::size_t history_cap_ = 0;
@@ -178,10 +180,10 @@ class observe_hub {
   std::atomic<std::uint64_t> step_{0};
   std::atomic<std::uint64_t> tagged_live_{0};
   std::atomic<bool> limits_on_{false};
-  // The observers handed out (observer_for), told when the first limit is set; under observers_mu_.
-  std::mutex observers_mu_;
-  std::vector<std::weak_ptr<allocation_observer>> observers_;
-  mutable std::mutex step_mu_;
+  // The observers handed out (observer_for), told when the first limit is set.
+  mutex observers_mu_;
+  std::vector<std::weak_ptr<allocation_observer>> observers_ GUARDED_BY(observers_mu_);
+  mutable mutex step_mu_;  // one step marker at a time (mark_step, leak_report)
   std::vector<std::unique_ptr<device_state>> devices_;
 };
 

@@ -32,11 +32,11 @@
 #include <vector>
 
 #include "allocator/suite_devices.hpp"
-#include "allocator/test_support.hpp"
 #include "core/format_bytes.hpp"
 #include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 #ifndef CUCACHE_SUITE_BACKEND_CUDA
 #error "compile with CUCACHE_SUITE_BACKEND_CUDA=0 (simulated device) or 1 (a real GPU)"

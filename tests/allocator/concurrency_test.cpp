@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-#include "allocator/test_support.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

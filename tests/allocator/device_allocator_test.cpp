@@ -9,8 +9,8 @@
 
 #include <vector>
 
-#include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "allocator/churn_script.hpp"
-#include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -17,11 +17,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "allocator/test_support.hpp"
 #include "core/format_bytes.hpp"
 #include "core/size_policy.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/trace.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

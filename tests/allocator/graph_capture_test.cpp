@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -6,8 +6,8 @@
 #include <memory>
 
 #include "allocator/graph_pools.hpp"
-#include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -12,9 +12,9 @@
 
 #include "allocator/pager.hpp"
 #include "allocator/placement.hpp"
-#include "allocator/test_support.hpp"
 #include "core/size_policy.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "allocator/pending_frees.hpp"
-#include "allocator/test_support.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -12,8 +12,8 @@
 #include <utility>
 #include <vector>
 
-#include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "allocator/stats_ledger.hpp"
-#include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/stats.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

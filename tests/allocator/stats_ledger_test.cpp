@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "allocator/stats_ledger.hpp"
-#include "allocator/test_support.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -10,8 +10,8 @@
 #include <thread>
 #include <utility>
 
-#include "allocator/test_support.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

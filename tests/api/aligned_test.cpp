@@ -17,6 +17,7 @@
 #include "cucache/device_allocator.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache {
 namespace {
@@ -24,9 +25,7 @@ namespace {
 std::uintptr_t addr(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p);
 }
-stream_handle fake_stream(std::uintptr_t n) {
-  return reinterpret_cast<stream_handle>(n << 8);
-}
+using test::fake_stream;
 
 struct Aligned : ::testing::Test {
   Aligned() : alloc(std::make_shared<sim_backend>()) {}

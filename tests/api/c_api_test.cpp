@@ -18,27 +18,22 @@
 #include "cucache/cucache.hpp"
 #include "cucache/cuda_backend.hpp"
 #include "cucache/sim_backend.hpp"
+#include "support/sim_registry.hpp"
 
 extern "C" int cucache_c_header_check(void);
 
 namespace {
 
-constexpr std::size_t k_mib = std::size_t{1} << 20;
+using cucache::test::MiB;
 constexpr std::size_t k_sim_capacity = std::size_t{80} << 30;  // sim_options' default
 
-cudaStream_t fake_stream(std::uintptr_t n) {
-  return reinterpret_cast<cudaStream_t>(n << 8);
-}
+constexpr auto fake_stream = &cucache::test::fake_stream<cudaStream_t>;
 
 class CApi : public ::testing::Test {
  protected:
   void SetUp() override { restore(); }
   void TearDown() override { restore(); }
-  static void restore() {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::unsetenv("CUCACHE_CONF");
-    cucache::detail::reset_for_testing();
-  }
+  static void restore() { cucache::test::use_sim_registry(); }
   static cucacheStats stats(int device = 0) {
     cucacheStats s{};
     EXPECT_EQ(cucacheGetStats(device, &s), cudaSuccess) << cucacheGetLastErrorMessage();
@@ -96,7 +91,7 @@ TEST_F(CApi, OutOfMemoryIsMemoryAllocationWithTheReport) {
   ::setenv("CUCACHE_CONF", "memory_limit:64MiB", 1);
   cucache::detail::reset_for_testing();
   void* p = reinterpret_cast<void*>(0x1);
-  EXPECT_EQ(cucacheMalloc(&p, 100 * k_mib), cudaErrorMemoryAllocation);
+  EXPECT_EQ(cucacheMalloc(&p, 100 * MiB), cudaErrorMemoryAllocation);
   EXPECT_EQ(p, nullptr);  // cleared on failure
   const std::string report = message();
   EXPECT_EQ(report.rfind("cucacheMalloc: cucache: out of memory", 0), 0u) << report;
@@ -146,7 +141,7 @@ TEST_F(CApi, HugeSizesAreMemoryAllocationErrorsWithNothingChangedInEveryModeAndC
         }
         live.emplace_back(a, bytes);
       };
-      for (std::size_t bytes : {std::size_t{512}, 3 * k_mib}) {
+      for (std::size_t bytes : {std::size_t{512}, 3 * MiB}) {
         void* p = nullptr;
         ASSERT_EQ(cucacheMalloc(&p, bytes), cudaSuccess) << message();
         add_live(p, bytes);
@@ -260,17 +255,17 @@ TEST_F(CApi, ExactStatisticsAfterAKnownSequence) {
   // 1000 B rounds to 1024 in a 2 MiB small-pool segment.
   ASSERT_EQ(cucacheMalloc(&small, 1000), cudaSuccess);
   // 5 MiB takes a shared 20 MiB large-pool segment, split into 5 MiB + 15 MiB.
-  ASSERT_EQ(cucacheMallocAsync(&large, 5 * k_mib, nullptr), cudaSuccess);
+  ASSERT_EQ(cucacheMallocAsync(&large, 5 * MiB, nullptr), cudaSuccess);
   cucacheStats s = stats();
-  EXPECT_EQ(s.allocatedBytes, 1024 + 5 * k_mib);
-  EXPECT_EQ(s.allocatedBytesPeak, 1024 + 5 * k_mib);
-  EXPECT_EQ(s.reservedBytes, 22 * k_mib);
-  EXPECT_EQ(s.reservedBytesPeak, 22 * k_mib);
-  EXPECT_EQ(s.activeBytes, 1024 + 5 * k_mib);
-  EXPECT_EQ(s.requestedBytes, 1000 + 5 * k_mib);
-  EXPECT_EQ(s.requestedBytesPeak, 1000 + 5 * k_mib);
-  EXPECT_EQ(s.cachedFreeBytes, 22 * k_mib - 1024 - 5 * k_mib);
-  EXPECT_EQ(s.largestFreeBlock, 15 * k_mib);
+  EXPECT_EQ(s.allocatedBytes, 1024 + 5 * MiB);
+  EXPECT_EQ(s.allocatedBytesPeak, 1024 + 5 * MiB);
+  EXPECT_EQ(s.reservedBytes, 22 * MiB);
+  EXPECT_EQ(s.reservedBytesPeak, 22 * MiB);
+  EXPECT_EQ(s.activeBytes, 1024 + 5 * MiB);
+  EXPECT_EQ(s.requestedBytes, 1000 + 5 * MiB);
+  EXPECT_EQ(s.requestedBytesPeak, 1000 + 5 * MiB);
+  EXPECT_EQ(s.cachedFreeBytes, 22 * MiB - 1024 - 5 * MiB);
+  EXPECT_EQ(s.largestFreeBlock, 15 * MiB);
   EXPECT_EQ(s.allocationCount, 2u);
   EXPECT_EQ(s.segmentCount, 2u);
   EXPECT_EQ(s.deviceAllocCount, 2u);
@@ -278,9 +273,9 @@ TEST_F(CApi, ExactStatisticsAfterAKnownSequence) {
   EXPECT_EQ(s.oomCount, 0u);
   EXPECT_EQ(s.allocRetryCount, 0u);
   EXPECT_DOUBLE_EQ(s.externalFragmentation,
-                   1.0 - static_cast<double>(15 * k_mib) / static_cast<double>(s.cachedFreeBytes));
+                   1.0 - static_cast<double>(15 * MiB) / static_cast<double>(s.cachedFreeBytes));
   EXPECT_DOUBLE_EQ(s.overheadFragmentation,
-                   1.0 - static_cast<double>(1024 + 5 * k_mib) / static_cast<double>(22 * k_mib));
+                   1.0 - static_cast<double>(1024 + 5 * MiB) / static_cast<double>(22 * MiB));
   EXPECT_EQ(s.memoryLimit, 0u);
   EXPECT_EQ(s.deviceTotalBytes, k_sim_capacity);
 
@@ -288,30 +283,30 @@ TEST_F(CApi, ExactStatisticsAfterAKnownSequence) {
   ASSERT_EQ(cucacheFree(large), cudaSuccess);
   s = stats();
   EXPECT_EQ(s.allocatedBytes, 1024u);
-  EXPECT_EQ(s.allocatedBytesPeak, 1024 + 5 * k_mib);
-  EXPECT_EQ(s.reservedBytes, 22 * k_mib);
-  EXPECT_EQ(s.cachedFreeBytes, 22 * k_mib - 1024);
-  EXPECT_EQ(s.largestFreeBlock, 20 * k_mib);
+  EXPECT_EQ(s.allocatedBytesPeak, 1024 + 5 * MiB);
+  EXPECT_EQ(s.reservedBytes, 22 * MiB);
+  EXPECT_EQ(s.cachedFreeBytes, 22 * MiB - 1024);
+  EXPECT_EQ(s.largestFreeBlock, 20 * MiB);
   EXPECT_EQ(s.allocationCount, 1u);
 
   // Emptying the cache returns the wholly free 20 MiB segment, not the one holding `small`.
   ASSERT_EQ(cucacheEmptyCache(), cudaSuccess);
   s = stats();
-  EXPECT_EQ(s.reservedBytes, 2 * k_mib);
-  EXPECT_EQ(s.reservedBytesPeak, 22 * k_mib);
+  EXPECT_EQ(s.reservedBytes, 2 * MiB);
+  EXPECT_EQ(s.reservedBytesPeak, 22 * MiB);
   EXPECT_EQ(s.segmentCount, 1u);
   EXPECT_EQ(s.deviceFreeCount, 1u);
-  EXPECT_EQ(s.cachedFreeBytes, 2 * k_mib - 1024);
+  EXPECT_EQ(s.cachedFreeBytes, 2 * MiB - 1024);
   // One free block of 2 MiB - 1 KiB in the small pool, whose requests stop at 1 MiB.
-  EXPECT_EQ(s.largestFreeBlock, k_mib);
+  EXPECT_EQ(s.largestFreeBlock, MiB);
   EXPECT_DOUBLE_EQ(s.externalFragmentation,
-                   1.0 - static_cast<double>(k_mib) / static_cast<double>(2 * k_mib - 1024));
+                   1.0 - static_cast<double>(MiB) / static_cast<double>(2 * MiB - 1024));
 
   // Peaks come down to the current values.
   ASSERT_EQ(cucacheResetPeakStats(0), cudaSuccess);
   s = stats();
   EXPECT_EQ(s.allocatedBytesPeak, 1024u);
-  EXPECT_EQ(s.reservedBytesPeak, 2 * k_mib);
+  EXPECT_EQ(s.reservedBytesPeak, 2 * MiB);
   EXPECT_EQ(s.activeBytesPeak, 1024u);
   EXPECT_EQ(s.requestedBytesPeak, 1000u);
 
@@ -343,14 +338,14 @@ TEST_F(CApi, MemGetInfoCountsCachedMemoryAsFree) {
   EXPECT_EQ(f, k_sim_capacity);
 
   void* p = nullptr;
-  ASSERT_EQ(cucacheMalloc(&p, 5 * k_mib), cudaSuccess);
+  ASSERT_EQ(cucacheMalloc(&p, 5 * MiB), cudaSuccess);
   ASSERT_EQ(cucacheMemGetInfo(&f, &t), cudaSuccess);
   // The device sees the 20 MiB segment as used; 15 MiB of it is cucache's cached free memory.
-  EXPECT_EQ(f, k_sim_capacity - 5 * k_mib);
+  EXPECT_EQ(f, k_sim_capacity - 5 * MiB);
   ASSERT_EQ(cucacheFree(p), cudaSuccess);
   ASSERT_EQ(cucacheMemGetInfo(&f, &t), cudaSuccess);
   EXPECT_EQ(f, k_sim_capacity);  // all of it reusable, although still reserved
-  EXPECT_EQ(stats().reservedBytes, 20 * k_mib);
+  EXPECT_EQ(stats().reservedBytes, 20 * MiB);
 }
 
 TEST_F(CApi, MemGetInfoHonoursTheMemoryLimit) {
@@ -359,19 +354,19 @@ TEST_F(CApi, MemGetInfoHonoursTheMemoryLimit) {
   size_t f = 0;
   size_t t = 0;
   ASSERT_EQ(cucacheMemGetInfo(&f, &t), cudaSuccess);
-  EXPECT_EQ(t, 100 * k_mib);
-  EXPECT_EQ(f, 100 * k_mib);
+  EXPECT_EQ(t, 100 * MiB);
+  EXPECT_EQ(f, 100 * MiB);
   void* p = nullptr;
-  ASSERT_EQ(cucacheMalloc(&p, 30 * k_mib), cudaSuccess);
+  ASSERT_EQ(cucacheMalloc(&p, 30 * MiB), cudaSuccess);
   ASSERT_EQ(cucacheMemGetInfo(&f, &t), cudaSuccess);
-  EXPECT_EQ(t, 100 * k_mib);
-  EXPECT_EQ(f, 70 * k_mib);
+  EXPECT_EQ(t, 100 * MiB);
+  EXPECT_EQ(f, 70 * MiB);
   EXPECT_EQ(cucacheFree(p), cudaSuccess);
 }
 
 TEST_F(CApi, MemorySummaryIsSnprintfLike) {
   void* p = nullptr;
-  ASSERT_EQ(cucacheMalloc(&p, 3 * k_mib), cudaSuccess);
+  ASSERT_EQ(cucacheMalloc(&p, 3 * MiB), cudaSuccess);
   const std::string expected = cucache::memory_summary(0);
   const size_t n = cucacheMemorySummary(0, nullptr, 0);
   ASSERT_EQ(n, expected.size());
@@ -424,11 +419,11 @@ TEST_F(CApi, AGraphCaptureThroughTheCApi) {
   ASSERT_NE(sim, nullptr);
   auto* s = static_cast<cudaStream_t>(sim->create_stream());
   void* cached = nullptr;
-  ASSERT_EQ(cucacheMallocAsync(&cached, k_mib, s), cudaSuccess);
+  ASSERT_EQ(cucacheMallocAsync(&cached, MiB, s), cudaSuccess);
   ASSERT_EQ(cucacheFreeAsync(cached, s), cudaSuccess);
   const unsigned long long id = sim->begin_capture(s);
   void* g = nullptr;
-  ASSERT_EQ(cucacheMallocAsync(&g, k_mib, s), cudaSuccess) << message();
+  ASSERT_EQ(cucacheMallocAsync(&g, MiB, s), cudaSuccess) << message();
   EXPECT_NE(g, cached);
   EXPECT_EQ(cucacheFreeAsync(g, s), cudaSuccess);
   EXPECT_EQ(cucacheEmptyCache(), cudaErrorStreamCaptureUnsupported);
@@ -437,7 +432,7 @@ TEST_F(CApi, AGraphCaptureThroughTheCApi) {
   EXPECT_EQ(cucacheGraphCaptureEnded(id), cudaSuccess) << message();
   EXPECT_EQ(cucacheGraphCaptureEnded(id), cudaErrorInvalidValue);
   EXPECT_EQ(cucacheEmptyCache(), cudaSuccess) << message();
-  EXPECT_EQ(stats().reservedBytes, 2 * k_mib);  // the graph's pool: kept until released
+  EXPECT_EQ(stats().reservedBytes, 2 * MiB);  // the graph's pool: kept until released
   EXPECT_EQ(cucacheGraphPoolRelease(id), cudaSuccess) << message();
   EXPECT_EQ(cucacheGraphPoolRelease(id), cudaErrorInvalidValue);
   EXPECT_EQ(stats().reservedBytes, 0u);

@@ -20,6 +20,7 @@
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
 #include "cucache/trace.hpp"
+#include "support/sim_registry.hpp"
 
 namespace {
 
@@ -29,11 +30,7 @@ class Fork : public ::testing::Test {
  protected:
   void SetUp() override { restore(); }
   void TearDown() override { restore(); }
-  static void restore() {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::unsetenv("CUCACHE_CONF");
-    cucache::detail::reset_for_testing();
-  }
+  static void restore() { cucache::test::use_sim_registry(); }
 };
 
 /// Runs `child` in a forked child, which ends with _exit(child()) (or with exit() when

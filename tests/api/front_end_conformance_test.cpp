@@ -38,6 +38,7 @@
 #include "cucache/cucache.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/trace.hpp"
+#include "support/sim_registry.hpp"
 #if CUCACHE_CONFORMANCE_TORCH
 #include "cucache_torch.h"
 #endif
@@ -48,15 +49,13 @@ namespace {
 
 using cucache::stream_handle;
 
-constexpr std::size_t KiB = std::size_t{1} << 10;
-constexpr std::size_t MiB = std::size_t{1} << 20;
+using cucache::test::KiB;
+using cucache::test::MiB;
 
 /// Set in the environment of a child: run the behaviour instead of spawning.
 constexpr const char* k_child_env = "CUCACHE_CONFORMANCE_CHILD";
 
-stream_handle stream(std::uintptr_t n) {
-  return reinterpret_cast<stream_handle>(n << 8);
-}
+constexpr auto stream = &cucache::test::fake_stream<>;
 std::string pointer_text(const void* p) {
   return fmt::format("{}", p);
 }

@@ -21,26 +21,20 @@
 #include "cucache/cuda_backend.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/trace.hpp"
+#include "support/sim_registry.hpp"
 
 namespace cucache {
 namespace {
 
-constexpr std::size_t k_mib = std::size_t{1} << 20;
-
-stream_handle fake_stream(std::uintptr_t n) {
-  return reinterpret_cast<stream_handle>(n << 8);
-}
+using test::fake_stream;
+using test::MiB;
 
 // Every test starts and ends with fresh global allocators on the simulated device and no config.
 class Global : public ::testing::Test {
  protected:
   void SetUp() override { restore(); }
   void TearDown() override { restore(); }
-  static void restore() {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::unsetenv("CUCACHE_CONF");
-    detail::reset_for_testing();
-  }
+  static void restore() { test::use_sim_registry(); }
   static sim_backend& sim() { return dynamic_cast<sim_backend&>(get(0).backend()); }
 };
 
@@ -55,7 +49,7 @@ TEST_F(Global, MallocAndFreeGoThroughTheCurrentDevicesAllocator) {
   EXPECT_EQ(a.stats().allocation_count[0].current, 1);
   cucache::free(p);
   EXPECT_EQ(a.stats().allocation_count[0].current, 0);
-  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(2 * k_mib));
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));
   a.check_invariants();
 }
 
@@ -131,17 +125,17 @@ TEST_F(Global, ConcurrentFirstUseCreatesExactlyOneAllocator) {
 
 TEST_F(Global, EmptyCacheTouchesOnlyCreatedAllocators) {
   EXPECT_NO_THROW(cucache::empty_cache());
-  void* p = cucache::malloc(5 * k_mib);
+  void* p = cucache::malloc(5 * MiB);
   void* q = cucache::malloc(1000);
   cucache::free(p);
   cucache::empty_cache();
   const device_stats s = get().stats();
-  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(2 * k_mib));  // q's segment
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));  // q's segment
   cucache::free(q);
 }
 
 TEST_F(Global, MemorySummaryIsTheAllocatorsTable) {
-  void* p = cucache::malloc(3 * k_mib);
+  void* p = cucache::malloc(3 * MiB);
   const std::string text = memory_summary(0);
   EXPECT_EQ(text, get(0).memory_summary());
   EXPECT_NE(text.find("Allocated memory"), std::string::npos) << text;
@@ -265,9 +259,9 @@ TEST_F(Global, MalformedConfigIsAnEnvironmentError) {
 TEST_F(Global, ConfigFromTheEnvironmentReachesTheAllocator) {
   ::setenv("CUCACHE_CONF", "memory_limit:64MiB,max_split_size_mb:32", 1);
   detail::reset_for_testing();
-  EXPECT_EQ(get().get_config().memory_limit_bytes, 64 * k_mib);
-  EXPECT_EQ(get().get_config().max_split_size, 32 * k_mib);
-  EXPECT_THROW((void)cucache::malloc(100 * k_mib), out_of_memory);
+  EXPECT_EQ(get().get_config().memory_limit_bytes, 64 * MiB);
+  EXPECT_EQ(get().get_config().max_split_size, 32 * MiB);
+  EXPECT_THROW((void)cucache::malloc(100 * MiB), out_of_memory);
   EXPECT_EQ(get().stats().oom_count, 1u);
 }
 
@@ -308,11 +302,11 @@ TEST_F(Global, TraceRecordsEveryAllocationFreeAndFailure) {
   detail::reset_for_testing();
 
   void* a = cucache::malloc(1000, fake_stream(1));
-  void* b = cucache::malloc(3 * k_mib);
+  void* b = cucache::malloc(3 * MiB);
   EXPECT_EQ(cucache::malloc(0), nullptr);  // not recorded: nothing to replay
   cucache::free(a);
   cucache::free_async(b, fake_stream(2));
-  EXPECT_THROW((void)cucache::malloc(100 * k_mib, fake_stream(3)), out_of_memory);
+  EXPECT_THROW((void)cucache::malloc(100 * MiB, fake_stream(3)), out_of_memory);
   int local = 0;
   EXPECT_THROW(cucache::free(&local), invalid_argument);  // not recorded: nothing was freed
   { auto u = make_unique_device<float>(4); }
@@ -329,7 +323,7 @@ TEST_F(Global, TraceRecordsEveryAllocationFreeAndFailure) {
   EXPECT_EQ(events[0].stream, str(fake_stream(1)));
   EXPECT_EQ(events[1].act, act::allocate);
   EXPECT_EQ(events[1].pointer, ptr(b));
-  EXPECT_EQ(events[1].size, 3 * k_mib);
+  EXPECT_EQ(events[1].size, 3 * MiB);
   EXPECT_EQ(events[1].stream, 0u);
   EXPECT_EQ(events[2].act, act::free);  // a plain free repeats the allocation's size and stream
   EXPECT_EQ(events[2].pointer, ptr(a));
@@ -337,11 +331,11 @@ TEST_F(Global, TraceRecordsEveryAllocationFreeAndFailure) {
   EXPECT_EQ(events[2].stream, str(fake_stream(1)));
   EXPECT_EQ(events[3].act, act::free);  // a stream-ordered free names its stream
   EXPECT_EQ(events[3].pointer, ptr(b));
-  EXPECT_EQ(events[3].size, 3 * k_mib);
+  EXPECT_EQ(events[3].size, 3 * MiB);
   EXPECT_EQ(events[3].stream, str(fake_stream(2)));
   EXPECT_EQ(events[4].act, act::allocate_failure);
   EXPECT_EQ(events[4].pointer, 0u);
-  EXPECT_EQ(events[4].size, 100 * k_mib);
+  EXPECT_EQ(events[4].size, 100 * MiB);
   EXPECT_EQ(events[4].stream, str(fake_stream(3)));
   EXPECT_EQ(events[5].act, act::allocate);
   EXPECT_EQ(events[5].size, 16u);
@@ -416,7 +410,7 @@ TEST_F(Global, EightThreadsWithTheirOwnStreams) {
   for (int t = 0; t < k_threads; ++t) {
     threads.emplace_back([t, &failures] {
       std::mt19937 rng(static_cast<unsigned>(t));
-      std::uniform_int_distribution<std::size_t> size(1, 3 * k_mib);
+      std::uniform_int_distribution<std::size_t> size(1, 3 * MiB);
       const stream_handle s = fake_stream(static_cast<unsigned>(t) + 1);
       std::vector<void*> live;
       // A failure is an exception (malloc never returns null for a nonzero size); count it here,

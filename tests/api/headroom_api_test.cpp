@@ -8,21 +8,18 @@
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
+#include "support/sim_registry.hpp"
 
 namespace {
 
-constexpr std::size_t k_mib = std::size_t{1} << 20;
+using cucache::test::MiB;
 constexpr std::size_t k_sim_capacity = std::size_t{80} << 30;  // sim_options' default
 
 class HeadroomApi : public ::testing::Test {
  protected:
   void SetUp() override { restore(); }
   void TearDown() override { restore(); }
-  static void restore() {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::unsetenv("CUCACHE_CONF");
-    cucache::detail::reset_for_testing();
-  }
+  static void restore() { cucache::test::use_sim_registry(); }
 };
 
 TEST_F(HeadroomApi, CppAndCAgreeAndAreExact) {
@@ -43,13 +40,13 @@ TEST_F(HeadroomApi, CppAndCAgreeAndAreExact) {
 }
 
 TEST_F(HeadroomApi, ReserveThroughBothAndTheConfigKey) {
-  ASSERT_EQ(cucacheReserve(256 * k_mib), cudaSuccess) << cucacheGetLastErrorMessage();
+  ASSERT_EQ(cucacheReserve(256 * MiB), cudaSuccess) << cucacheGetLastErrorMessage();
   cucacheStats s{};
   ASSERT_EQ(cucacheGetStats(0, &s), cudaSuccess);
-  EXPECT_EQ(s.reservedBytes, 256 * k_mib);
-  cucache::reserve(64 * k_mib, 0);
+  EXPECT_EQ(s.reservedBytes, 256 * MiB);
+  cucache::reserve(64 * MiB, 0);
   ASSERT_EQ(cucacheGetStats(0, &s), cudaSuccess);
-  EXPECT_EQ(s.reservedBytes, 320 * k_mib);
+  EXPECT_EQ(s.reservedBytes, 320 * MiB);
   EXPECT_EQ(cucacheReserve(2 * k_sim_capacity), cudaErrorMemoryAllocation);
   EXPECT_NE(std::string(cucacheGetLastErrorMessage()).find("reserve"), std::string::npos);
   EXPECT_EQ(cucacheEmptyCache(), cudaSuccess);
@@ -59,7 +56,7 @@ TEST_F(HeadroomApi, ReserveThroughBothAndTheConfigKey) {
   ::setenv("CUCACHE_CONF", "reserve_mb:512", 1);
   cucache::detail::reset_for_testing();
   ASSERT_EQ(cucacheGetStats(0, &s), cudaSuccess);  // creates the allocator: reserves
-  EXPECT_EQ(s.reservedBytes, 512 * k_mib);
+  EXPECT_EQ(s.reservedBytes, 512 * MiB);
   EXPECT_EQ(s.deviceAllocCount, 1u);
 
   ::setenv("CUCACHE_CONF", "reserve_mb:-1", 1);

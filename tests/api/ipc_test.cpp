@@ -17,22 +17,17 @@
 #include "cucache/cucache.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/sim_backend.hpp"
+#include "support/sim_registry.hpp"
 
 namespace cucache {
 namespace {
 
-constexpr std::size_t k_mib = std::size_t{1} << 20;
+using test::MiB;
 
 void fresh(const char* conf, const char* devices = "1") {
-  ::setenv("CUCACHE_BACKEND", "sim", 1);
   ::setenv("CUCACHE_SIM_HOST_MEMORY", "1", 1);
   ::setenv("CUCACHE_SIM_DEVICES", devices, 1);
-  if (conf != nullptr) {
-    ::setenv("CUCACHE_CONF", conf, 1);
-  } else {
-    ::unsetenv("CUCACHE_CONF");
-  }
-  detail::reset_for_testing();
+  test::use_sim_registry(conf);
 }
 
 class Ipc : public ::testing::Test {
@@ -55,11 +50,11 @@ void* alloc(std::size_t n) {
 
 TEST_F(Ipc, ADefaultModeHandleIsTheSegmentHandlePlusTheBlocksOffset) {
   // Three 4 MiB blocks carve one 20 MiB segment: b lies in its middle, 4 MiB from the base.
-  char* a = static_cast<char*>(alloc(4 * k_mib));
-  char* b = static_cast<char*>(alloc(4 * k_mib));
-  char* c = static_cast<char*>(alloc(4 * k_mib));
-  ASSERT_EQ(b, a + 4 * k_mib);
-  ASSERT_EQ(c, b + 4 * k_mib);
+  char* a = static_cast<char*>(alloc(4 * MiB));
+  char* b = static_cast<char*>(alloc(4 * MiB));
+  char* c = static_cast<char*>(alloc(4 * MiB));
+  ASSERT_EQ(b, a + 4 * MiB);
+  ASSERT_EQ(c, b + 4 * MiB);
   cucacheIpcHandle h{};
   ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << last();
   EXPECT_EQ(h.magic, CUCACHE_IPC_MAGIC);
@@ -67,22 +62,22 @@ TEST_F(Ipc, ADefaultModeHandleIsTheSegmentHandlePlusTheBlocksOffset) {
   EXPECT_EQ(h.kind, cucacheIpcKindSegment);
   EXPECT_EQ(h.device, 0);
   EXPECT_EQ(h.pid, static_cast<std::int64_t>(::getpid()));
-  EXPECT_EQ(h.offset, 4 * k_mib);
-  EXPECT_EQ(h.size, 4 * k_mib);
-  EXPECT_EQ(h.span, 20 * k_mib);
+  EXPECT_EQ(h.offset, 4 * MiB);
+  EXPECT_EQ(h.size, 4 * MiB);
+  EXPECT_EQ(h.span, 20 * MiB);
   EXPECT_EQ(h.pieceCount, 0);
   for (int fd : h.fds) EXPECT_EQ(fd, -1);
 
-  std::memset(sim().host_view(b, 4 * k_mib), 0x5a, 4 * k_mib);
+  std::memset(sim().host_view(b, 4 * MiB), 0x5a, 4 * MiB);
   void* q = nullptr;
   ASSERT_EQ(cucacheIpcOpenHandle(&q, &h), cudaSuccess) << last();
   ASSERT_NE(q, nullptr);
   EXPECT_NE(q, static_cast<void*>(b)) << "opened as another process would: a mapping of its own";
   EXPECT_EQ(sim().live_imports(), 1u);
-  std::byte* seen = sim().host_view(q, 4 * k_mib);
+  std::byte* seen = sim().host_view(q, 4 * MiB);
   ASSERT_NE(seen, nullptr);
   EXPECT_EQ(seen[0], std::byte{0x5a});
-  EXPECT_EQ(seen[4 * k_mib - 1], std::byte{0x5a});
+  EXPECT_EQ(seen[4 * MiB - 1], std::byte{0x5a});
   seen[7] = std::byte{0x11};  // the importer writes; the exporter sees it
   EXPECT_EQ(sim().host_view(b, 8)[7], std::byte{0x11});
 
@@ -93,7 +88,7 @@ TEST_F(Ipc, ADefaultModeHandleIsTheSegmentHandlePlusTheBlocksOffset) {
   EXPECT_EQ(std::memcmp(ha.segmentHandle, h.segmentHandle, sizeof(h.segmentHandle)), 0);
   void* qa = nullptr;
   ASSERT_EQ(cucacheIpcOpenHandle(&qa, &ha), cudaSuccess) << last();
-  EXPECT_EQ(static_cast<char*>(qa) + 4 * k_mib, q);
+  EXPECT_EQ(static_cast<char*>(qa) + 4 * MiB, q);
   EXPECT_EQ(sim().live_imports(), 1u);
 
   EXPECT_EQ(cucacheIpcCloseHandle(qa), cudaSuccess) << last();
@@ -116,7 +111,7 @@ TEST_F(Ipc, OpeningOneBlockTwiceNeedsTwoCloses) {
   ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
   EXPECT_EQ(h.offset, 0u);
   EXPECT_EQ(h.size, 1024u);
-  EXPECT_EQ(h.span, 2 * k_mib);
+  EXPECT_EQ(h.span, 2 * MiB);
   void* q1 = nullptr;
   void* q2 = nullptr;
   ASSERT_EQ(cucacheIpcOpenHandle(&q1, &h), cudaSuccess) << last();
@@ -136,7 +131,7 @@ TEST_F(Ipc, APointerCucacheDoesNotHandOutIsRefusedByName) {
   // Nothing allocated yet: no registry, nothing can be ours.
   EXPECT_EQ(cucacheIpcGetHandle(&h, &local), cudaErrorInvalidValue);
   EXPECT_NE(last().find("not the start of a live cucache allocation"), std::string::npos) << last();
-  char* p = static_cast<char*>(alloc(4 * k_mib));
+  char* p = static_cast<char*>(alloc(4 * MiB));
   EXPECT_EQ(cucacheIpcGetHandle(&h, &local), cudaErrorInvalidValue);
   EXPECT_EQ(cucacheIpcGetHandle(&h, p + 16), cudaErrorInvalidValue);
   EXPECT_NE(last().find("points 16 bytes into the live allocation"), std::string::npos) << last();
@@ -152,7 +147,7 @@ TEST_F(Ipc, APointerCucacheDoesNotHandOutIsRefusedByName) {
 }
 
 TEST_F(Ipc, AMalformedHandleIsRefusedBeforeAnythingIsOpened) {
-  void* p = alloc(4 * k_mib);
+  void* p = alloc(4 * MiB);
   cucacheIpcHandle h{};
   ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
   void* q = reinterpret_cast<void*>(1);
@@ -177,7 +172,7 @@ TEST_F(Ipc, AMalformedHandleIsRefusedBeforeAnythingIsOpened) {
 }
 
 TEST_F(Ipc, TheExporterMayFreeAndAReleasedSegmentsHandleNamesNothing) {
-  void* p = alloc(4 * k_mib);
+  void* p = alloc(4 * MiB);
   cucacheIpcHandle h{};
   ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
   void* q = nullptr;
@@ -195,8 +190,8 @@ TEST_F(Ipc, TheExporterMayFreeAndAReleasedSegmentsHandleNamesNothing) {
 }
 
 TEST_F(Ipc, ALiveExportedBlockKeepsItsSegmentThroughEmptyCache) {
-  void* p = alloc(4 * k_mib);
-  void* other = alloc(30 * k_mib);  // a segment of its own
+  void* p = alloc(4 * MiB);
+  void* other = alloc(30 * MiB);  // a segment of its own
   cucacheIpcHandle h{};
   ASSERT_EQ(cucacheIpcGetHandle(&h, p), cudaSuccess) << last();
   EXPECT_EQ(cucacheFree(other), cudaSuccess);
@@ -210,7 +205,7 @@ TEST_F(Ipc, ALiveExportedBlockKeepsItsSegmentThroughEmptyCache) {
 
 TEST_F(Ipc, ExpandableSegmentsAreRefusedWithoutIpcHandles) {
   fresh("expandable_segments:True");
-  void* p = alloc(4 * k_mib);
+  void* p = alloc(4 * MiB);
   cucacheIpcHandle h{};
   h.magic = 0xdeadbeef;
   EXPECT_EQ(cucacheIpcGetHandle(&h, p), cudaErrorNotSupported);
@@ -223,29 +218,29 @@ TEST_F(Ipc, ExpandableSegmentsAreRefusedWithoutIpcHandles) {
 
 TEST_F(Ipc, ExpandableBlocksTravelAsFileDescriptorsOverAUnixSocket) {
   fresh("expandable_segments:True,ipc_handles:True");
-  char* a = static_cast<char*>(alloc(4 * k_mib));
-  char* b = static_cast<char*>(alloc(4 * k_mib));
+  char* a = static_cast<char*>(alloc(4 * MiB));
+  char* b = static_cast<char*>(alloc(4 * MiB));
   cucacheIpcHandle h{};
   ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << last();
   EXPECT_EQ(h.kind, cucacheIpcKindFileDescriptors);
-  EXPECT_EQ(h.size, 4 * k_mib);
+  EXPECT_EQ(h.size, 4 * MiB);
   // b follows a in the range; its two 2 MiB pages were backed by a handle each.
-  EXPECT_EQ(b, a + 4 * k_mib);
+  EXPECT_EQ(b, a + 4 * MiB);
   ASSERT_EQ(h.pieceCount, 2);
   EXPECT_EQ(h.offset, 0u);
-  EXPECT_EQ(h.span, 4 * k_mib);
+  EXPECT_EQ(h.span, 4 * MiB);
   std::uint64_t total = 0;
   for (int i = 0; i < h.pieceCount; ++i) {
     EXPECT_GE(h.fds[i], 0);
-    EXPECT_EQ(h.pieceBytes[i] % (2 * k_mib), 0u);
+    EXPECT_EQ(h.pieceBytes[i] % (2 * MiB), 0u);
     total += h.pieceBytes[i];
   }
   EXPECT_EQ(total, h.span);
   EXPECT_LE(h.offset + h.size, h.span);
   EXPECT_EQ(sim().calls(sim_call::phys_export_fd), static_cast<std::uint64_t>(h.pieceCount));
   // The simulated device's host view is per physical handle: fill each page through its own.
-  for (std::size_t off = 0; off < 4 * k_mib; off += 2 * k_mib) {
-    std::memset(sim().host_view(b + off, 2 * k_mib), 0x3c, 2 * k_mib);
+  for (std::size_t off = 0; off < 4 * MiB; off += 2 * MiB) {
+    std::memset(sim().host_view(b + off, 2 * MiB), 0x3c, 2 * MiB);
   }
 
   int sv[2];
@@ -265,15 +260,15 @@ TEST_F(Ipc, ExpandableBlocksTravelAsFileDescriptorsOverAUnixSocket) {
   EXPECT_EQ(cucacheIpcReleaseFds(&r), cudaSuccess);  // the mapping keeps the memory
   EXPECT_NE(q, static_cast<void*>(b));
   EXPECT_EQ(sim().live_mappings(), mappings + static_cast<std::size_t>(r.pieceCount));
-  std::byte* seen = sim().host_view(q, 2 * k_mib);
-  std::byte* seen_last = sim().host_view(static_cast<char*>(q) + 2 * k_mib, 2 * k_mib);
+  std::byte* seen = sim().host_view(q, 2 * MiB);
+  std::byte* seen_last = sim().host_view(static_cast<char*>(q) + 2 * MiB, 2 * MiB);
   ASSERT_NE(seen, nullptr);
   ASSERT_NE(seen_last, nullptr);
   EXPECT_EQ(seen[0], std::byte{0x3c});
-  EXPECT_EQ(seen_last[2 * k_mib - 1], std::byte{0x3c});
+  EXPECT_EQ(seen_last[2 * MiB - 1], std::byte{0x3c});
   seen[9] = std::byte{0x77};
   EXPECT_EQ(sim().host_view(b, 16)[9], std::byte{0x77});
-  EXPECT_TRUE(sim().device_can_access(0, q, 4 * k_mib));
+  EXPECT_TRUE(sim().device_can_access(0, q, 4 * MiB));
   EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
   EXPECT_EQ(sim().live_mappings(), mappings);
   EXPECT_EQ(cucacheIpcCloseHandle(q), cudaErrorInvalidValue);
@@ -289,22 +284,22 @@ TEST_F(Ipc, AChunkedExpandableBlockTravelsAsOnePiecePerChunk) {
   // and 22 pages (pager::k_max_chunk_pages, k_min_chunked_pages): five pieces, where one handle
   // per page would have made 150, past the 16 a handle carries.
   fresh("expandable_segments:True,ipc_handles:True");
-  char* b = static_cast<char*>(alloc(300 * k_mib));
+  char* b = static_cast<char*>(alloc(300 * MiB));
   cucacheIpcHandle h{};
   ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << last();
   ASSERT_EQ(h.pieceCount, 5);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(h.pieceBytes[i], 64 * k_mib);
-  EXPECT_EQ(h.pieceBytes[4], 44 * k_mib);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(h.pieceBytes[i], 64 * MiB);
+  EXPECT_EQ(h.pieceBytes[4], 44 * MiB);
   EXPECT_EQ(h.offset, 0u);
-  EXPECT_EQ(h.span, 300 * k_mib);
+  EXPECT_EQ(h.span, 300 * MiB);
   void* q = nullptr;
   const std::size_t mappings = sim().live_mappings();
   ASSERT_EQ(cucacheIpcOpenHandle(&q, &h), cudaSuccess) << last();
   EXPECT_EQ(sim().live_mappings(), mappings + 5);
   // The same memory: a byte written through the import, 100 MiB in (the second chunk), is read
   // through the export.
-  sim().host_view(static_cast<char*>(q) + 100 * k_mib, 16)[3] = std::byte{0x5a};
-  EXPECT_EQ(sim().host_view(b + 100 * k_mib, 16)[3], std::byte{0x5a});
+  sim().host_view(static_cast<char*>(q) + 100 * MiB, 16)[3] = std::byte{0x5a};
+  EXPECT_EQ(sim().host_view(b + 100 * MiB, 16)[3], std::byte{0x5a});
   EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
   EXPECT_EQ(cucacheIpcReleaseFds(&h), cudaSuccess);
   EXPECT_EQ(cucacheFree(b), cudaSuccess);
@@ -329,33 +324,33 @@ TEST_F(Ipc, ARecvOfSomethingElseIsRefusedAndLeaksNoDescriptor) {
 
 TEST_F(Ipc, ExpandableMappingsAreAccessibleToEveryPeerByDefault) {
   fresh("expandable_segments:True", "2");
-  void* p = get(0).allocate(4 * k_mib);
-  void* q = get(1).allocate(4 * k_mib);
+  void* p = get(0).allocate(4 * MiB);
+  void* q = get(1).allocate(4 * MiB);
   EXPECT_EQ(sim(0).access_devices(), (std::vector<int>{0, 1}));
   EXPECT_EQ(sim(1).access_devices(), (std::vector<int>{1, 0}));
-  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * k_mib));
-  EXPECT_TRUE(sim(0).device_can_access(1, p, 4 * k_mib));
-  EXPECT_TRUE(sim(1).device_can_access(0, q, 4 * k_mib));
-  EXPECT_TRUE(sim(1).device_can_access(1, q, 4 * k_mib));
-  EXPECT_FALSE(sim(0).device_can_access(2, p, 4 * k_mib));
+  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * MiB));
+  EXPECT_TRUE(sim(0).device_can_access(1, p, 4 * MiB));
+  EXPECT_TRUE(sim(1).device_can_access(0, q, 4 * MiB));
+  EXPECT_TRUE(sim(1).device_can_access(1, q, 4 * MiB));
+  EXPECT_FALSE(sim(0).device_can_access(2, p, 4 * MiB));
   get(0).deallocate(p);
   get(1).deallocate(q);
 }
 
 TEST_F(Ipc, PeerAccessNoneKeepsMappingsToTheirDevice) {
   fresh("expandable_segments:True,peer_access:none", "2");
-  void* p = get(0).allocate(4 * k_mib);
+  void* p = get(0).allocate(4 * MiB);
   EXPECT_EQ(sim(0).access_devices(), (std::vector<int>{0}));
-  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * k_mib));
-  EXPECT_FALSE(sim(0).device_can_access(1, p, 4 * k_mib));
+  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * MiB));
+  EXPECT_FALSE(sim(0).device_can_access(1, p, 4 * MiB));
   get(0).deallocate(p);
 }
 
 TEST_F(Ipc, DefaultModeSegmentsAreNotMappingsAndStayTheirDevices) {
   fresh(nullptr, "2");
-  void* p = get(0).allocate(4 * k_mib);
-  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * k_mib));
-  EXPECT_FALSE(sim(0).device_can_access(1, p, 4 * k_mib))
+  void* p = get(0).allocate(4 * MiB);
+  EXPECT_TRUE(sim(0).device_can_access(0, p, 4 * MiB));
+  EXPECT_FALSE(sim(0).device_can_access(1, p, 4 * MiB))
       << "cudaMalloc memory follows cudaDeviceEnablePeerAccess, which the sim does not model";
   EXPECT_EQ(sim(0).calls(sim_call::set_access), 0u);
   get(0).deallocate(p);
@@ -372,12 +367,12 @@ TEST(PeerAccess, AutoSkipsADeviceThatCannotAccessAndAllRefusesIt) {
     auto b = std::make_shared<sim_backend>(o);
     device_allocator a(b, cfg);
     EXPECT_EQ(b->access_devices(), (std::vector<int>{0, 2}));
-    void* p = a.allocate(4 * k_mib);
-    EXPECT_TRUE(b->device_can_access(0, p, 4 * k_mib));
-    EXPECT_FALSE(b->device_can_access(1, p, 4 * k_mib));
-    EXPECT_TRUE(b->device_can_access(2, p, 4 * k_mib));
+    void* p = a.allocate(4 * MiB);
+    EXPECT_TRUE(b->device_can_access(0, p, 4 * MiB));
+    EXPECT_FALSE(b->device_can_access(1, p, 4 * MiB));
+    EXPECT_TRUE(b->device_can_access(2, p, 4 * MiB));
     // Not a byte more than is mapped.
-    EXPECT_FALSE(b->device_can_access(0, static_cast<char*>(p) - 1, 4 * k_mib));
+    EXPECT_FALSE(b->device_can_access(0, static_cast<char*>(p) - 1, 4 * MiB));
     a.deallocate(p);
   }
   cfg.peer_access = peer_access_mode::all;

@@ -22,24 +22,20 @@
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/sim_backend.hpp"
+#include "support/sim_registry.hpp"
 
 namespace cucache {
 namespace {
 
-constexpr std::size_t k_mib = std::size_t{1} << 20;
-
-stream_handle fake_stream(std::uintptr_t n) {
-  return reinterpret_cast<stream_handle>(n << 8);
-}
+using test::fake_stream;
+using test::MiB;
 
 class MultiDevice : public ::testing::Test {
  protected:
   void SetUp() override {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
     ::setenv("CUCACHE_SIM_DEVICES", "2", 1);
     ::setenv("CUCACHE_SIM_HOST_MEMORY", "1", 1);
-    ::unsetenv("CUCACHE_CONF");
-    detail::reset_for_testing();
+    test::use_sim_registry();
   }
   void TearDown() override {
     detail::reset_for_testing();
@@ -66,21 +62,21 @@ bool same(const cucacheStats& a, const cucacheStats& b) {
 
 TEST_F(MultiDevice, RecordStreamAndFreeOfAnotherDevicesPointerThroughTheCApi) {
   // The sim's current device is always 0: device 1's block comes from its allocator.
-  void* p = get(1).allocate(4 * k_mib, fake_stream(1));
+  void* p = get(1).allocate(4 * MiB, fake_stream(1));
   ASSERT_NE(p, nullptr);
   EXPECT_EQ(cucacheRecordStream(p, reinterpret_cast<cudaStream_t>(fake_stream(2))), cudaSuccess)
       << cucacheGetLastErrorMessage();
   EXPECT_EQ(cucacheFree(p), cudaSuccess) << cucacheGetLastErrorMessage();
   cucacheStats s1 = stats(1);
   EXPECT_EQ(s1.allocationCount, 0u);
-  EXPECT_EQ(s1.activeBytes, 4 * k_mib) << "pending until stream 2 catches up";
+  EXPECT_EQ(s1.activeBytes, 4 * MiB) << "pending until stream 2 catches up";
   EXPECT_EQ(sim(1).pending_events(), 1u);
   EXPECT_EQ(sim(0).calls(sim_call::event_record), 0u) << "device 0 recorded nothing";
   // Not reusable on its stream until then.
-  void* q = get(1).allocate(4 * k_mib, fake_stream(1));
+  void* q = get(1).allocate(4 * MiB, fake_stream(1));
   EXPECT_NE(q, p);
   sim(1).complete_stream(fake_stream(2));
-  void* r = get(1).allocate(4 * k_mib, fake_stream(1));
+  void* r = get(1).allocate(4 * MiB, fake_stream(1));
   EXPECT_EQ(r, p);
   // A stream-ordered free of device 1's pointer, through the C API as well.
   EXPECT_EQ(cucacheFreeAsync(q, reinterpret_cast<cudaStream_t>(fake_stream(3))), cudaSuccess)
@@ -90,7 +86,7 @@ TEST_F(MultiDevice, RecordStreamAndFreeOfAnotherDevicesPointerThroughTheCApi) {
   EXPECT_EQ(cucacheRecordStream(r, nullptr), cudaErrorInvalidValue);
   s1 = stats(1);
   EXPECT_EQ(s1.allocationCount, 0u);
-  EXPECT_EQ(s1.activeBytes, 4 * k_mib) << "q waits for stream 3";
+  EXPECT_EQ(s1.activeBytes, 4 * MiB) << "q waits for stream 3";
   const cucacheStats s0 = stats(0);
   EXPECT_EQ(s0.allocationCount, 0u);
   EXPECT_EQ(s0.reservedBytes, 0u);
@@ -101,8 +97,8 @@ TEST_F(MultiDevice, RecordStreamAndFreeOfAnotherDevicesPointerThroughTheCApi) {
 
 TEST_F(MultiDevice, ABadFreeOfAnotherDevicesPointerNamesThatDevice) {
   // The current device is 0 (its allocator exists); the pointer is device 1's, already freed.
-  get(0).deallocate(get(0).allocate(k_mib));
-  void* p = get(1).allocate(4 * k_mib, fake_stream(1));
+  get(0).deallocate(get(0).allocate(MiB));
+  void* p = get(1).allocate(4 * MiB, fake_stream(1));
   ASSERT_EQ(cucacheFree(p), cudaSuccess) << cucacheGetLastErrorMessage();
   EXPECT_EQ(cucacheFree(p), cudaErrorInvalidValue);
   std::string why = cucacheGetLastErrorMessage();
@@ -114,7 +110,7 @@ TEST_F(MultiDevice, ABadFreeOfAnotherDevicesPointerNamesThatDevice) {
   EXPECT_EQ(why.find("the call was for device"), std::string::npos) << why;
   EXPECT_NE(why.find("the current device is 0"), std::string::npos) << why;
   // An interior pointer of device 1's live allocation, through the C++ API.
-  void* q = get(1).allocate(4 * k_mib, fake_stream(1));
+  void* q = get(1).allocate(4 * MiB, fake_stream(1));
   try {
     cucache::free(static_cast<char*>(q) + 256);
     ADD_FAILURE() << "an interior free succeeded";
@@ -139,16 +135,16 @@ TEST_F(MultiDevice, ABadFreeOfAnotherDevicesPointerNamesThatDevice) {
 
 TEST_F(MultiDevice, StatsAndSummariesArePerDevice) {
   void* a = get(0).allocate(1000);
-  void* b = get(1).allocate(5 * k_mib);
-  void* c = get(1).allocate(5 * k_mib);
+  void* b = get(1).allocate(5 * MiB);
+  void* c = get(1).allocate(5 * MiB);
   const cucacheStats s0 = stats(0);
   const cucacheStats s1 = stats(1);
   EXPECT_EQ(s0.allocatedBytes, 1024u);
-  EXPECT_EQ(s0.reservedBytes, 2 * k_mib);
+  EXPECT_EQ(s0.reservedBytes, 2 * MiB);
   EXPECT_EQ(s0.allocationCount, 1u);
   EXPECT_EQ(s0.segmentCount, 1u);
-  EXPECT_EQ(s1.allocatedBytes, 10 * k_mib);
-  EXPECT_EQ(s1.reservedBytes, 20 * k_mib);
+  EXPECT_EQ(s1.allocatedBytes, 10 * MiB);
+  EXPECT_EQ(s1.reservedBytes, 20 * MiB);
   EXPECT_EQ(s1.allocationCount, 2u);
   EXPECT_EQ(s1.segmentCount, 1u);
   std::array<char, 8192> text{};
@@ -165,28 +161,28 @@ TEST_F(MultiDevice, StatsAndSummariesArePerDevice) {
   // Resetting one device's peaks leaves the other's.
   cucache::free(c);
   EXPECT_EQ(cucacheResetPeakStats(1), cudaSuccess);
-  EXPECT_EQ(stats(1).allocatedBytesPeak, 5 * k_mib);
+  EXPECT_EQ(stats(1).allocatedBytesPeak, 5 * MiB);
   EXPECT_EQ(stats(0).allocatedBytesPeak, 1024u);
   cucache::free(a);
   cucache::free(b);
 }
 
 TEST_F(MultiDevice, OutOfMemoryOnOneDeviceLeavesTheOtherUntouched) {
-  void* a = get(0).allocate(8 * k_mib);
-  void* b = get(1).allocate(8 * k_mib);
-  sim(1).set_capacity(64 * k_mib);
+  void* a = get(0).allocate(8 * MiB);
+  void* b = get(1).allocate(8 * MiB);
+  sim(1).set_capacity(64 * MiB);
   const cucacheStats before0 = stats(0);
   const cucacheStats before1 = stats(1);
-  EXPECT_THROW((void)get(1).allocate(100 * k_mib), out_of_memory);
+  EXPECT_THROW((void)get(1).allocate(100 * MiB), out_of_memory);
   EXPECT_TRUE(same(stats(0), before0)) << "device 0's statistics changed";
   EXPECT_EQ(sim(0).calls(sim_call::segment_malloc), 1u) << "device 0 was asked for nothing";
   EXPECT_EQ(sim(0).calls(sim_call::segment_free), 0u);
   const cucacheStats after1 = stats(1);
   EXPECT_EQ(after1.oomCount, before1.oomCount + 1);
   EXPECT_EQ(after1.allocationCount, 1u) << "device 1's live block survives its OOM";
-  EXPECT_EQ(get(1).allocation_size(b), 8 * k_mib);
+  EXPECT_EQ(get(1).allocation_size(b), 8 * MiB);
   // Device 0 still serves what device 1 cannot.
-  void* big = get(0).allocate(100 * k_mib);
+  void* big = get(0).allocate(100 * MiB);
   EXPECT_NE(big, nullptr);
   EXPECT_EQ(stats(1).oomCount, before1.oomCount + 1);
   cucache::free(big);
@@ -238,7 +234,7 @@ TEST_F(MultiDevice, EightThreadsOnTwoDevicesKeepEveryBlocksContents) {
           check_and_free(static_cast<std::size_t>(rng() % held.size()), op);
           continue;
         }
-        const std::size_t n = 1 + rng() % (rng() % 4 == 0 ? 12 * k_mib : 64 * 1024);
+        const std::size_t n = 1 + rng() % (rng() % 4 == 0 ? 12 * MiB : 64 * 1024);
         void* p = a.allocate(n, stream);
         const auto tag = static_cast<unsigned char>((t << 5) ^ op);
         std::byte* h = s.host_view(p, n);

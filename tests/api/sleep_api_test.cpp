@@ -18,10 +18,11 @@
 #include "cucache/cucache.hpp"
 #include "cucache/observe.hpp"
 #include "cucache/sim_backend.hpp"
+#include "support/sim_registry.hpp"
 
 namespace {
 
-constexpr std::size_t k_mib = std::size_t{1} << 20;
+using cucache::test::MiB;
 
 std::string fmt_ptr(const void* p) {
   char buf[32];
@@ -38,11 +39,7 @@ class SleepApi : public ::testing::Test {
     ::unsetenv("CUCACHE_SIM_HOST_MEMORY");
     restore("");
   }
-  static void restore(const char* conf) {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::setenv("CUCACHE_CONF", conf, 1);
-    cucache::detail::reset_for_testing();
-  }
+  static void restore(const char* conf) { cucache::test::use_sim_registry(conf); }
   static cucacheStats stats() {
     cucacheStats s{};
     EXPECT_EQ(cucacheGetStats(0, &s), cudaSuccess) << cucacheGetLastErrorMessage();
@@ -61,21 +58,21 @@ class SleepApi : public ::testing::Test {
 TEST_F(SleepApi, SleepAndWakeATagThroughTheCApi) {
   ASSERT_EQ(cucacheMakeTagSleepable("train"), cudaSuccess) << message();
   void* untagged = nullptr;
-  ASSERT_EQ(cucacheMalloc(&untagged, 3 * k_mib), cudaSuccess);
-  void* w = alloc_under("train", 40 * k_mib);
+  ASSERT_EQ(cucacheMalloc(&untagged, 3 * MiB), cudaSuccess);
+  void* w = alloc_under("train", 40 * MiB);
   void* small = alloc_under("train", 4096);
   const cucacheStats before = stats();
-  EXPECT_EQ(before.reservedBytes, 4 * k_mib + 40 * k_mib + 2 * k_mib);
+  EXPECT_EQ(before.reservedBytes, 4 * MiB + 40 * MiB + 2 * MiB);
 
   ASSERT_EQ(cucacheSleep(0, "train", 1), cudaSuccess) << message();
   cucacheStats s = stats();
-  EXPECT_EQ(s.reservedBytes, 4 * k_mib);  // the untagged block's pages
-  EXPECT_EQ(s.sleepingBytes, 42 * k_mib);
-  EXPECT_EQ(s.sleepingHostBytes, 40 * k_mib + 4096);
+  EXPECT_EQ(s.reservedBytes, 4 * MiB);  // the untagged block's pages
+  EXPECT_EQ(s.sleepingBytes, 42 * MiB);
+  EXPECT_EQ(s.sleepingHostBytes, 40 * MiB + 4096);
   std::size_t dev = 0, host = 0;
   ASSERT_EQ(cucacheGetSleepingBytes(0, "train", &dev, &host), cudaSuccess);
-  EXPECT_EQ(dev, 42 * k_mib);
-  EXPECT_EQ(host, 40 * k_mib + 4096);
+  EXPECT_EQ(dev, 42 * MiB);
+  EXPECT_EQ(host, 40 * MiB + 4096);
   const std::string summary = cucache::memory_summary(0);
   EXPECT_NE(summary.find("Sleeping tags"), std::string::npos) << summary;
   EXPECT_NE(summary.find("Sleeping: 42.00 MiB released"), std::string::npos) << summary;
@@ -105,12 +102,12 @@ TEST_F(SleepApi, EveryMisuseIsItsErrorWithNothingChanged) {
   EXPECT_EQ(cucacheMakeTagSleepable(""), cudaErrorInvalidValue);
 
   // A tag that is not sleepable.
-  void* plain = alloc_under("plain", k_mib);
+  void* plain = alloc_under("plain", MiB);
   EXPECT_EQ(cucacheSleep(0, "plain", 1), cudaErrorInvalidValue);
   EXPECT_NE(message().find("tag 'plain' is not sleepable"), std::string::npos) << message();
 
   // Blocks allocated under a tag before it was made sleepable share pages: refused.
-  void* early = alloc_under("late", k_mib);
+  void* early = alloc_under("late", MiB);
   ASSERT_EQ(cucacheMakeTagSleepable("late"), cudaSuccess);
   EXPECT_EQ(cucacheSleep(0, "late", 1), cudaErrorInvalidValue);
   EXPECT_NE(message().find("allocated before make_sleepable"), std::string::npos) << message();
@@ -119,7 +116,7 @@ TEST_F(SleepApi, EveryMisuseIsItsErrorWithNothingChanged) {
   EXPECT_EQ(cucacheWake(0, "late"), cudaSuccess) << message();
 
   ASSERT_EQ(cucacheMakeTagSleepable("infer"), cudaSuccess);
-  void* kv = alloc_under("infer", 8 * k_mib);
+  void* kv = alloc_under("infer", 8 * MiB);
   EXPECT_EQ(cucacheWake(0, "infer"), cudaErrorInvalidValue);
   EXPECT_NE(message().find("is not asleep"), std::string::npos) << message();
   ASSERT_EQ(cucacheSleep(0, "infer", 0), cudaSuccess) << message();
@@ -130,14 +127,14 @@ TEST_F(SleepApi, EveryMisuseIsItsErrorWithNothingChanged) {
   EXPECT_NE(message().find("tag 'infer', which is asleep"), std::string::npos) << message();
   ASSERT_EQ(cucachePushTag("infer"), cudaSuccess);
   void* p = nullptr;
-  EXPECT_EQ(cucacheMalloc(&p, k_mib), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheMalloc(&p, MiB), cudaErrorInvalidValue);
   EXPECT_NE(message().find("tag 'infer' is asleep"), std::string::npos) << message();
   // A nested tag that is not sleepable places normally; popping back to "infer" refuses again.
   ASSERT_EQ(cucachePushTag("plain"), cudaSuccess);
-  EXPECT_EQ(cucacheMalloc(&p, k_mib), cudaSuccess) << message();
+  EXPECT_EQ(cucacheMalloc(&p, MiB), cudaSuccess) << message();
   EXPECT_EQ(cucacheFree(p), cudaSuccess);
   ASSERT_EQ(cucachePopTag(), cudaSuccess);
-  EXPECT_EQ(cucacheMalloc(&p, k_mib), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheMalloc(&p, MiB), cudaErrorInvalidValue);
   ASSERT_EQ(cucachePopTag(), cudaSuccess);
   const cucacheStats after = stats();
   EXPECT_EQ(after.allocatedBytes, asleep.allocatedBytes);
@@ -152,16 +149,16 @@ TEST_F(SleepApi, EveryMisuseIsItsErrorWithNothingChanged) {
 TEST_F(SleepApi, WakeWithoutRoomSaysHowMuchIsMissing) {
   restore("expandable_segments:True,memory_limit:64MiB");
   ASSERT_EQ(cucacheMakeTagSleepable("gen"), cudaSuccess);
-  void* kv = alloc_under("gen", 30 * k_mib);
+  void* kv = alloc_under("gen", 30 * MiB);
   ASSERT_EQ(cucacheSleep(0, "gen", 1), cudaSuccess) << message();
   void* other = nullptr;
-  ASSERT_EQ(cucacheMalloc(&other, 50 * k_mib), cudaSuccess) << message();
+  ASSERT_EQ(cucacheMalloc(&other, 50 * MiB), cudaSuccess) << message();
   EXPECT_EQ(cucacheWake(0, "gen"), cudaErrorMemoryAllocation);
   EXPECT_NE(message().find("needs 30.00 MiB"), std::string::npos) << message();
   EXPECT_NE(message().find("16.00 MiB missing"), std::string::npos) << message();
   std::size_t dev = 0, host = 0;
   ASSERT_EQ(cucacheGetSleepingBytes(0, "gen", &dev, &host), cudaSuccess);
-  EXPECT_EQ(dev, 30 * k_mib);
+  EXPECT_EQ(dev, 30 * MiB);
   ASSERT_EQ(cucacheFree(other), cudaSuccess);
   ASSERT_EQ(cucacheWake(0, "gen"), cudaSuccess) << message();
   EXPECT_EQ(cucacheFree(kv), cudaSuccess);
@@ -170,7 +167,7 @@ TEST_F(SleepApi, WakeWithoutRoomSaysHowMuchIsMissing) {
 TEST_F(SleepApi, DefaultModeIsRefused) {
   restore("");
   ASSERT_EQ(cucacheMakeTagSleepable("train"), cudaSuccess);
-  void* p = alloc_under("train", k_mib);
+  void* p = alloc_under("train", MiB);
   EXPECT_EQ(cucacheSleep(0, "train", 1), cudaErrorNotSupported);
   EXPECT_NE(message().find("needs expandable segments"), std::string::npos) << message();
   EXPECT_EQ(cucacheFree(p), cudaSuccess);
@@ -218,8 +215,8 @@ TEST_F(SleepApi, ATagWithAnExportedBlockRefusesToSleepNamingTheBlock) {
   ::setenv("CUCACHE_SIM_HOST_MEMORY", "1", 1);
   restore("expandable_segments:True,ipc_handles:True");
   ASSERT_EQ(cucacheMakeTagSleepable("shared"), cudaSuccess);
-  void* b = alloc_under("shared", 4 * k_mib);
-  void* quiet = alloc_under("shared", 2 * k_mib);
+  void* b = alloc_under("shared", 4 * MiB);
+  void* quiet = alloc_under("shared", 2 * MiB);
   cucacheIpcHandle h{};
   ASSERT_EQ(cucacheIpcGetHandle(&h, b), cudaSuccess) << message();
   void* q = nullptr;
@@ -242,7 +239,7 @@ TEST_F(SleepApi, ATagWithAnExportedBlockRefusesToSleepNamingTheBlock) {
   // carved again at its address is not exported.
   ASSERT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << message();
   ASSERT_EQ(cucacheFree(b), cudaSuccess) << message();
-  void* again = alloc_under("shared", 4 * k_mib);
+  void* again = alloc_under("shared", 4 * MiB);
   EXPECT_EQ(again, b);
   ASSERT_EQ(cucacheSleep(0, "shared", 1), cudaSuccess) << message();
   ASSERT_EQ(cucacheWake(0, "shared"), cudaSuccess) << message();
@@ -254,7 +251,7 @@ TEST_F(SleepApi, ATagWithAnExportedBlockRefusesToSleepNamingTheBlock) {
 TEST_F(SleepApi, SmallMisusesNameTheirProblem) {
   restore("expandable_segments:True,ipc_handles:True");
   ASSERT_EQ(cucacheMakeTagSleepable("nap"), cudaSuccess);
-  void* p = alloc_under("nap", 2 * k_mib);
+  void* p = alloc_under("nap", 2 * MiB);
   ASSERT_EQ(cucacheSleep(0, "nap", 1), cudaSuccess) << message();
   // An IPC handle of a sleeping block: the block is live, its tag asleep.
   cucacheIpcHandle h{};
@@ -270,7 +267,7 @@ TEST_F(SleepApi, SmallMisusesNameTheirProblem) {
   EXPECT_NE(message().find("device"), std::string::npos) << message();
   EXPECT_EQ(cucacheGetSleepingBytes(-1, "nap", &dev, &host), cudaErrorInvalidDevice);
   ASSERT_EQ(cucacheGetSleepingBytes(0, "nap", &dev, &host), cudaSuccess) << message();
-  EXPECT_EQ(dev, 2 * k_mib);
+  EXPECT_EQ(dev, 2 * MiB);
   ASSERT_EQ(cucacheWake(0, "nap"), cudaSuccess) << message();
   EXPECT_EQ(cucacheRecordStream(p, reinterpret_cast<cudaStream_t>(0x5150)), cudaSuccess)
       << message();

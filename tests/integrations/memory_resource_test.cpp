@@ -18,6 +18,7 @@
 #include "cucache/cucache.hpp"
 #include "cucache/device_allocator.hpp"
 #include "cucache/sim_backend.hpp"
+#include "support/sim_device.hpp"
 
 #if CCCL_MAJOR_VERSION > 3 || (CCCL_MAJOR_VERSION == 3 && CCCL_MINOR_VERSION >= 1)
 #define CUCACHE_TEST_CCCL_NEW_NAMES 1
@@ -56,9 +57,7 @@ std::uintptr_t addr(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p);
 }
 // The simulator's streams are opaque handles: nothing is ever run on them.
-cudaStream_t fake_stream(std::uintptr_t n) {
-  return reinterpret_cast<cudaStream_t>(n << 8);
-}
+constexpr auto fake_stream = &cucache::test::fake_stream<cudaStream_t>;
 
 // The stream-ordered calls under either generation's names.
 #if CUCACHE_TEST_CCCL_NEW_NAMES

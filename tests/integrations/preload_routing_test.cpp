@@ -20,6 +20,7 @@
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_registry.hpp"
 
 namespace {
 
@@ -127,10 +128,8 @@ class PreloadRouting : public ::testing::Test {
   void SetUp() override { restore(); }
   void TearDown() override { restore(); }
   static void restore() {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::unsetenv("CUCACHE_CONF");
     ::unsetenv("CUCACHE_PRELOAD_FREE");
-    cucache::detail::reset_for_testing();
+    cucache::test::use_sim_registry();
     g_calls = {};
   }
   const real_driver real = fake_driver();

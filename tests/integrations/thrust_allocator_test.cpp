@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "cucache/cucache.hpp"
+#include "support/sim_device.hpp"
 
 namespace {
 
@@ -27,9 +28,7 @@ static_assert(noexcept(std::declval<thrust_allocator&>().deallocate(nullptr, std
 static_assert(std::is_nothrow_copy_constructible<thrust_allocator>::value, "");
 static_assert(std::is_nothrow_default_constructible<thrust_allocator>::value, "");
 
-cudaStream_t fake_stream(std::uintptr_t n) {
-  return reinterpret_cast<cudaStream_t>(n << 8);
-}
+constexpr auto fake_stream = &cucache::test::fake_stream<cudaStream_t>;
 
 class Thrust : public ::testing::Test {
  protected:

@@ -19,6 +19,7 @@
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
+#include "support/sim_registry.hpp"
 
 namespace cucache {
 
@@ -33,11 +34,8 @@ namespace cucache {
 namespace {
 
 using nlohmann::json;
-constexpr std::size_t k_mib = std::size_t{1} << 20;
-
-stream_handle fake_stream(std::uintptr_t n) {
-  return reinterpret_cast<stream_handle>(n << 8);
-}
+using test::fake_stream;
+using test::MiB;
 
 class Observe : public ::testing::Test {
  protected:
@@ -46,15 +44,8 @@ class Observe : public ::testing::Test {
     while (!current_tag().empty()) pop_tag();
     restore();
   }
-  static void restore() {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::unsetenv("CUCACHE_CONF");
-    detail::reset_for_testing();
-  }
-  static void conf(const char* text) {
-    ::setenv("CUCACHE_CONF", text, 1);
-    detail::reset_for_testing();
-  }
+  static void restore() { test::use_sim_registry(); }
+  static void conf(const char* text) { test::use_sim_registry(text); }
   static std::filesystem::path temp_dir() {
     auto d = std::filesystem::temp_directory_path() /
              ("cucache-observe-" + std::to_string(::getpid()));
@@ -151,8 +142,8 @@ std::vector<std::string> actions(const json& trace) {
 TEST_F(Observe, SnapshotHasEveryKeyOfPyTorchsSchemaAndItsInvariants) {
   conf("history:1000");
   void* small = cucache::malloc(1000);
-  void* big = cucache::malloc(3 * k_mib + 5);
-  void* other = cucache::malloc(2 * k_mib, fake_stream(1));
+  void* big = cucache::malloc(3 * MiB + 5);
+  void* other = cucache::malloc(2 * MiB, fake_stream(1));
   void* pending = cucache::malloc(4096);
   void* freed = cucache::malloc(8192);
   cucache::free(freed);
@@ -175,8 +166,8 @@ TEST_F(Observe, SnapshotHasEveryKeyOfPyTorchsSchemaAndItsInvariants) {
       if (b["state"] == "active_allocated") {
         ++n_alloc;
         if (b["address"].get<std::uintptr_t>() == reinterpret_cast<std::uintptr_t>(big)) {
-          EXPECT_EQ(b["requested_size"], 3 * k_mib + 5);
-          EXPECT_EQ(b["size"], 3 * k_mib + 512);
+          EXPECT_EQ(b["requested_size"], 3 * MiB + 5);
+          EXPECT_EQ(b["size"], 3 * MiB + 512);
         }
       }
       if (b["state"] == "active_pending_free") ++n_pending;
@@ -201,7 +192,7 @@ TEST_F(Observe, DeviceTraceRecordsSegmentsAllocationsFreesAndSnapshotsInOrder) {
   EXPECT_EQ(actions(trace), (std::vector<std::string>{"segment_alloc", "alloc", "free_requested",
                                                       "free_completed", "snapshot",
                                                       "segment_free"}));
-  EXPECT_EQ(trace[0]["size"], 2 * k_mib);
+  EXPECT_EQ(trace[0]["size"], 2 * MiB);
   EXPECT_EQ(trace[1]["addr"].get<std::uintptr_t>(), reinterpret_cast<std::uintptr_t>(p));
   EXPECT_EQ(trace[1]["size"], 1000u);
   EXPECT_EQ(trace[0]["addr"], trace[5]["addr"]);
@@ -230,11 +221,11 @@ TEST_F(Observe, WithoutHistoryTheTraceIsEmptyAndOomIsRecordedWithIt) {
   EXPECT_EQ(snap["device_traces"], json::array({json::array()}));
   cucache::free(p);
   conf("history:10,memory_limit:4MiB");
-  EXPECT_THROW(static_cast<void>(cucache::malloc(8 * k_mib)), out_of_memory);
+  EXPECT_THROW(static_cast<void>(cucache::malloc(8 * MiB)), out_of_memory);
   snap = json::parse(snapshot());
   const json& trace = snap["device_traces"][0];
   ASSERT_EQ(actions(trace), (std::vector<std::string>{"oom"}));
-  EXPECT_EQ(trace[0]["size"], 8 * k_mib);
+  EXPECT_EQ(trace[0]["size"], 8 * MiB);
   EXPECT_TRUE(trace[0].contains("device_free"));
   EXPECT_FALSE(trace[0].contains("addr"));
 }
@@ -279,10 +270,10 @@ TEST_F(Observe, ALoopThatLeaksOneBlockPerStepIsReported) {
   conf("leak_steps:3");
   std::vector<void*> leaked;
   for (std::size_t i = 0; i < 10; ++i) {
-    void* temp = cucache::malloc(4 * k_mib);
+    void* temp = cucache::malloc(4 * MiB);
     {
       scoped_tag t("leaky");
-      leaked.push_back(cucache::malloc((i + 1) * k_mib, fake_stream(3)));
+      leaked.push_back(cucache::malloc((i + 1) * MiB, fake_stream(3)));
     }
     cucache::free(temp);
     mark_step();
@@ -293,7 +284,7 @@ TEST_F(Observe, ALoopThatLeaksOneBlockPerStepIsReported) {
   for (std::size_t j = 0; j < c.size(); ++j) {
     const std::size_t i = 6 - j;  // largest first
     EXPECT_EQ(c[j].address, reinterpret_cast<std::uintptr_t>(leaked[i]));
-    EXPECT_EQ(c[j].size, (i + 1) * k_mib);
+    EXPECT_EQ(c[j].size, (i + 1) * MiB);
     EXPECT_EQ(c[j].step, i);
     EXPECT_EQ(c[j].steps_alive, 10 - i);
     EXPECT_EQ(c[j].stream, fake_stream(3));
@@ -307,7 +298,7 @@ TEST_F(Observe, ALoopThatLeaksOneBlockPerStepIsReported) {
   EXPECT_EQ(j["step"], 10);
   EXPECT_EQ(j["steps"], 8);
   ASSERT_EQ(j["candidates"].size(), 2u);
-  EXPECT_EQ(j["candidates"][0]["size"], 2 * k_mib);
+  EXPECT_EQ(j["candidates"][0]["size"], 2 * MiB);
   EXPECT_EQ(j["candidates"][0]["steps_alive"], 9);
   EXPECT_EQ(j["candidates"][0]["tag"], "leaky");
   // The C API: the same text.
@@ -324,9 +315,9 @@ TEST_F(Observe, ALoopThatLeaksOneBlockPerStepIsReported) {
 
 TEST_F(Observe, ASteadyLoopIsNotReportedEvenWithLongLivedWeights) {
   conf("leak_steps:2");
-  void* weights = cucache::malloc(64 * k_mib);
+  void* weights = cucache::malloc(64 * MiB);
   for (int i = 0; i < 10; ++i) {
-    void* a = cucache::malloc(8 * k_mib);
+    void* a = cucache::malloc(8 * MiB);
     void* b = cucache::malloc(1000);
     cucache::free(b);
     cucache::free(a);
@@ -555,7 +546,7 @@ TEST_F(Observe, MemorySummaryRowsAllHaveTheSameWidth) {
   void* b = nullptr;
   {
     scoped_tag t("train");
-    a = cucache::malloc(40 * k_mib);
+    a = cucache::malloc(40 * MiB);
   }
   {
     scoped_tag t("a tag whose name is longer than the tag column is wide");

@@ -9,8 +9,8 @@
 #include <random>
 #include <vector>
 
-#include "allocator/test_support.hpp"
 #include "cucache/config.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -24,9 +24,9 @@
 #include <tuple>
 #include <vector>
 
-#include "allocator/test_support.hpp"
 #include "core/size_policy.hpp"
 #include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -18,7 +18,7 @@
 #include <string>
 #include <unistd.h>
 
-#include "allocator/test_support.hpp"
+#include "support/sim_device.hpp"
 
 namespace cucache::test {
 namespace {

@@ -1,5 +1,7 @@
-// Shared fixtures for allocator tests: a simulated device and an allocator over it, with helpers
-// that read addresses and stats in the units the rules are written in.
+// Shared fixtures for the tests: a simulated device and an allocator over it, with helpers that
+// read addresses and stats in the units the rules are written in, fake stream handles and sizes.
+// The process-wide allocators on the simulated device (the api layer's registry) are in
+// support/sim_registry.hpp.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -29,6 +31,12 @@ inline constexpr std::uintptr_t k_base = 0x7f0000000000ULL;
 /// needs a third ordinary stream takes another id.
 inline stream_handle stream(std::uintptr_t id) {
   return reinterpret_cast<stream_handle>(id);
+}
+/// A stream handle the sim did not create, clear of the runtime's special handles: n << 8. As a
+/// cudaStream_t for the C API: fake_stream<cudaStream_t>(n).
+template <class S = stream_handle>
+inline S fake_stream(std::uintptr_t n) {
+  return reinterpret_cast<S>(n << 8);
 }
 inline std::uintptr_t addr(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p);
@@ -65,16 +73,16 @@ class shadow_blocks {
   [[nodiscard]] ::testing::AssertionResult add(std::uintptr_t addr, std::size_t size) {
     const auto next = live_.lower_bound(addr);
     if (next != live_.end() && addr + size > next->first) {
-      return ::testing::AssertionFailure() << "block at " << addr << " (" << size
-                                           << " bytes) overlaps the next live one at "
-                                           << next->first;
+      return ::testing::AssertionFailure()
+             << "block at " << addr << " (" << size << " bytes) overlaps the next live one at "
+             << next->first;
     }
     if (next != live_.begin()) {
       const auto prev = std::prev(next);
       if (prev->first + prev->second > addr) {
-        return ::testing::AssertionFailure() << "block at " << addr
-                                             << " overlaps the previous live one at "
-                                             << prev->first << " (" << prev->second << " bytes)";
+        return ::testing::AssertionFailure()
+               << "block at " << addr << " overlaps the previous live one at " << prev->first
+               << " (" << prev->second << " bytes)";
       }
     }
     live_.emplace(addr, size);

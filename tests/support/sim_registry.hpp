@@ -1,0 +1,26 @@
+// The process-wide allocators (cucache::get, the C API, the front ends) on the simulated device:
+// the environment the registry reads, set, and the registry rebuilt. With sim_device.hpp (sizes,
+// fake streams). Apart from sim_device.hpp because it reaches into the api layer
+// (api/registry.hpp), which the allocator tests do not need.
+#pragma once
+
+#include <cstdlib>
+
+#include "api/registry.hpp"
+#include "support/sim_device.hpp"
+
+namespace cucache::test {
+
+/// CUCACHE_BACKEND=sim, CUCACHE_CONF=`conf` (unset when null), and the registry rebuilt: the next
+/// call creates its allocators from that environment.
+inline void use_sim_registry(const char* conf = nullptr) {
+  ::setenv("CUCACHE_BACKEND", "sim", 1);
+  if (conf != nullptr) {
+    ::setenv("CUCACHE_CONF", conf, 1);
+  } else {
+    ::unsetenv("CUCACHE_CONF");
+  }
+  detail::reset_for_testing();
+}
+
+}  // namespace cucache::test
