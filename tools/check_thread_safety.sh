@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles the library -- the five layer libraries, nothing else -- with clang's thread-safety
-# analysis as errors (docs/testing.md, job "tsa"; docs/decisions/thread_safety_annotations.md
+# analysis as errors (docs/testing.md, job "tsa"; docs/decisions/0018-thread-safety-annotations.md
 # says what is annotated and where the analysis is switched off). Used by .ci/run; the same command
 # works by hand:
 #

@@ -3,7 +3,7 @@
 // read into the trace_event rows read_trace gives for a CSV trace, so that cucache-replay (plain,
 // --fit, --advise, --timeline) answers "does this job fit" from a snapshot. docs/replay.md,
 // "PyTorch memory snapshots", states every rule; the pickle is decoded by a strict reader of
-// plain data that executes nothing (docs/decisions/pickle_reader.md).
+// plain data that executes nothing (docs/decisions/0017-pickle-reader.md).
 #pragma once
 
 #if (defined(_MSVC_LANG) ? _MSVC_LANG : __cplusplus) < 201709L

@@ -14,7 +14,7 @@
 // never under mu_. `quiet_mu_` (a leaf) guards the queue of retirement candidates.
 // For clang's thread-safety analysis, "every pool locked" is the capability `every_pool`
 // (pool_mutex.hpp), held
-// while an all_locked lives (docs/decisions/thread_safety_annotations.md).
+// while an all_locked lives (docs/decisions/0018-thread-safety-annotations.md).
 #pragma once
 
 #include <atomic>

@@ -1,4 +1,4 @@
-// The lock rules as clang thread-safety annotations (docs/decisions/thread_safety_annotations.md):
+// The lock rules as clang thread-safety annotations (docs/decisions/0018-thread-safety-annotations.md):
 // the macros, and annotated mutexes and scoped locks to use them with. clang checks them under
 // -Wthread-safety (tools/check_thread_safety.sh, CI job "tsa"); other compilers see nothing.
 //

@@ -2,7 +2,7 @@
 // (a dict of lists, dicts, strings, numbers, booleans and None, pickled with protocol 2 to 5).
 //
 // It is a decoder, not an unpickler: it understands exactly the opcodes that build such values
-// (docs/decisions/pickle_reader.md lists them) and refuses every other one -- GLOBAL,
+// (docs/decisions/0017-pickle-reader.md lists them) and refuses every other one -- GLOBAL,
 // STACK_GLOBAL, REDUCE, BUILD, NEWOBJ, INST, OBJ, PERSID, EXT*, sets, bytearrays, the text
 // opcodes of protocol 0 -- with cucache::invalid_argument naming the opcode and its byte offset.
 // Nothing in the input is ever executed or looked up: a pickle that names a class or a callable
