@@ -166,9 +166,11 @@ def snapshot_case(torch, out):
     stats = torch.cuda.memory_stats()
     ok = ok and "active_bytes.all.current" in stats
     # Segment events as trace trackers (NCCL's registration) see them: in expandable mode the
-    # memory arrives by SEGMENT_MAP, elsewhere by SEGMENT_ALLOC. empty_cache() gives the cached
-    # memory back (SEGMENT_UNMAP / SEGMENT_FREE) while history is still on.
+    # new memory arrives by SEGMENT_MAP, elsewhere by SEGMENT_ALLOC (memory already cached and
+    # mapped makes no event, hence the empty_cache first). empty_cache() gives the cached memory
+    # back (SEGMENT_UNMAP / SEGMENT_FREE) while history is still on.
     del model, opt
+    torch.cuda.empty_cache()  # nothing cached: the next tensor's memory is new
     torch.cuda.memory._record_memory_history(max_entries=100000)
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     del x
