@@ -335,37 +335,31 @@ void registry::set_memory_fraction(int device, double fraction) {
 void registry::set_size_rules(std::string_view text) {
   // PyTorch's reset: max_split_size, roundup_power2_divisions and garbage_collection_threshold
   // go back to their defaults; max_non_split_rounding keeps its value unless given.
+  // Only size-rule keys, whatever their values (expandable_segments:False is no size rule either).
+  std::size_t depth = 0, at = 0;
+  const std::string t(text);
+  for (std::size_t i = 0; i <= t.size(); ++i) {
+    if (i < t.size() && t[i] == '[') ++depth;
+    if (i < t.size() && t[i] == ']' && depth > 0) --depth;
+    if (i < t.size() && (t[i] != ',' || depth != 0)) continue;
+    const std::size_t colon = t.find(':', at);
+    std::string key = t.substr(at, (colon < i ? colon : i) - at);
+    key.erase(0, key.find_first_not_of(" \t\n"));
+    key.erase(key.find_last_not_of(" \t\n") + 1);
+    if (!key.empty() && key != "max_split_size_mb" && key != "max_non_split_rounding_mb" &&
+        key != "roundup_power2_divisions" && key != "garbage_collection_threshold") {
+      throw invalid_argument(fmt::format(
+          "set_size_rules: '{}' is not a size rule that can change at run time (those are "
+          "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions and "
+          "garbage_collection_threshold)",
+          key));
+    }
+    at = i + 1;
+  }
   detail::lock_guard lock(create_mu_);
   config base;
   base.max_non_split_rounding = (size_rules_ ? *size_rules_ : cfg_).max_non_split_rounding;
   const config parsed = parse_config(text, base);
-  // Only size-rule keys: anything else differs from base.
-  config only_rules = base;
-  copy_size_rules(parsed, only_rules);
-  if (!(only_rules == parsed)) {
-    std::size_t depth = 0, at = 0;
-    std::string bad;
-    const std::string t(text);
-    for (std::size_t i = 0; i <= t.size() && bad.empty(); ++i) {
-      if (i < t.size() && t[i] == '[') ++depth;
-      if (i < t.size() && t[i] == ']' && depth > 0) --depth;
-      if (i == t.size() || (t[i] == ',' && depth == 0)) {
-        std::string key = t.substr(at, t.find(':', at) < i ? t.find(':', at) - at : i - at);
-        key.erase(0, key.find_first_not_of(" \t"));
-        key.erase(key.find_last_not_of(" \t") + 1);
-        if (!key.empty() && key != "max_split_size_mb" && key != "max_non_split_rounding_mb" &&
-            key != "roundup_power2_divisions" && key != "garbage_collection_threshold") {
-          bad = key;
-        }
-        at = i + 1;
-      }
-    }
-    throw invalid_argument(fmt::format(
-        "set_size_rules: '{}' is not a size rule that can change at run time (those are "
-        "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions and "
-        "garbage_collection_threshold)",
-        bad.empty() ? std::string(text) : bad));
-  }
   std::exception_ptr first_error;
   for (int d = 0; d < census_.count; ++d) {
     device_allocator* a = find(d);

@@ -590,6 +590,10 @@ TEST(TorchPlugin, SizeRulesChangeAtRunTimeAsPyTorchsSettingsDo) {
   EXPECT_NE(std::string(cucache_torch_last_error()).find("'expandable_segments' is not a size rule"),
             std::string::npos)
       << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_set_size_rules("expandable_segments:False"), -1);  // even its default
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("'expandable_segments' is not a size rule"),
+            std::string::npos)
+      << cucache_torch_last_error();
   EXPECT_EQ(cucache_torch_set_size_rules("roundup_power2_divisions:3"), -1);
   EXPECT_NE(std::string(cucache_torch_last_error()).find("roundup_power2_divisions"),
             std::string::npos)
