@@ -1066,28 +1066,13 @@ const config& device_allocator::get_config() const noexcept {
 namespace {
 
 /// The first key whose value differs between two configurations, by their CUCACHE_CONF strings
-/// (to_string writes only what differs from the defaults, key:value, comma-separated).
+/// (to_string writes only what differs from the defaults).
 std::string first_differing_key(const config& a, const config& b) {
-  auto entries = [](const config& c) {
-    std::vector<std::string> out;
-    const std::string text = to_string(c);
-    std::size_t at = 0;
-    int depth = 0;
-    for (std::size_t i = 0; i <= text.size(); ++i) {
-      if (i < text.size() && text[i] == '[') ++depth;
-      if (i < text.size() && text[i] == ']') --depth;
-      if (i == text.size() || (text[i] == ',' && depth == 0)) {
-        if (i > at) out.push_back(text.substr(at, i - at));
-        at = i + 1;
-      }
-    }
-    return out;
-  };
-  const std::vector<std::string> ea = entries(a), eb = entries(b);
+  const auto ea = config_entries(to_string(a)), eb = config_entries(to_string(b));
   for (const auto* side : {&ea, &eb}) {
     const auto& other = side == &ea ? eb : ea;
-    for (const std::string& e : *side) {
-      if (std::find(other.begin(), other.end(), e) == other.end()) return e.substr(0, e.find(':'));
+    for (const auto& e : *side) {
+      if (std::ranges::find(other, e) == other.end()) return e.first;
     }
   }
   return "a key";  // unreachable while to_string is exact

@@ -336,17 +336,8 @@ void registry::set_size_rules(std::string_view text) {
   // PyTorch's reset: max_split_size, roundup_power2_divisions and garbage_collection_threshold
   // go back to their defaults; max_non_split_rounding keeps its value unless given.
   // Only size-rule keys, whatever their values (expandable_segments:False is no size rule either).
-  std::size_t depth = 0, at = 0;
-  const std::string t(text);
-  for (std::size_t i = 0; i <= t.size(); ++i) {
-    if (i < t.size() && t[i] == '[') ++depth;
-    if (i < t.size() && t[i] == ']' && depth > 0) --depth;
-    if (i < t.size() && (t[i] != ',' || depth != 0)) continue;
-    const std::size_t colon = t.find(':', at);
-    std::string key = t.substr(at, (colon < i ? colon : i) - at);
-    key.erase(0, key.find_first_not_of(" \t\n"));
-    key.erase(key.find_last_not_of(" \t\n") + 1);
-    if (!key.empty() && key != "max_split_size_mb" && key != "max_non_split_rounding_mb" &&
+  for (const auto& [key, value] : config_entries(text)) {
+    if (key != "max_split_size_mb" && key != "max_non_split_rounding_mb" &&
         key != "roundup_power2_divisions" && key != "garbage_collection_threshold") {
       throw invalid_argument(fmt::format(
           "set_size_rules: '{}' is not a size rule that can change at run time (those are "
@@ -354,7 +345,6 @@ void registry::set_size_rules(std::string_view text) {
           "garbage_collection_threshold)",
           key));
     }
-    at = i + 1;
   }
   detail::lock_guard lock(create_mu_);
   config base;
