@@ -14,6 +14,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "cucache/backend.hpp"  // peer_access_mode
@@ -83,6 +84,12 @@ inline constexpr std::size_t k_roundup_power2_intervals = 64;
 /// PyTorch key cucache does not support, a duplicate key, an empty entry or a malformed value;
 /// never ignores anything silently. Empty or blank text returns base.
 [[nodiscard]] config parse_config(std::string_view text, config base = {});
+
+/// The entries of a CUCACHE_CONF string as parse_config splits them (at commas outside
+/// brackets), each as its trimmed key and value ("" when there is no ':'); empty entries are
+/// skipped. Checks nothing else (parse_config does): throws cucache::invalid_argument only for
+/// unbalanced brackets. For code that must know which keys a string names, e.g. to allow a subset.
+[[nodiscard]] std::vector<std::pair<std::string, std::string>> config_entries(std::string_view text);
 
 /// Reads CUCACHE_CONF from the environment (empty or unset: defaults) and parses it.
 [[nodiscard]] config config_from_env();

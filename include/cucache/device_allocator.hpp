@@ -351,6 +351,15 @@ class device_allocator {
   void set_memory_fraction(double fraction);
   /// The fraction set by set_memory_fraction or CUCACHE_CONF's memory_fraction; 1.0 when none was.
   [[nodiscard]] double memory_fraction() const noexcept;
+  /// Changes the size rules from now on, as PyTorch's _set_allocator_settings does: `rules` is a
+  /// configuration whose max_split_size, max_non_split_rounding, roundup_power2_divisions and
+  /// garbage_collection_threshold take effect for every allocation after the call (cached
+  /// blocks stay where they are; statistics' oversize counts follow the new max_split_size).
+  /// Every other field must equal get_config()'s: invalid_argument naming the first key that
+  /// differs (e.g. expandable_segments) otherwise, or a value parse_config refuses; nothing
+  /// changes then. get_config() returns the new configuration afterwards. Takes every pool
+  /// lock: safe while other threads allocate and free.
+  void set_size_rules(const config& rules);
 
   // --- sleep and wake (expandable segments; docs/api.md "Sleep and wake") ---------------------
   // A sleep domain (1 .. 16383; the front ends give a sleepable tag's id) names the blocks

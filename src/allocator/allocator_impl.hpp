@@ -26,6 +26,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "allocator/capture_safe_backend.hpp"
 #include "allocator/device_budget.hpp"
@@ -43,6 +45,16 @@
 #include "cucache/device_allocator.hpp"
 
 namespace cucache {
+namespace detail {
+
+/// The size rules in force with the configuration they came from (get_config): published whole
+/// by set_size_rules, never changed after (docs/decisions/0019-runtime-size-rules.md).
+struct rule_set {
+  size_policy policy;
+  config cfg;
+};
+
+}  // namespace detail
 
 struct device_allocator::impl {
   impl(std::shared_ptr<device_backend> b, config c, std::shared_ptr<allocation_observer> o);
@@ -235,7 +247,21 @@ struct device_allocator::impl {
   std::atomic<allocation_observer*> observer{nullptr};
   std::shared_ptr<allocation_observer> observer_owner;  // keeps *observer alive
   detail::mutex observer_mu_;                           // serializes attach_observer
+  /// The size rules in force, for readers that hold a pool lock (any one): set_size_rules
+  /// changes them with every pool locked. Reading them without a pool lock is a data race; the
+  /// lock-free start of allocate reads `rules` instead.
   detail::size_policy policy;
+  /// The same rules (and the configuration with them) as an immutable published object, for
+  /// readers without a pool lock: one acquire load. Every rule set ever published stays in
+  /// `rules_kept` until the allocator dies, so a reader never sees freed memory.
+  std::atomic<const detail::rule_set*> rules{nullptr};
+  std::vector<std::unique_ptr<const detail::rule_set>> rules_kept GUARDED_BY(detail::every_pool);
+  /// set_size_rules with every pool locked: publishes `next`, recounts the oversize counters.
+  void set_size_rules(const config& next, std::size_t gc_bytes) REQUIRES(detail::every_pool);
+  /// p's oversize segments (cudaMalloc'd) and oversize allocated blocks under the rules in
+  /// force, counted by walking its segments: what its statistics must say.
+  [[nodiscard]] std::pair<std::uint64_t, std::uint64_t> recount_oversize(
+      const detail::stream_pool& p) const REQUIRES(p.mu);
   /// The physical page size in expandable mode (0 otherwise).
   std::size_t page_bytes = 0;
 

@@ -423,6 +423,15 @@ void device_allocator::check_invariants() const {
       check("segment_count", st.segment_count[slot].current, seg_count[k]);
       check("requested_bytes", st.requested_bytes[slot].current, requested[k]);
     }
+    // The oversize counts follow the rules in force (set_size_rules recounts them).
+    if (const auto [os_segments, os_allocations] = m.recount_oversize(p);
+        p.stats.oversize_segments != os_segments ||
+        p.stats.oversize_allocations != os_allocations) {
+      violated(fmt::format("pool {}: oversize segments / allocations: stats say {} / {}, recount "
+                           "{} / {} (max_split_size {})",
+                           p.index, p.stats.oversize_segments, p.stats.oversize_allocations,
+                           os_segments, os_allocations, m.policy.max_split_size()));
+    }
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
   }
   // Sleeping domains: a record for each asleep bit, and its bytes the pages its blocks touch.

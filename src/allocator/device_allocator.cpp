@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "allocator/allocator_impl.hpp"
 #include "allocator/nvtx.hpp"
@@ -58,6 +61,17 @@ std::size_t checked_page_bytes(const std::shared_ptr<device_backend>& backend, c
   return page_bytes;
 }
 
+/// The garbage-collection threshold in bytes: `fraction` of the limit (0: none), else of the
+/// device; 0 (off) for fraction 0.
+std::size_t gc_bytes_of(device_backend& backend, double fraction, std::size_t limit,
+                        std::size_t device_total) {
+  if (!(fraction > 0.0)) return 0;
+  const std::size_t base = limit != 0 ? limit : device_total;
+  return bytes_of_fraction(backend, "garbage_collection_threshold", fraction, base,
+                           limit != 0 ? "the memory limit" : "the device's capacity",
+                           "would turn garbage collection off");
+}
+
 /// The device budget's caps from the config: memory_fraction and memory_limit_mb (the lower
 /// wins), the garbage-collection threshold as a fraction of the limit, else of the device.
 detail::device_budget make_budget(device_backend& backend, const config& cfg) {
@@ -70,15 +84,9 @@ detail::device_budget make_budget(device_backend& backend, const config& cfg) {
   if (cfg.memory_limit_bytes > 0) {
     limit = limit == 0 ? cfg.memory_limit_bytes : std::min(limit, cfg.memory_limit_bytes);
   }
-  std::size_t gc_bytes = 0;
-  if (cfg.garbage_collection_threshold > 0.0) {
-    const std::size_t base = limit != 0 ? limit : device_total;
-    gc_bytes =
-        bytes_of_fraction(backend, "garbage_collection_threshold", cfg.garbage_collection_threshold,
-                          base, limit != 0 ? "the memory limit" : "the device's capacity",
-                          "would turn garbage collection off");
-  }
-  return detail::device_budget(device_total, limit, gc_bytes);
+  return detail::device_budget(
+      device_total, limit,
+      gc_bytes_of(backend, cfg.garbage_collection_threshold, limit, device_total));
 }
 
 }  // namespace
@@ -97,6 +105,9 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
       graphs(*raw, pools),
       events(*backend) {
   pools.set_event_backend(backend.get());
+  auto first_rules = std::make_unique<detail::rule_set>(detail::rule_set{policy, cfg});
+  rules.store(first_rules.get(), std::memory_order_release);
+  rules_kept.push_back(std::move(first_rules));
   memory_fraction.store(cfg.memory_fraction > 0.0 ? cfg.memory_fraction : -1.0,
                         std::memory_order_relaxed);
   if (cfg.expandable_segments) {
@@ -410,7 +421,7 @@ void device_allocator::impl::release_free_segments(std::size_t target_reserved, 
 }
 
 void device_allocator::impl::collect_garbage(std::size_t incoming) {
-  const std::size_t gc_bytes = budget.gc_bytes;
+  const std::size_t gc_bytes = budget.gc_bytes.load(std::memory_order_relaxed);
   const std::size_t target = gc_bytes > incoming ? gc_bytes - incoming : 0;
   release_free_segments(target, /*oldest_first=*/true);
   retire_empty_pools();
@@ -630,7 +641,10 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
 
 void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return nullptr;
-  const std::optional<std::size_t> rounded_or = policy.round_size(bytes);
+  // No pool lock yet: the published rules (one load). Rules changed between here and the pool
+  // lock only mean this request was rounded as just before the change.
+  const std::optional<std::size_t> rounded_or =
+      rules.load(std::memory_order_acquire)->policy.round_size(bytes);
   if (!rounded_or) throw_oom(bytes, 0, stream);  // its rounded size passes any device
   const std::size_t rounded = *rounded_or;
   const pool_kind kind = detail::size_policy::pool_for(rounded);
@@ -1046,7 +1060,80 @@ double device_allocator::memory_fraction() const noexcept {
   return f >= 0.0 ? f : 1.0;
 }
 const config& device_allocator::get_config() const noexcept {
-  return impl_->cfg;
+  return impl_->rules.load(std::memory_order_acquire)->cfg;
+}
+
+namespace {
+
+/// The first key whose value differs between two configurations, by their CUCACHE_CONF strings
+/// (to_string writes only what differs from the defaults).
+std::string first_differing_key(const config& a, const config& b) {
+  const auto ea = config_entries(to_string(a)), eb = config_entries(to_string(b));
+  for (const auto* side : {&ea, &eb}) {
+    const auto& other = side == &ea ? eb : ea;
+    for (const auto& e : *side) {
+      if (std::ranges::find(other, e) == other.end()) return e.first;
+    }
+  }
+  return "a key";  // unreachable while to_string is exact
+}
+
+}  // namespace
+
+void device_allocator::set_size_rules(const config& rules) {
+  // Only the size rules may differ from the configuration in force.
+  const config now = get_config();
+  config expect = rules;
+  expect.max_split_size = now.max_split_size;
+  expect.max_non_split_rounding = now.max_non_split_rounding;
+  expect.roundup_power2_divisions = now.roundup_power2_divisions;
+  expect.garbage_collection_threshold = now.garbage_collection_threshold;
+  if (!(expect == now)) {
+    throw invalid_argument(fmt::format(
+        "cucache::set_size_rules: '{}' cannot change at run time (device {}); only "
+        "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions and "
+        "garbage_collection_threshold can",
+        first_differing_key(expect, now), impl_->backend->device()));
+  }
+  // The checks parse_config makes, for a config built in code.
+  (void)parse_config(to_string(rules));
+  detail::pool_table::all_locked all(impl_->pools);
+  const std::size_t gc =
+      gc_bytes_of(*impl_->backend, rules.garbage_collection_threshold,
+                  impl_->budget.limit.load(std::memory_order_relaxed), impl_->budget.device_total);
+  impl_->set_size_rules(rules, gc);
+}
+
+std::pair<std::uint64_t, std::uint64_t> device_allocator::impl::recount_oversize(
+    const detail::stream_pool& p) const {
+  std::uint64_t segments = 0, allocations = 0;
+  for (const segment* s = p.segments; s != nullptr; s = s->next) {
+    if (s->vm == nullptr && policy.is_oversize(s->size)) ++segments;
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state == detail::block_state::allocated && policy.is_oversize(b->size)) ++allocations;
+    }
+  }
+  return {segments, allocations};
+}
+
+void device_allocator::impl::set_size_rules(const config& next, std::size_t gc) {
+  // Everything that may throw first; then nothing can fail half way.
+  auto published = std::make_unique<detail::rule_set>(
+      detail::rule_set{detail::size_policy(next), next});
+  detail::size_policy copy = published->policy;
+  rules_kept.reserve(rules_kept.size() + 1);
+  policy = std::move(copy);
+  rules.store(published.get(), std::memory_order_release);
+  rules_kept.push_back(std::move(published));
+  budget.gc_bytes.store(gc, std::memory_order_relaxed);
+  // Which blocks and segments are oversize follows max_split_size: recount (all_locked marked
+  // every pool's summary stale, so the statistics take the new counts).
+  for (auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
+    const auto [segments, allocations] = recount_oversize(*p);
+    p->stats.oversize_segments = segments;
+    p->stats.oversize_allocations = allocations;
+  }
 }
 int device_allocator::device() const noexcept {
   return impl_->backend->device();

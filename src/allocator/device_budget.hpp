@@ -34,7 +34,9 @@ class device_budget {
   const std::size_t device_total;  // the device's capacity
   /// Cap on reserved bytes; 0 = none. Written under `mu` (set_limit), read anywhere.
   std::atomic<std::size_t> limit;
-  const std::size_t gc_bytes;      // garbage-collection threshold on reserved bytes; 0 = off
+  /// Garbage-collection threshold on reserved bytes; 0 = off. Changed at run time by
+  /// device_allocator::set_size_rules (PyTorch's garbage_collection_threshold), read anywhere.
+  std::atomic<std::size_t> gc_bytes;
 
   /// Changes the cap (0 = none): no growth passes it from now on. Memory reserved above a lowered
   /// cap is not given back here (the caller releases cached memory first if it wants to):
@@ -99,9 +101,10 @@ class device_budget {
   [[nodiscard]] std::size_t peak_bytes_locked() const noexcept REQUIRES(mu) { return peak; }
   /// Would `extra` more bytes pass the garbage-collection threshold? (False when it is off.)
   [[nodiscard]] bool over_gc(std::size_t extra) const {
-    if (gc_bytes == 0) return false;
+    const std::size_t gc = gc_bytes.load(std::memory_order_relaxed);
+    if (gc == 0) return false;
     detail::lock_guard lock(mu);
-    return reserved + extra > gc_bytes;
+    return reserved + extra > gc;
   }
   void reset_peak() {
     detail::lock_guard lock(mu);

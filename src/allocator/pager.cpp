@@ -626,9 +626,10 @@ bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
 }
 
 bool pager::over_caps(std::size_t bytes) {
+  const std::size_t gc = budget_.gc_bytes.load(std::memory_order_relaxed);
   detail::lock_guard lock(budget_.mu);
   return (budget_.limit != 0 && budget_.reserved + bytes > budget_.limit) ||
-         (budget_.gc_bytes != 0 && budget_.reserved + bytes > budget_.gc_bytes);
+         (gc != 0 && budget_.reserved + bytes > gc);
 }
 
 bool pager::fits(std::size_t bytes) {

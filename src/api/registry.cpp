@@ -23,6 +23,14 @@
 namespace cucache::detail {
 namespace {
 
+/// Copies the size rules that set_size_rules changes (PyTorch's _set_allocator_settings keys).
+void copy_size_rules(const config& from, config& to) {
+  to.max_split_size = from.max_split_size;
+  to.max_non_split_rounding = from.max_non_split_rounding;
+  to.roundup_power2_divisions = from.roundup_power2_divisions;
+  to.garbage_collection_threshold = from.garbage_collection_threshold;
+}
+
 // Never deleted (except by reset_for_testing): destroying allocators at static destruction time
 // would call into a CUDA runtime that may already be torn down.
 constinit std::atomic<registry*> g_registry{nullptr};
@@ -279,6 +287,7 @@ device_allocator& registry::create(int device) {
   auto& slot = slots_[static_cast<std::size_t>(device)];
   if (device_allocator* a = slot.load(std::memory_order_acquire)) return *a;
   config cfg = cfg_;
+  if (size_rules_) copy_size_rules(*size_rules_, cfg);
   const double fraction = fractions_[static_cast<std::size_t>(device)];
   if (fraction > 0) cfg.memory_fraction = fraction;
   // The simulated devices know how many there are (their peers), and may keep host memory behind
@@ -321,6 +330,40 @@ void registry::set_memory_fraction(int device, double fraction) {
     return;
   }
   fractions_[static_cast<std::size_t>(device)] = fraction;
+}
+
+void registry::set_size_rules(std::string_view text) {
+  // PyTorch's reset: max_split_size, roundup_power2_divisions and garbage_collection_threshold
+  // go back to their defaults; max_non_split_rounding keeps its value unless given.
+  // Only size-rule keys, whatever their values (expandable_segments:False is no size rule either).
+  for (const auto& [key, value] : config_entries(text)) {
+    if (key != "max_split_size_mb" && key != "max_non_split_rounding_mb" &&
+        key != "roundup_power2_divisions" && key != "garbage_collection_threshold") {
+      throw invalid_argument(fmt::format(
+          "set_size_rules: '{}' is not a size rule that can change at run time (those are "
+          "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions and "
+          "garbage_collection_threshold)",
+          key));
+    }
+  }
+  detail::lock_guard lock(create_mu_);
+  config base;
+  base.max_non_split_rounding = (size_rules_ ? *size_rules_ : cfg_).max_non_split_rounding;
+  const config parsed = parse_config(text, base);
+  std::exception_ptr first_error;
+  for (int d = 0; d < census_.count; ++d) {
+    device_allocator* a = find(d);
+    if (a == nullptr) continue;
+    config next = a->get_config();
+    copy_size_rules(parsed, next);
+    try {
+      a->set_size_rules(next);
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  }
+  size_rules_ = parsed;
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 double registry::memory_fraction(int device) {

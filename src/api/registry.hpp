@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -97,6 +98,14 @@ class registry {
   /// else the configuration's (CUCACHE_CONF's memory_fraction); 1.0 when there is none, as
   /// PyTorch answers. Throws invalid_argument for a device that does not exist.
   [[nodiscard]] double memory_fraction(int device);
+  /// Sets the size rules of every device from now on, as PyTorch's _set_allocator_settings does:
+  /// max_split_size_mb, roundup_power2_divisions and garbage_collection_threshold go back to
+  /// their defaults (max_non_split_rounding_mb keeps its value), then take the values `text` gives
+  /// (CUCACHE_CONF syntax, which is PyTorch's for these keys). Created allocators change at once
+  /// (device_allocator::set_size_rules); those created later start with these rules.
+  /// invalid_argument, with nothing changed, for a key of `text` that is not one of the four or a
+  /// value parse_config refuses.
+  void set_size_rules(std::string_view text);
   /// Prints one line when CUCACHE_CONF is unset and PyTorch's PYTORCH_ALLOC_CONF or
   /// PYTORCH_CUDA_ALLOC_CONF is set: those do not configure cucache (the registry's constructor).
   static void note_pytorch_settings();
@@ -149,6 +158,8 @@ class registry {
   std::unique_ptr<std::atomic<device_allocator*>[]> slots_;  // census_.count slots
   detail::mutex create_mu_;
   std::vector<double> fractions_ GUARDED_BY(create_mu_);  // per device; < 0: the config's
+  /// The size rules set by set_size_rules (nullopt: CUCACHE_CONF's), for allocators created later.
+  std::optional<config> size_rules_ GUARDED_BY(create_mu_);
   std::shared_ptr<ipc_imports> imports_;  // under create_mu_ until set
 };
 

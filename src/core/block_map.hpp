@@ -19,7 +19,7 @@ namespace cucache::detail {
 /// A test-and-test-and-set spin lock. Critical sections under it are a few dozen instructions.
 class CAPABILITY("mutex") spin_lock {
  public:
-  void lock() noexcept ACQUIRE() {
+  [[gnu::always_inline]] void lock() noexcept ACQUIRE() {  // (spin_guard)
     for (;;) {
       if (!flag_.exchange(true, std::memory_order_acquire)) return;
       while (flag_.load(std::memory_order_relaxed)) {
@@ -35,6 +35,20 @@ class CAPABILITY("mutex") spin_lock {
 
  private:
   std::atomic<bool> flag_{false};
+};
+
+/// lock_guard for spin_lock, always inlined with the lock itself: the allocation and free paths
+/// take a shard lock once per cache hit (cucache-pair-count), and GCC stopped inlining the generic
+/// guard into allocate when it grew by one load (docs/decisions/0019-runtime-size-rules.md).
+class SCOPED_CAPABILITY spin_guard {
+ public:
+  [[gnu::always_inline]] explicit spin_guard(spin_lock& m) ACQUIRE(m) : m_(m) { m_.lock(); }
+  [[gnu::always_inline]] ~spin_guard() RELEASE() { m_.unlock(); }
+  spin_guard(const spin_guard&) = delete;
+  spin_guard& operator=(const spin_guard&) = delete;
+
+ private:
+  spin_lock& m_;
 };
 
 class block_map {
@@ -137,19 +151,19 @@ inline block* block_map::shard::take(std::uintptr_t key) noexcept {
 
 [[gnu::always_inline]] inline void block_map::insert(std::uintptr_t addr, block* b) {
   shard& s = shard_of(addr);
-  lock_guard lock(s.mu);
+  spin_guard lock(s.mu);
   s.insert(addr, b);
 }
 
 inline block* block_map::take(std::uintptr_t addr) noexcept {
   shard& s = shard_of(addr);
-  lock_guard lock(s.mu);
+  spin_guard lock(s.mu);
   return s.take(addr);
 }
 
 inline block* block_map::find(std::uintptr_t addr) const noexcept {
   shard& s = shard_of(addr);
-  lock_guard lock(s.mu);
+  spin_guard lock(s.mu);
   return s.find(addr);
 }
 

@@ -540,6 +540,21 @@ config parse_config(std::string_view text, config base) {
   return base;
 }
 
+std::vector<std::pair<std::string, std::string>> config_entries(std::string_view text) {
+  using namespace detail;
+  std::vector<std::pair<std::string, std::string>> out;
+  if (trim(text).empty()) return out;
+  for (const std::string_view raw : split_entries(text)) {
+    const std::string_view entry = trim(raw);
+    if (entry.empty()) continue;
+    const std::size_t colon = entry.find(':');
+    out.emplace_back(std::string(trim(entry.substr(0, colon))),
+                     colon == std::string_view::npos ? std::string()
+                                                     : std::string(trim(entry.substr(colon + 1))));
+  }
+  return out;
+}
+
 config config_from_env() {
   const char* env = std::getenv("CUCACHE_CONF");
   if (env == nullptr) return config{};

@@ -516,6 +516,27 @@ TEST(ConfigFromEnv, ReadsCucacheConf) {
   ASSERT_EQ(unsetenv("CUCACHE_CONF"), 0);
 }
 
+TEST(ConfigEntries, SplitsAsParseConfigDoes) {
+  using entry = std::pair<std::string, std::string>;
+  EXPECT_TRUE(config_entries("").empty());
+  EXPECT_TRUE(config_entries("  ").empty());
+  const auto e = config_entries(
+      " max_split_size_mb : 40 ,roundup_power2_divisions:[64:8,>:1],,expandable_segments");
+  ASSERT_EQ(e.size(), 3u);
+  EXPECT_EQ(e[0], (entry{"max_split_size_mb", "40"}));
+  EXPECT_EQ(e[1], (entry{"roundup_power2_divisions", "[64:8,>:1]"}));
+  EXPECT_EQ(e[2], (entry{"expandable_segments", ""}));
+  // Every string to_string writes splits back into its keys.
+  config c;
+  c.expandable_segments = true;
+  c.max_split_size = std::size_t{512} << 20;
+  const auto r = config_entries(to_string(c));
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].first, "max_split_size_mb");
+  EXPECT_EQ(r[1].first, "expandable_segments");
+  EXPECT_THROW((void)config_entries("roundup_power2_divisions:[64:8"), invalid_argument);
+}
+
 }  // namespace
 }  // namespace cucache
 

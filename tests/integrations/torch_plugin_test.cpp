@@ -550,4 +550,65 @@ TEST(TorchExtensionCalls, IpcHandleSizeAndRefusals) {
             std::string::npos);
 }
 
+TEST(TorchPlugin, SizeRulesChangeAtRunTimeAsPyTorchsSettingsDo) {
+  // torch.cuda.memory._set_allocator_settings through the hooks library: each call resets
+  // max_split_size, roundup_power2_divisions and garbage_collection_threshold, then applies its
+  // keys; the rules hold for the allocations after it, on every device (created or not).
+  const int dev = 11;
+  const std::size_t n = 84 * MiB;  // PyTorch's test: 21 Mi floats
+  std::vector<void*> held;
+  auto grows_by = [&](int d) {
+    const int64_t before = stats(d).active_bytes[0].allocated;
+    void* p = cucache_torch_alloc(n, d, stream(0));
+    EXPECT_NE(p, nullptr);
+    held.push_back(p);
+    return stats(d).active_bytes[0].allocated - before;
+  };
+  ASSERT_EQ(cucache_torch_set_size_rules(""), 0) << cucache_torch_last_error();
+  EXPECT_EQ(grows_by(dev), static_cast<int64_t>(n));
+  ASSERT_EQ(cucache_torch_set_size_rules("roundup_power2_divisions:4"), 0)
+      << cucache_torch_last_error();
+  EXPECT_EQ(grows_by(dev), static_cast<int64_t>(96 * MiB));  // 64 MiB + 2 steps of 16 MiB
+  ASSERT_EQ(cucache_torch_set_size_rules("garbage_collection_threshold:0.5"), 0);
+  ASSERT_EQ(cucache_torch_set_size_rules("garbage_collection_threshold:0.5,max_split_size_mb:40"),
+            0)
+      << cucache_torch_last_error();
+  EXPECT_EQ(grows_by(dev), static_cast<int64_t>(n));        // the divisions were reset
+  EXPECT_EQ(stats(dev).oversize_allocations, 3u);           // recounted under the 40 MiB cap
+  ASSERT_EQ(cucache_torch_set_size_rules(
+                "garbage_collection_threshold:0.5,"
+                "roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]"),
+            0)
+      << cucache_torch_last_error();
+  EXPECT_EQ(stats(dev).oversize_allocations, 0u);
+  EXPECT_EQ(grows_by(dev), static_cast<int64_t>(88 * MiB));  // 8 divisions: 80 + 8 MiB
+  // A device first used after the call starts with the rules in force.
+  EXPECT_EQ(grows_by(12), static_cast<int64_t>(88 * MiB));
+
+  // Refused, naming the reason; nothing changes.
+  EXPECT_EQ(cucache_torch_set_size_rules("max_split_size_mb:40,expandable_segments:True"), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("'expandable_segments' is not a size rule"),
+            std::string::npos)
+      << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_set_size_rules("expandable_segments:False"), -1);  // even its default
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("'expandable_segments' is not a size rule"),
+            std::string::npos)
+      << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_set_size_rules("roundup_power2_divisions:3"), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("roundup_power2_divisions"),
+            std::string::npos)
+      << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_set_size_rules(nullptr), -1);
+  EXPECT_EQ(grows_by(dev), static_cast<int64_t>(88 * MiB));
+
+  ASSERT_EQ(cucache_torch_set_size_rules(""), 0) << cucache_torch_last_error();
+  EXPECT_EQ(grows_by(dev), static_cast<int64_t>(n));
+  for (void* p : held) {
+    const int d = p == held[5] ? 12 : dev;
+    cucache_torch_free(p, n, d, stream(0));
+  }
+  EXPECT_EQ(stats(dev).allocated_bytes[0].current, 0);
+  EXPECT_EQ(stats(12).allocated_bytes[0].current, 0);
+}
+
 }  // namespace

@@ -106,6 +106,13 @@ CUCACHE_TORCH_API int cucache_torch_reset_accumulated_stats(int device);
  * that; no growth passes it; 0 allows nothing more): 0, or -1 when the fraction is not in
  * [0, 1]. */
 CUCACHE_TORCH_API int cucache_torch_set_memory_fraction(int device, double fraction);
+/* Changes the size rules from now on, as torch.cuda.memory._set_allocator_settings does:
+ * max_split_size_mb, roundup_power2_divisions (both syntaxes) and garbage_collection_threshold
+ * go back to their defaults, then take the values `conf` gives (max_non_split_rounding_mb keeps
+ * its value unless given). Applies to every device's allocator that exists and to those created
+ * later; cached blocks stay. 0, or -1 (nothing changed, the reason in cucache_torch_last_error())
+ * when `conf` names another key or a value cucache refuses. */
+CUCACHE_TORCH_API int cucache_torch_set_size_rules(const char* conf);
 /* CUDA graph pools (PyTorch's MempoolId_t is the pair {first, second}; docs/design.md, "Graph
  * capture"). A capture's allocations come from a private pool that only allocations routed to it
  * ever get, until it is released. The filter decides which streams' allocations are routed (it is

@@ -1586,11 +1586,14 @@ std::shared_ptr<void> cucache_allocator::getIpcDevPtr(std::string handle) {
   });
 }
 
-// Runtime settings (PyTorch's setAllocatorSettings). Applied: per_process_memory_fraction (every
-// device). Left to torch: pinned_* (its pinned host allocator), release_lock_on_cudamalloc
-// (cucache never holds a lock over cudaMalloc's wait for other threads). Everything else is
-// cucache's configuration, fixed at its first allocation: a value that differs from cucache's is
-// named in a warning, never dropped silently.
+// Runtime settings (PyTorch's setAllocatorSettings). Applied: the size rules -- every call resets
+// max_split_size_mb, roundup_power2_divisions and garbage_collection_threshold to their defaults
+// and applies those it names, as PyTorch's parser does (max_non_split_rounding_mb too when named),
+// from the next allocation on, on every device (cucache_torch_set_size_rules) -- and
+// per_process_memory_fraction (every device). Left to torch: pinned_* (its pinned host allocator),
+// release_lock_on_cudamalloc (cucache never holds a lock over cudaMalloc's wait for other
+// threads). Everything else is cucache's configuration, fixed at its first allocation: a value
+// that differs from cucache's is named in a warning, never dropped silently.
 void cucache_allocator::on_settings(const std::string& env) {
   std::vector<std::string> options;
   std::string cur;
@@ -1615,12 +1618,18 @@ void cucache_allocator::on_settings(const std::string& env) {
   const int64_t len = cucache_torch_canonical_conf(nullptr, buf, sizeof buf);
   const std::string conf = len >= 0 ? std::string(buf) : std::string();
   std::string fixed;
+  std::string size_rules;  // the size-rule keys given, in cucache's (= PyTorch's) syntax
   for (const std::string& raw : options) {
     const std::string o = trim(raw);
     if (o.empty()) continue;
     const auto colon = o.find(':');
     const std::string key = trim(o.substr(0, colon));
     const std::string value = colon == std::string::npos ? std::string() : trim(o.substr(colon + 1));
+    if (key == "max_split_size_mb" || key == "roundup_power2_divisions" ||
+        key == "garbage_collection_threshold" || key == "max_non_split_rounding_mb") {
+      size_rules += (size_rules.empty() ? "" : ",") + key + ":" + value;
+      continue;
+    }
     if (key == "per_process_memory_fraction") {
       const double f = std::stod(value);
       for (int d = 0; d < device_count(); ++d) setMemoryFraction(f, static_cast<c10::DeviceIndex>(d));
@@ -1653,12 +1662,16 @@ void cucache_allocator::on_settings(const std::string& env) {
     }
     fixed += (fixed.empty() ? "" : ", ") + std::string("'") + kv + "'";
   }
+  // Called even when no size rule is named: PyTorch's call resets them all the same.
+  TORCH_CHECK(cucache_torch_set_size_rules(size_rules.c_str()) == 0,
+              "cucache: allocator settings '", size_rules, "': ", last_error());
   if (!fixed.empty()) {
     TORCH_WARN("cucache: allocator setting", fixed.find(',') == std::string::npos ? " " : "s ",
                fixed, " not applied: cucache's configuration is fixed at its first allocation "
                "(set CUCACHE_CONF, or PYTORCH_ALLOC_CONF, before the first CUDA allocation); "
                "cucache runs with '", conf, "'. Settings it changes at run time: "
-               "per_process_memory_fraction");
+               "max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold, "
+               "max_non_split_rounding_mb, per_process_memory_fraction");
   }
 }
 

@@ -415,6 +415,13 @@ int cucache_torch_set_memory_fraction(int device, double fraction) {
                  [&] { registry::instance().set_memory_fraction(device, fraction); });
 }
 
+int cucache_torch_set_size_rules(const char* conf) {
+  return guarded("set_size_rules", [&] {
+    if (conf == nullptr) throw invalid_argument("set_size_rules: conf is NULL");
+    registry::instance().set_size_rules(conf);
+  });
+}
+
 int cucache_torch_begin_allocate_to_pool(int device, uint64_t first, uint64_t second,
                                          cucache_torch_stream_filter filter, void* ctx,
                                          void (*ctx_free)(void*)) {
