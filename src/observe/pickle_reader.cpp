@@ -375,26 +375,17 @@ class pickle_decoder {
         push(add(std::move(n)));
         return false;
       }
-      case 0x8c:  // SHORT_BINUNICODE
-        string_node(kind::string, take(le(1, at, op), at, op));
-        return false;
-      case 0x58:  // BINUNICODE
-        string_node(kind::string, take(le(4, at, op), at, op));
-        return false;
-      case 0x8d: {  // BINUNICODE8
-        const std::uint64_t n = le(8, at, op);
-        string_node(kind::string, take(n, at, op));
-        return false;
-      }
-      case 0x43:  // SHORT_BINBYTES
-        string_node(kind::bytes, take(le(1, at, op), at, op));
-        return false;
-      case 0x42:  // BINBYTES
-        string_node(kind::bytes, take(le(4, at, op), at, op));
-        return false;
+      // Strings and bytes: a little-endian length of 1, 4 or 8 bytes, then the data.
+      case 0x8c:    // SHORT_BINUNICODE
+      case 0x58:    // BINUNICODE
+      case 0x8d:    // BINUNICODE8
+      case 0x43:    // SHORT_BINBYTES
+      case 0x42:    // BINBYTES
       case 0x8e: {  // BINBYTES8
-        const std::uint64_t n = le(8, at, op);
-        string_node(kind::bytes, take(n, at, op));
+        const bool text = op == 0x8c || op == 0x58 || op == 0x8d;
+        const std::size_t width = op == 0x8c || op == 0x43 ? 1 : (op == 0x58 || op == 0x42 ? 4 : 8);
+        const std::uint64_t n = le(width, at, op);
+        string_node(text ? kind::string : kind::bytes, take(n, at, op));
         return false;
       }
       case 0x7d:  // EMPTY_DICT

@@ -20,25 +20,14 @@
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
 #include "cucache/observe.hpp"
+#include "support/sim_registry.hpp"
 
 namespace {
 
 constexpr std::size_t k_mib = std::size_t{1} << 20;
 
-class TagLimit : public ::testing::Test {
+class TagLimit : public cucache::test::sim_registry_test {
  protected:
-  void SetUp() override { restore(""); }
-  void TearDown() override {
-    while (cucachePopTag() == cudaSuccess) {
-    }
-    ::unsetenv("CUCACHE_SIM_DEVICES");
-    restore("");
-  }
-  static void restore(const char* conf) {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::setenv("CUCACHE_CONF", conf, 1);
-    cucache::detail::reset_for_testing();
-  }
   static std::string message() { return cucacheGetLastErrorMessage(); }
   static cudaError_t alloc_under(const char* tag, std::size_t bytes, void** p) {
     EXPECT_EQ(cucachePushTag(tag), cudaSuccess);
@@ -219,7 +208,7 @@ TEST_F(TagLimit, LimitsArePerDevice) {
 }
 
 TEST_F(TagLimit, ExpandableModeAndFailedAllocationsGiveTheirAdmissionBack) {
-  restore("expandable_segments:True,memory_limit:64MiB");
+  cucache::test::use_sim_registry("expandable_segments:True,memory_limit:64MiB");
   cucache::set_tag_limit(0, "kv", 100 * k_mib);
   cucache::scoped_tag scope("kv");
   // Past the memory limit: the device refuses after the tag admitted it. Its bytes must not stay

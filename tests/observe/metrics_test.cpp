@@ -19,6 +19,7 @@
 #include "cucache/observe.hpp"
 #include "cucache/stats.hpp"
 #include "observe/metrics.hpp"
+#include "support/sim_registry.hpp"
 
 namespace {
 
@@ -121,21 +122,7 @@ std::map<std::string, family> parse(const std::string& text) {
   return out;
 }
 
-class Metrics : public ::testing::Test {
- protected:
-  void SetUp() override { restore(""); }
-  void TearDown() override {
-    while (cucachePopTag() == cudaSuccess) {
-    }
-    ::unsetenv("CUCACHE_SIM_DEVICES");
-    restore("");
-  }
-  static void restore(const char* conf) {
-    ::setenv("CUCACHE_BACKEND", "sim", 1);
-    ::setenv("CUCACHE_CONF", conf, 1);
-    cucache::detail::reset_for_testing();
-  }
-};
+class Metrics : public cucache::test::sim_registry_test {};
 
 // Every field of the table, with the value of `s`, as the parsed families hold it for `device`.
 void expect_device(const std::map<std::string, family>& fams, const cucache::device_stats& s,
@@ -298,7 +285,7 @@ TEST_F(Metrics, EveryFieldOfEveryDeviceAndTagWithItsExactValue) {
 }
 
 TEST_F(Metrics, SleepingTagsHaveTheirSleepStatistics) {
-  restore("expandable_segments:True");
+  cucache::test::use_sim_registry("expandable_segments:True");
   cucache::make_sleepable("train");
   void* p = nullptr;
   {

@@ -28,6 +28,7 @@
 #include "cucache/errors.hpp"
 #include "cucache/observe.hpp"
 #include "cucache/trace.hpp"
+#include "support/temp_file.hpp"
 
 namespace cucache {
 namespace {
@@ -46,20 +47,7 @@ std::string read_bytes(const std::filesystem::path& p) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-class temp_file {
- public:
-  explicit temp_file(const std::string& stem)
-      : path_(std::filesystem::temp_directory_path() /
-              (stem + "." + std::to_string(::getpid()) + ".tmp")) {}
-  ~temp_file() { std::filesystem::remove(path_); }
-  temp_file(const temp_file&) = delete;
-  temp_file& operator=(const temp_file&) = delete;
-  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
-  void write(const std::string& bytes) const { std::ofstream(path_, std::ios::binary) << bytes; }
-
- private:
-  std::filesystem::path path_;
-};
+using cucache::test::temp_file;
 
 std::string rejection(const std::filesystem::path& p, const torch_snapshot_options& o = {}) {
   try {

@@ -18,6 +18,7 @@
 
 #include "cucache/errors.hpp"
 #include "cucache/trace.hpp"
+#include "support/temp_file.hpp"
 
 namespace cucache {
 namespace {
@@ -41,29 +42,18 @@ std::string rejection(const std::string& text) {
   return {};
 }
 
-class temp_file {
+// A temp_file with the helpers these tests write traces with.
+class trace_file : public cucache::test::temp_file {
  public:
-  explicit temp_file(const std::string& stem)
-      : path_(std::filesystem::temp_directory_path() /
-              (stem + "." + std::to_string(::getpid()) + ".tmp")) {}
-  ~temp_file() { std::filesystem::remove(path_); }
-  temp_file(const temp_file&) = delete;
-  temp_file& operator=(const temp_file&) = delete;
-  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
-
-  void write_plain(const std::string& text) const {
-    std::ofstream(path_, std::ios::binary) << text;
-  }
+  using temp_file::temp_file;
+  void write_plain(const std::string& text) const { write(text); }
   void write_gzip(const std::string& text) const {
-    gzFile f = gzopen(path_.c_str(), "wb");
+    gzFile f = gzopen(path().c_str(), "wb");
     ASSERT_NE(f, nullptr);
     ASSERT_EQ(gzwrite(f, text.data(), static_cast<unsigned>(text.size())),
               static_cast<int>(text.size()));
     ASSERT_EQ(gzclose(f), Z_OK);
   }
-
- private:
-  std::filesystem::path path_;
 };
 
 const std::string k_small = with_header(
@@ -150,10 +140,10 @@ TEST(TraceReader, ReadsFromAStream) {
 
 TEST(TraceReader, ReadsPlainAndGzipFilesByContentNotName) {
   const auto expected = parse_trace(std::string_view(k_small));
-  temp_file plain("cucache_trace_plain.csv.gz");  // a misleading name on purpose
+  trace_file plain("cucache_trace_plain.csv.gz");  // a misleading name on purpose
   plain.write_plain(k_small);
   EXPECT_EQ(read_trace(plain.path()), expected);
-  temp_file gz("cucache_trace_gzip.csv");
+  trace_file gz("cucache_trace_gzip.csv");
   gz.write_gzip(k_small);
   EXPECT_EQ(read_trace(gz.path()), expected);
 }
@@ -310,14 +300,14 @@ TEST(TraceReader, EscapesBytesAbove0x7fInMessages) {
 // is refused by name, never ignored (issue 30 item 10: zlib's gzread skipped trailing garbage).
 TEST(TraceReader, GzipTrailingGarbageIsRefusedButConcatenatedMembersAreRead) {
   const auto gzip_bytes = [](const std::string& text) {
-    temp_file t("cucache_trace_member.csv");
+    trace_file t("cucache_trace_member.csv");
     t.write_gzip(text);
     std::ifstream in(t.path(), std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
   const std::string head = with_header("1,19:34:45.856987,allocate,0x7f77cfe00000,37632,0\n");
   const std::string tail = "1,19:34:45.857221,free,0x7f77cfe00000,37632,0\n";
-  temp_file gz("cucache_trace_members.csv.gz");
+  trace_file gz("cucache_trace_members.csv.gz");
   // Two members: one trace.
   gz.write_plain(gzip_bytes(head) + gzip_bytes(tail));
   EXPECT_EQ(read_trace(gz.path()), parse_trace(std::string_view(head + tail), "t"));
@@ -434,7 +424,7 @@ TEST(TraceReader, EndlessZerosFailFastAsNotATrace) {
 
 TEST(TraceReader, AGzipBombOfZerosFailsAtItsFirstLine) {
   // 64 MiB of zeros inflate from a few dozen KiB: read as lines, it fails within the first chunk.
-  temp_file gz("cucache_trace_zeros.csv");
+  trace_file gz("cucache_trace_zeros.csv");
   gz.write_gzip(std::string(std::size_t{64} << 20, '\0'));
   try {
     (void)read_trace(gz.path());
@@ -449,7 +439,7 @@ TEST(TraceReader, AGzipBombOfZerosFailsAtItsFirstLine) {
     text += fmt::format("{},00:00:00.{:06},allocate,{:#x},{},{:x}\n", i % 7, i % 1000000,
                         0x1000 + 16 * i, 1 + i % 4096, i % 3);
   }
-  temp_file big("cucache_trace_big.csv");
+  trace_file big("cucache_trace_big.csv");
   big.write_gzip(text);
   const auto events = read_trace(big.path());
   ASSERT_EQ(events.size(), 20000U);
@@ -500,7 +490,7 @@ TEST(TraceReader, ReportsUnreadableFilesByName) {
     EXPECT_NE(std::string(e.what()).find(missing.string()), std::string::npos) << e.what();
   }
 
-  temp_file corrupt("cucache_trace_corrupt.csv.gz");
+  trace_file corrupt("cucache_trace_corrupt.csv.gz");
   corrupt.write_plain(std::string("\x1f\x8b\x08\x00garbage that does not inflate", 33));
   try {
     (void)read_trace(corrupt.path());
@@ -518,11 +508,11 @@ TEST(TraceReader, RejectsATruncatedGzipFile) {
   for (int i = 0; i < 20000; ++i) {
     text += "1,00:00:00.000000,allocate,0x" + std::to_string(0x1000 + 16 * i) + ",8,0\n";
   }
-  temp_file whole("cucache_trace_whole.csv.gz");
+  trace_file whole("cucache_trace_whole.csv.gz");
   whole.write_gzip(text);
   std::ifstream in(whole.path(), std::ios::binary);
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  temp_file cut("cucache_trace_cut.csv.gz");
+  trace_file cut("cucache_trace_cut.csv.gz");
   cut.write_plain(bytes.substr(0, bytes.size() / 2));
   try {
     (void)read_trace(cut.path());

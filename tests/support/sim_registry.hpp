@@ -4,9 +4,12 @@
 // (api/registry.hpp), which the allocator tests do not need.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdlib>
 
 #include "api/registry.hpp"
+#include "cucache/cucache.h"
 #include "support/sim_device.hpp"
 
 namespace cucache::test {
@@ -22,5 +25,18 @@ inline void use_sim_registry(const char* conf = nullptr) {
   }
   detail::reset_for_testing();
 }
+
+/// A test on the process-wide allocators of the simulated device: each test starts and ends with
+/// a rebuilt registry, no CUCACHE_CONF, no CUCACHE_SIM_DEVICES and no tag pushed.
+class sim_registry_test : public ::testing::Test {
+ protected:
+  void SetUp() override { use_sim_registry(); }
+  void TearDown() override {
+    while (cucachePopTag() == cudaSuccess) {
+    }
+    ::unsetenv("CUCACHE_SIM_DEVICES");
+    use_sim_registry();
+  }
+};
 
 }  // namespace cucache::test

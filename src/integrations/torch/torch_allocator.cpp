@@ -659,7 +659,8 @@ class cucache_allocator final : public cca::CUDAAllocator {
   bool empty_foreign(MempoolId_t pool, const std::shared_ptr<c10::GatheredContext>& ctx);
   std::size_t device_total(c10::DeviceIndex device);
   void apply_fraction_locked(c10::DeviceIndex device, double fraction);
-  void add_foreign_reserved_locked(c10::DeviceIndex device, std::int64_t delta);
+  std::size_t foreign_reserved_locked(c10::DeviceIndex device);
+  void reapply_fraction_locked(c10::DeviceIndex device);
   void add_foreign_stats(c10::DeviceIndex device, DeviceStats& d);
   void snapshot_foreign(MempoolId_t pool, const std::unordered_map<void*, live_rec>& live,
                         std::vector<SegmentInfo>& out);
@@ -703,7 +704,6 @@ class cucache_allocator final : public cca::CUDAAllocator {
   std::vector<route> routes_;
   std::unordered_set<void*> uncached_;
   std::map<c10::DeviceIndex, double> user_fraction_;     // setMemoryFraction's, per device
-  std::map<c10::DeviceIndex, std::int64_t> foreign_reserved_;
   std::map<c10::DeviceIndex, foreign_stats> foreign_stats_;
   std::map<c10::DeviceIndex, std::size_t> totals_;
 
@@ -980,16 +980,24 @@ std::size_t cucache_allocator::device_total(c10::DeviceIndex device) {
 // against it): cucache's core is capped at the fraction less what the foreign pools hold.
 void cucache_allocator::apply_fraction_locked(c10::DeviceIndex device, double fraction) {
   double core = fraction;
-  if (auto it = foreign_reserved_.find(device); it != foreign_reserved_.end() && it->second > 0) {
+  if (const std::size_t foreign = foreign_reserved_locked(device); foreign > 0) {
     const double total = static_cast<double>(device_total(device));
-    core = std::max(fraction - static_cast<double>(it->second) / total, 1e-12);
+    core = std::max(fraction - static_cast<double>(foreign) / total, 1e-12);
   }
   TORCH_CHECK(cucache_torch_set_memory_fraction(device, core) == 0, "cucache: setMemoryFraction(",
               fraction, ", device ", static_cast<int>(device), "): ", last_error());
 }
 
-void cucache_allocator::add_foreign_reserved_locked(c10::DeviceIndex device, std::int64_t delta) {
-  foreign_reserved_[device] += delta;
+// What the foreign pools of `device` hold: their statistics' reserved bytes.
+std::size_t cucache_allocator::foreign_reserved_locked(c10::DeviceIndex device) {
+  const auto it = foreign_stats_.find(device);
+  return it == foreign_stats_.end()
+             ? 0
+             : static_cast<std::size_t>(std::max<std::int64_t>(0, it->second.reserved_bytes[0].current));
+}
+
+// After the foreign pools' reserved bytes changed: cucache's core cap follows (apply_fraction_locked).
+void cucache_allocator::reapply_fraction_locked(c10::DeviceIndex device) {
   if (auto it = user_fraction_.find(device); it != user_fraction_.end() && it->second > 0) {
     apply_fraction_locked(device, it->second);
   }
@@ -1063,8 +1071,7 @@ void* cucache_allocator::foreign_alloc_locked(foreign_pool* fp, std::size_t size
       const auto limit = static_cast<std::size_t>(it->second *
                                                   static_cast<double>(device_total(fp->device)));
       const auto core = static_cast<std::size_t>(stats_of(fp->device).reserved_bytes[0].current);
-      const auto foreign = static_cast<std::size_t>(std::max<std::int64_t>(
-          0, foreign_reserved_[fp->device]));
+      const std::size_t foreign = foreign_reserved_locked(fp->device);
       if (core + foreign + seg_size > limit) {
         *why = "the memory fraction " + std::to_string(it->second) + " allows " +
                format_size(limit) + "; cucache holds " + format_size(core) +
@@ -1093,10 +1100,10 @@ void* cucache_allocator::foreign_alloc_locked(foreign_pool* fp, std::size_t size
     best_addr = reinterpret_cast<std::uintptr_t>(base);
     seg.blocks[best_addr] = foreign_block{seg_size, 0, false, false, {}};
     best_seg = &seg;
-    add_foreign_reserved_locked(fp->device, static_cast<std::int64_t>(seg_size));
     foreign_stats& fs = foreign_stats_[fp->device];
     foreign_stats::add(fs.segment, small, 1);
     foreign_stats::add(fs.reserved_bytes, small, static_cast<std::int64_t>(seg_size));
+    reapply_fraction_locked(fp->device);
     if (recording()) {
       std::lock_guard lock(mu_);
       segment_ctx_[best_addr] = ctx;
@@ -1177,10 +1184,10 @@ bool cucache_allocator::empty_foreign(MempoolId_t pool,
         c10::cuda::CUDAGuard guard(fp.device);
         fp.allocator->raw_delete(seg->base);
       }
-      add_foreign_reserved_locked(fp.device, -static_cast<std::int64_t>(seg->size));
       foreign_stats& fs = foreign_stats_[fp.device];
       foreign_stats::add(fs.segment, seg->small, -1);
       foreign_stats::add(fs.reserved_bytes, seg->small, -static_cast<std::int64_t>(seg->size));
+      reapply_fraction_locked(fp.device);
       if (recording()) {
         std::lock_guard hl(mu_);
         std::shared_ptr<c10::GatheredContext> c = ctx;
