@@ -104,24 +104,11 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
     }
     std::size_t room = std::min(device_free + releasable, device_total);
     if (limit != 0) room = std::min(room, limit - std::min(limit, reserved_now - releasable));
-    auto try_rounded = [&](std::size_t cap, pool_kind kind) {
-      const std::size_t n = largest_request_within(cap);
-      if (n <= best) return;
-      const std::optional<std::size_t> r = policy.round_size(n);
-      if (!r || detail::size_policy::pool_for(*r) != kind) return;
-      if (policy.segment_size(*r) <= room) best = n;
-    };
-    try_rounded(detail::k_small_request_max_bytes, pool_kind::small);
-    // Large requests: the segment is the request rounded up to 2 MiB at and above 10 MiB (and
-    // below a max_split_size under 20 MiB), else a shared 20 MiB one: the candidates are the
-    // room in 2 MiB units, and the largest request below 10 MiB or below max_split_size.
-    const std::size_t room2 = round_down(room, detail::k_large_segment_round_bytes);
-    try_rounded(room2, pool_kind::large);
-    try_rounded(std::min(room2, detail::k_large_shared_below_bytes - k_granule), pool_kind::large);
-    if (policy.max_split_size() != std::numeric_limits<std::size_t>::max()) {
-      try_rounded(std::min(room2, policy.max_split_size() - k_granule), pool_kind::large);
+    // The largest request a new segment within `room` serves, per pool: asked of the rule that
+    // sizes segments (size_policy::largest_growable_within), as grow() sizes them.
+    for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
+      best = std::max(best, largest_request_within(policy.largest_growable_within(room, kind)));
     }
-    try_rounded(detail::k_large_shared_below_bytes - k_granule, pool_kind::large);
     return best;
   }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <iterator>
 #include <limits>
 #include <optional>
 
@@ -111,6 +112,45 @@ std::size_t size_policy::segment_size(std::size_t rounded) const noexcept {
     seg = round_up(rounded, k_large_segment_round_bytes);
   }
   return seg;
+}
+
+std::size_t size_policy::largest_growable_within(std::size_t room, pool_kind kind) const noexcept {
+  // segment_size is non-decreasing in the rounded size between the bounds where its rule changes
+  // (the shared-segment bound, max_split_size): within each such piece the largest size whose
+  // segment fits is found by bisection; the answer is the best piece's.
+  const std::size_t top = largest_rounded_within(k_max_request_bytes);
+  std::size_t bounds[3] = {k_large_shared_below_bytes - 1,
+                           max_split_size_ > 0 ? max_split_size_ - 1 : 0, top};
+  std::sort(std::begin(bounds), std::end(bounds));
+  std::size_t best = 0;
+  std::size_t below = kind == pool_kind::small ? 0 : k_small_request_max_bytes;  // piece: (below, hi]
+  const std::size_t kind_top = kind == pool_kind::small ? k_small_request_max_bytes : top;
+  for (std::size_t hi : bounds) {
+    hi = std::min(hi, kind_top);
+    if (hi <= below) continue;
+    // The piece's smallest rounded size; rounded sizes in (below, hi] share one monotonic rule.
+    const std::optional<std::size_t> first = round_size(below + 1);
+    const std::size_t piece_below = below;
+    below = hi;
+    if (!first || *first > hi || segment_size(*first) > room) continue;
+    // In units of k_min_block_bytes (every rounded size is a multiple of it).
+    const auto fits = [&](std::size_t units) {
+      return segment_size(largest_rounded_within(units * k_min_block_bytes)) <= room;
+    };
+    std::size_t lo = *first / k_min_block_bytes;  // fits
+    std::size_t up = hi / k_min_block_bytes;      // >= lo
+    if (fits(up)) {
+      lo = up;
+    } else {
+      while (up - lo > 1) {  // invariant: lo fits, up does not
+        const std::size_t mid = lo + (up - lo) / 2;
+        (fits(mid) ? lo : up) = mid;
+      }
+    }
+    const std::size_t r = largest_rounded_within(lo * k_min_block_bytes);
+    if (r > piece_below) best = std::max(best, r);
+  }
+  return best;
 }
 
 }  // namespace cucache::detail

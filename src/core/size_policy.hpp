@@ -74,6 +74,11 @@ class size_policy {
   }
   /// Size of the segment to create for a rounded request that missed the cache.
   [[nodiscard]] std::size_t segment_size(std::size_t rounded) const noexcept;
+  /// The largest rounded size of pool `kind` whose new segment (segment_size) is at most `room`
+  /// bytes; 0 when there is none. What a new segment can serve, asked of the rule that sizes
+  /// segments, so that headroom (max_allocatable) and growth cannot disagree. O(log room) calls
+  /// of round_size and segment_size.
+  [[nodiscard]] std::size_t largest_growable_within(std::size_t room, pool_kind kind) const noexcept;
   /// True when a free block of `block_bytes` taken for `rounded` should be split.
   [[nodiscard]] bool should_split(pool_kind pool, std::size_t block_bytes,
                                   std::size_t rounded) const noexcept {

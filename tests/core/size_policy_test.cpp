@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
@@ -189,6 +191,51 @@ TEST(SizePolicy, LargestRoundedWithinIsTheSearchsAnswer) {
   EXPECT_EQ(quarters.largest_rounded_within(1500), 1024u);  // below 512 * 4: 512 B steps
   EXPECT_EQ(quarters.largest_rounded_within(511), 0u);
   EXPECT_EQ(size_policy().largest_rounded_within(max), k_max_request_bytes - 511);
+}
+
+// largest_growable_within against its definition: the largest rounded size of the pool whose
+// segment_size fits, over every multiple of 512 up to 96 MiB, for rooms up to 64 MiB (every 256
+// KiB and at each segment-size boundary), under the size rules that change segment_size's shape.
+TEST(SizePolicy, LargestGrowableWithinIsTheLargestSizeWhoseSegmentFits) {
+  for (const char* text :
+       {"", "max_split_size_mb:20", "max_split_size_mb:24", "max_split_size_mb:40",
+        "roundup_power2_divisions:4", "roundup_power2_divisions:[1:4,64:2,>:1],max_split_size_mb:30",
+        "expandable_segments:True"}) {
+    const size_policy p(parse_config(text));
+    constexpr std::size_t k_limit = 96 * k_mib;
+    std::vector<std::size_t> rooms;
+    for (std::size_t room = 0; room <= 64 * k_mib; room += 256 * 1024) rooms.push_back(room);
+    for (const std::size_t edge : {2 * k_mib, 10 * k_mib, 12 * k_mib, 20 * k_mib, 24 * k_mib}) {
+      rooms.push_back(edge - 1);
+      rooms.push_back(edge + 1);
+    }
+    for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
+      // best[room] by brute force: every rounded size r (a fixed point of round_size) of the pool.
+      // (Segment sizes are few: the largest rounded size of each, then the best that fits.)
+      std::map<std::size_t, std::size_t> largest_of_segment;
+      for (std::size_t r = k_min_block_bytes; r <= k_limit; r += k_min_block_bytes) {
+        if (p.round_size(r) != r || size_policy::pool_for(r) != kind) continue;
+        std::size_t& largest = largest_of_segment[p.segment_size(r)];
+        largest = std::max(largest, r);
+      }
+      std::vector<std::size_t> expect(rooms.size(), 0);
+      for (std::size_t i = 0; i < rooms.size(); ++i) {
+        for (const auto& [seg, r] : largest_of_segment) {
+          if (seg <= rooms[i]) expect[i] = std::max(expect[i], r);
+        }
+      }
+      for (std::size_t i = 0; i < rooms.size(); ++i) {
+        EXPECT_EQ(p.largest_growable_within(rooms[i], kind), expect[i])
+            << "'" << text << "' room " << rooms[i] << " kind " << static_cast<int>(kind);
+      }
+    }
+  }
+  // Past the brute force's range: a huge room gives the largest request there is.
+  EXPECT_EQ(size_policy().largest_growable_within(std::numeric_limits<std::size_t>::max(),
+                                                  pool_kind::large),
+            k_max_request_bytes - 511);
+  EXPECT_EQ(size_policy().largest_growable_within(std::size_t{1} << 40, pool_kind::large),
+            std::size_t{1} << 40);
 }
 
 }  // namespace
