@@ -5,7 +5,8 @@
 #       and on the legacy stream, churn, threads, both modes, against c10 and cudaMallocAsync (3
 #       interleaved repetitions); the seven bundled traces cold and warm, expandable segments
 #       against c10's expandable mode (ROUNDS interleaved rounds, gpu_expandable.sh replay); the
-#       warm pass in default mode against c10 and cudaMallocAsync
+#       warm pass in default mode against c10 and cudaMallocAsync; the cost of each device call
+#       (cucache-vm-cost) and of each stream query (cucache-bench stream_query)
 #   tools/gpu_benchmarks.sh BIN LIB OUT memory -- minimum capacity (--fit) of every bundled trace in
 #       both modes against the peers; sleep and wake of issue 33's shape (sleep_breakdown.py)
 #   tools/gpu_benchmarks.sh BIN LIB OUT torch  -- training steps through the plug-in against
@@ -37,10 +38,11 @@ export ROUNDS=${ROUNDS:-2}
 case $part in
   host)
     run bench 200 "$bin/cucache-bench" \
-      '--benchmark_filter=^(pair|pair_legacy|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|c10|cudaMallocAsync)(/|$)' \
+      '--benchmark_filter=^((pair|pair_legacy|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|c10|cudaMallocAsync)(/|$)|stream_query/)' \
       --benchmark_min_time=0.05 --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true \
       --benchmark_report_aggregates_only=true --benchmark_format=json "--benchmark_out=$out/bench.json"
     run replay_expandable 330 bash "$repo/tools/gpu_expandable.sh" "$bin" "$out/expandable" replay
+    run vm_cost 90 "$bin/cucache-vm-cost" 30
     run replay_default_warm 90 "$bin/cucache-replay" --backend cuda --json --warm --repeat 3 \
       --peers c10,cudaMallocAsync "${traces[@]}"
     ;;
