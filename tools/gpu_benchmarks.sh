@@ -8,10 +8,11 @@
 #       warm pass in default mode against c10 and cudaMallocAsync; the cost of each device call
 #       (cucache-vm-cost) and of each stream query (cucache-bench stream_query)
 #   tools/gpu_benchmarks.sh BIN LIB OUT memory -- minimum capacity (--fit) of every bundled trace in
-#       both modes against the peers; sleep and wake of issue 33's shape (sleep_breakdown.py)
+#       both modes against the peers; sleep and wake of issue 33's shape (sleep_breakdown.py); the
+#       RL loop (gpu_sleep.sh, sleep and nosleep modes, 3 rounds)
 #   tools/gpu_benchmarks.sh BIN LIB OUT torch  -- training steps through the plug-in against
-#       PyTorch's allocator (gpu_expandable.sh torch); the RL loop (gpu_sleep.sh, sleep and
-#       nosleep modes)
+#       PyTorch's allocator (gpu_expandable.sh torch); the programs of the torch extension
+#       (gpu_torch_face.sh programs: torch.compile, shared-pool graphs, IPC, memory_viz snapshot)
 # BIN: the staged binaries (tools/gpu_stage.sh; BIN/COMMIT names their commit) -- the c10 peer is
 # built into it first when missing (tools/build_c10_peer.sh, needs torch); LIB: the folder holding
 # libcucache_torch.so and libcucache_torch_hooks.so of the same commit. Writes gpu.txt, one log per
@@ -54,14 +55,16 @@ case $part in
     run sleep_breakdown 100 env CUCACHE_LIB="$lib/libcucache_torch.so" \
       PYTHONPATH="$repo/python" CUCACHE_CONF=expandable_segments:True \
       python3 "$repo/bench/torch/sleep_breakdown.py"
+    export ROUNDS=3 MODES="sleep nosleep"  # gpu_sleep.sh's rounds
+    run rl_loop 240 bash "$repo/tools/gpu_sleep.sh" "$lib" "$out/rl"
     ;;
   torch)
     export CUCACHE_LIB="$lib/libcucache_torch.so" PYTHONPATH="$repo/python"
     export CUCACHE_TORCH_HOOKS_LIB="$lib/libcucache_torch_hooks.so"
     export WORKLOADS=${WORKLOADS:-gpt2_train,resnet50_train}
     run steps 330 bash "$repo/tools/gpu_expandable.sh" "$bin" "$out/steps" torch
-    export ROUNDS=3 MODES="sleep nosleep"
-    run rl_loop 240 bash "$repo/tools/gpu_sleep.sh" "$lib" "$out/rl"
+    run programs 300 env OUT="$out/programs" CUCACHE_GPU_LIB="$lib" \
+      bash "$repo/tools/gpu_torch_face.sh" programs
     ;;
 esac
 exit $status
