@@ -484,19 +484,9 @@ void device_allocator::check_invariants() const {
     violated(fmt::format("pointer map holds {} blocks, {} are allocated", m.blocks.size(),
                          allocated_blocks));
   }
-  const std::size_t reserved = m.budget.reserved_bytes();
-  if (reserved != reserved_total) {
-    violated(fmt::format("device reserved {} != sum of segments {}", reserved, reserved_total));
-  }
-  std::size_t above_limit = 0;
-  {
-    detail::lock_guard lock(m.budget.mu);
-    above_limit = m.budget.allowed_above_limit();
-  }
-  if (const std::size_t limit = m.budget.limit.load(std::memory_order_relaxed);
-      limit != 0 && reserved > std::max(limit, above_limit)) {
-    violated(fmt::format("reserved {} exceeds the memory limit {}", reserved, limit));
-  }
+  // The budget's own invariants, against the bytes counted here: segments, mapped pages and
+  // unmapped handles.
+  m.budget.check_invariants(reserved_total);
   // The statistics ledger (stats_ledger.hpp): its totals are the sum of the pools' summaries, and
   // a pool not marked stale holds the summary it would get now -- its largest request only while
   // the unmapped one-page handles are those the ledger last saw -- unless lock_all ran since the

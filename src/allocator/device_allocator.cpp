@@ -136,9 +136,9 @@ device_allocator::impl::~impl() {
   }
   free_spare_host_buffers();
   for (auto& p : pools) {
-    if (p->quiet_event != nullptr) {
+    if (const event_handle e = p->retirement.quiet_event(); e != nullptr) {
       try {
-        backend->event_destroy(p->quiet_event);
+        backend->event_destroy(e);
       } catch (...) {
       }
     }
@@ -432,20 +432,20 @@ void device_allocator::impl::collect_garbage(std::size_t incoming) {
 namespace {
 /// An allocation that unlocks its pool midway (the ladder, garbage collection) and locks it again
 /// before going on, also when what it did meanwhile throws. Meanwhile the pool is not quiet, so
-/// the pool table never hands it to another stream (stream_pool::unlocked_allocations).
+/// the pool table never hands it to another stream (pool_table::begin_unlocked_allocation).
 /// For the analysis, a scoped unlock: p.mu is not held while it lives.
 class SCOPED_CAPABILITY unlocked_midway {
  public:
   unlocked_midway(detail::pool_table& pools, stream_pool& p, detail::pool_lock& lk) RELEASE(p.mu)
       : pools_(pools), p_(p), lk_(lk) {
-    ++p_.unlocked_allocations;
+    detail::pool_table::begin_unlocked_allocation(p_);
     lk_.unlock(p.mu);
   }
   // Not analysed: it takes the lock again through a reference to the caller's scoped lock.
   ~unlocked_midway() RELEASE() NO_THREAD_SAFETY_ANALYSIS {
     if (!lk_.owns_lock()) lk_.lock();
     pools_.note_change(p_);  // the allocation goes on changing p
-    --p_.unlocked_allocations;
+    detail::pool_table::end_unlocked_allocation(p_);
   }
   unlocked_midway(const unlocked_midway&) = delete;
   unlocked_midway& operator=(const unlocked_midway&) = delete;
@@ -884,11 +884,9 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
   // completed, and nothing was allocated or freed in p since (p.tick unchanged), p may serve
   // another stream (pool_table::judge). Rate: the first k_quiet_always quiet frees of a pool,
   // then one in k_quiet_every, so that a loop of ordered pairs on one stream records one event
-  // per k_quiet_every pairs. A pool left unproven is retired by the device-wide paths instead.
-  static constexpr std::uint64_t k_quiet_always = 8;
-  static constexpr std::uint64_t k_quiet_every = 256;
-  const std::uint64_t n = p.quiet_frees++;
-  if (n >= k_quiet_always && n % k_quiet_every != 0) return;
+  // per k_quiet_every pairs (pool_retirement). A pool left unproven is retired by the device-wide
+  // paths instead.
+  if (!detail::pool_table::quiet_record_due(p)) return;
   if (!p.quiet() || graphs.any_capture() || sync_blocked()) return;
   // The legacy stream is never gone (its pool needs no retirement), and recording on it could
   // touch a capture of another thread; the per-thread handle names another stream per thread.
@@ -901,14 +899,13 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
     // the stream is not captured).
     const stream_identity who = raw->identify(p.stream);
     if (who.capture.state != capture_state::none || who.id != p.key) return;
-    if (p.quiet_event == nullptr) p.quiet_event = events.take();
-    p.quiet_tick = stream_pool::k_never;  // no proof while the record is not done
-    backend->event_record(p.quiet_event, p.stream);
+    // No proof while the record is not done.
+    const event_handle e = detail::pool_table::begin_quiet_record(p, [&] { return events.take(); });
+    backend->event_record(e, p.stream);
   } catch (...) {
     return;  // no proof now; the pool is kept until a device-wide path retires it
   }
-  p.quiet_tick = p.tick;
-  pools.queue_quiet(p);
+  pools.quiet_recorded(p);
 }
 
 void device_allocator::impl::retire_empty_pools() {

@@ -21,8 +21,6 @@
 
 namespace cucache::detail {
 
-class pager;
-
 class device_budget {
  public:
   device_budget(std::size_t total_bytes, std::size_t limit_bytes,
@@ -58,15 +56,38 @@ class device_budget {
     return bytes > device_total || (limit != 0 && bytes > limit);
   }
 
+  /// Would `bytes` more pass the memory limit? (False when there is none.)
+  [[nodiscard]] bool over_limit(std::size_t bytes) const {
+    detail::lock_guard lock(mu);
+    return over_limit_locked(bytes);
+  }
+  [[nodiscard]] bool over_limit_locked(std::size_t bytes) const noexcept REQUIRES(mu) {
+    const std::size_t cap = limit.load(std::memory_order_relaxed);
+    return cap != 0 && reserved + bytes > cap;
+  }
+  /// Would `bytes` more pass the memory limit or the garbage-collection threshold?
+  [[nodiscard]] bool over_caps(std::size_t bytes) const {
+    const std::size_t gc = gc_bytes.load(std::memory_order_relaxed);
+    detail::lock_guard lock(mu);
+    return over_limit_locked(bytes) || (gc != 0 && reserved + bytes > gc);
+  }
+  /// The bytes the memory limit still lets reserved grow by (SIZE_MAX when there is none).
+  [[nodiscard]] std::size_t room_under_limit_locked() const noexcept REQUIRES(mu) {
+    const std::size_t cap = limit.load(std::memory_order_relaxed);
+    if (cap == 0) return ~std::size_t{0};
+    return cap > reserved ? cap - reserved : 0;
+  }
+
   /// Creates `bytes` of device memory with create() (which returns something testable, empty
   /// when the device refuses) and charges it, unless it would pass the limit: then create is not
-  /// called and an empty result is returned.
+  /// called and an empty result is returned. The check, the device call and the charge are one
+  /// step under `mu`.
   template <class F>
   auto charge(std::size_t bytes, F&& create) -> decltype(create()) {
     decltype(create()) made{};
     {
       detail::lock_guard lock(mu);
-      if (limit != 0 && reserved + bytes > limit) return made;
+      if (over_limit_locked(bytes)) return made;
       made = create();
       if (!made) return made;
       reserved += bytes;
@@ -79,12 +100,15 @@ class device_budget {
   /// Gives `bytes` back with release(), which may throw: then nothing is refunded.
   template <class F>
   void refund(std::size_t bytes, F&& release) {
-    {
-      detail::lock_guard lock(mu);
-      release();
-      reserved -= bytes;
-      ++changes_;
-    }
+    detail::lock_guard lock(mu);
+    release();
+    refund_locked(bytes);
+  }
+  /// Refunds `bytes` whose device memory the caller released under `mu` (the pager, whose
+  /// handle list is under `mu` too, and which keeps a handle it failed to release).
+  void refund_locked(std::size_t bytes) noexcept REQUIRES(mu) {
+    reserved -= bytes;
+    ++changes_;
     device_frees.fetch_add(1, std::memory_order_relaxed);
   }
 
@@ -117,6 +141,11 @@ class device_budget {
   /// all slow paths under `mu` (a device call, a handle list change), never on a cache hit.
   [[nodiscard]] std::uint64_t changes_locked() const noexcept REQUIRES(mu) { return changes_; }
   void note_change_locked() noexcept REQUIRES(mu) { ++changes_; }
+  /// The budget's own invariants, given `counted`, the bytes the caller found reserved (segments
+  /// and the pager's mapped and unmapped handles): reserved equals it; reserved is within the
+  /// memory limit (or within what it was when the limit was lowered under it); peak >= reserved.
+  /// Throws std::logic_error naming the first violation.
+  void check_invariants(std::size_t counted) const;
   void reset_counters() noexcept {
     for (auto* c : {&device_allocs, &device_frees, &oom_count, &retry_count}) {
       c->store(0, std::memory_order_relaxed);
@@ -133,9 +162,6 @@ class device_budget {
   std::atomic<std::uint64_t> retry_count{0};    // out-of-memory ladders run
 
  private:
-  // The pager charges and refunds physical handles in steps of its own under `mu` (its handle
-  // list is under it too): it reads and writes these directly.
-  friend class pager;
   std::size_t reserved GUARDED_BY(mu) = 0;
   std::size_t peak GUARDED_BY(mu) = 0;
   std::size_t above_limit_ GUARDED_BY(mu) = 0;  // reserved when the cap was lowered under it

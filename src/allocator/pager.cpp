@@ -344,23 +344,19 @@ void pager::release(phys_handle h, std::size_t bytes) {
     keep_locked(h, bytes);  // still ours: keep it tracked, never leak it
     throw;
   }
-  budget_.reserved -= bytes;
-  budget_.note_change_locked();
-  budget_.device_frees.fetch_add(1, std::memory_order_relaxed);
+  budget_.refund_locked(bytes);
 }
 
 void pager::release_unmapped(std::size_t target_reserved) {
   detail::lock_guard lock(budget_.mu);
-  while (budget_.reserved > target_reserved && !free_handles.empty()) {
+  while (budget_.reserved_bytes_locked() > target_reserved && !free_handles.empty()) {
     auto it = std::prev(free_handles.end());
     const std::size_t bytes = it->first;
     const phys_handle h = it->second;
     timed(counters.vm_ns, [&] { backend_.phys_release(h); });  // a failure leaves it listed
     free_handles.erase(it);
     free_handle_bytes -= bytes;
-    budget_.reserved -= bytes;
-    budget_.note_change_locked();
-    budget_.device_frees.fetch_add(1, std::memory_order_relaxed);
+    budget_.refund_locked(bytes);
   }
 }
 
@@ -597,14 +593,9 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
 }
 
 std::optional<pager::piece> pager::create(std::size_t bytes) {
-  detail::lock_guard lock(budget_.mu);
-  if (budget_.limit != 0 && budget_.reserved + bytes > budget_.limit) return std::nullopt;
-  std::optional<phys_handle> h = timed(counters.vm_ns, [&] { return backend_.phys_create(bytes); });
+  const std::optional<phys_handle> h = budget_.charge(
+      bytes, [&] { return timed(counters.vm_ns, [&] { return backend_.phys_create(bytes); }); });
   if (!h) return std::nullopt;
-  budget_.reserved += bytes;
-  budget_.peak = std::max(budget_.peak, budget_.reserved);
-  budget_.note_change_locked();
-  budget_.device_allocs.fetch_add(1, std::memory_order_relaxed);
   return piece{*h, bytes, false};
 }
 
@@ -625,12 +616,7 @@ bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
   return fits(extra);
 }
 
-bool pager::over_caps(std::size_t bytes) {
-  const std::size_t gc = budget_.gc_bytes.load(std::memory_order_relaxed);
-  detail::lock_guard lock(budget_.mu);
-  return (budget_.limit != 0 && budget_.reserved + bytes > budget_.limit) ||
-         (gc != 0 && budget_.reserved + bytes > gc);
-}
+bool pager::over_caps(std::size_t bytes) { return budget_.over_caps(bytes); }
 
 bool pager::fits(std::size_t bytes) {
   return !over_caps(bytes) && backend_.mem_get_info().free_bytes >= bytes;
@@ -740,12 +726,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
       const std::size_t fresh = missing > kept ? missing - kept : 0;
       if (!plentiful && fresh != 0 && !fits(fresh)) {
         (void)reclaim(p, fresh);
-        bool room = false;
-        {
-          detail::lock_guard lock(budget_.mu);
-          room = budget_.limit == 0 || budget_.reserved + fresh <= budget_.limit;
-        }
-        if (!room || backend_.mem_get_info().free_bytes < fresh) return false;
+        if (budget_.over_limit(fresh) || backend_.mem_get_info().free_bytes < fresh) return false;
       }
     }
     for (std::size_t pg = first; pg <= last;) {
@@ -854,10 +835,7 @@ std::size_t pager::evict(stream_pool& p, bool synchronize) {
 std::size_t pager::room_bytes() {
   const std::size_t device_free = backend_.mem_get_info().free_bytes;
   detail::lock_guard lock(budget_.mu);
-  std::size_t room = device_free;
-  if (budget_.limit != 0) {
-    room = std::min(room, budget_.limit > budget_.reserved ? budget_.limit - budget_.reserved : 0);
-  }
+  const std::size_t room = std::min(device_free, budget_.room_under_limit_locked());
   return room + page_handle_bytes_locked();  // the unmapped handles back() reuses
 }
 

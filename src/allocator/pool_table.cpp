@@ -47,11 +47,11 @@ stream_pool& pool_table::pool_for_key(stream_handle stream, std::uint64_t stream
 }
 
 void pool_table::queue_quiet(stream_pool& p) noexcept {
-  if (p.queued) return;
+  if (p.retirement.queued()) return;
   detail::lock_guard lock(quiet_mu_);
   try {
     (p.holds_no_memory() ? empty_ : quiet_).push_back(&p);
-    p.queued = true;
+    p.retirement.set_queued(true);
   } catch (...) {
   }
 }
@@ -74,11 +74,11 @@ pool_table::verdict pool_table::judge(stream_pool& d) const {
   // streams is covered by the pending frees' own events (none are left).
   if (!d.quiet()) return verdict::stale;
   if (d.holds_no_memory()) return verdict::retired;
-  if (d.quiet_event == nullptr || d.quiet_tick != d.tick || events_ == nullptr) {
+  if (!d.retirement.event_proves(d.tick) || events_ == nullptr) {
     return verdict::stale;
   }
   try {
-    return events_->event_query(d.quiet_event) ? verdict::retired : verdict::wait;
+    return events_->event_query(d.retirement.quiet_event()) ? verdict::retired : verdict::wait;
   } catch (...) {
     return verdict::stale;  // no proof: kept by its stream's key until a device-wide path
   }
@@ -111,7 +111,7 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key,
       continue;
     }
     if (!d->mu.try_lock()) {  // never waits: d.mu comes after mu_ anyway
-      requeue(q, d);  // d.queued stays true
+      requeue(q, d);  // d stays marked queued
       continue;
     }
     pool_lock lk(d->mu, std::adopt_lock);
@@ -121,7 +121,7 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key,
       requeue(q, d);
       continue;
     }
-    d->queued = false;
+    d->retirement.set_queued(false);
     if (v == verdict::stale) continue;
     // Retired: d serves the new stream from here, its free memory with it. Threads whose cache
     // still names d under the old key find the key changed under d's lock (lock_pool_for).
@@ -131,8 +131,7 @@ stream_pool* pool_table::adopt_locked(stream_handle stream, std::uint64_t key,
     }
     d->key = key;  // the stream's key; the map names d by domain_key(key, domain)
     d->stream = stream;
-    d->quiet_tick = stream_pool::k_never;
-    d->quiet_frees = 0;
+    d->retirement.restart();
     adoptions_.fetch_add(1, std::memory_order_relaxed);
     return d;
   }

@@ -25,6 +25,7 @@
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "allocator/hot.hpp"
@@ -181,6 +182,31 @@ class pool_table {
   /// Queues p (once) as a candidate for retirement: it went quiet with a quiet event recorded,
   /// or holds no device memory. Never throws (a pool not queued is only kept longer).
   void queue_quiet(stream_pool& p) noexcept REQUIRES(p.mu);
+  /// An ordered free on p's stream left p quiet: counted; whether a quiet event is due for it
+  /// (pool_retirement::count_quiet_free's rate).
+  static bool quiet_record_due(stream_pool& p) noexcept REQUIRES(p.mu) {
+    return p.retirement.count_quiet_free();
+  }
+  /// p's quiet event (taken with take() the first time), for the caller to record on p's stream;
+  /// p has no proof until quiet_recorded.
+  template <class Take>
+  static event_handle begin_quiet_record(stream_pool& p, Take&& take) REQUIRES(p.mu) {
+    return p.retirement.begin_record(std::forward<Take>(take));
+  }
+  /// p's quiet event was recorded with p quiet: proof once it completes while p's tick stays,
+  /// and p is queued as a candidate.
+  void quiet_recorded(stream_pool& p) noexcept REQUIRES(p.mu) {
+    p.retirement.recorded(p.tick);
+    queue_quiet(p);
+  }
+  /// An allocation on p unlocks it midway and will lock it again to go on (unlocked_midway):
+  /// until it ends, p is not quiet, so it keeps its stream.
+  static void begin_unlocked_allocation(stream_pool& p) noexcept REQUIRES(p.mu) {
+    p.retirement.unlocked_allocation_began();
+  }
+  static void end_unlocked_allocation(stream_pool& p) noexcept REQUIRES(p.mu) {
+    p.retirement.unlocked_allocation_ended();
+  }
   /// Candidates looked at per new pool in each queue (each: one try_lock, at most one event
   /// query).
   static constexpr int k_adopt_probes = 4;

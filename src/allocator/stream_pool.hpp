@@ -24,6 +24,68 @@
 namespace cucache::detail {
 struct graph_pool;
 
+/// A stream pool's retirement state: the pool table's (pool_table.hpp, "retirement"), kept in
+/// the pool under its mutex. Its fields change only through these steps, which pool_table's
+/// methods take; docs/design.md "What a stream costs, and when its state goes".
+class pool_retirement {
+ public:
+  static constexpr std::uint64_t k_never = ~std::uint64_t{0};
+  /// Quiet events recorded for the first k_quiet_always ordered frees that leave the pool quiet,
+  /// then for one in k_quiet_every: a loop of ordered pairs on one stream records one event per
+  /// k_quiet_every pairs.
+  static constexpr std::uint64_t k_quiet_always = 8;
+  static constexpr std::uint64_t k_quiet_every = 256;
+
+  /// Counts an ordered free that left the pool quiet; whether a quiet event is due for it.
+  [[nodiscard]] bool count_quiet_free() noexcept {
+    const std::uint64_t n = quiet_frees_++;
+    return n < k_quiet_always || n % k_quiet_every == 0;
+  }
+  /// The quiet event, taken with take() the first time (then kept for the pool's life), about to
+  /// be recorded: no proof until recorded() says the record is done.
+  template <class Take>
+  event_handle begin_record(Take&& take) {
+    if (quiet_event_ == nullptr) quiet_event_ = take();
+    quiet_tick_ = k_never;
+    return quiet_event_;
+  }
+  /// The quiet event was recorded with the pool quiet at `tick`.
+  void recorded(std::uint64_t tick) noexcept { quiet_tick_ = tick; }
+  /// The quiet event, if one was ever taken (the allocator destroys it at the end).
+  [[nodiscard]] event_handle quiet_event() const noexcept { return quiet_event_; }
+  /// A quiet event was recorded with the pool quiet and nothing was allocated or freed since
+  /// (`tick` still the one recorded): its completion proves every use of the pool's blocks on
+  /// its stream has completed.
+  [[nodiscard]] bool event_proves(std::uint64_t tick) const noexcept {
+    return quiet_event_ != nullptr && quiet_tick_ == tick;
+  }
+  /// Handed to a new stream: no proof, and the record rate starts again.
+  void restart() noexcept {
+    quiet_tick_ = k_never;
+    quiet_frees_ = 0;
+  }
+  /// In the pool table's queue of retirement candidates.
+  [[nodiscard]] bool queued() const noexcept { return queued_; }
+  void set_queued(bool q) noexcept { queued_ = q; }
+  /// Allocations on this pool that unlocked it midway (the ladder, garbage collection) and will
+  /// lock it again to go on: while any is, the pool is not quiet, so it keeps its stream.
+  [[nodiscard]] std::uint32_t unlocked_allocations() const noexcept {
+    return unlocked_allocations_;
+  }
+  void unlocked_allocation_began() noexcept { ++unlocked_allocations_; }
+  void unlocked_allocation_ended() noexcept { --unlocked_allocations_; }
+
+ private:
+  /// Recorded on the pool's stream while the program named it in a call (an ordered free on it
+  /// that left the pool quiet); nullptr until first needed, then kept for the pool's life.
+  event_handle quiet_event_ = nullptr;
+  /// The pool's `tick` when quiet_event_ was last recorded with the pool quiet.
+  std::uint64_t quiet_tick_ = k_never;
+  std::uint64_t quiet_frees_ = 0;  // ordered frees that left the pool quiet (the record's rate)
+  bool queued_ = false;
+  std::uint32_t unlocked_allocations_ = 0;
+};
+
 class stream_pool {
  public:
   stream_pool(stream_handle s, std::uint64_t k, std::size_t idx, graph_pool* g = nullptr,
@@ -70,27 +132,18 @@ class stream_pool {
   stream_pool* next_stale = nullptr;
 
   // --- retirement (pool_table, docs/design.md "What a stream costs"), under mu ---------------
-  static constexpr std::uint64_t k_never = ~std::uint64_t{0};
-  /// Recorded on `stream` while the program named it in a call (an ordered free on it that left
-  /// the pool quiet); nullptr until first needed, then kept for the pool's life.
-  event_handle quiet_event GUARDED_BY(mu) = nullptr;
-  /// `tick` when quiet_event was last recorded with the pool quiet: while tick still equals it,
-  /// nothing was allocated or freed since, so the event's completion proves that every use of
-  /// the pool's blocks on its stream has completed.
-  std::uint64_t quiet_tick GUARDED_BY(mu) = k_never;
-  std::uint64_t quiet_frees GUARDED_BY(mu) =
-      0;                               // ordered frees that left the pool quiet (the record's rate)
-  bool queued GUARDED_BY(mu) = false;  // in the pool table's queue of retirement candidates
-  /// Allocations on this pool that unlocked it midway (the ladder, garbage collection) and will
-  /// lock it again to go on: while any is, the pool is not quiet, so it keeps its stream.
-  std::uint32_t unlocked_allocations GUARDED_BY(mu) = 0;
+  /// The pool table's state for handing this pool on: changed only through pool_table's
+  /// retirement methods (quiet_record_due, begin_quiet_record, quiet_recorded, queue_quiet,
+  /// pool_for_key's adoption, begin/end_unlocked_allocation).
+  pool_retirement retirement GUARDED_BY(mu);
 
   /// No block of the pool is allocated, pending or held for a graph, and it is a stream's own
   /// pool: its cached memory is all free, and it may be retired once its stream's work on it is
   /// proven complete.
   [[nodiscard]] bool quiet() const noexcept REQUIRES(mu) {
     return graph == nullptr && stats.allocation_count[0].current == 0 &&
-           stats.pending_count[0].current == 0 && retained == 0 && unlocked_allocations == 0;
+           stats.pending_count[0].current == 0 && retained == 0 &&
+           retirement.unlocked_allocations() == 0;
   }
   /// The pool holds no device memory (no segment; in expandable mode, no mapped page).
   [[nodiscard]] bool holds_no_memory() const noexcept REQUIRES(mu) {
