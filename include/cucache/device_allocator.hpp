@@ -372,8 +372,9 @@ class device_allocator {
   /// Releases the physical memory of every live block of `domain` and of its cached pages,
   /// keeping their virtual addresses: pointers stay valid, and no work may touch them until wake.
   /// With keep_contents the live blocks' bytes are first copied to pinned host memory (wake
-  /// copies them back; the pinned buffer is kept after wake for the domain's next sleep, and
-  /// freed by a sleep without keep_contents or with the allocator). Pending frees of the domain and all queued work are waited for first
+  /// copies them back; the pinned buffer -- pinned ahead by prepare_sleep, or here -- is kept
+  /// after wake for the domain's next sleep, and freed by a sleep without keep_contents or with
+  /// the allocator). Pending frees of the domain and all queued work are waited for first
   /// (one device synchronization). Throws, changing nothing: cuda_error 801 (not expandable
   /// mode), invalid_argument (domain 0 or too large, already asleep, blocks held for a CUDA
   /// graph, a live block exported by ipc_get_handle: its importers map its physical memory),
