@@ -3,11 +3,18 @@
 dropping contents, then three times keeping them, each call timed with the deltas of cucache's
 device-call counters (handles unmapped/released, mapped/created, VM host time, synchronizations).
 
-    CUCACHE_CONF=expandable_segments:True python bench/torch/sleep_breakdown.py
+    CUCACHE_CONF=expandable_segments:True python bench/torch/sleep_breakdown.py [--prepare]
 
-(CUCACHE_LIB / CUCACHE_TORCH_HOOKS_LIB choose the libraries; docs/benchmarks.md quotes a run.)
+--prepare calls cucache.prepare_sleep("w") (timed apart) after the dropped-contents cycles -- a
+dropped sleep frees the tag's pinned buffer -- so that the first kept sleep finds its host buffer
+pinned, as a program that prepares once after loading its weights would (issue 33's first-cycle
+target). (CUCACHE_LIB / CUCACHE_TORCH_HOOKS_LIB choose the libraries; docs/benchmarks.md quotes a
+run.)
 """
 import os, sys, time
+PREPARE = "--prepare" in sys.argv[1:]
+if any(a != "--prepare" for a in sys.argv[1:]):
+    sys.exit(f"usage: {sys.argv[0]} [--prepare]")
 sys.path.insert(0, os.path.join(os.getcwd(), "python"))
 import cucache, cucache.torch
 cucache.torch.install(hooks=True)
@@ -35,6 +42,8 @@ for cycle in range(3):
 for t in ts[:4]:
     t.fill_(7)
 torch.cuda.synchronize()
+if PREPARE:
+    run("prepare_sleep", lambda: print("  pinned bytes:", cucache.prepare_sleep("w")))
 for cycle in range(3):
     run(f"c{cycle} sleep keep", lambda: cucache.sleep("w", keep_contents=True))
     run(f"c{cycle} wake keep", lambda: cucache.wake("w"))

@@ -239,6 +239,18 @@ cudaError_t cucacheMakeTagSleepable(const char* tag) CUCACHE_NOEXCEPT;
  *   cudaErrorStreamCaptureUnsupported  a graph capture is underway
  *   cudaErrorMemoryAllocation  the host cannot pin the copy (keepContents). */
 cudaError_t cucacheSleep(int device, const char* tag, int keepContents) CUCACHE_NOEXCEPT;
+/** Pins, ahead of the next cucacheSleep(device, tag, 1), the host buffer that sleep copies into:
+ * at least `bytes` and at least the tag's allocated bytes on `device` now (bytes 0: just those).
+ * Without it, the first kept sleep pins the buffer itself (cudaHostAlloc takes seconds for
+ * gigabytes). No allocator lock is held while pinning: other threads allocate and free meanwhile.
+ * Nothing is pinned when the tag's buffer is large enough already. The buffer stays the tag's
+ * until a sleep with keepContents 0 (which frees it) or a kept sleep that needs more.
+ * *pinnedBytes (when not NULL) gets the buffer's size.
+ * Errors, each with nothing changed: cudaErrorInvalidValue (tag NULL, unknown or not sleepable;
+ * asleep), cudaErrorNotSupported (the default mode), cudaErrorMemoryAllocation (the host cannot
+ * pin that much). */
+cudaError_t cucacheSleepPrepare(int device, const char* tag, size_t bytes,
+                                size_t* pinnedBytes) CUCACHE_NOEXCEPT;
 /** Maps new physical memory at the same addresses under every page the tag's live blocks touch and
  * copies the kept contents back. Other tags' cached (idle) pages are given back first if needed.
  * Errors: cudaErrorInvalidValue (tag NULL, unknown, not sleepable, not asleep),

@@ -372,8 +372,9 @@ class device_allocator {
   /// Releases the physical memory of every live block of `domain` and of its cached pages,
   /// keeping their virtual addresses: pointers stay valid, and no work may touch them until wake.
   /// With keep_contents the live blocks' bytes are first copied to pinned host memory (wake
-  /// copies them back; the pinned buffer is kept after wake for the domain's next sleep, and
-  /// freed by a sleep without keep_contents or with the allocator). Pending frees of the domain and all queued work are waited for first
+  /// copies them back; the pinned buffer -- pinned ahead by prepare_sleep, or here -- is kept
+  /// after wake for the domain's next sleep, and freed by a sleep without keep_contents or with
+  /// the allocator). Pending frees of the domain and all queued work are waited for first
   /// (one device synchronization). Throws, changing nothing: cuda_error 801 (not expandable
   /// mode), invalid_argument (domain 0 or too large, already asleep, blocks held for a CUDA
   /// graph, a live block exported by ipc_get_handle: its importers map its physical memory),
@@ -389,6 +390,22 @@ class device_allocator {
   /// compares them with its own count of the tag's bytes).
   void sleep(std::uint32_t domain, bool keep_contents, std::string_view label = {},
              const std::function<void(std::size_t placed_bytes)>& check = {});
+  /// Pins the host buffer the domain's next kept sleep copies into, ahead (docs/api.md, "Sleep
+  /// and wake"): at least `bytes`, and at least the bytes of the domain's allocated blocks now
+  /// (what a sleep with keep_contents would copy). Nothing is pinned when the domain's buffer
+  /// (from an earlier prepare_sleep or kept sleep) is large enough already; a smaller one is
+  /// replaced. The pinning (cudaHostAlloc: seconds for gigabytes) runs with no pool lock held,
+  /// so other threads allocate and free meanwhile; call it once after loading the weights, or
+  /// on a thread of your own. The buffer stays the domain's until a sleep without keep_contents,
+  /// a later kept sleep that needs more (which pins a larger one), or the allocator's end.
+  /// Returns the buffer's bytes (0 when the domain holds no allocated block and bytes is 0).
+  /// Throws, changing nothing: cuda_error 801 (not expandable mode), invalid_argument (domain 0
+  /// or too large, asleep), out_of_memory when the host cannot pin that much.
+  std::size_t prepare_sleep(std::uint32_t domain, std::size_t bytes = 0,
+                            std::string_view label = {});
+  /// The bytes of the pinned buffer the domain keeps for its next kept sleep (0: none; while it
+  /// sleeps with keep_contents, the buffer holding its contents is sleeping()'s host_bytes).
+  [[nodiscard]] std::size_t sleep_buffer_bytes(std::uint32_t domain) const;
   /// Maps new physical memory under every page the domain's live blocks touch, at the same
   /// addresses, and copies the kept contents back. When the device or the memory limit lacks
   /// room it first makes room as the out-of-memory ladder does: waits for every pending

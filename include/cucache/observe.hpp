@@ -175,6 +175,17 @@ void make_sleepable(std::string_view tag);
 /// sleepable tag, asleep already, live blocks of the tag outside its pages), cuda_error 801 (not
 /// expandable mode), cuda_error 900 (a graph capture is underway), out_of_memory (host memory).
 void sleep(int device, std::string_view tag, bool keep_contents = true);
+/// Pins, ahead of the tag's next sleep with keep_contents, the host buffer that sleep copies into:
+/// at least `bytes` and at least the tag's allocated bytes on `device` now. Without it, the first
+/// kept sleep pins the buffer itself (cudaHostAlloc: about 3 s for 9 GiB on the H200). Runs with
+/// no allocator lock held while pinning. Returns the buffer's bytes; nothing is pinned when the
+/// tag's buffer is large enough already. The buffer stays the tag's until a sleep without
+/// keep_contents (which frees it) or a kept sleep that needs more. Throws, changing nothing:
+/// invalid_argument (unknown or not sleepable tag, asleep), cuda_error 801 (not expandable
+/// mode), out_of_memory (the host cannot pin that much).
+std::size_t prepare_sleep(int device, std::string_view tag, std::size_t bytes = 0);
+/// The bytes of the pinned buffer `tag` keeps on `device` for its next kept sleep (0: none).
+[[nodiscard]] std::size_t sleep_buffer_bytes(int device, std::string_view tag);
 /// Maps new memory under the tag's live blocks at the same addresses and restores the kept
 /// contents. Throws invalid_argument (unknown tag, not asleep), out_of_memory (no room: the tag
 /// stays asleep, nothing of it mapped, the message says how much was missing).

@@ -97,6 +97,10 @@ struct sim_options {
   /// Number of simulated devices in the process (the registry's CUCACHE_SIM_DEVICES): the peers
   /// configure_peer_access chooses from.
   int device_count = 1;
+  /// Page-locked host memory host_alloc_pinned may hold at once (the host's RAM and
+  /// RLIMIT_MEMLOCK, as cudaHostAlloc meets them): beyond it host_alloc_pinned answers nullptr
+  /// (cudaErrorMemoryAllocation), as the driver does. Unlimited by default.
+  std::size_t pinned_capacity_bytes = ~std::size_t{0};
   /// Bit d set: device d can access this device's memory (cudaDeviceCanAccessPeer(d, device)).
   /// Every device can by default.
   std::uint64_t peer_mask = ~std::uint64_t{0};
@@ -250,6 +254,9 @@ class sim_backend final : public device_backend {
   [[nodiscard]] std::size_t inaccessible_mappings() const;
   /// Whether every byte of [va, va + bytes) is mapped and covered by a set_access.
   [[nodiscard]] bool accessible(const void* va, std::size_t bytes) const;
+  /// Pinned host memory held (host_alloc_pinned, not yet freed): its bytes and its blocks.
+  [[nodiscard]] std::size_t pinned_bytes() const;
+  [[nodiscard]] std::size_t live_pinned() const;
   /// Segments opened with segment_import and not closed.
   [[nodiscard]] std::size_t live_imports() const;
   /// Whether kernels on `device` may read and write every byte of [ptr, ptr + bytes): within
@@ -341,6 +348,7 @@ class sim_backend final : public device_backend {
   std::unordered_map<phys_handle, handle_rec> handles_;
   std::map<std::uintptr_t, import_rec> imports_;
   std::map<std::uintptr_t, std::size_t> pinned_;  // host_alloc_pinned's blocks: addr -> bytes
+  std::size_t pinned_bytes_ = 0;                   // their sum
   std::vector<int> access_devices_;  // set_access's devices; empty = this device alone
   bool phys_export_ = false;
   phys_handle next_handle_ = 1;

@@ -138,6 +138,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_metrics": (i64, [ctypes.c_char_p, sz]),
         "cucache_torch_make_sleepable": (i, [ctypes.c_char_p]),
         "cucache_torch_sleep": (i, [i, ctypes.c_char_p, i]),
+        "cucache_torch_prepare_sleep": (i, [i, ctypes.c_char_p, u64, ctypes.POINTER(u64)]),
         "cucache_torch_wake": (i, [i, ctypes.c_char_p, ctypes.POINTER(ctypes.c_double)]),
         "cucache_torch_sleeping": (i64, [i, ctypes.c_char_p, sz]),
         "cucache_torch_last_error": (ctypes.c_char_p, []),
@@ -621,6 +622,23 @@ def sleep(name: str, keep_contents: bool = True, device: Any = None) -> None:
         )
     d = _ready(_device(device))
     _check(library().cucache_torch_sleep(d, b, 1 if keep_contents else 0), "sleep")
+
+
+def prepare_sleep(name: str, nbytes: int = 0, device: Any = None) -> int:
+    """Pins, ahead of the next sleep(name, keep_contents=True), the host buffer that sleep copies
+    into: at least `nbytes` and at least the tag's allocated bytes now. Without it the first kept
+    sleep pins the buffer itself (seconds for gigabytes: cudaHostAlloc). Call it once after
+    loading the weights; it releases the GIL and holds no allocator lock while pinning, so it can
+    run on a thread of its own. Returns the buffer's bytes; nothing is pinned when the tag's
+    buffer is large enough already. A sleep with keep_contents=False frees the buffer.
+    RuntimeError (unknown or not sleepable tag, asleep, expandable segments off, the host cannot
+    pin that much) with nothing changed."""
+    b = _tag_name(name)
+    nbytes = _in_range(nbytes, "prepare_sleep: nbytes", _SIZE_MAX)
+    d = _ready(_device(device))
+    out = ctypes.c_uint64(0)
+    _check(library().cucache_torch_prepare_sleep(d, b, nbytes, ctypes.byref(out)), "prepare_sleep")
+    return int(out.value)
 
 
 def wake(name: str, device: Any = None) -> float:

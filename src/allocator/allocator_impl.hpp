@@ -187,6 +187,16 @@ struct device_allocator::impl {
                                     detail::tag_sleeper::record& rec, const std::string& name,
                                     const std::string& why, int code) REQUIRES(detail::every_pool);
   void wake(std::uint32_t domain, const std::string& label);
+  /// device_allocator::prepare_sleep. Takes every pool lock twice, not while pinning.
+  std::size_t prepare_sleep(std::uint32_t domain, std::size_t bytes, const std::string& label)
+      EXCLUDES(detail::every_pool);
+  /// The bytes of domain's spare pinned buffer (0: none). Takes every pool lock.
+  std::size_t spare_bytes(std::uint32_t domain) EXCLUDES(detail::every_pool);
+  /// Makes (host, bytes) domain's spare buffer; when it has one already, the larger stays and the
+  /// other is freed (a failure to free it, or to record the entry, is swallowed: nothing leaks
+  /// that the allocator does not own).
+  void keep_spare(std::uint32_t domain, std::byte* host, std::size_t bytes) noexcept
+      REQUIRES(detail::every_pool);
   /// Frees the spare pinned host buffers of woken domains (~impl).
   void free_spare_host_buffers() noexcept REQUIRES(detail::every_pool);
   /// Throws invalid_argument naming the block's domain when p's domain sleeps (allocate, free).

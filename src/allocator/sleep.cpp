@@ -258,25 +258,48 @@ void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
     }
   }
   if (keep_contents && w.run_bytes != 0) {
-    // The domain's spare buffer from its last wake when it is large enough; else a new one.
+    // The domain's buffer (prepare_sleep's, or its last wake's) when it is large enough; else a
+    // new one, pinned while the smaller one is still held (so that a refusal changes nothing),
+    // and only when the host refuses that, after freeing the smaller one.
     std::byte* host = nullptr;
     std::size_t host_capacity = w.run_bytes;
     auto& spares = sleeper.spares();
-    if (auto sp = spares.find(domain); sp != spares.end()) {
-      if (sp->second.bytes >= w.run_bytes) {
-        host = sp->second.host;
-        host_capacity = sp->second.bytes;
-      } else {
-        backend->host_free_pinned(sp->second.host);
-      }
+    auto sp = spares.find(domain);
+    if (sp != spares.end() && sp->second.bytes >= w.run_bytes) {
+      host = sp->second.host;
+      host_capacity = sp->second.bytes;
       spares.erase(sp);
-    }
-    if (host == nullptr) host = static_cast<std::byte*>(backend->host_alloc_pinned(w.run_bytes));
-    if (host == nullptr) {
-      throw out_of_memory(fmt::format(
-          "cucache: sleep: {} on device {}: cannot pin {} of host memory for the contents of its "
-          "live blocks (keep_contents); nothing changed",
-          name, raw->device(), bytes_text(w.run_bytes)));
+    } else {
+      host = static_cast<std::byte*>(backend->host_alloc_pinned(w.run_bytes));
+      std::string freed;  // the smaller buffer given up to make room, for the message
+      if (host == nullptr && sp != spares.end()) {
+        freed = fmt::format(" (its smaller pinned buffer of {} was freed to make room)",
+                            bytes_text(sp->second.bytes));
+        backend->host_free_pinned(sp->second.host);
+        spares.erase(sp);
+        sp = spares.end();
+        host = static_cast<std::byte*>(backend->host_alloc_pinned(w.run_bytes));
+      }
+      if (host == nullptr) {
+        throw out_of_memory(fmt::format(
+            "cucache: sleep: {} on device {}: cannot pin {} of host memory for the contents of "
+            "its live blocks (keep_contents); it stays awake with every byte in place{}",
+            name, raw->device(), bytes_text(w.run_bytes),
+            freed.empty() ? "; nothing changed" : freed));
+      }
+      if (sp != spares.end()) {
+        std::byte* smaller = sp->second.host;
+        spares.erase(sp);
+        try {
+          backend->host_free_pinned(smaller);
+        } catch (...) {
+          try {
+            backend->host_free_pinned(host);
+          } catch (...) {
+          }
+          throw;
+        }
+      }
     }
     const auto copy_start = std::chrono::steady_clock::now();
     try {
@@ -347,13 +370,7 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
   }
   if (rollback_failure.empty()) {
     sleeper.drop_record(domain);
-    if (rec.host != nullptr) {
-      try {
-        sleeper.spares()[domain] = {rec.host, rec.host_capacity};  // for the next sleep
-      } catch (...) {
-        backend->host_free_pinned(rec.host);
-      }
-    }
+    if (rec.host != nullptr) keep_spare(domain, rec.host, rec.host_capacity);  // next sleep's
     throw cuda_error(
         "cucache sleep", code,
         fmt::format("{} on device {}: releasing its pages failed part way ({}); rolled back: it "
@@ -494,11 +511,83 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
       throw;
     }
     copy_in = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
-    // Kept for the domain's next sleep (empty_cache frees it).
-    sleeper.spares()[domain] = {rec.host, rec.host_capacity};
+    // Kept for the domain's next sleep. A spare can be there already (prepare_sleep pinned one
+    // while the domain fell asleep): the larger of the two stays, the other is freed.
+    keep_spare(domain, rec.host, rec.host_capacity);
   }
   sleeper.last_copy_in()[domain] = copy_in;
   sleeper.wake_up(domain);
+}
+
+void device_allocator::impl::keep_spare(std::uint32_t domain, std::byte* host,
+                                        std::size_t bytes) noexcept {
+  std::byte* loser = host;
+  try {
+    auto& spares = sleeper.spares();
+    auto [it, added] = spares.try_emplace(domain, detail::tag_sleeper::spare_buffer{host, bytes});
+    if (added) return;
+    if (bytes > it->second.bytes) {
+      loser = it->second.host;
+      it->second = {host, bytes};
+    }
+  } catch (...) {
+    // No room for the map node: `host` is freed (the next kept sleep pins again).
+  }
+  try {
+    backend->host_free_pinned(loser);
+  } catch (...) {
+  }
+}
+
+std::size_t device_allocator::impl::prepare_sleep(std::uint32_t domain, std::size_t bytes,
+                                                  const std::string& label) {
+  const std::string name = who(domain, label);
+  if (!cfg.expandable_segments) {
+    throw cuda_error("cucache prepare_sleep", k_not_supported,
+                     fmt::format("{} on device {}: sleep needs expandable segments "
+                                 "(CUCACHE_CONF=expandable_segments:True); nothing pinned",
+                                 name, raw->device()));
+  }
+  check_domain(domain, "prepare_sleep");
+  std::size_t want = 0;
+  {
+    detail::pool_table::all_locked all(pools);
+    if (sleeper.asleep(domain)) {
+      throw invalid_argument(fmt::format(
+          "cucache: prepare_sleep: {} on device {} is asleep (its contents already hold a pinned "
+          "buffer, kept after wake); nothing changed",
+          name, raw->device()));
+    }
+    // What a kept sleep would copy now: the bytes of the domain's allocated blocks.
+    want = std::max(bytes, walk_domain(pools, domain).run_bytes);
+    const auto& spares = sleeper.spares();
+    if (const auto sp = spares.find(domain); sp != spares.end() && sp->second.bytes >= want) {
+      return sp->second.bytes;
+    }
+    if (want == 0) return 0;
+  }
+  // Pinned outside the pool locks: cudaHostAlloc of gigabytes takes seconds (docs/benchmarks.md,
+  // "Sleep and wake"), and allocations and frees of every pool go on meanwhile.
+  auto* host = static_cast<std::byte*>(backend->host_alloc_pinned(want));
+  if (host == nullptr) {
+    throw out_of_memory(fmt::format(
+        "cucache: prepare_sleep: {} on device {}: cannot pin {} of host memory for the contents "
+        "of its next sleep (keep_contents); nothing changed, the sleep would pin it itself",
+        name, raw->device(), bytes_text(want)));
+  }
+  detail::pool_table::all_locked all(pools);
+  // Another thread may have prepared (or slept and woken) meanwhile: the larger buffer stays.
+  keep_spare(domain, host, want);
+  const auto& spares = sleeper.spares();
+  const auto sp = spares.find(domain);
+  return sp != spares.end() ? sp->second.bytes : 0;
+}
+
+std::size_t device_allocator::impl::spare_bytes(std::uint32_t domain) {
+  detail::pool_table::all_locked all(pools);
+  const auto& spares = sleeper.spares();
+  const auto sp = spares.find(domain);
+  return sp != spares.end() ? sp->second.bytes : 0;
 }
 
 // --- public shell -------------------------------------------------------------------------------
@@ -513,6 +602,14 @@ std::uint32_t device_allocator::thread_sleep_domain() noexcept {
 void device_allocator::sleep(std::uint32_t domain, bool keep_contents, std::string_view label,
                              const std::function<void(std::size_t)>& check) {
   impl_->sleep(domain, keep_contents, std::string(label), check);
+}
+std::size_t device_allocator::prepare_sleep(std::uint32_t domain, std::size_t bytes,
+                                            std::string_view label) {
+  return impl_->prepare_sleep(domain, bytes, std::string(label));
+}
+std::size_t device_allocator::sleep_buffer_bytes(std::uint32_t domain) const {
+  if (domain == 0 || domain > detail::k_max_sleep_domain) return 0;
+  return impl_->spare_bytes(domain);
 }
 void device_allocator::wake(std::uint32_t domain, std::string_view label) {
   impl_->wake(domain, std::string(label));

@@ -55,9 +55,10 @@ class tag_sleeper {
     std::vector<copy_run> runs;  // in address order, into `host`
     double copy_seconds = 0;     // the device-to-host copies and their synchronization
   };
-  /// A pinned host buffer a domain used for its last sleep, kept for its next one (pinning costs
-  /// far more than copying: cudaHostAlloc maps and locks every page). Freed when the domain
-  /// sleeps without keep_contents, when a larger one is needed, and with the allocator.
+  /// A pinned host buffer a domain used for its last sleep, or pinned ahead by prepare_sleep, kept
+  /// for its next one (pinning costs far more than copying: cudaHostAlloc maps and locks every
+  /// page). Freed when the domain sleeps without keep_contents, when a larger one is needed, and
+  /// with the allocator. Installed only by impl::keep_spare (one per domain: the larger stays).
   struct spare_buffer {
     std::byte* host = nullptr;
     std::size_t bytes = 0;

@@ -270,6 +270,15 @@ cudaError_t cucacheSleep(int device, const char* tag, int keepContents) noexcept
   return guarded("cucacheSleep", [&] { cucache::sleep(device, tag, keepContents != 0); });
 }
 
+cudaError_t cucacheSleepPrepare(int device, const char* tag, size_t bytes,
+                                size_t* pinnedBytes) noexcept {
+  if (tag == nullptr) return null_argument("cucacheSleepPrepare", "tag");
+  return guarded("cucacheSleepPrepare", [&] {
+    const std::size_t n = cucache::prepare_sleep(device, tag, bytes);
+    if (pinnedBytes != nullptr) *pinnedBytes = n;
+  });
+}
+
 cudaError_t cucacheWake(int device, const char* tag) noexcept {
   if (tag == nullptr) return null_argument("cucacheWake", "tag");
   return guarded("cucacheWake", [&] { cucache::wake(device, tag); });

@@ -252,6 +252,17 @@ void sleep(int device, std::string_view tag, bool keep_contents) {
   }
 }
 
+std::size_t prepare_sleep(int device, std::string_view tag, std::size_t bytes) {
+  const std::uint32_t id = sleepable_tag(tag, "prepare_sleep");
+  return get(device).prepare_sleep(id, bytes, tag);
+}
+
+std::size_t sleep_buffer_bytes(int device, std::string_view tag) {
+  device_allocator* a = registry::instance().find(device);
+  const std::uint32_t id = tag.empty() ? 0 : detail::find_tag_id(tag);
+  return a == nullptr || id == 0 ? 0 : a->sleep_buffer_bytes(id);
+}
+
 void wake(int device, std::string_view tag) {
   const std::uint32_t id = sleepable_tag(tag, "wake");
   device_allocator& a = get(device);

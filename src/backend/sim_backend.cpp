@@ -1056,10 +1056,22 @@ void* sim_backend::host_alloc_pinned(std::size_t bytes) {
   std::lock_guard lock(mu_);
   if (should_fail(sim_call::host_alloc_pinned)) return nullptr;  // out of pinnable host memory
   require_capture_safe(sim_call::host_alloc_pinned);
+  if (bytes > options_.pinned_capacity_bytes - pinned_bytes_) return nullptr;  // as the driver
   void* p = std::malloc(std::max<std::size_t>(bytes, 1));
   if (p == nullptr) return nullptr;
   pinned_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+  pinned_bytes_ += bytes;
   return p;
+}
+
+std::size_t sim_backend::pinned_bytes() const {
+  std::lock_guard lock(mu_);
+  return pinned_bytes_;
+}
+
+std::size_t sim_backend::live_pinned() const {
+  std::lock_guard lock(mu_);
+  return pinned_.size();
 }
 
 void sim_backend::host_free_pinned(void* ptr) {
@@ -1071,6 +1083,7 @@ void sim_backend::host_free_pinned(void* ptr) {
     fail(sim_call::host_free_pinned, fmt::format("{} is not pinned host memory", ptr),
          k_sim_invalid_value);
   }
+  pinned_bytes_ -= it->second;
   pinned_.erase(it);
   std::free(ptr);
 }

@@ -648,6 +648,263 @@ TEST(Sleep, AFailedCopyOutDuringSleepChangesNothingAndFreesTheBuffer) {
   EXPECT_TRUE(dom.mapped_and_kept(a, true));
 }
 
+// prepare_sleep pins the buffer of the next kept sleep ahead (issue 33: cudaHostAlloc of 9 GiB took
+// 3.3 s of the first kept sleep on the H200): that sleep pins nothing, a larger request replaces a
+// smaller buffer, a sleep without contents frees it, and while asleep it is refused.
+TEST(Sleep, PrepareSleepPinsAheadSoTheFirstKeptSleepPinsNothing) {
+  sim_allocator a(expandable(), host_backed());
+  std::vector<std::pair<void*, std::size_t>> mine;
+  {
+    in_domain d(7);
+    for (std::size_t bytes : {std::size_t{512}, std::size_t{100'000}, 5 * MiB, 40 * MiB}) {
+      mine.emplace_back(a.alloc.allocate(bytes), bytes);
+    }
+  }
+  std::uint8_t seed = 10;
+  for (auto [p, n] : mine) fill(*a.sim, p, n, seed++);
+  const std::size_t run_bytes = 512 + 100'352 + 5 * MiB + 40 * MiB;  // block sizes, rounded
+  EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), 0u);
+  EXPECT_EQ(a.alloc.prepare_sleep(7, 0, "train"), run_bytes);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
+  EXPECT_EQ(a.sim->pinned_bytes(), run_bytes);
+  EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), run_bytes);
+  // Large enough already: nothing pinned again; a smaller request gets the same buffer.
+  EXPECT_EQ(a.alloc.prepare_sleep(7), run_bytes);
+  EXPECT_EQ(a.alloc.prepare_sleep(7, 1 * MiB), run_bytes);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u);
+  // A larger one (room for the tag to grow) replaces it.
+  EXPECT_EQ(a.alloc.prepare_sleep(7, 64 * MiB), 64 * MiB);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 2u);
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 1u);
+  EXPECT_EQ(a.sim->pinned_bytes(), 64 * MiB);
+  EXPECT_EQ(a.sim->live_pinned(), 1u);
+  a.alloc.check_invariants();
+
+  // The first kept sleep copies into it: nothing pinned, nothing freed.
+  a.alloc.sleep(7, /*keep_contents=*/true, "train");
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 2u);
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 1u);
+  EXPECT_EQ(a.stats().sleeping_host_bytes, run_bytes);
+  EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), 0u);  // it holds the contents now
+  try {
+    static_cast<void>(a.alloc.prepare_sleep(7, 0, "train"));
+    ADD_FAILURE() << "prepare_sleep of a sleeping domain was not refused";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tag 'train' on device 0 is asleep"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(a.sim->pinned_bytes(), 64 * MiB);
+  a.alloc.check_invariants();
+  a.alloc.wake(7, "train");
+  seed = 10;
+  for (auto [p, n] : mine) EXPECT_TRUE(holds(*a.sim, p, n, seed++));
+  EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), 64 * MiB);  // kept after wake, whole
+  EXPECT_EQ(a.sim->pinned_bytes(), 64 * MiB);
+
+  // A sleep without contents frees it; the next prepare pins again.
+  a.alloc.sleep(7, /*keep_contents=*/false, "train");
+  EXPECT_EQ(a.sim->pinned_bytes(), 0u);
+  EXPECT_EQ(a.sim->live_pinned(), 0u);
+  EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), 0u);
+  a.alloc.wake(7, "train");
+  EXPECT_EQ(a.alloc.prepare_sleep(7), run_bytes);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 3u);
+
+  // A domain with nothing allocated pins nothing for bytes 0, and what it is asked for otherwise.
+  EXPECT_EQ(a.alloc.prepare_sleep(8), 0u);
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 3u);
+  EXPECT_EQ(a.alloc.prepare_sleep(8, 3 * MiB), 3 * MiB);
+  EXPECT_EQ(a.sim->pinned_bytes(), run_bytes + 3 * MiB);
+  // Out of range and the default mode are refused.
+  EXPECT_THROW(static_cast<void>(a.alloc.prepare_sleep(0)), invalid_argument);
+  EXPECT_THROW(static_cast<void>(a.alloc.prepare_sleep(16384)),
+               invalid_argument);
+  sim_allocator plain(config{}, host_backed());
+  try {
+    static_cast<void>(plain.alloc.prepare_sleep(7));
+    ADD_FAILURE() << "prepare_sleep in the default mode was not refused";
+  } catch (const cuda_error& e) {
+    EXPECT_EQ(e.code(), 801);
+  }
+  EXPECT_EQ(plain.sim->calls(sim_call::host_alloc_pinned), 0u);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+// The host refusing to pin (the sim's pinned_capacity_bytes, as cudaHostAlloc's
+// cudaErrorMemoryAllocation) refuses prepare_sleep and a kept sleep with nothing changed: the tag
+// stays awake, every byte in place, the buffer it had still held.
+TEST(Sleep, PinningTheHostRefusesLeavesTheTagAwakeAndEveryByteInPlace) {
+  sim_options o = host_backed();
+  o.pinned_capacity_bytes = 16 * MiB;
+  sim_allocator a(expandable(), o);
+  void* p = nullptr;
+  void* q = nullptr;
+  {
+    in_domain d(4);
+    p = a.alloc.allocate(10 * MiB);
+  }
+  fill(*a.sim, p, 10 * MiB, 3);
+  EXPECT_EQ(a.alloc.prepare_sleep(4), 10 * MiB);
+  const std::int64_t reserved = a.reserved();
+  try {
+    static_cast<void>(a.alloc.prepare_sleep(4, 20 * MiB, "weights"));
+    ADD_FAILURE() << "pinning 20 MiB beyond the host's 16 MiB was not refused";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("tag 'weights' on device 0: cannot pin 20"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(a.alloc.sleep_buffer_bytes(4), 10 * MiB);  // the buffer it had
+  EXPECT_EQ(a.reserved(), reserved);
+  EXPECT_EQ(a.sim->pinned_bytes(), 10 * MiB);
+  // The tag grows to 14 MiB: a kept sleep needs a 14 MiB buffer. The host cannot pin it beside
+  // the 10 MiB one, so that one is freed first and 14 MiB pinned in its place.
+  {
+    in_domain d(4);
+    q = a.alloc.allocate(4 * MiB);
+  }
+  fill(*a.sim, q, 4 * MiB, 9);
+  a.alloc.sleep(4, /*keep_contents=*/true, "weights");
+  EXPECT_EQ(a.sim->pinned_bytes(), 14 * MiB);
+  EXPECT_EQ(a.sim->live_pinned(), 1u);
+  a.alloc.wake(4, "weights");
+  EXPECT_TRUE(holds(*a.sim, p, 10 * MiB, 3));
+  EXPECT_TRUE(holds(*a.sim, q, 4 * MiB, 9));
+  // Grown past what the host can pin at all: refused, awake, every byte in place, and the
+  // message says the smaller buffer went.
+  void* r = nullptr;
+  {
+    in_domain d(4);
+    r = a.alloc.allocate(4 * MiB);
+  }
+  fill(*a.sim, r, 4 * MiB, 17);
+  const std::int64_t reserved_grown = a.reserved();
+  try {
+    a.alloc.sleep(4, /*keep_contents=*/true, "weights");
+    ADD_FAILURE() << "a kept sleep of 18 MiB beyond the host's 16 MiB was not refused";
+  } catch (const out_of_memory& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("it stays awake with every byte in place (its smaller pinned buffer of 14"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_FALSE(a.alloc.is_asleep(4));
+  EXPECT_EQ(a.reserved(), reserved_grown);
+  EXPECT_TRUE(holds(*a.sim, p, 10 * MiB, 3));
+  EXPECT_TRUE(holds(*a.sim, q, 4 * MiB, 9));
+  EXPECT_TRUE(holds(*a.sim, r, 4 * MiB, 17));
+  EXPECT_EQ(a.sim->pinned_bytes(), 0u);
+  a.alloc.check_invariants();
+  // An injected refusal with a large enough buffer held is never reached: the buffer is used.
+  a.alloc.deallocate(r);
+  EXPECT_EQ(a.alloc.prepare_sleep(4), 14 * MiB);
+  a.sim->fail_nth(sim_call::host_alloc_pinned, 1);
+  a.alloc.sleep(4, /*keep_contents=*/true, "weights");
+  a.alloc.wake(4, "weights");
+  EXPECT_TRUE(holds(*a.sim, p, 10 * MiB, 3));
+  EXPECT_TRUE(holds(*a.sim, q, 4 * MiB, 9));
+  // Without any buffer, an injected refusal changes nothing at all.
+  a.alloc.sleep(4, /*keep_contents=*/false);  // frees the buffer
+  a.alloc.wake(4);
+  fill(*a.sim, p, 10 * MiB, 3);
+  fill(*a.sim, q, 4 * MiB, 9);
+  a.sim->fail_nth(sim_call::host_alloc_pinned, 1);
+  try {
+    a.alloc.sleep(4, /*keep_contents=*/true, "weights");
+    ADD_FAILURE() << "an injected pinning failure was not reported";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("every byte in place; nothing changed"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(a.alloc.is_asleep(4));
+  EXPECT_TRUE(holds(*a.sim, p, 10 * MiB, 3));
+  EXPECT_TRUE(holds(*a.sim, q, 4 * MiB, 9));
+  EXPECT_EQ(a.sim->pinned_bytes(), 0u);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+// Issue 33: 1,000 cycles of three tags -- one always kept (prepared once), one always dropped,
+// one alternating (prepared before each kept sleep, its buffer freed by each dropped one) --
+// leave the pinned host bytes, the pinned blocks, the device's handles and mappings and the
+// reserved bytes exactly where they started, and every kept byte exact.
+TEST(Sleep, AThousandCyclesOfSeveralTagsGrowNothingAndKeepEveryByte) {
+  sim_allocator a(expandable(), host_backed());
+  void* other = a.alloc.allocate(3 * MiB);  // untagged: mapped throughout
+  fill(*a.sim, other, 3 * MiB, 1);
+  std::map<std::uint32_t, std::vector<std::pair<void*, std::size_t>>> blocks;
+  for (std::uint32_t d : {1U, 2U, 3U}) {
+    in_domain in(d);
+    for (std::size_t bytes : {std::size_t{512}, std::size_t{100'000}, 1 * MiB}) {
+      blocks[d].emplace_back(a.alloc.allocate(bytes), bytes);
+    }
+  }
+  {
+    in_domain in(1);
+    blocks[1].emplace_back(a.alloc.allocate(4 * MiB), 4 * MiB);  // a large-pool block too
+  }
+  const auto fill_domain = [&](std::uint32_t d) {
+    std::uint8_t seed = static_cast<std::uint8_t>(d * 16);
+    for (auto [p, n] : blocks[d]) fill(*a.sim, p, n, seed++);
+  };
+  const auto kept = [&](std::uint32_t d) {
+    std::uint8_t seed = static_cast<std::uint8_t>(d * 16);
+    for (auto [p, n] : blocks[d]) {
+      auto r = holds(*a.sim, p, n, seed++);
+      if (!r) return r;
+    }
+    return ::testing::AssertionSuccess();
+  };
+  for (std::uint32_t d : {1U, 2U, 3U}) fill_domain(d);
+  const std::size_t small_run = 512 + 100'352 + 1 * MiB;
+  const std::size_t run1 = small_run + 4 * MiB;
+  const std::size_t run3 = small_run;
+  ASSERT_EQ(a.alloc.prepare_sleep(1), run1);
+  const std::int64_t reserved = a.reserved();
+  const std::size_t handles = a.sim->live_handles();
+  const std::size_t mappings = a.sim->live_mappings();
+  const std::size_t used = a.sim->used_bytes();
+  std::size_t reserved_asleep = 0;
+  for (int cycle = 0; cycle < 1000; ++cycle) {
+    const bool keep3 = cycle % 2 == 0;
+    if (keep3) {
+      ASSERT_EQ(a.alloc.prepare_sleep(3), run3) << "cycle " << cycle;
+    }
+    a.alloc.sleep(1, /*keep_contents=*/true);
+    a.alloc.sleep(2, /*keep_contents=*/false);
+    a.alloc.sleep(3, keep3);
+    ASSERT_EQ(a.stats().sleeping_host_bytes, run1 + (keep3 ? run3 : 0)) << "cycle " << cycle;
+    if (cycle == 0) reserved_asleep = static_cast<std::size_t>(a.reserved());
+    ASSERT_EQ(static_cast<std::size_t>(a.reserved()), reserved_asleep) << "cycle " << cycle;
+    ASSERT_EQ(a.sim->pinned_bytes(), run1 + (keep3 ? run3 : 0)) << "cycle " << cycle;
+    a.alloc.wake(3);
+    a.alloc.wake(2);
+    a.alloc.wake(1);
+    ASSERT_TRUE(kept(1)) << "cycle " << cycle;
+    if (keep3) {
+      ASSERT_TRUE(kept(3)) << "cycle " << cycle;
+    } else {
+      fill_domain(3);
+    }
+    fill_domain(2);
+    ASSERT_EQ(a.sim->pinned_bytes(), run1 + (keep3 ? run3 : 0)) << "cycle " << cycle;
+    ASSERT_EQ(a.sim->live_pinned(), keep3 ? 2u : 1u) << "cycle " << cycle;
+    ASSERT_EQ(a.sim->live_handles(), handles) << "cycle " << cycle;
+    ASSERT_EQ(a.sim->live_mappings(), mappings) << "cycle " << cycle;
+    ASSERT_EQ(a.sim->used_bytes(), used) << "cycle " << cycle;
+    ASSERT_EQ(a.reserved(), reserved) << "cycle " << cycle;
+  }
+  // Domain 1 pinned once (before the loop); domain 3 once per kept cycle, freed once per dropped
+  // one; domain 2 never.
+  EXPECT_EQ(a.sim->calls(sim_call::host_alloc_pinned), 1u + 500u);
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 500u);
+  EXPECT_TRUE(holds(*a.sim, other, 3 * MiB, 1));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
 TEST(Sleep, WakeWaitsForPendingFreesAsAnAllocationDoes) {
   // Issue 30, item 6: the room a stream-ordered free holds comes back once its stream's work
   // completes; wake waits for it, as the out-of-memory ladder does, before saying memory is

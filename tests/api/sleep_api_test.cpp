@@ -164,11 +164,55 @@ TEST_F(SleepApi, WakeWithoutRoomSaysHowMuchIsMissing) {
   EXPECT_EQ(cucacheFree(kv), cudaSuccess);
 }
 
+// cucacheSleepPrepare pins the next kept sleep's buffer ahead (issue 33): the size it reports is
+// what the first kept sleep then uses, and every misuse is its error with nothing pinned.
+TEST_F(SleepApi, PrepareThroughTheCApiPinsWhatTheFirstKeptSleepUses) {
+  ASSERT_EQ(cucacheMakeTagSleepable("train"), cudaSuccess) << message();
+  void* w = alloc_under("train", 40 * MiB);
+  void* small = alloc_under("train", 4096);
+  EXPECT_EQ(cucache::sleep_buffer_bytes(0, "train"), 0u);
+  std::size_t pinned = 0;
+  ASSERT_EQ(cucacheSleepPrepare(0, "train", 0, &pinned), cudaSuccess) << message();
+  EXPECT_EQ(pinned, 40 * MiB + 4096);
+  EXPECT_EQ(cucache::sleep_buffer_bytes(0, "train"), 40 * MiB + 4096);
+  ASSERT_EQ(cucacheSleepPrepare(0, "train", 64 * MiB, nullptr), cudaSuccess) << message();
+  EXPECT_EQ(cucache::sleep_buffer_bytes(0, "train"), 64 * MiB);
+  EXPECT_EQ(cucache::prepare_sleep(0, "train"), 64 * MiB);  // large enough: nothing new
+
+  ASSERT_EQ(cucacheSleep(0, "train", 1), cudaSuccess) << message();
+  EXPECT_EQ(stats().sleepingHostBytes, 40 * MiB + 4096);
+  EXPECT_EQ(cucacheSleepPrepare(0, "train", 0, &pinned), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("cucacheSleepPrepare: cucache: prepare_sleep: tag 'train' on device 0 "
+                           "is asleep"),
+            std::string::npos)
+      << message();
+  ASSERT_EQ(cucacheWake(0, "train"), cudaSuccess) << message();
+  EXPECT_EQ(cucache::sleep_buffer_bytes(0, "train"), 64 * MiB);
+  // A sleep without contents frees it.
+  ASSERT_EQ(cucacheSleep(0, "train", 0), cudaSuccess) << message();
+  EXPECT_EQ(cucache::sleep_buffer_bytes(0, "train"), 0u);
+  ASSERT_EQ(cucacheWake(0, "train"), cudaSuccess) << message();
+
+  EXPECT_EQ(cucacheSleepPrepare(0, nullptr, 0, &pinned), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheSleepPrepare(0, "nobody", 0, &pinned), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("prepare_sleep: unknown tag 'nobody'"), std::string::npos) << message();
+  ASSERT_EQ(cucachePushTag("plain"), cudaSuccess);
+  ASSERT_EQ(cucachePopTag(), cudaSuccess);
+  EXPECT_EQ(cucacheSleepPrepare(0, "plain", 0, &pinned), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'plain' is not sleepable"), std::string::npos) << message();
+  EXPECT_EQ(cucache::sleep_buffer_bytes(0, "train"), 0u);
+  EXPECT_EQ(cucacheFree(w), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(small), cudaSuccess) << message();
+  cucache::get(0).check_invariants();
+}
+
 TEST_F(SleepApi, DefaultModeIsRefused) {
   restore("");
   ASSERT_EQ(cucacheMakeTagSleepable("train"), cudaSuccess);
   void* p = alloc_under("train", MiB);
   EXPECT_EQ(cucacheSleep(0, "train", 1), cudaErrorNotSupported);
+  EXPECT_NE(message().find("needs expandable segments"), std::string::npos) << message();
+  EXPECT_EQ(cucacheSleepPrepare(0, "train", 0, nullptr), cudaErrorNotSupported);
   EXPECT_NE(message().find("needs expandable segments"), std::string::npos) << message();
   EXPECT_EQ(cucacheFree(p), cudaSuccess);
 }

@@ -31,6 +31,18 @@ def main() -> None:
         kv = cucache.alloc(10 * MIB)
     before = cucache.memory_stats()
     assert before["reserved_bytes.all.current"] == (4 + 40 + 2 + 10) * MIB, before
+    # The kept sleep's host buffer pinned ahead, on another thread (the call releases the GIL and
+    # no allocator lock is held while pinning): the tag's allocated bytes now.
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(cucache.prepare_sleep("train")))
+    t.start()
+    t.join()
+    assert got == [40 * MIB + 4096], got
+    assert cucache.prepare_sleep("train", 64 * MIB) == 64 * MIB  # room to grow
+    assert cucache.prepare_sleep("train") == 64 * MIB  # large enough already
+    expect(RuntimeError, cucache.prepare_sleep, "nobody", match="prepare_sleep: unknown tag 'nobody'")
+    expect(ValueError, cucache.prepare_sleep, "train", -1)
+    expect(TypeError, cucache.prepare_sleep, "train", "big")
 
     cucache.sleep("train")  # keep_contents=True
     s = cucache.memory_stats()
@@ -44,6 +56,7 @@ def main() -> None:
     # Misuses: each a RuntimeError (ValueError for an allocation under a sleeping tag, as the C
     # API's cudaErrorInvalidValue) naming the problem.
     expect(RuntimeError, cucache.sleep, "train", match="asleep already")
+    expect(RuntimeError, cucache.prepare_sleep, "train", match="tag 'train' on device 0 is asleep")
     expect(RuntimeError, cucache.wake, "infer", match="is not asleep")
     expect(RuntimeError, cucache.sleep, "nobody", match="unknown tag 'nobody'")
     with cucache.tag("plain"):

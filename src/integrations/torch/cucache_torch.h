@@ -297,6 +297,10 @@ CUCACHE_TORCH_API int64_t cucache_torch_metrics(char* buf, size_t len);
  * tag_stats does. */
 CUCACHE_TORCH_API int cucache_torch_make_sleepable(const char* tag);
 CUCACHE_TORCH_API int cucache_torch_sleep(int device, const char* tag, int keep_contents);
+/* prepare_sleep: pins ahead the host buffer of the tag's next kept sleep (at least `bytes`, and
+ * at least the tag's allocated bytes now); *pinned (when not NULL) gets the buffer's size. */
+CUCACHE_TORCH_API int cucache_torch_prepare_sleep(int device, const char* tag, uint64_t bytes,
+                                                  uint64_t* pinned);
 /* wake: *copy_seconds (when not NULL) gets the seconds its host-to-device copies took. */
 CUCACHE_TORCH_API int cucache_torch_wake(int device, const char* tag, double* copy_seconds);
 CUCACHE_TORCH_API int64_t cucache_torch_sleeping(int device, char* buf, size_t len);

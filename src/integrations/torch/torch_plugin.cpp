@@ -864,6 +864,15 @@ int cucache_torch_sleep(int device, const char* tag, int keep_contents) {
   });
 }
 
+int cucache_torch_prepare_sleep(int device, const char* tag, uint64_t bytes, uint64_t* pinned) {
+  return guarded("prepare_sleep", [&] {
+    if (tag == nullptr) throw invalid_argument("tag is NULL");
+    require_device(device);
+    const std::size_t n = cucache::prepare_sleep(device, tag, static_cast<std::size_t>(bytes));
+    if (pinned != nullptr) *pinned = n;
+  });
+}
+
 int cucache_torch_wake(int device, const char* tag, double* copy_seconds) {
   return guarded("wake", [&] {
     if (tag == nullptr) throw invalid_argument("tag is NULL");
