@@ -799,8 +799,9 @@ int run(int argc, char** argv) {
       benchmark::AddCustomContext("cuda_device", prop.name);
       allocators.push_back(entry_of<cucache_alloc<true>>());
       allocators.push_back(entry_of<cucache_alloc<true, true>>());
-      allocators.push_back(entry_of<cucache_alloc<true, false, true>>());
-      allocators.push_back(entry_of<cucache_alloc<true, true, true>>());
+      // The captures-announced mode changes the allocation's stream queries only: pairs.
+      allocators.push_back({register_pairs<cucache_alloc<true, false, true>>, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, true, true>>, [] {}, [] {}});
       register_stream_queries();
       allocators.push_back(entry_of<cuda_malloc_alloc>());
       allocators.push_back(entry_of<cuda_malloc_async_alloc>());

@@ -381,6 +381,13 @@ void graph_pools::check_invariants() const {
   if (routes_n_.load() != routes_.size() || captures_n_.load() != captures_.size()) {
     violated("graph capture: blocker counts disagree with the routes and captures");
   }
+  // The capture gate's blocked bit is what skipping the capture query rests on.
+  const bool blocked = (gate_.load() & k_gate_blocked) != 0;
+  if (blocked != (!routes_.empty() || !captures_.empty())) {
+    violated(fmt::format("graph capture: the capture gate says {}blocked, with {} routes and {} "
+                         "captures known",
+                         blocked ? "" : "not ", routes_.size(), captures_.size()));
+  }
 }
 
 }  // namespace cucache::detail
