@@ -127,16 +127,21 @@ void set_memory_counters(benchmark::State& state, double reserved, double reserv
 // waits for the device. Every one is thread-safe, so the thread benchmark shares one instance.
 
 /// cucache over a device backend: on the simulated device (host cost only) or on GPU 0, in
-/// default mode or with expandable segments.
-template <bool gpu, bool expandable = false>
+/// default mode or with expandable segments; `announced`: in the captures-announced mode (no
+/// capture query per allocation; docs/design.md, "Announced captures"), the torch extension's.
+template <bool gpu, bool expandable = false, bool announced = false>
 class cucache_alloc {
  public:
   static constexpr const char* k_name =
-      gpu ? (expandable ? "cucache_cuda_expandable" : "cucache_cuda")
-          : (expandable ? "cucache_sim_expandable" : "cucache_sim");
+      announced ? (gpu ? (expandable ? "cucache_cuda_expandable_announced" : "cucache_cuda_announced")
+                       : (expandable ? "cucache_sim_expandable_announced" : "cucache_sim_announced"))
+      : gpu     ? (expandable ? "cucache_cuda_expandable" : "cucache_cuda")
+                : (expandable ? "cucache_sim_expandable" : "cucache_sim");
 
   cucache_alloc()
-      : alloc_(make_backend(gpu ? backend_kind::cuda : backend_kind::sim, 0), make_config()) {}
+      : alloc_(make_backend(gpu ? backend_kind::cuda : backend_kind::sim, 0), make_config()) {
+    alloc_.set_captures_announced(announced);
+  }
   static config make_config() {
     config c;
     c.expandable_segments = expandable;
@@ -794,6 +799,9 @@ int run(int argc, char** argv) {
       benchmark::AddCustomContext("cuda_device", prop.name);
       allocators.push_back(entry_of<cucache_alloc<true>>());
       allocators.push_back(entry_of<cucache_alloc<true, true>>());
+      // The captures-announced mode changes the allocation's stream queries only: pairs.
+      allocators.push_back({register_pairs<cucache_alloc<true, false, true>>, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, true, true>>, [] {}, [] {}});
       register_stream_queries();
       allocators.push_back(entry_of<cuda_malloc_alloc>());
       allocators.push_back(entry_of<cuda_malloc_async_alloc>());

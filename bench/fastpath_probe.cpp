@@ -12,7 +12,8 @@
 //   churn_large N        N churn operations, 1000 live blocks of 512 B-32 MiB
 //   threads T N          T threads, each on its own stream, N 64 KiB pairs each
 //   threads_one T N      T threads all on one stream, N 64 KiB pairs each
-// Options (before the case): --expandable (expandable_segments:True), --conf CUCACHE_CONF.
+// Options (before the case): --expandable (expandable_segments:True), --conf CUCACHE_CONF,
+// --announced (the captures-announced mode: no capture query while no capture is announced).
 // Prints the wall ns per pair or operation (indicative only on a shared machine).
 #include <chrono>
 #include <cstdio>
@@ -72,7 +73,7 @@ void* volatile g_sink = nullptr;
 
 int usage() {
   std::fprintf(stderr,
-               "usage: cucache-fastpath [--expandable] [--conf CONF] "
+               "usage: cucache-fastpath [--expandable] [--announced] [--conf CONF] "
                "(pair BYTES N | churn_small N | churn_large N | threads T N | threads_one T N)\n");
   return 2;
 }
@@ -83,9 +84,12 @@ int main(int argc, char** argv) {
   try {
     int i = 1;
     cucache::config cfg;
+    bool announced = false;
     for (; i < argc && std::strncmp(argv[i], "--", 2) == 0; ++i) {
       if (std::strcmp(argv[i], "--expandable") == 0) {
         cfg.expandable_segments = true;
+      } else if (std::strcmp(argv[i], "--announced") == 0) {
+        announced = true;
       } else if (std::strcmp(argv[i], "--conf") == 0 && i + 1 < argc) {
         cfg = cucache::parse_config(argv[++i], cfg);
       } else {
@@ -96,6 +100,7 @@ int main(int argc, char** argv) {
     const std::string what = argv[i++];
     auto num = [&](long fallback) { return i < argc ? std::atol(argv[i++]) : fallback; };
     device_allocator a(std::make_shared<cucache::sim_backend>(), cfg);
+    a.set_captures_announced(announced);
     const stream_handle s = sim_stream(0);
     double per = 0;
     long n = 0;

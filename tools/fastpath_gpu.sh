@@ -64,7 +64,7 @@ cat "$out/stream_query.md"
 
 # 2. Pairs, churn and threads, cucache against its peers, one run.
 run bench 240 "$bin/cucache-bench" \
-  '--benchmark_filter=^(pair|pair_legacy|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|cucache_sim|cucache_sim_expandable|c10|cudaMallocAsync)(/|$)' \
+  '--benchmark_filter=^(pair|pair_legacy|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|cucache_cuda_announced|cucache_cuda_expandable_announced|cucache_sim|cucache_sim_expandable|c10|cudaMallocAsync)(/|$)' \
   --benchmark_min_time=0.05 --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true \
   --benchmark_report_aggregates_only=true --benchmark_format=json "--benchmark_out=$out/bench.json"
 # Pairs by size, on a created stream and on the legacy default stream; churn. (The report script

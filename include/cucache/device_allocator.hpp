@@ -256,6 +256,30 @@ class device_allocator {
   // after a device synchronization. While cucache knows of a capture (its first allocation, or
   // a route) it makes no call that is illegal during capture: device calls run in relaxed capture
   // mode, and nothing synchronizes the device (no cudaFree, no unmapping, no garbage collection).
+  //
+  // Announced captures (docs/design.md, "Announced captures"). By default every allocation on a
+  // created stream or cudaStreamPerThread asks the driver whether the stream is being captured
+  // (cuStreamGetCaptureInfo, ~30 ns on the H200). A front end that sees every capture begin and
+  // end -- the PyTorch plug-in (PyTorch routes each capture with beginAllocateToPool) or the
+  // LD_PRELOAD shim -- turns the captures-announced mode on and announces each capture; while no
+  // announced capture, route or capture cucache knows of is active, an allocation on a created
+  // stream then asks its id only. cudaStreamPerThread keeps its capture query in every mode.
+  // Failure rule: a capture nobody announced is found by the driver's refusal of the capturing
+  // stream's id (which invalidates that capture): the allocation throws cuda_error 901 naming the
+  // capture, nothing is allocated, and the graph can never run.
+  /// Turns the captures-announced mode on or off. Turn it on before any capture can begin.
+  void set_captures_announced(bool on) noexcept;
+  [[nodiscard]] bool captures_announced() const noexcept;
+  /// A capture whose work may allocate on this device begins: allocations ask the capture
+  /// status again until the matching announce_capture_end.
+  void announce_capture_begin() noexcept;
+  /// An announced capture has ended. Throws invalid_argument, changing nothing, when no
+  /// announced capture is active.
+  void announce_capture_end();
+  /// Announced captures begun and not ended.
+  [[nodiscard]] std::uint64_t announced_captures() const noexcept;
+  /// Allocations refused because their stream was in a capture nobody announced (failure rule).
+  [[nodiscard]] std::uint64_t unannounced_captures() const noexcept;
   /// Routes allocations on streams for which `filter` answers true to graph pool `pool`, creating
   /// the pool or adding an owner to it (PyTorch's beginAllocateToPool). Throws invalid_argument
   /// for {0, 0}, a null filter or a pool routed already.

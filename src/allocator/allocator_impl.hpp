@@ -165,6 +165,14 @@ struct device_allocator::impl {
   void release_graph_pool(graph_pool_id pool);
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
   [[nodiscard]] bool sync_blocked() const noexcept { return graphs.sync_blocked(); }
+  /// The pool key of created stream `stream` in the captures-announced mode while nothing may be
+  /// capturing: its id, with no capture query. Where the id is refused because the stream is
+  /// being captured after all (a capture nobody announced), throw_if_unannounced's error.
+  std::uint64_t announced_stream_key(stream_handle stream);
+  /// Throws cuda_error 901 naming the capture when `stream` is being captured; else returns.
+  [[gnu::noinline]] void throw_if_unannounced(stream_handle stream);
+  /// Allocations refused by throw_if_unannounced.
+  std::atomic<std::uint64_t> unannounced_captures{0};
 
   // --- headroom and reserve (headroom.cpp) ---
   /// The largest request on `stream` that allocate would serve now (docs/api.md).

@@ -656,7 +656,11 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   // capturing stream would invalidate its capture).
   stream_pool* graph_part = nullptr;
   std::uint64_t key = detail::k_legacy_stream_key;
-  if (!is_legacy_stream(stream)) [[likely]] {
+  // In the captures-announced mode (docs/design.md, "Announced captures"), while nothing may be
+  // capturing, a created stream is asked its id only: no capture query.
+  if (graphs.capture_query_skippable() && !is_special_stream(stream)) {
+    key = announced_stream_key(stream);
+  } else if (!is_legacy_stream(stream)) {
     const stream_identity who = raw->identify(stream);
     if (who.capture.state != capture_state::none || sync_blocked()) [[unlikely]] {
       graph_part = graphs.part_for(stream, who.capture);
@@ -704,6 +708,37 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   b = carve_inline(p, b, kind, rounded, bytes);
   blocks.insert(b->addr, b);
   return reinterpret_cast<void*>(b->addr);
+}
+
+std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
+  try {
+    return raw->stream_id(stream);
+  } catch (...) {
+    throw_if_unannounced(stream);
+    throw;
+  }
+}
+
+void device_allocator::impl::throw_if_unannounced(stream_handle stream) {
+  // The failure rule of the captures-announced mode: a capture nobody announced is found here,
+  // by the driver's refusal of the stream id of a capturing stream -- a refusal that has
+  // invalidated the capture already, so its graph can never run on memory of ordinary pools.
+  capture_info cap{};
+  try {
+    cap = raw->capture_status(stream);
+  } catch (...) {
+    return;  // the stream id's own error stands
+  }
+  if (cap.state == capture_state::none) return;
+  unannounced_captures.fetch_add(1, std::memory_order_relaxed);
+  throw cuda_error(
+      "cucache::allocate", 901,  // cudaErrorStreamCaptureInvalidated
+      fmt::format("device {}: stream {} is being captured (capture {}), but the capture was not "
+                  "announced while the captures-announced mode is on; the driver refused the "
+                  "stream's id and invalidated the capture, and cucache allocated nothing. Begin "
+                  "captures where the front end sees them (docs/design.md, \"Announced "
+                  "captures\"), or turn the mode off (set_captures_announced(false))",
+                  raw->device(), fmt::ptr(stream), cap.id));
 }
 
 // --- free -------------------------------------------------------------------------------------
@@ -1020,6 +1055,24 @@ bool device_allocator::try_record_stream(void* ptr, stream_handle stream) {
 }
 void device_allocator::empty_cache() {
   impl_->empty_cache();
+}
+void device_allocator::set_captures_announced(bool on) noexcept {
+  impl_->graphs.set_announced(on);
+}
+bool device_allocator::captures_announced() const noexcept {
+  return impl_->graphs.announced();
+}
+void device_allocator::announce_capture_begin() noexcept {
+  impl_->graphs.announce_begin();
+}
+void device_allocator::announce_capture_end() {
+  impl_->graphs.announce_end();
+}
+std::uint64_t device_allocator::announced_captures() const noexcept {
+  return impl_->graphs.announced_active();
+}
+std::uint64_t device_allocator::unannounced_captures() const noexcept {
+  return impl_->unannounced_captures.load(std::memory_order_relaxed);
 }
 void device_allocator::begin_allocate_to_pool(graph_pool_id pool, stream_filter filter) {
   impl_->begin_allocate_to_pool(pool, std::move(filter));

@@ -155,6 +155,11 @@ graph_pool* graph_pools::find_locked(graph_pool_id gid) const {
 void graph_pools::update_blockers_locked() {
   routes_n_.store(static_cast<std::uint32_t>(routes_.size()), std::memory_order_release);
   captures_n_.store(static_cast<std::uint32_t>(captures_.size()), std::memory_order_release);
+  if (routes_.empty() && captures_.empty()) {
+    gate_.fetch_and(~k_gate_blocked, std::memory_order_acq_rel);
+  } else {
+    gate_.fetch_or(k_gate_blocked, std::memory_order_acq_rel);
+  }
 }
 
 graph_pool* graph_pools::known_capture_locked(std::uint64_t key) const {
@@ -206,6 +211,18 @@ graph_pool* graph_pools::capture_pool_locked(stream_handle stream, std::uint64_t
   if (!noted) captures_.push_back({cap.id, key, g});
   update_blockers_locked();
   return g;
+}
+
+void graph_pools::announce_end() {
+  std::uint64_t g = gate_.load(std::memory_order_acquire);
+  do {
+    if (g < k_gate_one_capture) {
+      throw invalid_argument(fmt::format(
+          "cucache::announce_capture_end: device {} has no announced capture active (every end "
+          "must follow its own announce_capture_begin)",
+          streams_.device()));
+    }
+  } while (!gate_.compare_exchange_weak(g, g - k_gate_one_capture, std::memory_order_acq_rel));
 }
 
 stream_pool* graph_pools::part_for(stream_handle stream, capture_info cap) {
@@ -363,6 +380,13 @@ void graph_pools::check_invariants() const {
   }
   if (routes_n_.load() != routes_.size() || captures_n_.load() != captures_.size()) {
     violated("graph capture: blocker counts disagree with the routes and captures");
+  }
+  // The capture gate's blocked bit is what skipping the capture query rests on.
+  const bool blocked = (gate_.load() & k_gate_blocked) != 0;
+  if (blocked != (!routes_.empty() || !captures_.empty())) {
+    violated(fmt::format("graph capture: the capture gate says {}blocked, with {} routes and {} "
+                         "captures known",
+                         blocked ? "" : "not ", routes_.size(), captures_.size()));
   }
 }
 

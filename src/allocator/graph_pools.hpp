@@ -100,6 +100,30 @@ class graph_pools {
   [[nodiscard]] bool any_capture() const noexcept {
     return captures_n_.load(std::memory_order_acquire) != 0;
   }
+
+  // --- announced captures (docs/design.md, "Announced captures") ---
+  /// Whether an allocation may skip its stream's capture query: only in the captures-announced
+  /// mode while nothing may be capturing -- no announced capture active, no route, no capture
+  /// cucache saw and has not seen end (sync_blocked). One load: the gate word is 0 exactly then.
+  [[nodiscard]] bool capture_query_skippable() const noexcept {
+    return gate_.load(std::memory_order_acquire) == 0;
+  }
+  void set_announced(bool on) noexcept {
+    if (on) {
+      gate_.fetch_and(~k_gate_mode_off, std::memory_order_acq_rel);
+    } else {
+      gate_.fetch_or(k_gate_mode_off, std::memory_order_acq_rel);
+    }
+  }
+  [[nodiscard]] bool announced() const noexcept {
+    return (gate_.load(std::memory_order_acquire) & k_gate_mode_off) == 0;
+  }
+  void announce_begin() noexcept { gate_.fetch_add(k_gate_one_capture, std::memory_order_acq_rel); }
+  /// Throws invalid_argument (changing nothing) when no announced capture is active.
+  void announce_end();
+  [[nodiscard]] std::uint64_t announced_active() const noexcept {
+    return gate_.load(std::memory_order_acquire) / k_gate_one_capture;
+  }
   /// The graph pool part an allocation on `stream` goes to (routes first, then its capture), or
   /// nullptr for the stream's own pool. Throws cuda_error 901 for an invalidated capture.
   stream_pool* part_for(stream_handle stream, capture_info cap);
@@ -158,6 +182,12 @@ class graph_pools {
   graph_pool sync_waiters_ GUARDED_BY(mu_);   // blocks waiting for the next device synchronization
   std::atomic<std::uint32_t> routes_n_{0};    // routes_.size()
   std::atomic<std::uint32_t> captures_n_{0};  // captures_.size()
+  // The capture gate: bit 0 the captures-announced mode is off, bit 1 sync_blocked() (kept by
+  // update_blockers_locked, under mu_), the bits above the count of announced captures active.
+  static constexpr std::uint64_t k_gate_mode_off = 1;
+  static constexpr std::uint64_t k_gate_blocked = 2;
+  static constexpr std::uint64_t k_gate_one_capture = 4;
+  std::atomic<std::uint64_t> gate_{k_gate_mode_off};
 };
 
 }  // namespace cucache::detail

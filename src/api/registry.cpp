@@ -309,6 +309,8 @@ device_allocator& registry::create(int device) {
   }
   // A fraction of 0 is no config value (0 there means none): the allocator takes it as a cap.
   if (fraction == 0.0) a->set_memory_fraction(0.0);
+  a->set_captures_announced(captures_announced_);
+  for (std::uint64_t i = 0; i < announced_captures_; ++i) a->announce_capture_begin();
   slot.store(a, std::memory_order_release);
   return *a;
 }
@@ -330,6 +332,36 @@ void registry::set_memory_fraction(int device, double fraction) {
     return;
   }
   fractions_[static_cast<std::size_t>(device)] = fraction;
+}
+
+void registry::set_captures_announced(bool on) {
+  detail::lock_guard lock(create_mu_);
+  captures_announced_ = on;
+  for (int d = 0; d < census_.count; ++d) {
+    if (device_allocator* a = find(d)) a->set_captures_announced(on);
+  }
+}
+
+void registry::announce_capture_begin() {
+  detail::lock_guard lock(create_mu_);
+  ++announced_captures_;
+  for (int d = 0; d < census_.count; ++d) {
+    if (device_allocator* a = find(d)) a->announce_capture_begin();
+  }
+}
+
+void registry::announce_capture_end() {
+  detail::lock_guard lock(create_mu_);
+  if (announced_captures_ == 0) {
+    throw invalid_argument(
+        "cucache::announce_capture_end: no announced capture is active (every end must follow "
+        "its own announce_capture_begin)");
+  }
+  --announced_captures_;
+  // Every created allocator saw each begin counted here (create copies the count): none refuses.
+  for (int d = 0; d < census_.count; ++d) {
+    if (device_allocator* a = find(d)) a->announce_capture_end();
+  }
 }
 
 void registry::set_size_rules(std::string_view text) {

@@ -106,6 +106,15 @@ class registry {
   /// invalid_argument, with nothing changed, for a key of `text` that is not one of the four or a
   /// value parse_config refuses.
   void set_size_rules(std::string_view text);
+  /// The captures-announced mode (device_allocator::set_captures_announced) for every device's
+  /// allocator, those created later included: a front end that sees every capture turns it on.
+  void set_captures_announced(bool on);
+  /// A capture begins / has ended, announced to every device's allocator (a front end that
+  /// cannot tell a capture's device announces it to all: only their capture queries come back
+  /// while it lasts). announce_capture_end throws invalid_argument, changing nothing, when no
+  /// announced capture is active.
+  void announce_capture_begin();
+  void announce_capture_end();
   /// Prints one line when CUCACHE_CONF is unset and PyTorch's PYTORCH_ALLOC_CONF or
   /// PYTORCH_CUDA_ALLOC_CONF is set: those do not configure cucache (the registry's constructor).
   static void note_pytorch_settings();
@@ -160,6 +169,8 @@ class registry {
   std::vector<double> fractions_ GUARDED_BY(create_mu_);  // per device; < 0: the config's
   /// The size rules set by set_size_rules (nullopt: CUCACHE_CONF's), for allocators created later.
   std::optional<config> size_rules_ GUARDED_BY(create_mu_);
+  bool captures_announced_ GUARDED_BY(create_mu_) = false;
+  std::uint64_t announced_captures_ GUARDED_BY(create_mu_) = 0;  // begun and not ended
   std::shared_ptr<ipc_imports> imports_;  // under create_mu_ until set
 };
 

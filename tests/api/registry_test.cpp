@@ -10,6 +10,12 @@
 namespace cucache::test {
 namespace {
 
+// Before main: two simulated devices (the announced-captures test creates the second late).
+const bool k_two_devices = [] {
+  ::setenv("CUCACHE_SIM_DEVICES", "2", 1);
+  return true;
+}();
+
 TEST(Registry, PytorchsVariablesAloneAreNamedNotSilentlyDropped) {
   // PYTORCH_ALLOC_CONF configures PyTorch's allocator; with CUCACHE_CONF unset cucache runs with
   // its defaults, and says so once, when the registry is built.
@@ -36,6 +42,31 @@ TEST(Registry, PytorchsVariablesAloneAreNamedNotSilentlyDropped) {
   testing::internal::CaptureStderr();
   detail::registry::note_pytorch_settings();
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+}
+
+TEST(Registry, CapturesAnnouncedReachEveryAllocatorAndThoseCreatedLater) {
+  ::setenv("CUCACHE_BACKEND", "sim", 1);
+  detail::registry& r = detail::registry::instance();
+  ASSERT_EQ(r.device_count(), 2);
+  device_allocator& first = r.allocator(0);
+  EXPECT_FALSE(first.captures_announced());
+  r.set_captures_announced(true);
+  EXPECT_TRUE(first.captures_announced());
+  r.announce_capture_begin();
+  EXPECT_EQ(first.announced_captures(), 1u);
+  // Created while the mode is on and a capture is announced: both carried over.
+  ASSERT_EQ(r.find(1), nullptr);
+  device_allocator& second = r.allocator(1);
+  EXPECT_TRUE(second.captures_announced());
+  EXPECT_EQ(second.announced_captures(), 1u);
+  r.announce_capture_end();
+  EXPECT_EQ(first.announced_captures(), 0u);
+  EXPECT_EQ(second.announced_captures(), 0u);
+  EXPECT_THROW(r.announce_capture_end(), invalid_argument);  // nothing changed
+  EXPECT_EQ(second.announced_captures(), 0u);
+  r.set_captures_announced(false);
+  EXPECT_FALSE(first.captures_announced());
+  EXPECT_FALSE(second.captures_announced());
 }
 
 }  // namespace

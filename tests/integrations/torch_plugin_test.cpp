@@ -318,6 +318,25 @@ TEST(TorchPlugin, GraphPoolHooksRouteReleaseAndFreeTheFiltersContext) {
   EXPECT_EQ(stats(dev).reserved_bytes[0].current, 0);
 }
 
+TEST(TorchPlugin, CapturesAnnouncedModeTurnsOnAndOff) {
+  // The mode's effect (no capture query outside routes, the failure rule) is counted on the
+  // simulated device in tests/allocator/announced_capture_test.cpp; here the call and routes.
+  const int dev = 14;
+  ASSERT_EQ(cucache_torch_set_captures_announced(1), 0) << cucache_torch_last_error();
+  const auto filter = [](void*, cucache_torch_stream s) -> int { return s == stream(0x91); };
+  void* own = cucache_torch_alloc(1 * MiB, dev, stream(0x92));
+  ASSERT_NE(own, nullptr) << cucache_torch_last_error();
+  ASSERT_EQ(cucache_torch_begin_allocate_to_pool(dev, 9, 0, filter, nullptr, nullptr), 0)
+      << cucache_torch_last_error();
+  void* routed = cucache_torch_alloc(1 * MiB, dev, stream(0x91));
+  ASSERT_NE(routed, nullptr) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_end_allocate_to_pool(dev, 9, 0), 0) << cucache_torch_last_error();
+  cucache_torch_free(routed, 1 * MiB, dev, stream(0x91));
+  cucache_torch_free(own, 1 * MiB, dev, stream(0x92));
+  EXPECT_EQ(cucache_torch_release_pool(dev, 9, 0), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_set_captures_announced(0), 0) << cucache_torch_last_error();
+}
+
 // --- the torch extension's calls (torch_allocator.cpp) -----------------------------------------
 
 TEST(TorchExtensionCalls, TryAllocSaysOutOfMemoryAndFreeCheckedRefusesWithoutPrinting) {

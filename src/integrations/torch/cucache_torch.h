@@ -132,6 +132,13 @@ CUCACHE_TORCH_API int cucache_torch_end_allocate_to_pool(int device, uint64_t fi
 /* releasePool: drops an owner; with the last, the pool's memory goes back after a device
  * synchronization (at once, or when no capture is underway). A pool cucache never saw: 0. */
 CUCACHE_TORCH_API int cucache_torch_release_pool(int device, uint64_t first, uint64_t second);
+/* The captures-announced mode (docs/design.md, "Announced captures") of every device's
+ * allocator, on (1) or off (0): the torch extension turns it on, since PyTorch routes each of its
+ * captures (beginAllocateToPool before the capture begins, endAllocateToPool after it ended), and
+ * an allocation on a created stream then asks no capture status while no route is active. A
+ * capture PyTorch does not route fails at its first allocation on a created stream (cuda error
+ * 901, the capture invalidated). 0, or -1 with the reason in cucache_torch_last_error(). */
+CUCACHE_TORCH_API int cucache_torch_set_captures_announced(int on);
 /* --- The torch extension's calls (libcucache_torch_hooks.so, torch_allocator.cpp) -------------
  * Nothing below prints: every failure is returned, its message in cucache_torch_last_error(). */
 

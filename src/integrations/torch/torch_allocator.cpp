@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <list>
@@ -35,6 +36,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -1706,6 +1708,16 @@ int cucache_torch_hooks_install(void) {
     g_self = a.get();
     TORCH_CHECK(cucache_torch_set_segment_listener(&segment_listener, nullptr) == 0,
                 last_error());
+    // PyTorch routes every capture it makes (beginAllocateToPool before cudaStreamBeginCapture,
+    // endAllocateToPool after cudaStreamEndCapture), and a route turns cucache's capture query
+    // back on: outside routes an allocation asks no capture status (docs/torch.md).
+    // CUCACHE_TORCH_CAPTURES=query keeps the query on every allocation (for captures PyTorch does
+    // not route, made on PyTorch's streams by another library).
+    const char* captures = std::getenv("CUCACHE_TORCH_CAPTURES");
+    const bool query = captures != nullptr && std::string_view(captures) == "query";
+    TORCH_CHECK(captures == nullptr || query || std::string_view(captures) == "announced",
+                "CUCACHE_TORCH_CAPTURES='", captures, "': expected 'announced' or 'query'");
+    TORCH_CHECK(cucache_torch_set_captures_announced(query ? 0 : 1) == 0, last_error());
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
     // changeCurrentAllocator swaps only CUDACachingAllocator's pointer; c10::GetAllocator(kCUDA)
     // (torch.accelerator's memory calls through c10::getDeviceAllocator, storages made by

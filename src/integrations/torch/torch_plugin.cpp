@@ -422,6 +422,11 @@ int cucache_torch_set_size_rules(const char* conf) {
   });
 }
 
+int cucache_torch_set_captures_announced(int on) {
+  return guarded("set_captures_announced",
+                 [&] { registry::instance().set_captures_announced(on != 0); });
+}
+
 int cucache_torch_begin_allocate_to_pool(int device, uint64_t first, uint64_t second,
                                          cucache_torch_stream_filter filter, void* ctx,
                                          void (*ctx_free)(void*)) {
