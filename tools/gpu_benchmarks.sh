@@ -39,7 +39,7 @@ export ROUNDS=${ROUNDS:-2}
 case $part in
   host)
     run bench 200 "$bin/cucache-bench" \
-      '--benchmark_filter=^((pair|pair_legacy|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|c10|cudaMallocAsync)(/|$)|stream_query/)' \
+      '--benchmark_filter=^((pair|pair_legacy|churn_small|churn_large|threads|threads_one_stream)/(cucache_cuda|cucache_cuda_expandable|cucache_cuda_announced|cucache_cuda_expandable_announced|c10|cudaMallocAsync)(/|$)|stream_query/)' \
       --benchmark_min_time=0.05 --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true \
       --benchmark_report_aggregates_only=true --benchmark_format=json "--benchmark_out=$out/bench.json"
     run replay_expandable 330 bash "$repo/tools/gpu_expandable.sh" "$bin" "$out/expandable" replay
