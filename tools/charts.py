@@ -30,10 +30,10 @@ import sys
 from pathlib import Path
 
 # What each chart is drawn from: (file under docs/data/charts, the commit measured).
-FIT_EXPANDABLE = ("fit_expandable_0fbabf6.jsonl", "0fbabf6")  # cucache + c10, expandable
-FIT_PEERS = ("fit_default_0b39047.jsonl", "0b39047")  # c10 default, cudaMallocAsync
-TORCH_STEPS = ("torch_expandable_c7aa86a.jsonl", "c7aa86a")
-BENCH = ("pair_b6d2391.json", "b6d2391")
+FIT_EXPANDABLE = ("fit_expandable_1109f22.jsonl", "1109f22")  # cucache + c10, expandable
+FIT_PEERS = ("fit_default_1109f22.jsonl", "1109f22")  # c10 default, cudaMallocAsync
+TORCH_STEPS = ("torch_expandable_1109f22.jsonl", "1109f22")
+BENCH = ("pair_1109f22.json", "1109f22")
 GPU = "NVIDIA H200, driver 580.159.04"
 
 COLORS = {"cucache": "#1f77b4", "cucache (default)": "#9ecae1", "PyTorch (default)": "#ff7f0e",
