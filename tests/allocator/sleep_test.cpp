@@ -78,6 +78,21 @@ void fill(sim_backend& sim, void* p, std::size_t bytes, std::uint8_t seed) {
   return ::testing::AssertionSuccess();
 }
 
+/// Blocks of 512 B, 100,000 B, 5 MiB and 40 MiB in `domain`, filled with the seeds 10, 11, 12, 13.
+template <class Allocator>
+std::vector<std::pair<void*, std::size_t>> domain_blocks(Allocator& a, std::uint32_t domain) {
+  std::vector<std::pair<void*, std::size_t>> blocks;
+  {
+    in_domain d(domain);
+    for (std::size_t bytes : {std::size_t{512}, std::size_t{100'000}, 5 * MiB, 40 * MiB}) {
+      blocks.emplace_back(a.alloc.allocate(bytes), bytes);
+    }
+  }
+  std::uint8_t seed = 10;
+  for (auto [p, n] : blocks) fill(*a.sim, p, n, seed++);
+  return blocks;
+}
+
 std::set<std::uintptr_t> pages_of(void* p, std::size_t bytes) {
   std::set<std::uintptr_t> out;
   for (std::uintptr_t pg = addr(p) / k_page; pg <= (addr(p) + bytes - 1) / k_page; ++pg) {
@@ -90,15 +105,7 @@ TEST(Sleep, ReleasesTheDomainsPagesKeepsAddressesAndContents) {
   sim_allocator a(expandable(), host_backed());
   void* other = a.alloc.allocate(3 * MiB);  // untagged: stays mapped throughout
   fill(*a.sim, other, 3 * MiB, 1);
-  std::vector<std::pair<void*, std::size_t>> mine;
-  {
-    in_domain d(7);
-    for (std::size_t bytes : {std::size_t{512}, std::size_t{100'000}, 5 * MiB, 40 * MiB}) {
-      mine.emplace_back(a.alloc.allocate(bytes), bytes);
-    }
-  }
-  std::uint8_t seed = 10;
-  for (auto [p, n] : mine) fill(*a.sim, p, n, seed++);
+  const std::vector<std::pair<void*, std::size_t>> mine = domain_blocks(a, 7);
   const std::int64_t reserved_before = a.reserved();
   const std::size_t used_before = a.sim->used_bytes();
   a.alloc.check_invariants();
@@ -128,7 +135,7 @@ TEST(Sleep, ReleasesTheDomainsPagesKeepsAddressesAndContents) {
   EXPECT_EQ(a.reserved(), reserved_before);
   EXPECT_EQ(a.stats().sleeping_bytes, 0u);
   EXPECT_EQ(a.stats().sleeping_host_bytes, 0u);
-  seed = 10;
+  std::uint8_t seed = 10;
   for (auto [p, n] : mine) {
     EXPECT_TRUE(a.sim->accessible(p, n));
     EXPECT_TRUE(holds(*a.sim, p, n, seed++));
@@ -653,15 +660,7 @@ TEST(Sleep, AFailedCopyOutDuringSleepChangesNothingAndFreesTheBuffer) {
 // smaller buffer, a sleep without contents frees it, and while asleep it is refused.
 TEST(Sleep, PrepareSleepPinsAheadSoTheFirstKeptSleepPinsNothing) {
   sim_allocator a(expandable(), host_backed());
-  std::vector<std::pair<void*, std::size_t>> mine;
-  {
-    in_domain d(7);
-    for (std::size_t bytes : {std::size_t{512}, std::size_t{100'000}, 5 * MiB, 40 * MiB}) {
-      mine.emplace_back(a.alloc.allocate(bytes), bytes);
-    }
-  }
-  std::uint8_t seed = 10;
-  for (auto [p, n] : mine) fill(*a.sim, p, n, seed++);
+  const std::vector<std::pair<void*, std::size_t>> mine = domain_blocks(a, 7);
   const std::size_t run_bytes = 512 + 100'352 + 5 * MiB + 40 * MiB;  // block sizes, rounded
   EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), 0u);
   EXPECT_EQ(a.alloc.prepare_sleep(7, 0, "train"), run_bytes);
@@ -696,7 +695,7 @@ TEST(Sleep, PrepareSleepPinsAheadSoTheFirstKeptSleepPinsNothing) {
   EXPECT_EQ(a.sim->pinned_bytes(), 64 * MiB);
   a.alloc.check_invariants();
   a.alloc.wake(7, "train");
-  seed = 10;
+  std::uint8_t seed = 10;
   for (auto [p, n] : mine) EXPECT_TRUE(holds(*a.sim, p, n, seed++));
   EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), 64 * MiB);  // kept after wake, whole
   EXPECT_EQ(a.sim->pinned_bytes(), 64 * MiB);
