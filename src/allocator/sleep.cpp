@@ -560,10 +560,7 @@ std::size_t device_allocator::impl::prepare_sleep(std::uint32_t domain, std::siz
     }
     // What a kept sleep would copy now: the bytes of the domain's allocated blocks.
     want = std::max(bytes, walk_domain(pools, domain).run_bytes);
-    const auto& spares = sleeper.spares();
-    if (const auto sp = spares.find(domain); sp != spares.end() && sp->second.bytes >= want) {
-      return sp->second.bytes;
-    }
+    if (const std::size_t have = sleeper.spare_bytes(domain); have >= want && have != 0) return have;
     if (want == 0) return 0;
   }
   // Pinned outside the pool locks: cudaHostAlloc of gigabytes takes seconds (docs/benchmarks.md,
@@ -578,16 +575,12 @@ std::size_t device_allocator::impl::prepare_sleep(std::uint32_t domain, std::siz
   detail::pool_table::all_locked all(pools);
   // Another thread may have prepared (or slept and woken) meanwhile: the larger buffer stays.
   keep_spare(domain, host, want);
-  const auto& spares = sleeper.spares();
-  const auto sp = spares.find(domain);
-  return sp != spares.end() ? sp->second.bytes : 0;
+  return sleeper.spare_bytes(domain);
 }
 
 std::size_t device_allocator::impl::spare_bytes(std::uint32_t domain) {
   detail::pool_table::all_locked all(pools);
-  const auto& spares = sleeper.spares();
-  const auto sp = spares.find(domain);
-  return sp != spares.end() ? sp->second.bytes : 0;
+  return sleeper.spare_bytes(domain);
 }
 
 // --- public shell -------------------------------------------------------------------------------

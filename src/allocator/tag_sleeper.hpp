@@ -100,6 +100,11 @@ class tag_sleeper {
   [[nodiscard]] std::map<std::uint32_t, spare_buffer>& spares() noexcept REQUIRES(every_pool) {
     return spares_;
   }
+  /// The bytes of domain's spare buffer (0: none).
+  [[nodiscard]] std::size_t spare_bytes(std::uint32_t domain) const REQUIRES(every_pool) {
+    const auto sp = spares_.find(domain);
+    return sp != spares_.end() ? sp->second.bytes : 0;
+  }
   /// Seconds of the last wake's host-to-device copies (and their synchronization), by domain.
   [[nodiscard]] std::map<std::uint32_t, double>& last_copy_in() noexcept REQUIRES(every_pool) {
     return copy_in_;

@@ -337,17 +337,13 @@ void registry::set_memory_fraction(int device, double fraction) {
 void registry::set_captures_announced(bool on) {
   detail::lock_guard lock(create_mu_);
   captures_announced_ = on;
-  for (int d = 0; d < census_.count; ++d) {
-    if (device_allocator* a = find(d)) a->set_captures_announced(on);
-  }
+  for_each_created([&](device_allocator& a) { a.set_captures_announced(on); });
 }
 
 void registry::announce_capture_begin() {
   detail::lock_guard lock(create_mu_);
   ++announced_captures_;
-  for (int d = 0; d < census_.count; ++d) {
-    if (device_allocator* a = find(d)) a->announce_capture_begin();
-  }
+  for_each_created([&](device_allocator& a) { a.announce_capture_begin(); });
 }
 
 void registry::announce_capture_end() {
@@ -359,9 +355,7 @@ void registry::announce_capture_end() {
   }
   --announced_captures_;
   // Every created allocator saw each begin counted here (create copies the count): none refuses.
-  for (int d = 0; d < census_.count; ++d) {
-    if (device_allocator* a = find(d)) a->announce_capture_end();
-  }
+  for_each_created([&](device_allocator& a) { a.announce_capture_end(); });
 }
 
 void registry::set_size_rules(std::string_view text) {
@@ -383,17 +377,15 @@ void registry::set_size_rules(std::string_view text) {
   base.max_non_split_rounding = (size_rules_ ? *size_rules_ : cfg_).max_non_split_rounding;
   const config parsed = parse_config(text, base);
   std::exception_ptr first_error;
-  for (int d = 0; d < census_.count; ++d) {
-    device_allocator* a = find(d);
-    if (a == nullptr) continue;
-    config next = a->get_config();
+  for_each_created([&](device_allocator& a) {
+    config next = a.get_config();
     copy_size_rules(parsed, next);
     try {
-      a->set_size_rules(next);
+      a.set_size_rules(next);
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
     }
-  }
+  });
   size_rules_ = parsed;
   if (first_error) std::rethrow_exception(first_error);
 }

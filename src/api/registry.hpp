@@ -69,6 +69,13 @@ class registry {
     if (device < 0 || device >= census_.count) return nullptr;
     return slots_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
   }
+  /// Calls f(allocator) for every device's allocator created so far.
+  template <class F>
+  void for_each_created(F&& f) const {
+    for (int d = 0; d < census_.count; ++d) {
+      if (device_allocator* a = find(d)) f(*a);
+    }
+  }
   /// The allocator of `device`, created on first use. Throws cuda_error (cudaErrorInvalidDevice)
   /// for a device that does not exist or CUDA's reason when it is unusable.
   [[nodiscard]] device_allocator& allocator(int device) {
