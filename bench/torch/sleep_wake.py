@@ -22,9 +22,10 @@ losses and tokens identical to nosleep, sleep and wake times, host copy GB/s.
 The trainer's sleep keeps its contents (weights and AdamW moments go to pinned host memory and
 come back on wake); the generator's drops them (keep_contents=False): its weights are reloaded
 from the trainer's state every round, as in RL post-training, and its KV cache is rebuilt. After
-each sleep, cucache.empty_cache() gives back untagged cached pages (the backward pass allocates on
-autograd's device thread, where the "train" tag is not current: gradients and activation
-gradients are untagged; set_to_none frees them before the sleep).
+each sleep, cucache.empty_cache() gives back untagged cached pages. The backward pass allocates on
+autograd's device thread, which cucache.tag_backward tags "train" too; set_to_none frees the
+gradients before the sleep. The trainer's sleep buffer is pinned ahead by cucache.prepare_sleep on
+a thread of its own during the first training phase (--no-prepare: the first sleep pins it).
 
   PYTHONPATH=python CUCACHE_LIB=build/lib/libcucache_torch.so \\
       python3 bench/torch/sleep_wake.py --mode sleep --out /tmp/sleep.json
@@ -71,6 +72,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="the mode's JSON file")
     ap.add_argument("--compare", metavar="DIR", help="read DIR/{mode}.json and print the verdicts")
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="do not pin the trainer's sleep buffer ahead (cucache.prepare_sleep)")
     ap.add_argument("--no-empty-cache", action="store_true",
                     help="do not give back untagged cached pages after each sleep")
     return ap.parse_args()
@@ -311,8 +314,45 @@ class Loop:
         with self.region("train"), self.torch.device(self.dev):
             self.trainer = self.GPT(self.c)
             self.opt = self.torch.optim.AdamW(self.trainer.parameters(), lr=3e-4, weight_decay=0.01)
+        self.start_prepare()
 
-    def train_phase(self, r: int) -> dict[str, Any]:
+    def start_prepare(self) -> None:
+        """cucache.prepare_sleep on a thread of its own, started once the trainer exists: it pins
+        the host buffer the trainer's first kept sleep copies into while the first training
+        phase runs (pinning gigabytes takes seconds; it holds no allocator lock). What the sleep
+        will copy is the weights and AdamW's two moments (created at the first step, so counted
+        here from the weights), plus 64 MiB for the small tensors. Joined before the first sleep."""
+        self._prepare = None
+        if self.mode != "sleep" or self.cucache is None or self.args.no_prepare:
+            return
+        import threading
+
+        nbytes = 3 * sum(p.numel() * p.element_size() for p in self.trainer.parameters()) + (64 << 20)
+        rec: dict[str, Any] = {"requested_bytes": nbytes}
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                rec["bytes"] = self.cucache.prepare_sleep("train", nbytes)
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"
+            rec["s"] = time.perf_counter() - t0
+
+        self._prepare = (threading.Thread(target=work, name="prepare_sleep"), rec)
+        self._prepare[0].start()
+        self.result["prepare_sleep"] = rec
+
+    def join_prepare(self) -> None:
+        if getattr(self, "_prepare", None) is None:
+            return
+        t0 = time.perf_counter()
+        self._prepare[0].join()
+        self._prepare[1]["waited_s"] = time.perf_counter() - t0
+        if "error" in self._prepare[1]:
+            raise RuntimeError(f"prepare_sleep failed: {self._prepare[1]['error']}")
+        self._prepare = None
+
+    def train_phase(self, r: int, to_host: bool = True) -> dict[str, Any]:
         F = self.torch.nn.functional
         with self.region("train"):
             for s in range(self.c["steps"]):
@@ -325,7 +365,8 @@ class Loop:
                 self.opt.zero_grad(set_to_none=True)
                 self.result["losses"].append(float(loss.item()).hex())
                 del logits, loss, x, y
-            state = {k: v.detach().to("cpu") for k, v in self.trainer.state_dict().items()}
+            state = ({k: v.detach().to("cpu") for k, v in self.trainer.state_dict().items()}
+                     if to_host else {})
         self.sync()
         return state
 
@@ -348,11 +389,13 @@ class Loop:
             self.cucache.empty_cache()
         return state
 
-    def infer_phase(self, r: int, state: dict[str, Any]) -> None:
+    def infer_phase(self, r: int, state: dict[str, Any] | None) -> None:
+        """state None: the generator's weights are in place already (colocate.py copies them)."""
         torch = self.torch
         c = self.c
         with torch.no_grad(), self.region("infer"):
-            self.gen.load_state_dict(state)
+            if state is not None:
+                self.gen.load_state_dict(state)
             g = torch.Generator().manual_seed(77 + r)
             idx = torch.randint(0, c["vocab"], (c["gen_batch"], c["prompt"]), generator=g).to(self.dev)
             logits = self.gen(idx, self.kv, 0)
@@ -419,6 +462,7 @@ class Loop:
                 if self.mode == "train_alone":
                     continue
                 t0 = time.perf_counter()
+                self.join_prepare()
                 self.put_to_sleep("train", keep=True)
                 if self.gen is None:
                     self.make_generator()
@@ -525,6 +569,11 @@ def compare(folder: str) -> int:
                              + (f", host bytes {gib(xs[0]['host_bytes'])}, copies at median "
                                 f"{sorted(rates)[len(rates) // 2]:.1f} GB/s (max {max(rates):.1f}; copy time only, the whole "
                                 "call's rate is in the JSON)" if rates else ""))
+        if d.get("prepare_sleep"):
+            pr = d["prepare_sleep"]
+            lines.append(f"{m} prepare_sleep('train') on its own thread: {gib(pr.get('bytes'))} pinned in "
+                         f"{pr.get('s', 0) * 1e3:.0f} ms, the first sleep waited {pr.get('waited_s', 0) * 1e3:.0f} ms "
+                         "for it" + (f"; error: {pr['error']}" if pr.get("error") else ""))
         if d.get("empty_cache_s"):
             ec = sorted(d["empty_cache_s"])
             lines.append(f"{m} empty_cache after sleep: median {ec[len(ec) // 2] * 1e3:.1f} ms")
