@@ -6,7 +6,7 @@
 # BIN: the folder holding libcucache_torch.so and libcucache_torch_hooks.so (built against the
 # machine's torch); OUT: the logs, one JSON per mode, summary.txt and verdict.txt. Environment:
 # SIZE (h200 | small | tiny; default h200), ROUNDS (default 3), MODES (default "sleep nosleep
-# train_alone infer_alone"). Exit status 0 only if every mode ran and the verdicts pass.
+# train_alone infer_alone"), LIMIT (seconds per mode, default 200). Exit status 0 only if every mode ran and the verdicts pass.
 set -uo pipefail
 bin=${1:?BIN: the folder holding libcucache_torch.so}; out=${2:?OUT folder}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,11 +19,11 @@ source "$repo/tools/gpu_run.sh"
 gpu_line | tee "$out/gpu.txt"
 git -C "$repo" rev-parse HEAD >> "$out/gpu.txt" 2>/dev/null
 export PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}" CUCACHE_LIB="$lib"
-export CUCACHE_CONF=${CUCACHE_CONF:-expandable_segments:True}
+export CUCACHE_CONF=${CUCACHE_CONF:-expandable_segments:True,ipc_handles:True}
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 for m in $modes; do
-  run "coloc_$m" 200 python3 "$repo/bench/torch/colocate.py" --mode "$m" --size "$size" \
-    --rounds "$rounds" --out "$out/$m.json"
+  run "coloc_$m" "${LIMIT:-200}" python3 "$repo/bench/torch/colocate.py" --mode "$m" --size "$size" \
+    --rounds "$rounds" --timeout $(( ${LIMIT:-200} - 20 )) --out "$out/$m.json"
 done
 python3 "$repo/bench/torch/colocate.py" --compare "$out" | tee -a "$out/summary.txt"
 rc=${PIPESTATUS[0]}

@@ -4,12 +4,13 @@ model of bench/torch/sleep_wake.py, take turns; the trainer's new weights go to 
 CUDA IPC every round, and each side sleeps (cucache.sleep) while the other runs.
 
 One parent process (no CUDA of its own) drives two children started with torch.multiprocessing's
-spawn, cucache installed as torch's allocator in each (expandable segments, the torch extension).
+spawn, cucache installed as torch's allocator in each (the torch extension; CUCACHE_CONF
+expandable_segments:True,ipc_handles:True: expandable memory is exported as file descriptors).
 A round:
 
   1. trainer: wake "train" (kept contents), the training steps; then one flat copy of its weights,
      made untagged (so that the sleepable tag holds no exported block), goes to the generator
-     through a torch.multiprocessing queue (CUDA IPC); sleep "train" keeping its contents.
+     through a pipe (torch.multiprocessing's CUDA IPC); sleep "train" keeping its contents.
   2. generator: wake "infer" (or build the model and KV cache in round 0), copy the received
      weights into its own, drop the received tensor (closing the IPC mapping).
   3. trainer (asleep): free the flat copy (torch.cuda.ipc_collect, cucache.empty_cache).
@@ -70,7 +71,7 @@ def loop_args(size: str, mode: str) -> argparse.Namespace:
 # --- the children ---------------------------------------------------------------------------------
 
 
-def child(role: str, size: str, mode: str, conn: Any, weights_q: Any) -> None:
+def child(role: str, size: str, mode: str, conn: Any, weights: Any) -> None:
     """One side. Commands come on `conn` as (name, round); every reply is a dict with "ok"."""
     try:
         if role == "trainer":
@@ -103,11 +104,11 @@ def child(role: str, size: str, mode: str, conn: Any, weights_q: Any) -> None:
                 elif mode == "sleep":
                     loop.wake_up("train")
                 loop.train_phase(r, to_host=False)
-                if weights_q is not None:
+                if weights is not None:
                     with torch.no_grad():  # untagged: the sleepable tag never holds the export
                         staging = torch.cat([p.detach().reshape(-1) for p in loop.trainer.parameters()])
                     torch.cuda.synchronize()
-                    weights_q.put(staging)
+                    weights.send(staging)  # pickled here (CUDA IPC export): a refusal raises here
                 if mode == "sleep":
                     loop.join_prepare()
                     loop.put_to_sleep("train", keep=True)
@@ -121,8 +122,10 @@ def child(role: str, size: str, mode: str, conn: Any, weights_q: Any) -> None:
                     loop.make_generator()
                 elif mode == "sleep":
                     loop.wake_up("infer")
-                if weights_q is not None:
-                    flat = weights_q.get(timeout=300)
+                if weights is not None:
+                    if not weights.poll(120):
+                        raise TimeoutError("no weights from the trainer within 120 s")
+                    flat = weights.recv()
                     with torch.no_grad():
                         off = 0
                         for p in loop.gen.parameters():
@@ -155,11 +158,11 @@ def child(role: str, size: str, mode: str, conn: Any, weights_q: Any) -> None:
 
 
 class Side:
-    def __init__(self, ctx: Any, role: str, args: argparse.Namespace, weights_q: Any) -> None:
+    def __init__(self, ctx: Any, role: str, args: argparse.Namespace, weights: Any) -> None:
         self.role = role
         self.timeout = args.timeout
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=child, args=(role, args.size, args.mode, theirs, weights_q), name=role)
+        self.proc = ctx.Process(target=child, args=(role, args.size, args.mode, theirs, weights), name=role)
         self.proc.start()
         self.reserved = 0  # cucache's reserved bytes after its last command
 
@@ -184,9 +187,12 @@ def run_mode(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     try:
         two = args.mode in ("sleep", "nosleep")
-        weights_q = ctx.Queue() if two else None
-        trainer = Side(ctx, "trainer", args, weights_q) if args.mode != "infer_alone" else None
-        gen = Side(ctx, "generator", args, weights_q) if args.mode != "train_alone" else None
+        # The weights go from trainer to generator through a pipe of their own: Connection.send
+        # pickles (exports) in the caller, so a refused export is the trainer's error, not a
+        # queue feeder thread's.
+        w_recv, w_send = ctx.Pipe(duplex=False) if two else (None, None)
+        trainer = Side(ctx, "trainer", args, w_send) if args.mode != "infer_alone" else None
+        gen = Side(ctx, "generator", args, w_recv) if args.mode != "train_alone" else None
         sides = [s for s in (trainer, gen) if s is not None]
         phase_peak = 0
 
