@@ -91,8 +91,12 @@ def child(role: str, size: str, mode: str, conn: Any, weights: Any) -> None:
         while True:
             cmd, r = conn.recv()
             if cmd == "stop":
+                # Each side ends awake, as it began: the process's exit frees every tensor, and
+                # cucache refuses to free a block of a sleeping tag (docs/api.md).
                 if mode == "sleep" and loop.trainer is not None:
-                    loop.wake_up("train")  # it ends awake, as it began
+                    loop.wake_up("train")
+                if mode == "sleep" and loop.gen is not None:
+                    loop.wake_up("infer")
                 conn.send({"ok": True, "result": loop.result})
                 return
             cu.reset_peak_memory_stats()
@@ -105,6 +109,10 @@ def child(role: str, size: str, mode: str, conn: Any, weights: Any) -> None:
                     loop.wake_up("train")
                 loop.train_phase(r, to_host=False)
                 if weights is not None:
+                    # The training step's freed activations sit in the "train" tag's pages, which
+                    # an untagged allocation cannot use: give them back first (the sleep below
+                    # would release them anyway), so that the copy does not raise the peak.
+                    cu.empty_cache()
                     with torch.no_grad():  # untagged: the sleepable tag never holds the export
                         staging = torch.cat([p.detach().reshape(-1) for p in loop.trainer.parameters()])
                     torch.cuda.synchronize()
