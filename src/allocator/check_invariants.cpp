@@ -496,9 +496,9 @@ void device_allocator::check_invariants() const {
   std::map<std::size_t, std::size_t> largest;
   for (const auto& p : m.pools) {
     detail::pool_table::assert_locked(*p);
-    detail::add_fields(sum, p->summary.part, +1);
-    asleep_sum += p->summary.asleep_active;
-    if (p->summary.largest != 0) ++largest[p->summary.largest];
+    detail::add_fields(sum, p->ledger.summary().part, +1);
+    asleep_sum += p->ledger.summary().asleep_active;
+    if (p->ledger.summary().largest != 0) ++largest[p->ledger.summary().largest];
   }
   bool handles_seen = false;
   {
@@ -521,10 +521,10 @@ void device_allocator::check_invariants() const {
     detail::add_fields(now_sum, now.part, +1);
     now_largest = std::max(now_largest, now.largest);
     now_asleep += now.asleep_active;
-    if (all_stale || p->stats_stale) continue;
-    if (!detail::same_fields(now.part, p->summary.part) ||
-        now.asleep_active != p->summary.asleep_active ||
-        (handles_seen && now.largest != p->summary.largest)) {
+    if (all_stale || p->ledger.stale()) continue;
+    if (!detail::same_fields(now.part, p->ledger.summary().part) ||
+        now.asleep_active != p->ledger.summary().asleep_active ||
+        (handles_seen && now.largest != p->ledger.summary().largest)) {
       violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
                            "marked stale",
                            p->index));

@@ -432,20 +432,20 @@ void device_allocator::impl::collect_garbage(std::size_t incoming) {
 namespace {
 /// An allocation that unlocks its pool midway (the ladder, garbage collection) and locks it again
 /// before going on, also when what it did meanwhile throws. Meanwhile the pool is not quiet, so
-/// the pool table never hands it to another stream (pool_table::begin_unlocked_allocation).
+/// the pool table never hands it to another stream (pool_retirement::unlocked_allocation_began).
 /// For the analysis, a scoped unlock: p.mu is not held while it lives.
 class SCOPED_CAPABILITY unlocked_midway {
  public:
   unlocked_midway(detail::pool_table& pools, stream_pool& p, detail::pool_lock& lk) RELEASE(p.mu)
       : pools_(pools), p_(p), lk_(lk) {
-    detail::pool_table::begin_unlocked_allocation(p_);
+    p_.retirement.unlocked_allocation_began();
     lk_.unlock(p.mu);
   }
   // Not analysed: it takes the lock again through a reference to the caller's scoped lock.
   ~unlocked_midway() RELEASE() NO_THREAD_SAFETY_ANALYSIS {
     if (!lk_.owns_lock()) lk_.lock();
     pools_.note_change(p_);  // the allocation goes on changing p
-    detail::pool_table::end_unlocked_allocation(p_);
+    p_.retirement.unlocked_allocation_ended();
   }
   unlocked_midway(const unlocked_midway&) = delete;
   unlocked_midway& operator=(const unlocked_midway&) = delete;
@@ -921,7 +921,7 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
   // then one in k_quiet_every, so that a loop of ordered pairs on one stream records one event
   // per k_quiet_every pairs (pool_retirement). A pool left unproven is retired by the device-wide
   // paths instead.
-  if (!detail::pool_table::quiet_record_due(p)) return;
+  if (!p.retirement.count_quiet_free()) return;
   if (!p.quiet() || graphs.any_capture() || sync_blocked()) return;
   // The legacy stream is never gone (its pool needs no retirement), and recording on it could
   // touch a capture of another thread; the per-thread handle names another stream per thread.
@@ -935,7 +935,7 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
     const stream_identity who = raw->identify(p.stream);
     if (who.capture.state != capture_state::none || who.id != p.key) return;
     // No proof while the record is not done.
-    const event_handle e = detail::pool_table::begin_quiet_record(p, [&] { return events.take(); });
+    const event_handle e = p.retirement.begin_record([&] { return events.take(); });
     backend->event_record(e, p.stream);
   } catch (...) {
     return;  // no proof now; the pool is kept until a device-wide path retires it

@@ -15,6 +15,63 @@ using cucache::detail::pool_kind;
 using cucache::detail::stream_pool;
 
 namespace cucache {
+namespace detail {
+
+// --- the pools' part of the ledger (stats_ledger.hpp) --------------------------------------------
+
+void pool_ledger::settle(stats_ledger& ledger, pool_summary now) {
+  {
+    lock_guard lock(ledger.mu);
+    ledger.replace(summary_, now);
+  }
+  summary_ = std::move(now);
+  stale_ = false;
+}
+
+void pool_ledger::stale_queue::mark(stream_pool& p) noexcept {
+  // Queue membership is queued_'s, under mu_, apart from stale_ (p.mu): a refresh that walks
+  // every pool clears stale_ of pools still queued.
+  p.ledger.stale_ = true;
+  lock_guard lock(mu_);
+  ++changes_;  // before the change itself (the caller holds p.mu): a validated read sees it
+  if (p.ledger.queued_) return;
+  p.ledger.queued_ = true;
+  p.ledger.next_ = head_;
+  head_ = &p;
+}
+
+void pool_ledger::stale_queue::mark_all() noexcept {
+  lock_guard lock(mu_);
+  all_.store(true, std::memory_order_relaxed);  // read under mu_ by take
+  ++changes_;
+}
+
+bool pool_ledger::stale_queue::changed_since(std::uint64_t changes) const {
+  lock_guard lock(mu_);
+  return changes_ != changes;
+}
+
+pool_ledger::stale_queue::taken pool_ledger::stale_queue::take() {
+  taken out;
+  lock_guard lock(mu_);
+  std::size_t n = 0;
+  for (const stream_pool* p = head_; p != nullptr; p = p->ledger.next_) ++n;
+  out.pools.reserve(n);  // may throw: nothing taken yet
+  for (stream_pool* p = head_; p != nullptr;) {
+    stream_pool* next = p->ledger.next_;
+    p->ledger.next_ = nullptr;
+    p->ledger.queued_ = false;
+    out.pools.push_back(p);
+    p = next;
+  }
+  head_ = nullptr;
+  out.all = all_.exchange(false, std::memory_order_relaxed);
+  out.changes = changes_;
+  return out;
+}
+
+}  // namespace detail
+
 namespace {
 
 /// A pool's counters as a stat_array (its share; the ledger sums the shares -- device-wide peaks
@@ -71,13 +128,7 @@ detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) con
 }
 
 void device_allocator::impl::resummarize(stream_pool& p) const {
-  detail::pool_summary now = summarize(p);
-  {
-    detail::lock_guard lock(ledger.mu);
-    ledger.replace(p.summary, now);
-  }
-  p.summary = std::move(now);
-  p.stats_stale = false;
+  p.ledger.settle(ledger, summarize(p));
 }
 
 std::uint64_t device_allocator::impl::refresh_stats(bool all_locked, std::size_t handles) const {
