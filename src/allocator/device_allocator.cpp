@@ -549,9 +549,8 @@ void device_allocator::impl::run_ladder(stream_pool& p, detail::pool_lock& lk,
 // --- expandable segments: ranges per pool, placement, the pager backs the pages ---------------
 
 segment* device_allocator::impl::add_range(stream_pool& p, pool_kind kind, std::size_t need) {
-  const int k = static_cast<int>(kind);
-  p.pages.ranges.reserve(p.pages.ranges.size() + 1);  // nothing can fail once reserved below
-  const std::size_t bytes = pager->next_range_bytes(kind, need, p.pages.range_bytes[k]);
+  pager->make_room_for_range(p);  // nothing can fail once added below
+  const std::size_t bytes = pager->next_range_bytes(kind, need, p.pages.range_bytes(kind));
   std::unique_ptr<vm_range> range = pager->reserve_range(kind, bytes);
   if (range == nullptr) return nullptr;
   segment* s = nullptr;
@@ -562,8 +561,7 @@ segment* device_allocator::impl::add_range(stream_pool& p, pool_kind kind, std::
     throw;
   }
   range.release();  // owned by the segment from here (drop_range or ~impl destroys it)
-  p.pages.ranges.push_back(s);
-  p.pages.range_bytes[k] += s->size;
+  pager->add_range(p, s);
   return s;
 }
 
@@ -582,10 +580,7 @@ void device_allocator::impl::drop_range(stream_pool& p, segment* s) noexcept {
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
   if (p.segments == s) p.segments = s->next;
-  auto& ranges = p.pages.ranges;
-  ranges.erase(std::find(ranges.begin(), ranges.end(), s));
-  p.pages.range_bytes[static_cast<int>(s->kind)] -= s->size;
-  pager->destroy_range(*s->vm);
+  pager->drop_range(p, s);
   delete s->vm;
   p.block_arena.recycle(s->first);
   p.segment_arena.recycle(s);
@@ -955,7 +950,7 @@ void device_allocator::impl::retire_empty_pools() {
     if (p->domain != 0 && sleeper.asleep(p->domain)) continue;
     const bool retire = p->quiet() && p->holds_no_memory();
     if (cfg.expandable_segments && p->graph == nullptr) {
-      auto& ranges = p->pages.ranges;
+      const auto& ranges = p->pages.ranges;
       for (std::size_t i = ranges.size(); i-- > 0;) {
         segment* s = ranges[i];
         // Empty: one free block, no page mapped (so nothing on the idle list either).

@@ -142,6 +142,30 @@ class pager {
   /// Unmaps and releases every mapping of r, takes its idle runs off their pool's idle list and
   /// frees its virtual range. Never throws.
   void destroy_range(vm_range& r) noexcept;
+
+  // --- a pool's ranges (pool_pages: changed only through these and the pager's own steps) ---
+  /// Room in p's range list for one more range, so that add_range cannot fail. May throw.
+  void make_room_for_range(stream_pool& p) REQUIRES(p.mu) { p.pages.reserve_range(); }
+  /// s, a segment of p that owns a vm_range, joins p's ranges. REQUIRES: make_room_for_range
+  /// since p's last add_range.
+  void add_range(stream_pool& p, segment* s) noexcept REQUIRES(p.mu) { p.pages.add_range(s); }
+  /// s leaves p's ranges, and its vm_range is destroyed (destroy_range; the caller deletes the
+  /// object). Never throws.
+  void drop_range(stream_pool& p, segment* s) noexcept REQUIRES(p.mu) {
+    p.pages.remove_range(s);
+    destroy_range(*s->vm);
+  }
+  /// s leaves p's ranges; its vm_range is left as it is (a caller that owns it otherwise).
+  void forget_range(stream_pool& p, const segment* s) noexcept REQUIRES(p.mu) {
+    p.pages.remove_range(s);
+  }
+  /// The pool's pages agree with its segments and page tables: its range list is exactly its
+  /// segments that own a vm_range, each once, their sizes summed per kind; its idle list holds
+  /// every idle run of its ranges once, linked both ways, in its ranges' tables, epochs never
+  /// rising toward the tail; the parked span is in a range of its own and went idle after the
+  /// list's head; idle_bytes counts the listed and parked pages. Throws std::logic_error naming
+  /// the first violation (check_invariants composes it).
+  void check_invariants(const stream_pool& p) const REQUIRES(p.mu);
   /// The address space every range of the device spans now.
   [[nodiscard]] std::size_t reserved_address_bytes() const noexcept {
     return address_bytes_.load(std::memory_order_relaxed);
@@ -200,7 +224,7 @@ class pager {
   [[nodiscard]] std::size_t idle_bytes_of_every_pool_locked() const noexcept
       NO_THREAD_SAFETY_ANALYSIS {
     std::size_t n = 0;
-    for (const auto& q : pools_) n += q->pages.idle_bytes;
+    for (const auto& q : pools_) n += q->pages.idle_bytes();
     return n;
   }
   /// The same, under the list lock taken here. The caller holds no pool lock nor the list lock.
