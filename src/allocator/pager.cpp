@@ -279,10 +279,10 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
       last_use = r.edge(last);
       r.edge_use.set(last, last_use + 1);
     }
-    // An edge page with a nonzero count was touched already (not idle); b has no page strictly
-    // inside it when last <= first + 1: then, with both edges touched, nothing leaves the idle
-    // runs (a small block carved beside live ones: no lookup).
-    if (last <= first + 1 && first_use != 0 && last_use != 0) return;
+    // An edge page with a nonzero count was touched already (not idle): when b touches no page
+    // anew (fresh_pages: a block of one or two pages with both edges touched), nothing leaves
+    // the idle runs (a small block carved beside live ones: no lookup).
+    if (fresh_pages(first, last, first_use != 0, last_use != 0) == 0) return;
     if (take_parked(p, r, first, last)) [[likely]]
       return;
     idle_remove(p, r, first, last);

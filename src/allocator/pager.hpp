@@ -183,6 +183,24 @@ class pager {
   /// wait_until_unmappable); when it cannot (gate closed, a failed call), the chunk stays,
   /// straddled. Throws nothing that a VM call raised.
   void touch(stream_pool& p, const block* b, int delta) REQUIRES(p.mu);
+  /// The pages [first, last] of a span carved from a free block that the carve touches anew: all
+  /// of them but an edge page that another block touches already (`first_touched`,
+  /// `last_touched`: its edge count is nonzero; a page strictly inside a free block's span is
+  /// touched by no block). touch() asks it whether a carve may leave the idle runs alone (0 new
+  /// pages), and headroom (max_allocatable) counts with it what a request placed in a hole needs.
+  [[nodiscard]] static constexpr std::size_t fresh_pages(std::size_t first, std::size_t last,
+                                                         bool first_touched,
+                                                         bool last_touched) noexcept {
+    return last - first + 1 - (first_touched ? 1 : 0) - (last > first && last_touched ? 1 : 0);
+  }
+  /// fresh_pages of a request of `bytes` at `addr`, inside a free block of r, as a carve of it
+  /// would find them now.
+  [[nodiscard]] static std::size_t fresh_pages(const vm_range& r, std::uintptr_t addr,
+                                               std::size_t bytes) noexcept {
+    const std::size_t first = r.page_of(addr);
+    const std::size_t last = r.page_of(addr + bytes - 1);
+    return fresh_pages(first, last, r.edge(first) != 0, r.edge(last) != 0);
+  }
 
   /// Maps every page carved block b touches -- while memory is plentiful, runs of new pages that b
   /// covers whole in chunks of up to max_chunk_pages pages, else each page with a handle of its

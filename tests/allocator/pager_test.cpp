@@ -799,5 +799,60 @@ TEST(Pager, CheckInvariantsHoldsTheIdleListToThePageTables) {
   r.pg.forget_range(r.pool, &r.seg);
 }
 
+// fresh_pages (the rule touch() and headroom share) against its definition, by brute force:
+// the pages of a span inside a free hole that no carved block's span touches. Seeded random
+// layouts of blocks at quarter-page offsets, so that holes share edge pages with their
+// neighbours; every span checked is inside a hole, at its front and elsewhere.
+TEST(Pager, FreshPagesAreThePagesOfTheSpanNoBlockTouches) {
+  constexpr std::size_t q = 512 * 1024;  // a quarter page
+  std::mt19937_64 rng(31);
+  for (int layout = 0; layout < 40; ++layout) {
+    pager_rig r;
+    const std::size_t quarters = r.range->size / q;
+    std::vector<std::pair<std::size_t, std::size_t>> spans;  // [first, end) in quarters
+    for (std::size_t at = rng() % 3; at < quarters;) {
+      const std::size_t len = 1 + rng() % 10;
+      if (at + len > quarters) break;
+      if (rng() % 2 == 0) {
+        r.carve(at * q, len * q);
+        spans.emplace_back(at, at + len);
+      }
+      at += len + rng() % 3;
+    }
+    const auto touched_by_a_block = [&](std::size_t pg) {
+      return std::any_of(spans.begin(), spans.end(), [&](const auto& s) {
+        return r.range->page_of(r.range->base + s.first * q) <= pg &&
+               r.range->page_of(r.range->base + s.second * q - 1) >= pg;
+      });
+    };
+    // The holes: the quarters between carved spans.
+    std::size_t prev = 0;
+    spans.emplace_back(quarters, quarters);
+    for (const auto& [first, end] : spans) {
+      for (int k = 0; first > prev && k < 6; ++k) {
+        const std::size_t from = prev * q + (k == 0 ? 0 : rng() % ((first - prev) * q));
+        const std::size_t bytes = 1 + rng() % (first * q - from);
+        const std::uintptr_t addr = r.range->base + from;
+        std::size_t expect = 0;
+        for (std::size_t pg = r.range->page_of(addr); pg <= r.range->page_of(addr + bytes - 1);
+             ++pg) {
+          expect += touched_by_a_block(pg) ? 0 : 1;
+        }
+        ASSERT_EQ(detail::pager::fresh_pages(*r.range, addr, bytes), expect)
+            << "layout " << layout << " offset " << from << " bytes " << bytes;
+      }
+      prev = end;
+    }
+    for (const auto& b : r.blocks) r.free(b.get());
+  }
+  // Exact cases: a span inside one page, beside blocks on both sides, on neither, across pages.
+  EXPECT_EQ(detail::pager::fresh_pages(3, 3, true, true), 0u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 3, false, false), 1u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 4, true, true), 0u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 4, true, false), 1u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 7, true, true), 3u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 7, false, false), 5u);
+}
+
 }  // namespace
 }  // namespace cucache::test
