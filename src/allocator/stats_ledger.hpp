@@ -34,7 +34,7 @@
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {
-struct stream_pool;
+class stream_pool;
 
 /// One pool's share of the device-wide statistics (impl::summarize).
 struct pool_summary {
