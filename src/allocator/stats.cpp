@@ -2,8 +2,10 @@
 // blocks can tell (inactive split blocks, free blocks) and the largest request cached memory
 // serves.
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -464,6 +466,61 @@ void device_allocator::reset_accumulated_stats() {
   }
   impl_->budget.reset_counters();
   if (impl_->pager) impl_->pager->counters.reset();
+}
+
+void device_allocator::impl::check_ledger() const {
+  const auto violated = [](const std::string& what) {
+    throw std::logic_error("cucache invariant violated: " + what);
+  };
+  // The statistics ledger (stats_ledger.hpp): its totals are the sum of the pools' summaries, and
+  // a pool not marked stale holds the summary it would get now -- its largest request only while
+  // the unmapped one-page handles are those the ledger last saw -- unless lock_all ran since the
+  // last refresh (every pool then counts as stale).
+  device_stats sum;
+  std::size_t asleep_sum = 0;
+  std::map<std::size_t, std::size_t> largest;
+  for (const auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
+    detail::add_fields(sum, p->ledger.summary().part, +1);
+    asleep_sum += p->ledger.summary().asleep_active;
+    if (p->ledger.summary().largest != 0) ++largest[p->ledger.summary().largest];
+  }
+  bool handles_seen = false;
+  {
+    detail::lock_guard lock(ledger.mu);
+    if (!detail::same_fields(sum, ledger.totals) || asleep_sum != ledger.asleep_active ||
+        largest != ledger.largest) {
+      violated("the statistics ledger's totals are not the sum of the pools' summaries");
+    }
+    handles_seen = ledger.handles_seen == (pager ? pager->unmapped_page_handle_bytes() : 0);
+  }
+  // The relations of the field table (violated_stats_relation) on the statistics recounted now:
+  // every pool summarized again, composed with the device-wide figures as stats() composes them.
+  const bool all_stale = pools.all_stale();
+  device_stats now_sum;
+  std::size_t now_largest = 0;
+  std::size_t now_asleep = 0;
+  for (const auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
+    const detail::pool_summary now = summarize(*p);
+    detail::add_fields(now_sum, now.part, +1);
+    now_largest = std::max(now_largest, now.largest);
+    now_asleep += now.asleep_active;
+    if (all_stale || p->ledger.stale()) continue;
+    if (!detail::same_fields(now.part, p->ledger.summary().part) ||
+        now.asleep_active != p->ledger.summary().asleep_active ||
+        (handles_seen && now.largest != p->ledger.summary().largest)) {
+      violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
+                           "marked stale",
+                           p->index));
+    }
+  }
+  const device_stats now = compose_stats_from(now_sum, now_largest, now_asleep,
+                                                /*all_locked=*/true, nullptr);
+  if (const std::string why = violated_stats_relation(now, cfg.expandable_segments);
+      !why.empty()) {
+    violated("statistics: " + why);
+  }
 }
 
 }  // namespace cucache
