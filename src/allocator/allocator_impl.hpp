@@ -252,6 +252,10 @@ struct device_allocator::impl {
   /// stream (device_stats::largest_free_block is the largest over the pools; docs/design.md,
   /// "Free memory").
   std::size_t largest_cached_request(const detail::stream_pool& p) const REQUIRES(p.mu);
+  /// The ledger's invariants (check_invariants composes it): its totals are the sum of the
+  /// pools' summaries; a pool not marked stale holds the summary it would get now; the
+  /// statistics recounted now keep the field table's relations. Throws std::logic_error.
+  void check_ledger() const REQUIRES(detail::every_pool);
   mutable detail::stats_ledger ledger;
   /// Serializes the statistics' readers (stats_unlocked, and the callers of stats_locked, who
   /// take it before lock_all): one refresh of the ledger at a time. First in the lock order.

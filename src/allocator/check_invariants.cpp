@@ -28,12 +28,11 @@ namespace {
 /// (a handle of several pages) is recorded consistently on consecutive pages, and is either idle
 /// as a whole or lies within the pages that one live block covers whole -- unless a carve
 /// straddled a chunk it could not unmap (pager::straddled_chunks, `straddles`).
-/// `idle_runs` counts the range's idle runs, `idle_pages` their pages. In a sleeping pool
+/// (The pool's idle list against these tables: pager::check_invariants.) In a sleeping pool
 /// (`asleep`) no page is mapped at all, and the pages its blocks touch are counted in
 /// `sleeping_pages` instead.
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
-                 std::int64_t& mappings, std::size_t& idle_runs, std::size_t& idle_pages,
-                 std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages,
+                 std::int64_t& mappings, std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages,
                  std::uint64_t straddles) REQUIRES(p.mu) {
   const detail::vm_range& r = *s.vm;
   if (r.page_count != r.size / r.page_bytes) {
@@ -160,16 +159,14 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
       violated(fmt::format("range {:#x}: idle runs not owned by pool {}", r.base, p.index));
     }
     prev_end = u->end;
-    ++idle_runs;
-    idle_pages += u->pages();
   }
   // The parked span (the pool's most recently idle pages, outside the runs): named by the pool
   // exactly when not empty, mapped, disjoint from every idle run.
   const bool parked = r.parked_end != r.parked_first;
-  if (parked != (p.pages.parked == &r)) {
+  if (parked != (p.pages.parked() == &r)) {
     violated(fmt::format("range {:#x}: parked span [{}, {}) but pool {} {} it", r.base,
                          r.parked_first, r.parked_end, p.index,
-                         p.pages.parked == &r ? "names" : "does not name"));
+                         p.pages.parked() == &r ? "names" : "does not name"));
   }
   if (parked) {
     if (r.parked_end < r.parked_first || r.parked_end > r.page_count ||
@@ -186,7 +183,6 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
       violated(fmt::format("range {:#x}: parked span [{}, {}) overlaps an idle run", r.base,
                            r.parked_first, r.parked_end));
     }
-    idle_pages += r.parked_end - r.parked_first;
   }
   mapped_total += mapped_pages * r.page_bytes;
 }
@@ -233,34 +229,15 @@ void device_allocator::check_invariants() const {
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
     detail::pool_table::assert_locked(p);
-    // The pool's range list: exactly its segments that own a vm_range, each once, their sizes
-    // summed per kind.
-    std::size_t range_bytes[2] = {0, 0};
-    std::size_t ranges_seen = 0;
-    for (const segment* s = p.segments; s != nullptr; s = s->next) {
-      if (s->vm == nullptr) continue;
-      ++ranges_seen;
-      range_bytes[static_cast<int>(s->kind)] += s->size;
-      if (std::count(p.pages.ranges.begin(), p.pages.ranges.end(), s) != 1) {
-        violated(fmt::format("pool {}: range {:#x} is not listed once in its pool's ranges",
-                             p.index, s->base));
-      }
-    }
-    if (ranges_seen != p.pages.ranges.size() || range_bytes[0] != p.pages.range_bytes[0] ||
-        range_bytes[1] != p.pages.range_bytes[1]) {
-      violated(fmt::format("pool {}: {} ranges of {} + {} bytes listed as {} of {} + {} bytes",
-                           p.index, ranges_seen, range_bytes[0], range_bytes[1],
-                           p.pages.ranges.size(), p.pages.range_bytes[0],
-                           p.pages.range_bytes[1]));
-    }
-    address_total += range_bytes[0] + range_bytes[1];
+    // The pool's pages (its range list and idle list): the pager's own check.
+    if (m.pager) m.pager->check_invariants(p);
+    address_total += p.pages.range_bytes(detail::pool_kind::small) + p.pages.range_bytes(detail::pool_kind::large);
     std::size_t free_count[2] = {0, 0};
     std::size_t free_bytes[2] = {0, 0};
     std::int64_t alloc_bytes[2] = {0, 0}, alloc_count[2] = {0, 0};
     std::int64_t active_bytes[2] = {0, 0}, active_count[2] = {0, 0};
     std::int64_t reserved[2] = {0, 0}, seg_count[2] = {0, 0}, requested[2] = {0, 0};
     std::size_t pending_blocks_events = 0;
-    std::size_t idle_runs_seen = 0, idle_pages_seen = 0;
     const segment* prev_seg = nullptr;
     for (const segment* s = p.segments; s != nullptr; s = s->next) {
       const int k = static_cast<int>(s->kind);
@@ -270,7 +247,7 @@ void device_allocator::check_invariants() const {
       if (s->vm != nullptr) {
         std::int64_t mappings = 0;
         const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
-        check_range(p, *s, reserved[k], mappings, idle_runs_seen, idle_pages_seen, mapped_total,
+        check_range(p, *s, reserved[k], mappings, mapped_total,
                     asleep, sleeping_pages[p.domain], m.pager->straddled_chunks());
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
@@ -333,51 +310,6 @@ void device_allocator::check_invariants() const {
         violated(fmt::format("segment {:#x}: blocks cover {} of {} bytes", s->base,
                              cursor - s->base, s->size));
       }
-    }
-    // The idle list: every idle run of the pool's ranges once, linked both ways, epochs never
-    // rising toward the tail (the least recently idle page needs a synchronization only if
-    // every idle page does).
-    std::size_t idle_listed = 0, idle_listed_pages = 0;
-    const detail::idle_run* idle_last = nullptr;
-    for (const detail::idle_run* u = p.pages.idle_head; u != nullptr; u = u->older) {
-      if (u->newer != idle_last) {
-        violated(fmt::format("pool {}: idle list links are inconsistent", p.index));
-      }
-      if (idle_last != nullptr && u->epoch > idle_last->epoch) {
-        violated(fmt::format("pool {}: an older idle run has a later epoch", p.index));
-      }
-      auto it = u->range->idle_runs.find(u->first);
-      if (it == u->range->idle_runs.end() || it->second != u || u->range->idle_owner != &p.pages) {
-        violated(fmt::format("pool {}: a listed idle run is not in its range's table", p.index));
-      }
-      idle_last = u;
-      ++idle_listed;
-      idle_listed_pages += u->pages();
-      if (idle_listed > idle_runs_seen) break;  // a cycle, or runs of another pool
-    }
-    if (idle_last != p.pages.idle_tail) {
-      violated(fmt::format("pool {}: idle list tail is not its last run", p.index));
-    }
-    // The parked span went idle after every listed run.
-    std::size_t parked_pages = 0;
-    if (const detail::vm_range* pr = p.pages.parked) {
-      parked_pages = pr->parked_end - pr->parked_first;
-      const bool own = std::any_of(std::begin(p.pages.ranges), std::end(p.pages.ranges),
-                                   [&](const segment* s) { return s != nullptr && s->vm == pr; });
-      if (!own) violated(fmt::format("pool {}: parked span in a range not its own", p.index));
-      if (p.pages.idle_head != nullptr && p.pages.idle_head->epoch > pr->parked_epoch) {
-        violated(fmt::format("pool {}: the parked span has an earlier epoch than the idle list's "
-                             "head",
-                             p.index));
-      }
-    }
-    if (idle_listed != idle_runs_seen || idle_listed_pages + parked_pages != idle_pages_seen ||
-        (idle_listed_pages + parked_pages) * m.page_bytes != p.pages.idle_bytes) {
-      violated(
-          fmt::format("pool {}: idle list holds {} runs / {} pages, page tables show {} runs / {} "
-                      "pages, pool says {} bytes ({} pages parked)",
-                      p.index, idle_listed, idle_listed_pages, idle_runs_seen, idle_pages_seen,
-                      static_cast<std::size_t>(p.pages.idle_bytes), parked_pages));
     }
     if (pending_blocks_events != p.pending.size() + p.retained) {
       violated(
@@ -487,55 +419,8 @@ void device_allocator::check_invariants() const {
   // The budget's own invariants, against the bytes counted here: segments, mapped pages and
   // unmapped handles.
   m.budget.check_invariants(reserved_total);
-  // The statistics ledger (stats_ledger.hpp): its totals are the sum of the pools' summaries, and
-  // a pool not marked stale holds the summary it would get now -- its largest request only while
-  // the unmapped one-page handles are those the ledger last saw -- unless lock_all ran since the
-  // last refresh (every pool then counts as stale).
-  device_stats sum;
-  std::size_t asleep_sum = 0;
-  std::map<std::size_t, std::size_t> largest;
-  for (const auto& p : m.pools) {
-    detail::pool_table::assert_locked(*p);
-    detail::add_fields(sum, p->summary.part, +1);
-    asleep_sum += p->summary.asleep_active;
-    if (p->summary.largest != 0) ++largest[p->summary.largest];
-  }
-  bool handles_seen = false;
-  {
-    detail::lock_guard lock(m.ledger.mu);
-    if (!detail::same_fields(sum, m.ledger.totals) || asleep_sum != m.ledger.asleep_active ||
-        largest != m.ledger.largest) {
-      violated("the statistics ledger's totals are not the sum of the pools' summaries");
-    }
-    handles_seen = m.ledger.handles_seen == (m.pager ? m.pager->unmapped_page_handle_bytes() : 0);
-  }
-  // The relations of the field table (violated_stats_relation) on the statistics recounted now:
-  // every pool summarized again, composed with the device-wide figures as stats() composes them.
-  const bool all_stale = m.pools.all_stale();
-  device_stats now_sum;
-  std::size_t now_largest = 0;
-  std::size_t now_asleep = 0;
-  for (const auto& p : m.pools) {
-    detail::pool_table::assert_locked(*p);
-    const detail::pool_summary now = m.summarize(*p);
-    detail::add_fields(now_sum, now.part, +1);
-    now_largest = std::max(now_largest, now.largest);
-    now_asleep += now.asleep_active;
-    if (all_stale || p->stats_stale) continue;
-    if (!detail::same_fields(now.part, p->summary.part) ||
-        now.asleep_active != p->summary.asleep_active ||
-        (handles_seen && now.largest != p->summary.largest)) {
-      violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
-                           "marked stale",
-                           p->index));
-    }
-  }
-  const device_stats now = m.compose_stats_from(now_sum, now_largest, now_asleep,
-                                                /*all_locked=*/true, nullptr);
-  if (const std::string why = violated_stats_relation(now, m.cfg.expandable_segments);
-      !why.empty()) {
-    violated("statistics: " + why);
-  }
+  // The statistics ledger's own check (stats.cpp).
+  m.check_ledger();
 }
 
 }  // namespace cucache

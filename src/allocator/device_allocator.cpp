@@ -432,20 +432,20 @@ void device_allocator::impl::collect_garbage(std::size_t incoming) {
 namespace {
 /// An allocation that unlocks its pool midway (the ladder, garbage collection) and locks it again
 /// before going on, also when what it did meanwhile throws. Meanwhile the pool is not quiet, so
-/// the pool table never hands it to another stream (pool_table::begin_unlocked_allocation).
+/// the pool table never hands it to another stream (pool_retirement::unlocked_allocation_began).
 /// For the analysis, a scoped unlock: p.mu is not held while it lives.
 class SCOPED_CAPABILITY unlocked_midway {
  public:
   unlocked_midway(detail::pool_table& pools, stream_pool& p, detail::pool_lock& lk) RELEASE(p.mu)
       : pools_(pools), p_(p), lk_(lk) {
-    detail::pool_table::begin_unlocked_allocation(p_);
+    p_.retirement.unlocked_allocation_began();
     lk_.unlock(p.mu);
   }
   // Not analysed: it takes the lock again through a reference to the caller's scoped lock.
   ~unlocked_midway() RELEASE() NO_THREAD_SAFETY_ANALYSIS {
     if (!lk_.owns_lock()) lk_.lock();
     pools_.note_change(p_);  // the allocation goes on changing p
-    detail::pool_table::end_unlocked_allocation(p_);
+    p_.retirement.unlocked_allocation_ended();
   }
   unlocked_midway(const unlocked_midway&) = delete;
   unlocked_midway& operator=(const unlocked_midway&) = delete;
@@ -549,9 +549,8 @@ void device_allocator::impl::run_ladder(stream_pool& p, detail::pool_lock& lk,
 // --- expandable segments: ranges per pool, placement, the pager backs the pages ---------------
 
 segment* device_allocator::impl::add_range(stream_pool& p, pool_kind kind, std::size_t need) {
-  const int k = static_cast<int>(kind);
-  p.pages.ranges.reserve(p.pages.ranges.size() + 1);  // nothing can fail once reserved below
-  const std::size_t bytes = pager->next_range_bytes(kind, need, p.pages.range_bytes[k]);
+  pager->make_room_for_range(p);  // nothing can fail once added below
+  const std::size_t bytes = pager->next_range_bytes(kind, need, p.pages.range_bytes(kind));
   std::unique_ptr<vm_range> range = pager->reserve_range(kind, bytes);
   if (range == nullptr) return nullptr;
   segment* s = nullptr;
@@ -562,8 +561,7 @@ segment* device_allocator::impl::add_range(stream_pool& p, pool_kind kind, std::
     throw;
   }
   range.release();  // owned by the segment from here (drop_range or ~impl destroys it)
-  p.pages.ranges.push_back(s);
-  p.pages.range_bytes[k] += s->size;
+  pager->add_range(p, s);
   return s;
 }
 
@@ -582,10 +580,7 @@ void device_allocator::impl::drop_range(stream_pool& p, segment* s) noexcept {
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
   if (p.segments == s) p.segments = s->next;
-  auto& ranges = p.pages.ranges;
-  ranges.erase(std::find(ranges.begin(), ranges.end(), s));
-  p.pages.range_bytes[static_cast<int>(s->kind)] -= s->size;
-  pager->destroy_range(*s->vm);
+  pager->drop_range(p, s);
   delete s->vm;
   p.block_arena.recycle(s->first);
   p.segment_arena.recycle(s);
@@ -921,7 +916,7 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
   // then one in k_quiet_every, so that a loop of ordered pairs on one stream records one event
   // per k_quiet_every pairs (pool_retirement). A pool left unproven is retired by the device-wide
   // paths instead.
-  if (!detail::pool_table::quiet_record_due(p)) return;
+  if (!p.retirement.count_quiet_free()) return;
   if (!p.quiet() || graphs.any_capture() || sync_blocked()) return;
   // The legacy stream is never gone (its pool needs no retirement), and recording on it could
   // touch a capture of another thread; the per-thread handle names another stream per thread.
@@ -935,7 +930,7 @@ void device_allocator::impl::note_quiet(stream_pool& p) {
     const stream_identity who = raw->identify(p.stream);
     if (who.capture.state != capture_state::none || who.id != p.key) return;
     // No proof while the record is not done.
-    const event_handle e = detail::pool_table::begin_quiet_record(p, [&] { return events.take(); });
+    const event_handle e = p.retirement.begin_record([&] { return events.take(); });
     backend->event_record(e, p.stream);
   } catch (...) {
     return;  // no proof now; the pool is kept until a device-wide path retires it
@@ -955,7 +950,7 @@ void device_allocator::impl::retire_empty_pools() {
     if (p->domain != 0 && sleeper.asleep(p->domain)) continue;
     const bool retire = p->quiet() && p->holds_no_memory();
     if (cfg.expandable_segments && p->graph == nullptr) {
-      auto& ranges = p->pages.ranges;
+      const auto& ranges = p->pages.ranges;
       for (std::size_t i = ranges.size(); i-- > 0;) {
         segment* s = ranges[i];
         // Empty: one free block, no page mapped (so nothing on the idle list either).

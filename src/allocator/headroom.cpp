@@ -123,19 +123,12 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   if (limit != 0) avail = std::min(avail, limit - std::min(limit, reserved_now - reclaimable));
   const std::size_t cap_all = limit != 0 ? std::min(device_total, limit) : device_total;
   for (pool_kind kind : {pool_kind::small, pool_kind::large}) {
-    // The pages a request of `bytes` placed at `addr` of hole h needs; a new range's one block
+    // The pages a request of `bytes` placed at `addr` of hole h needs: those its carve touches
+    // anew, asked of the rule the carve (pager::touch) uses; a new range's one block
     // (h == nullptr) shares no page.
     auto needed = [&](const block* h, std::uintptr_t addr, std::size_t bytes) {
       if (h == nullptr) return detail::round_up(bytes, page_bytes);
-      const detail::vm_range& vm = *h->seg->vm;
-      const std::size_t first = vm.page_of(addr);
-      const std::size_t last = vm.page_of(addr + bytes - 1);
-      std::size_t pages = last - first + 1;
-      // A free hole's end pages are touched by another block only as that block's edge page (a
-      // page strictly inside a live block holds no part of a hole).
-      pages -= vm.edge(first) > 0;
-      if (last > first) pages -= vm.edge(last) > 0;
-      return pages * page_bytes;
+      return detail::pager::fresh_pages(*h->seg->vm, addr, bytes) * page_bytes;
     };
     std::vector<const block*> holes;
     for (const segment* range : own.pages.ranges) {

@@ -2,6 +2,10 @@
 #include "allocator/pager.hpp"
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "allocator/nvtx.hpp"
 #include "allocator/placement.hpp"
@@ -68,17 +72,16 @@ void pager::destroy_range(vm_range& r) noexcept {
   // Its idle runs leave their pool's list (the pool may outlive the range), its parked span the
   // pool.
   if (pool_pages* owner = r.idle_owner) {
-    if (owner->parked == &r) {
+    if (owner->parked() == &r) {
       const std::size_t bytes = (r.parked_end - r.parked_first) * page_bytes_;
-      owner->idle_bytes -= bytes;
-      owner->parked = nullptr;
+      owner->sub_idle_bytes(bytes);
+      owner->set_parked(nullptr);
       r.parked_first = r.parked_end = 0;
     }
     for (auto& [first, u] : r.idle_runs) {
-      (u->newer != nullptr ? u->newer->older : owner->idle_head) = u->older;
-      (u->older != nullptr ? u->older->newer : owner->idle_tail) = u->newer;
-      owner->idle_bytes -= u->pages() * page_bytes_;
-      owner->runs.recycle(u);
+      owner->unlink(u);
+      owner->sub_idle_bytes(u->pages() * page_bytes_);
+      owner->recycle_run(u);
     }
     r.idle_runs.clear();
   }
@@ -106,15 +109,14 @@ void pager::destroy_range(vm_range& r) noexcept {
 CUCACHE_HOT void pager::add_idle_bytes(stream_pool& p, std::size_t pages, bool add) noexcept {
   const std::size_t bytes = pages * page_bytes_;
   if (add) {
-    p.pages.idle_bytes += bytes;
+    p.pages.add_idle_bytes(bytes);
   } else {
-    p.pages.idle_bytes -= bytes;
+    p.pages.sub_idle_bytes(bytes);
   }
 }
 
 void pager::list_unlink(stream_pool& p, idle_run* u) noexcept {
-  (u->newer != nullptr ? u->newer->older : p.pages.idle_head) = u->older;
-  (u->older != nullptr ? u->older->newer : p.pages.idle_tail) = u->newer;
+  p.pages.unlink(u);
   u->newer = u->older = nullptr;
 }
 
@@ -128,51 +130,49 @@ void pager::idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t
 CUCACHE_HOT void pager::park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) {
   // REQUIRES: as idle_add.
   const std::uint64_t epoch = syncs_started_.load(std::memory_order_seq_cst);
-  if (p.pages.parked == &r && r.parked_end == first && r.parked_epoch == epoch) {
+  if (p.pages.parked() == &r && r.parked_end == first && r.parked_epoch == epoch) {
     r.parked_end = end;  // continues the parked span, as idle_add joins the head run
     add_idle_bytes(p, end - first, true);
     return;
   }
-  if (p.pages.parked != nullptr) unpark(p);
+  if (p.pages.parked() != nullptr) unpark(p);
   r.idle_owner = &p.pages;
   r.parked_first = first;
   r.parked_end = end;
   r.parked_epoch = epoch;
-  p.pages.parked = &r;
+  p.pages.set_parked(&r);
   add_idle_bytes(p, end - first, true);
 }
 
 void pager::unpark(stream_pool& p) {
-  vm_range* r = p.pages.parked;
+  vm_range* r = p.pages.parked();
   if (r == nullptr) [[likely]]
     return;
   link_run(p, *r, r->parked_first, r->parked_end, r->parked_epoch);  // may throw: nothing changed
   r->parked_first = r->parked_end = 0;
-  p.pages.parked = nullptr;
+  p.pages.set_parked(nullptr);
 }
 
 void pager::link_run(stream_pool& p, vm_range& r, std::size_t first, std::size_t end,
                      std::uint64_t epoch) {
   r.idle_owner = &p.pages;
-  idle_run* h = p.pages.idle_head;
+  idle_run* h = p.pages.idle_head();
   if (h != nullptr && h->range == &r && h->end == first && h->epoch == epoch) {
     h->end = end;  // the head's pages went idle just before, in address order: one run
     return;
   }
-  idle_run* u = p.pages.runs.make();
+  idle_run* u = p.pages.make_run();
   u->first = first;
   try {
     r.insert_idle_run(u);
   } catch (...) {
-    p.pages.runs.recycle(u);
+    p.pages.recycle_run(u);
     throw;
   }
   u->range = &r;
   u->end = end;
   u->epoch = epoch;
-  u->older = h;
-  (h != nullptr ? h->newer : p.pages.idle_tail) = u;
-  p.pages.idle_head = u;
+  p.pages.push_newest(u);
 }
 
 CUCACHE_HOT void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first,
@@ -195,7 +195,7 @@ CUCACHE_HOT bool pager::take_parked(stream_pool& p, vm_range& r, std::size_t fir
     r.parked_first = last + 1;
     if (r.parked_first == r.parked_end) {
       r.parked_first = r.parked_end = 0;
-      p.pages.parked = nullptr;
+      p.pages.set_parked(nullptr);
     }
     return true;
   }
@@ -213,7 +213,7 @@ void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::siz
     unpark(p);  // a split of the span, or pages beyond it: the runs' general path
   }
   auto it = r.idle_runs.end();
-  if (const idle_run* h = p.pages.idle_head;
+  if (const idle_run* h = p.pages.idle_head();
       h != nullptr && h->range == &r && h->first <= first && h->end > last) {
     it = h->pos;  // the most recently idle run holds the span (a loop's carve): the only one
   } else {
@@ -225,21 +225,18 @@ void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::siz
     if (u->first < first && u->end > last + 1) {
       // [first, last] inside u: u keeps its lower part, a run of the upper part goes just newer
       // than it (the upper pages went idle after the lower ones, before every newer run's).
-      idle_run* hi = p.pages.runs.make();
+      idle_run* hi = p.pages.make_run();
       hi->first = last + 1;
       try {
         r.insert_idle_run(hi);
       } catch (...) {
-        p.pages.runs.recycle(hi);
+        p.pages.recycle_run(hi);
         throw;
       }
       hi->range = &r;
       hi->end = u->end;
       hi->epoch = u->epoch;
-      hi->older = u;
-      hi->newer = u->newer;
-      (u->newer != nullptr ? u->newer->older : p.pages.idle_head) = hi;
-      u->newer = hi;
+      p.pages.insert_newer(u, hi);
       u->end = first;
       add_idle_bytes(p, last + 1 - first, false);
       return;
@@ -259,7 +256,7 @@ void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::siz
     add_idle_bytes(p, u->pages(), false);  // all of u
     list_unlink(p, u);
     it = r.erase_idle_run(it);
-    p.pages.runs.recycle(u);
+    p.pages.recycle_run(u);
   }
 }
 
@@ -282,10 +279,10 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
       last_use = r.edge(last);
       r.edge_use.set(last, last_use + 1);
     }
-    // An edge page with a nonzero count was touched already (not idle); b has no page strictly
-    // inside it when last <= first + 1: then, with both edges touched, nothing leaves the idle
-    // runs (a small block carved beside live ones: no lookup).
-    if (last <= first + 1 && first_use != 0 && last_use != 0) return;
+    // An edge page with a nonzero count was touched already (not idle): when b touches no page
+    // anew (fresh_pages: a block of one or two pages with both edges touched), nothing leaves
+    // the idle runs (a small block carved beside live ones: no lookup).
+    if (fresh_pages(first, last, first_use != 0, last_use != 0) == 0) return;
     if (take_parked(p, r, first, last)) [[likely]]
       return;
     idle_remove(p, r, first, last);
@@ -387,7 +384,7 @@ void pager::keep_or_release(const piece& pc) {
 }
 
 std::optional<pager::idle_page> pager::oldest_unmappable(const stream_pool& q) const {
-  for (const idle_run* u = q.pages.idle_tail; u != nullptr; u = u->newer) {
+  for (const idle_run* u = q.pages.idle_tail(); u != nullptr; u = u->newer) {
     for (std::size_t pg = u->first; pg < u->end;) {
       const page_span m = u->range->mapping_of(pg);
       if (m.pages() == 1 || u->range->all_idle(m)) return idle_page{u->range, pg};
@@ -398,7 +395,7 @@ std::optional<pager::idle_page> pager::oldest_unmappable(const stream_pool& q) c
 }
 
 std::optional<pager::idle_page> pager::newest_unmappable(const stream_pool& q) const {
-  for (const idle_run* u = q.pages.idle_head; u != nullptr; u = u->older) {
+  for (const idle_run* u = q.pages.idle_head(); u != nullptr; u = u->older) {
     for (std::size_t pg = u->end; pg > u->first;) {
       const page_span m = u->range->mapping_of(pg - 1);
       if (m.pages() == 1 || u->range->all_idle(m)) return idle_page{u->range, pg - 1};
@@ -929,6 +926,89 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     best = r;
   }
   return best;
+}
+
+// --- invariants ----------------------------------------------------------------------------------
+
+void pager::check_invariants(const stream_pool& p) const {
+  const auto violated = [](const std::string& what) {
+    throw std::logic_error("cucache invariant violated: " + what);
+  };
+  const pool_pages& pp = p.pages;
+  // The range list: exactly the pool's segments that own a vm_range, each once, their sizes
+  // summed per kind.
+  std::size_t range_bytes[2] = {0, 0};
+  std::size_t ranges_seen = 0;
+  for (const segment* s = p.segments; s != nullptr; s = s->next) {
+    if (s->vm == nullptr) continue;
+    ++ranges_seen;
+    range_bytes[static_cast<int>(s->kind)] += s->size;
+    if (std::count(pp.ranges.begin(), pp.ranges.end(), s) != 1) {
+      violated(fmt::format("pool {}: range {:#x} is not listed once in its pool's ranges", p.index,
+                           s->base));
+    }
+  }
+  const std::size_t listed_bytes[2] = {pp.range_bytes(static_cast<pool_kind>(0)),
+                                       pp.range_bytes(static_cast<pool_kind>(1))};
+  if (ranges_seen != pp.ranges.size() || range_bytes[0] != listed_bytes[0] ||
+      range_bytes[1] != listed_bytes[1]) {
+    violated(fmt::format("pool {}: {} ranges of {} + {} bytes listed as {} of {} + {} bytes",
+                         p.index, ranges_seen, range_bytes[0], range_bytes[1], pp.ranges.size(),
+                         listed_bytes[0], listed_bytes[1]));
+  }
+  // The idle runs and parked pages the ranges' tables hold (each range's own table is checked
+  // with its pages: check_invariants.cpp).
+  std::size_t runs_seen = 0;
+  std::size_t pages_seen = 0;
+  for (const segment* s : pp.ranges) {
+    const vm_range& r = *s->vm;
+    runs_seen += r.idle_runs.size();
+    for (const auto& [first, u] : r.idle_runs) pages_seen += u->pages();
+    pages_seen += r.parked_end - r.parked_first;
+  }
+  // The idle list: every idle run of the pool's ranges once, linked both ways, epochs never
+  // rising toward the tail (the least recently idle page needs a synchronization only if every
+  // idle page does).
+  std::size_t listed = 0;
+  std::size_t listed_pages = 0;
+  const idle_run* last = nullptr;
+  for (const idle_run* u = pp.idle_head(); u != nullptr; u = u->older) {
+    if (u->newer != last) violated(fmt::format("pool {}: idle list links are inconsistent", p.index));
+    if (last != nullptr && u->epoch > last->epoch) {
+      violated(fmt::format("pool {}: an older idle run has a later epoch", p.index));
+    }
+    auto it = u->range->idle_runs.find(u->first);
+    if (it == u->range->idle_runs.end() || it->second != u || u->range->idle_owner != &pp) {
+      violated(fmt::format("pool {}: a listed idle run is not in its range's table", p.index));
+    }
+    last = u;
+    ++listed;
+    listed_pages += u->pages();
+    if (listed > runs_seen) break;  // a cycle, or runs of another pool
+  }
+  if (last != pp.idle_tail()) {
+    violated(fmt::format("pool {}: idle list tail is not its last run", p.index));
+  }
+  // The parked span went idle after every listed run.
+  std::size_t parked_pages = 0;
+  if (const vm_range* pr = pp.parked()) {
+    parked_pages = pr->parked_end - pr->parked_first;
+    const bool own = std::any_of(pp.ranges.begin(), pp.ranges.end(),
+                                 [&](const segment* s) { return s != nullptr && s->vm == pr; });
+    if (!own) violated(fmt::format("pool {}: parked span in a range not its own", p.index));
+    if (pp.idle_head() != nullptr && pp.idle_head()->epoch > pr->parked_epoch) {
+      violated(fmt::format("pool {}: the parked span has an earlier epoch than the idle list's "
+                           "head",
+                           p.index));
+    }
+  }
+  if (listed != runs_seen || listed_pages + parked_pages != pages_seen ||
+      (listed_pages + parked_pages) * page_bytes_ != pp.idle_bytes()) {
+    violated(fmt::format("pool {}: idle list holds {} runs / {} pages, page tables show {} runs / "
+                         "{} pages, pool says {} bytes ({} pages parked)",
+                         p.index, listed, listed_pages, runs_seen, pages_seen, pp.idle_bytes(),
+                         parked_pages));
+  }
 }
 
 }  // namespace cucache::detail

@@ -142,6 +142,30 @@ class pager {
   /// Unmaps and releases every mapping of r, takes its idle runs off their pool's idle list and
   /// frees its virtual range. Never throws.
   void destroy_range(vm_range& r) noexcept;
+
+  // --- a pool's ranges (pool_pages: changed only through these and the pager's own steps) ---
+  /// Room in p's range list for one more range, so that add_range cannot fail. May throw.
+  void make_room_for_range(stream_pool& p) REQUIRES(p.mu) { p.pages.reserve_range(); }
+  /// s, a segment of p that owns a vm_range, joins p's ranges. REQUIRES: make_room_for_range
+  /// since p's last add_range.
+  void add_range(stream_pool& p, segment* s) noexcept REQUIRES(p.mu) { p.pages.add_range(s); }
+  /// s leaves p's ranges, and its vm_range is destroyed (destroy_range; the caller deletes the
+  /// object). Never throws.
+  void drop_range(stream_pool& p, segment* s) noexcept REQUIRES(p.mu) {
+    p.pages.remove_range(s);
+    destroy_range(*s->vm);
+  }
+  /// s leaves p's ranges; its vm_range is left as it is (a caller that owns it otherwise).
+  void forget_range(stream_pool& p, const segment* s) noexcept REQUIRES(p.mu) {
+    p.pages.remove_range(s);
+  }
+  /// The pool's pages agree with its segments and page tables: its range list is exactly its
+  /// segments that own a vm_range, each once, their sizes summed per kind; its idle list holds
+  /// every idle run of its ranges once, linked both ways, in its ranges' tables, epochs never
+  /// rising toward the tail; the parked span is in a range of its own and went idle after the
+  /// list's head; idle_bytes counts the listed and parked pages. Throws std::logic_error naming
+  /// the first violation (check_invariants composes it).
+  void check_invariants(const stream_pool& p) const REQUIRES(p.mu);
   /// The address space every range of the device spans now.
   [[nodiscard]] std::size_t reserved_address_bytes() const noexcept {
     return address_bytes_.load(std::memory_order_relaxed);
@@ -159,6 +183,24 @@ class pager {
   /// wait_until_unmappable); when it cannot (gate closed, a failed call), the chunk stays,
   /// straddled. Throws nothing that a VM call raised.
   void touch(stream_pool& p, const block* b, int delta) REQUIRES(p.mu);
+  /// The pages [first, last] of a span carved from a free block that the carve touches anew: all
+  /// of them but an edge page that another block touches already (`first_touched`,
+  /// `last_touched`: its edge count is nonzero; a page strictly inside a free block's span is
+  /// touched by no block). touch() asks it whether a carve may leave the idle runs alone (0 new
+  /// pages), and headroom (max_allocatable) counts with it what a request placed in a hole needs.
+  [[nodiscard]] static constexpr std::size_t fresh_pages(std::size_t first, std::size_t last,
+                                                         bool first_touched,
+                                                         bool last_touched) noexcept {
+    return last - first + 1 - (first_touched ? 1 : 0) - (last > first && last_touched ? 1 : 0);
+  }
+  /// fresh_pages of a request of `bytes` at `addr`, inside a free block of r, as a carve of it
+  /// would find them now.
+  [[nodiscard]] static std::size_t fresh_pages(const vm_range& r, std::uintptr_t addr,
+                                               std::size_t bytes) noexcept {
+    const std::size_t first = r.page_of(addr);
+    const std::size_t last = r.page_of(addr + bytes - 1);
+    return fresh_pages(first, last, r.edge(first) != 0, r.edge(last) != 0);
+  }
 
   /// Maps every page carved block b touches -- while memory is plentiful, runs of new pages that b
   /// covers whole in chunks of up to max_chunk_pages pages, else each page with a handle of its
@@ -200,7 +242,7 @@ class pager {
   [[nodiscard]] std::size_t idle_bytes_of_every_pool_locked() const noexcept
       NO_THREAD_SAFETY_ANALYSIS {
     std::size_t n = 0;
-    for (const auto& q : pools_) n += q->pages.idle_bytes;
+    for (const auto& q : pools_) n += q->pages.idle_bytes();
     return n;
   }
   /// The same, under the list lock taken here. The caller holds no pool lock nor the list lock.

@@ -1,8 +1,11 @@
 // pool_pages: the pager's state for one stream_pool in expandable mode -- its virtual ranges,
 // its idle list and its storage. One member of the pool (stream_pool::pages), under the pool's
-// mutex; only the pager and the allocator's placement of blocks in the ranges touch it.
+// mutex. Its state is private: the pager (pager.hpp/.cpp) changes it through the steps below,
+// each of which keeps the list whole (its range list and byte counts agree; the idle list is
+// linked both ways); everyone else reads it (pager::check_invariants checks it).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <vector>
@@ -33,26 +36,84 @@ class owned_bytes {
   std::atomic<std::size_t> v_{0};
 };
 
-struct pool_pages {
-  /// The pool's virtual ranges, both kinds, oldest first: each the segment that owns its vm_range,
-  /// also linked in the pool's segment list. A range is added when no free block of the pool's
-  /// ranges of its kind holds a request (pager::next_range_bytes sizes it) and given back when it
-  /// is empty (impl::retire_empty_ranges).
-  std::vector<segment*> ranges;
-  /// The address space those ranges span, per pool kind.
-  std::size_t range_bytes[2] = {0, 0};
+class pool_pages {
+ public:
+  pool_pages() = default;
+  pool_pages(const pool_pages&) = delete;
+  pool_pages& operator=(const pool_pages&) = delete;
+
+  // --- reads ----------------------------------------------------------------------------------
+  /// The pool's virtual ranges, both kinds, oldest first: each the segment that owns its
+  /// vm_range, also linked in the pool's segment list. A range is added when no free block of the
+  /// pool's ranges of its kind holds a request (pager::next_range_bytes sizes it; pager::
+  /// add_range) and given back when it is empty (pager::drop_range). A const view, for walks
+  /// (sleep.cpp's among them).
+  const std::vector<segment*>& ranges = ranges_;
+  /// The address space those ranges span, of pool kind k.
+  [[nodiscard]] std::size_t range_bytes(pool_kind k) const noexcept {
+    return range_bytes_[static_cast<int>(k)];
+  }
   /// The idle runs of this pool's ranges, most recently idle first: the order in which their
   /// pages went idle (within a run, lower pages first), kept when a carve splits a run.
-  idle_run* idle_head = nullptr;
-  idle_run* idle_tail = nullptr;  // least recently idle
+  [[nodiscard]] idle_run* idle_head() const noexcept { return idle_head_; }
+  [[nodiscard]] idle_run* idle_tail() const noexcept { return idle_tail_; }  // least recently idle
   /// Bytes of the pages of the idle runs and the parked span. Written under the pool's mutex;
   /// read without it by idle_bytes_of_every_pool (reserve, max_allocatable).
-  owned_bytes idle_bytes;
+  [[nodiscard]] std::size_t idle_bytes() const noexcept { return idle_bytes_; }
   /// The range holding the pool's parked span (vm_range::parked_first), or nullptr: the most
   /// recently idle pages, not linked in the idle list until something else needs the list.
-  vm_range* parked = nullptr;
-  [[nodiscard]] bool has_idle() const noexcept { return idle_head != nullptr || parked != nullptr; }
-  object_arena<idle_run> runs;    // storage of this pool's idle runs
+  [[nodiscard]] vm_range* parked() const noexcept { return parked_; }
+  [[nodiscard]] bool has_idle() const noexcept {
+    return idle_head_ != nullptr || parked_ != nullptr;
+  }
+
+  // --- the pager's steps ----------------------------------------------------------------------
+  /// Room for one more range, so that add_range cannot fail. May throw.
+  void reserve_range() { ranges_.reserve(ranges_.size() + 1); }
+  /// s (a segment owning a vm_range) joins the ranges. REQUIRES: reserve_range since the last add.
+  void add_range(segment* s) noexcept {
+    ranges_.push_back(s);
+    range_bytes_[static_cast<int>(s->kind)] += s->size;
+  }
+  /// s leaves the ranges. REQUIRES: s listed.
+  void remove_range(const segment* s) noexcept {
+    ranges_.erase(std::find(ranges_.begin(), ranges_.end(), s));
+    range_bytes_[static_cast<int>(s->kind)] -= s->size;
+  }
+  void add_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ += bytes; }
+  void sub_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ -= bytes; }
+  void set_parked(vm_range* r) noexcept { parked_ = r; }
+  /// u leaves the idle list (its own links are left as they were).
+  void unlink(idle_run* u) noexcept {
+    (u->newer != nullptr ? u->newer->older : idle_head_) = u->older;
+    (u->older != nullptr ? u->older->newer : idle_tail_) = u->newer;
+  }
+  /// u becomes the most recently idle run.
+  void push_newest(idle_run* u) noexcept {
+    idle_run* h = idle_head_;
+    u->older = h;
+    (h != nullptr ? h->newer : idle_tail_) = u;
+    idle_head_ = u;
+  }
+  /// hi joins the list just newer than u.
+  void insert_newer(idle_run* u, idle_run* hi) noexcept {
+    hi->older = u;
+    hi->newer = u->newer;
+    (u->newer != nullptr ? u->newer->older : idle_head_) = hi;
+    u->newer = hi;
+  }
+  /// Storage of this pool's idle runs.
+  idle_run* make_run() { return runs_.make(); }
+  void recycle_run(idle_run* u) noexcept { runs_.recycle(u); }
+
+ private:
+  std::vector<segment*> ranges_;
+  std::size_t range_bytes_[2] = {0, 0};
+  idle_run* idle_head_ = nullptr;
+  idle_run* idle_tail_ = nullptr;
+  owned_bytes idle_bytes_;
+  vm_range* parked_ = nullptr;
+  object_arena<idle_run> runs_;
 };
 
 }  // namespace cucache::detail

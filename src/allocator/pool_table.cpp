@@ -191,47 +191,4 @@ void pool_table::all_locked::unlock() {
   held_ = false;
 }
 
-void pool_table::mark_all_stale() const noexcept {
-  detail::lock_guard lock(stale_mu_);
-  all_stale_.store(true, std::memory_order_relaxed);  // read under stale_mu_ by take_stale
-  ++changes_;
-}
-
-bool pool_table::changed_since(std::uint64_t changes) const {
-  detail::lock_guard lock(stale_mu_);
-  return changes_ != changes;
-}
-
-void pool_table::queue_stale(stream_pool& p) noexcept {
-  // REQUIRES: p.stats_stale false. Queue membership is stale_queued's, under
-  // stale_mu_, apart from stats_stale (p.mu): a refresh that walks every pool clears stats_stale
-  // of pools still queued.
-  p.stats_stale = true;
-  detail::lock_guard lock(stale_mu_);
-  ++changes_;  // before the change itself (the caller holds p.mu): a validated read sees it
-  if (p.stale_queued) return;
-  p.stale_queued = true;
-  p.next_stale = stale_head_;
-  stale_head_ = &p;
-}
-
-pool_table::stale_pools pool_table::take_stale() const {
-  stale_pools out;
-  detail::lock_guard lock(stale_mu_);
-  std::size_t n = 0;
-  for (const stream_pool* p = stale_head_; p != nullptr; p = p->next_stale) ++n;
-  out.pools.reserve(n);  // may throw: nothing taken yet
-  for (stream_pool* p = stale_head_; p != nullptr;) {
-    stream_pool* next = p->next_stale;
-    p->next_stale = nullptr;
-    p->stale_queued = false;
-    out.pools.push_back(p);
-    p = next;
-  }
-  stale_head_ = nullptr;
-  out.all = all_stale_.exchange(false, std::memory_order_relaxed);
-  out.changes = changes_;
-  return out;
-}
-
 }  // namespace cucache::detail

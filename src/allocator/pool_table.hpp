@@ -149,63 +149,44 @@ class pool_table {
   /// locks a pool to change it calls this (lock_pool_for, the free, a graph pool's part, the
   /// pager's try_lock of a peer, a re-lock after unlocked_midway; lock_all marks every pool).
   CUCACHE_HOT void note_change(stream_pool& p) noexcept REQUIRES(p.mu) {
-    if (!p.stats_stale) [[unlikely]]
-      queue_stale(p);
+    if (!p.ledger.stale()) [[unlikely]]
+      stale_.mark(p);
   }
   /// The pools queued as stale since the last call (each once), and whether lock_all marked
   /// every pool stale meanwhile. A pool summarized again by someone else since it was queued is
   /// still listed (summarizing it once more is harmless). `changes`: the count of marks
   /// (changed_since) when the queue was taken.
-  struct stale_pools {
-    std::vector<stream_pool*> pools;
-    bool all = false;
-    std::uint64_t changes = 0;
-  };
-  [[nodiscard]] stale_pools take_stale() const;
+  using stale_pools = pool_ledger::stale_queue::taken;
+  [[nodiscard]] stale_pools take_stale() const { return stale_.take(); }
   /// lock_all ran since the last take_stale (every summary may be stale).
-  [[nodiscard]] bool all_stale() const noexcept {
-    return all_stale_.load(std::memory_order_relaxed);
-  }
+  [[nodiscard]] bool all_stale() const noexcept { return stale_.all_marked(); }
   /// Whether a pool was marked stale (queue_stale: a pool whose summary was current was locked
   /// for a change) or lock_all ran since take_stale returned `changes`. The count is kept under
   /// the queue's own lock, on the paths that take it already: nothing is added to a cache hit,
   /// whose pool is stale already (docs/design.md, "Statistics under concurrent readers").
-  [[nodiscard]] bool changed_since(std::uint64_t changes) const;
+  [[nodiscard]] bool changed_since(std::uint64_t changes) const {
+    return stale_.changed_since(changes);
+  }
   /// Marks every pool stale, as lock_all does: for a refresh that failed part way (the pools it
   /// had taken from the queue must not be forgotten).
-  void mark_all_stale() const noexcept;
+  void mark_all_stale() const noexcept { stale_.mark_all(); }
 
   // --- retirement ------------------------------------------------------------------------------
+  // A pool's own retirement state (stream_pool::retirement, pool_retirement) is stepped by the
+  // allocator directly under the pool's mutex (count_quiet_free, begin_record,
+  // unlocked_allocation_began/ended); the table's steps are those that reach its queues and
+  // adoption: queue_quiet, quiet_recorded, pool_for_key.
   /// Where quiet events are queried (the capture-safe backend); set once by the allocator before
   /// any pool is queued. Without it only pools that hold no device memory are retired.
   void set_event_backend(device_backend* events) noexcept { events_ = events; }
   /// Queues p (once) as a candidate for retirement: it went quiet with a quiet event recorded,
   /// or holds no device memory. Never throws (a pool not queued is only kept longer).
   void queue_quiet(stream_pool& p) noexcept REQUIRES(p.mu);
-  /// An ordered free on p's stream left p quiet: counted; whether a quiet event is due for it
-  /// (pool_retirement::count_quiet_free's rate).
-  static bool quiet_record_due(stream_pool& p) noexcept REQUIRES(p.mu) {
-    return p.retirement.count_quiet_free();
-  }
-  /// p's quiet event (taken with take() the first time), for the caller to record on p's stream;
-  /// p has no proof until quiet_recorded.
-  template <class Take>
-  static event_handle begin_quiet_record(stream_pool& p, Take&& take) REQUIRES(p.mu) {
-    return p.retirement.begin_record(std::forward<Take>(take));
-  }
   /// p's quiet event was recorded with p quiet: proof once it completes while p's tick stays,
   /// and p is queued as a candidate.
   void quiet_recorded(stream_pool& p) noexcept REQUIRES(p.mu) {
     p.retirement.recorded(p.tick);
     queue_quiet(p);
-  }
-  /// An allocation on p unlocks it midway and will lock it again to go on (unlocked_midway):
-  /// until it ends, p is not quiet, so it keeps its stream.
-  static void begin_unlocked_allocation(stream_pool& p) noexcept REQUIRES(p.mu) {
-    p.retirement.unlocked_allocation_began();
-  }
-  static void end_unlocked_allocation(stream_pool& p) noexcept REQUIRES(p.mu) {
-    p.retirement.unlocked_allocation_ended();
   }
   /// Candidates looked at per new pool in each queue (each: one try_lock, at most one event
   /// query).
@@ -285,11 +266,8 @@ class pool_table {
   std::deque<stream_pool*> quiet_ GUARDED_BY(quiet_mu_);
   std::deque<stream_pool*> empty_ GUARDED_BY(quiet_mu_);
   std::atomic<std::uint64_t> adoptions_{0};
-  void queue_stale(stream_pool& p) noexcept REQUIRES(p.mu);
-  mutable mutex stale_mu_;  // a leaf
-  mutable stream_pool* stale_head_ GUARDED_BY(stale_mu_) = nullptr;
-  mutable std::atomic<bool> all_stale_{false};  // lock_all ran since the last take_stale
-  mutable std::uint64_t changes_ GUARDED_BY(stale_mu_) = 0;  // marks and lock_alls, ever
+  // The ledger's queue of stale pools (stats_ledger.hpp; its steps in stats.cpp).
+  mutable pool_ledger::stale_queue stale_;
 };
 
 }  // namespace cucache::detail

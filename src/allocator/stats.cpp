@@ -2,8 +2,10 @@
 // blocks can tell (inactive split blocks, free blocks) and the largest request cached memory
 // serves.
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,63 @@ using cucache::detail::pool_kind;
 using cucache::detail::stream_pool;
 
 namespace cucache {
+namespace detail {
+
+// --- the pools' part of the ledger (stats_ledger.hpp) --------------------------------------------
+
+void pool_ledger::settle(stats_ledger& ledger, pool_summary now) {
+  {
+    lock_guard lock(ledger.mu);
+    ledger.replace(summary_, now);
+  }
+  summary_ = std::move(now);
+  stale_ = false;
+}
+
+void pool_ledger::stale_queue::mark(stream_pool& p) noexcept {
+  // Queue membership is queued_'s, under mu_, apart from stale_ (p.mu): a refresh that walks
+  // every pool clears stale_ of pools still queued.
+  p.ledger.stale_ = true;
+  lock_guard lock(mu_);
+  ++changes_;  // before the change itself (the caller holds p.mu): a validated read sees it
+  if (p.ledger.queued_) return;
+  p.ledger.queued_ = true;
+  p.ledger.next_ = head_;
+  head_ = &p;
+}
+
+void pool_ledger::stale_queue::mark_all() noexcept {
+  lock_guard lock(mu_);
+  all_.store(true, std::memory_order_relaxed);  // read under mu_ by take
+  ++changes_;
+}
+
+bool pool_ledger::stale_queue::changed_since(std::uint64_t changes) const {
+  lock_guard lock(mu_);
+  return changes_ != changes;
+}
+
+pool_ledger::stale_queue::taken pool_ledger::stale_queue::take() {
+  taken out;
+  lock_guard lock(mu_);
+  std::size_t n = 0;
+  for (const stream_pool* p = head_; p != nullptr; p = p->ledger.next_) ++n;
+  out.pools.reserve(n);  // may throw: nothing taken yet
+  for (stream_pool* p = head_; p != nullptr;) {
+    stream_pool* next = p->ledger.next_;
+    p->ledger.next_ = nullptr;
+    p->ledger.queued_ = false;
+    out.pools.push_back(p);
+    p = next;
+  }
+  head_ = nullptr;
+  out.all = all_.exchange(false, std::memory_order_relaxed);
+  out.changes = changes_;
+  return out;
+}
+
+}  // namespace detail
+
 namespace {
 
 /// A pool's counters as a stat_array (its share; the ledger sums the shares -- device-wide peaks
@@ -71,13 +130,7 @@ detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) con
 }
 
 void device_allocator::impl::resummarize(stream_pool& p) const {
-  detail::pool_summary now = summarize(p);
-  {
-    detail::lock_guard lock(ledger.mu);
-    ledger.replace(p.summary, now);
-  }
-  p.summary = std::move(now);
-  p.stats_stale = false;
+  p.ledger.settle(ledger, summarize(p));
 }
 
 std::uint64_t device_allocator::impl::refresh_stats(bool all_locked, std::size_t handles) const {
@@ -413,6 +466,61 @@ void device_allocator::reset_accumulated_stats() {
   }
   impl_->budget.reset_counters();
   if (impl_->pager) impl_->pager->counters.reset();
+}
+
+void device_allocator::impl::check_ledger() const {
+  const auto violated = [](const std::string& what) {
+    throw std::logic_error("cucache invariant violated: " + what);
+  };
+  // The statistics ledger (stats_ledger.hpp): its totals are the sum of the pools' summaries, and
+  // a pool not marked stale holds the summary it would get now -- its largest request only while
+  // the unmapped one-page handles are those the ledger last saw -- unless lock_all ran since the
+  // last refresh (every pool then counts as stale).
+  device_stats sum;
+  std::size_t asleep_sum = 0;
+  std::map<std::size_t, std::size_t> largest;
+  for (const auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
+    detail::add_fields(sum, p->ledger.summary().part, +1);
+    asleep_sum += p->ledger.summary().asleep_active;
+    if (p->ledger.summary().largest != 0) ++largest[p->ledger.summary().largest];
+  }
+  bool handles_seen = false;
+  {
+    detail::lock_guard lock(ledger.mu);
+    if (!detail::same_fields(sum, ledger.totals) || asleep_sum != ledger.asleep_active ||
+        largest != ledger.largest) {
+      violated("the statistics ledger's totals are not the sum of the pools' summaries");
+    }
+    handles_seen = ledger.handles_seen == (pager ? pager->unmapped_page_handle_bytes() : 0);
+  }
+  // The relations of the field table (violated_stats_relation) on the statistics recounted now:
+  // every pool summarized again, composed with the device-wide figures as stats() composes them.
+  const bool all_stale = pools.all_stale();
+  device_stats now_sum;
+  std::size_t now_largest = 0;
+  std::size_t now_asleep = 0;
+  for (const auto& p : pools) {
+    detail::pool_table::assert_locked(*p);
+    const detail::pool_summary now = summarize(*p);
+    detail::add_fields(now_sum, now.part, +1);
+    now_largest = std::max(now_largest, now.largest);
+    now_asleep += now.asleep_active;
+    if (all_stale || p->ledger.stale()) continue;
+    if (!detail::same_fields(now.part, p->ledger.summary().part) ||
+        now.asleep_active != p->ledger.summary().asleep_active ||
+        (handles_seen && now.largest != p->ledger.summary().largest)) {
+      violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
+                           "marked stale",
+                           p->index));
+    }
+  }
+  const device_stats now = compose_stats_from(now_sum, now_largest, now_asleep,
+                                                /*all_locked=*/true, nullptr);
+  if (const std::string why = violated_stats_relation(now, cfg.expandable_segments);
+      !why.empty()) {
+    violated("statistics: " + why);
+  }
 }
 
 }  // namespace cucache

@@ -6,7 +6,7 @@
 // table (its stat arrays and counters; device-wide counters stay 0 in it) and, apart, the largest
 // request its cached memory serves. The ledger's totals are, at every moment its mutex is free, the
 // field-wise sum of the summaries the pools hold, and `largest` counts their largest requests.
-// A pool is marked stale (stream_pool::stats_stale, queued once in the pool table) whenever it is
+// A pool is marked stale (pool_ledger::stale, queued once in the stale queue) whenever it is
 // locked for a change; its summary is only taken again while stale. So a summary of a pool not
 // stale equals what summarizing it now would give -- except the largest request of an expandable
 // pool, which also depends on the device-wide count of unmapped one-page handles: summaries are
@@ -15,17 +15,26 @@
 // Locking: `mu` guards totals, largest and handles_seen, and is taken inside a pool's mutex (a
 // summary is replaced under both) and never around one, so stats_locked, called with every pool
 // locked, keeps the pool-table lock order.
+//
+// Ownership. A pool's part of the ledger -- its summary, its stale flag and its link in the stale
+// queue -- is its pool_ledger (stream_pool::ledger): private, read through stale() and summary(),
+// changed only by pool_ledger::settle (a new summary into the totals, under both mutexes) and by
+// the stale queue (pool_ledger::stale_queue, a member of the pool table: every path that locks a
+// pool to change it marks it there). The queue's steps are in stats.cpp.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "backend/thread_annotations.hpp"
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {
+class stream_pool;
 
 /// One pool's share of the device-wide statistics (impl::summarize).
 struct pool_summary {
@@ -75,6 +84,57 @@ inline bool same_fields(const device_stats& a, const device_stats& b) noexcept {
 #undef CUCACHE_LEDGER_COUNTER
   return same;
 }
+
+class stats_ledger;
+
+/// A pool's part of the ledger (stream_pool::ledger). The summary and the stale flag are under the
+/// pool's mutex; the queue link (queued_, next_) under the stale queue's mutex.
+class pool_ledger {
+ public:
+  /// Locked for a change since its summary was taken: queued in the stale queue for the ledger.
+  [[nodiscard]] bool stale() const noexcept { return stale_; }
+  /// The pool's share of the device-wide statistics, as last summarized.
+  [[nodiscard]] const pool_summary& summary() const noexcept { return summary_; }
+  /// The pool summarized again as `now` (stats.cpp): `now` replaces its summary in the ledger's
+  /// totals and here, and the pool is no longer stale. REQUIRES: the pool's mutex.
+  /// Throws only before it changes anything.
+  void settle(stats_ledger& ledger, pool_summary now);
+
+  /// The pools marked stale and not yet taken for a refresh, each once; whether every pool is
+  /// stale (lock_all ran); the count of marks. Held by the pool table (pool_table::note_change,
+  /// take_stale). Locking: its own leaf mutex.
+  class stale_queue {
+   public:
+    /// p is locked for a change and was not stale: stale now, and queued unless it still is.
+    void mark(stream_pool& p) noexcept;
+    struct taken {
+      std::vector<stream_pool*> pools;
+      bool all = false;
+      std::uint64_t changes = 0;
+    };
+    /// The pools queued since the last take (each once), whether mark_all ran meanwhile, and the
+    /// count of marks now. Throws only before it takes anything (no memory for the list).
+    [[nodiscard]] taken take();
+    /// Every pool counts as stale (lock_all, or a refresh that failed part way).
+    void mark_all() noexcept;
+    [[nodiscard]] bool all_marked() const noexcept {
+      return all_.load(std::memory_order_relaxed);
+    }
+    [[nodiscard]] bool changed_since(std::uint64_t changes) const;
+
+   private:
+    mutable mutex mu_;  // a leaf
+    stream_pool* head_ GUARDED_BY(mu_) = nullptr;
+    std::atomic<bool> all_{false};               // mark_all ran since the last take
+    std::uint64_t changes_ GUARDED_BY(mu_) = 0;  // marks and mark_alls, ever
+  };
+
+ private:
+  pool_summary summary_;
+  bool stale_ = false;
+  bool queued_ = false;          // in the stale queue (under its mutex)
+  stream_pool* next_ = nullptr;  // the next pool in the stale queue (under its mutex)
+};
 
 class stats_ledger {
  public:

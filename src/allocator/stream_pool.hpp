@@ -24,9 +24,11 @@
 namespace cucache::detail {
 struct graph_pool;
 
-/// A stream pool's retirement state: the pool table's (pool_table.hpp, "retirement"), kept in
-/// the pool under its mutex. Its fields change only through these steps, which pool_table's
-/// methods take; docs/design.md "What a stream costs, and when its state goes".
+/// A stream pool's retirement state, kept in the pool under its mutex (read inline by quiet() on
+/// every free). Its fields change only through these steps: the allocator's (count_quiet_free,
+/// begin_record, unlocked_allocation_began/ended) and the pool table's (recorded through
+/// pool_table::quiet_recorded; set_queued, restart and the proof in its queues and adoption);
+/// docs/design.md "What a stream costs, and when its state goes".
 class pool_retirement {
  public:
   static constexpr std::uint64_t k_never = ~std::uint64_t{0};
@@ -121,20 +123,16 @@ class stream_pool {
   /// Expandable segments: the pager's state for this pool (its ranges, idle mappings).
   pool_pages pages GUARDED_BY(mu);
 
-  // --- statistics (stats_ledger.hpp), under mu ------------------------------------------------
-  /// The pool's share of the device-wide statistics, as last summarized.
-  pool_summary summary GUARDED_BY(mu);
-  /// Locked for a change since `summary` was taken: queued in the pool table for the ledger
-  /// (pool_table::note_change).
-  bool stats_stale GUARDED_BY(mu) = false;
-  // The pool table's queue of stale pools, under its stale_mu_ (not mu).
-  bool stale_queued = false;
-  stream_pool* next_stale = nullptr;
+  // --- statistics (stats_ledger.hpp) ---------------------------------------------------------
+  /// The pool's part of the ledger: its summary and stale flag (under mu), its link in the pool
+  /// table's stale queue (under the queue's mutex). Private to the ledger: read here, changed by
+  /// pool_ledger::settle and the stale queue only. Not annotated as a whole: its queue link is
+  /// not under mu (its readers and writers are in stats.cpp; note_change holds mu).
+  pool_ledger ledger;
 
   // --- retirement (pool_table, docs/design.md "What a stream costs"), under mu ---------------
-  /// The pool table's state for handing this pool on: changed only through pool_table's
-  /// retirement methods (quiet_record_due, begin_quiet_record, quiet_recorded, queue_quiet,
-  /// pool_for_key's adoption, begin/end_unlocked_allocation).
+  /// The state for handing this pool on: changed only through pool_retirement's steps (the
+  /// allocator's, and pool_table's quiet_recorded, queue_quiet and pool_for_key's adoption).
   pool_retirement retirement GUARDED_BY(mu);
 
   /// No block of the pool is allocated, pending or held for a graph, and it is a stream's own

@@ -31,7 +31,7 @@
 namespace cucache::detail {
 
 struct vm_range;
-struct pool_pages;
+class pool_pages;
 
 /// A run of idle pages [first, end) of one range, which went idle at one time: an entry of its
 /// owner pool's idle list. Within a run, lower pages went idle first (a freed block's pages go

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "allocator/pager.hpp"
@@ -112,7 +113,7 @@ TEST(Pager, BacksOnlyTheBlocksPagesOneHandlePerPage) {
   EXPECT_EQ(r.range->mapped_pages, 2u);
   EXPECT_EQ(r.pool.stats.reserved_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
   EXPECT_EQ(r.pool.stats.segment_count[0].current, 1);  // the range holds memory
-  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 0u);
 
   // A block on page boundaries: still a handle per page, one set-access for the run.
   ASSERT_TRUE(r.carve_and_back(4 * MiB, 8 * MiB));  // pages 2-5
@@ -126,14 +127,14 @@ TEST(Pager, AFreedBlocksPagesGoIdleAndAreUsedInPlaceWithoutAnyCall) {
   block* b = nullptr;
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));
   r.free(b);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 8 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 8 * MiB);
   EXPECT_EQ(r.pg.reclaimable_bytes(r.pg.idle_bytes_of_every_pool()), 8 * MiB);
   EXPECT_EQ(r.pg.reclaimable_bytes(0), 0u);
   const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create);
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB));  // the same pages
   EXPECT_EQ(r.calls(sim_call::map) + r.calls(sim_call::phys_create), vm_calls);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
-  EXPECT_EQ(r.pool.pages.idle_head, nullptr);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 0u);
+  EXPECT_EQ(r.pool.pages.idle_head(), nullptr);
   EXPECT_EQ(r.reserved(), 8 * MiB);
 }
 
@@ -148,7 +149,7 @@ TEST(Pager, ABlockUsingPartOfIdleMemoryPinsOnlyItsOwnPages) {
   EXPECT_EQ(r.calls(sim_call::phys_release), 0u);
   EXPECT_EQ(r.calls(sim_call::device_synchronize), 0u);
   EXPECT_EQ(r.reserved(), 8 * MiB);             // memory is plentiful: idle pages stay mapped
-  EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);  // pages 1-3, each reclaimable on its own
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 6 * MiB);  // pages 1-3, each reclaimable on its own
   EXPECT_EQ(r.pg.reclaimable_bytes(r.pg.idle_bytes_of_every_pool()), 6 * MiB);
 }
 
@@ -162,11 +163,11 @@ TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
   // Its 256 pages went idle as one span: the bookkeeping of a free is one entry, not 256 -- the
   // pool's parked span (no idle run yet: a cache hit takes it back without touching the runs).
   EXPECT_TRUE(r.range->idle_runs.empty());
-  EXPECT_EQ(r.pool.pages.idle_head, nullptr);
-  ASSERT_EQ(r.pool.pages.parked, r.range.get());
+  EXPECT_EQ(r.pool.pages.idle_head(), nullptr);
+  ASSERT_EQ(r.pool.pages.parked(), r.range.get());
   EXPECT_EQ(r.range->parked_first, 0u);
   EXPECT_EQ(r.range->parked_end, 256u);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 512 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 512 * MiB);
   const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create) +
                                  r.calls(sim_call::set_access);
   ASSERT_TRUE(r.carve_and_back(0, 512 * MiB));  // the cache hit
@@ -174,9 +175,9 @@ TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
                 r.calls(sim_call::set_access),
             vm_calls);
   EXPECT_TRUE(r.range->idle_runs.empty());
-  EXPECT_EQ(r.pool.pages.idle_head, nullptr);
-  EXPECT_EQ(r.pool.pages.parked, nullptr);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  EXPECT_EQ(r.pool.pages.idle_head(), nullptr);
+  EXPECT_EQ(r.pool.pages.parked(), nullptr);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 0u);
   // The page table holds one chunk of 512 pages, not the range's 1,024 pages; the edge counts
   // one chunk (pages 0 and 255) and the spare left when the free emptied it.
   EXPECT_EQ(r.range->pages.chunks(), 1u);
@@ -208,9 +209,9 @@ TEST(Pager, ACarveSplittingAnIdleRunKeepsTheOrderInWhichPagesWentIdle) {
   r.free(a);                                      // one idle run, pages 0-3
   ASSERT_TRUE(r.carve_and_back(2 * MiB, 4 * MiB));  // pages 1-2 used in place: the run splits
   ASSERT_EQ(r.range->idle_runs.size(), 2u);
-  EXPECT_EQ(r.pool.pages.idle_tail->first, 0u);  // page 0 went idle first
-  EXPECT_EQ(r.pool.pages.idle_head->first, 3u);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 4 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_tail()->first, 0u);  // page 0 went idle first
+  EXPECT_EQ(r.pool.pages.idle_head()->first, 3u);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 4 * MiB);
   // A page elsewhere under the limit: the least recently idle page (0) moves there.
   ASSERT_TRUE(r.carve_and_back(32 * MiB, 2 * MiB));
   EXPECT_FALSE(r.range->mapped(0));
@@ -222,7 +223,7 @@ TEST(Pager, ACarveSplittingAnIdleRunKeepsTheOrderInWhichPagesWentIdle) {
   ASSERT_TRUE(r.carve_and_back(40 * MiB, 2 * MiB));
   EXPECT_FALSE(r.range->mapped(3));
   EXPECT_TRUE(r.range->idle_runs.empty());
-  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 0u);
   EXPECT_EQ(r.reserved(), 8 * MiB);
   EXPECT_EQ(r.range->mapped_runs.size(), 3u);  // pages 1-2, 16, 20
 }
@@ -266,7 +267,7 @@ void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live
   std::size_t listed = 0;
   std::size_t listed_runs = 0;
   const detail::idle_run* newer = nullptr;
-  for (const detail::idle_run* u = r.pool.pages.idle_head; u != nullptr; u = u->older) {
+  for (const detail::idle_run* u = r.pool.pages.idle_head(); u != nullptr; u = u->older) {
     ASSERT_EQ(u->newer, newer);
     if (newer != nullptr) {
       ASSERT_LE(u->epoch, newer->epoch);
@@ -276,13 +277,13 @@ void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live
     ++listed_runs;
     newer = u;
   }
-  ASSERT_EQ(newer, r.pool.pages.idle_tail);
+  ASSERT_EQ(newer, r.pool.pages.idle_tail());
   // The parked span: the most recently idle pages, outside the runs.
-  if (r.pool.pages.parked != nullptr) {
-    ASSERT_EQ(r.pool.pages.parked, &v);
+  if (r.pool.pages.parked() != nullptr) {
+    ASSERT_EQ(r.pool.pages.parked(), &v);
     ASSERT_LT(v.parked_first, v.parked_end);
-    if (r.pool.pages.idle_head != nullptr) {
-      ASSERT_LE(r.pool.pages.idle_head->epoch, v.parked_epoch);
+    if (r.pool.pages.idle_head() != nullptr) {
+      ASSERT_LE(r.pool.pages.idle_head()->epoch, v.parked_epoch);
     }
     listed += v.parked_end - v.parked_first;
   } else {
@@ -290,7 +291,7 @@ void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live
   }
   ASSERT_EQ(listed, idle_pages);
   ASSERT_EQ(listed_runs, v.idle_runs.size());
-  ASSERT_EQ(r.pool.pages.idle_bytes, idle_pages * 2 * MiB);
+  ASSERT_EQ(r.pool.pages.idle_bytes(), idle_pages * 2 * MiB);
   ASSERT_EQ(r.reserved(), mapped * 2 * MiB + r.pg.free_handle_bytes);
   ASSERT_EQ(r.sim->used_bytes(), r.reserved());
   // Chunks: each idle as a whole, or within the pages one live block covers whole (unless a
@@ -411,7 +412,7 @@ TEST(Pager, UnderTheLimitIdlePagesMoveWhereTheyAreNeededPageByPage) {
   EXPECT_EQ(r.pg.counters.stitched_pages.load(), 2u);
   EXPECT_EQ(r.reserved(), 8 * MiB);
   EXPECT_EQ(r.budget.peak_bytes(), 8 * MiB);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 4 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 4 * MiB);
   // More than the limit allows even with everything idle moved: refused, nothing leaks.
   block* c = nullptr;
   EXPECT_FALSE(r.carve_and_back(32 * MiB, 6 * MiB, &c));
@@ -449,12 +450,12 @@ TEST(Pager, MapIdlePagesMapsOnePageHandlesNoBlockTouches) {
   ASSERT_TRUE(r.pg.map_idle_pages(r.pool, *r.range, r.range->base, 6 * MiB));
   EXPECT_EQ(r.calls(sim_call::phys_create), 3u);
   EXPECT_EQ(r.calls(sim_call::set_access), 1u);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 6 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 6 * MiB);
   EXPECT_EQ(r.reserved(), 6 * MiB);
   // A block over those pages uses them in place.
   ASSERT_TRUE(r.carve_and_back(0, 6 * MiB));
   EXPECT_EQ(r.calls(sim_call::phys_create), 3u);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 0u);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 0u);
 }
 
 TEST(Pager, TheDryRunServesWhatIsMappedAndPlacesAsTheAllocatorDoes) {
@@ -467,7 +468,8 @@ TEST(Pager, TheDryRunServesWhatIsMappedAndPlacesAsTheAllocatorDoes) {
   hole.seg = &r.seg;
   hole.state = block_state::free;
   r.seg.first = &hole;
-  r.pool.pages.ranges.push_back(&r.seg);
+  r.pg.make_room_for_range(r.pool);
+  r.pg.add_range(r.pool, &r.seg);
   r.pool.index_of(pool_kind::large).insert(&hole);
   EXPECT_EQ(detail::place_in_range(r.pool.index_of(pool_kind::large), 8 * MiB), &hole);
   EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 0u);  // nothing mapped
@@ -476,7 +478,7 @@ TEST(Pager, TheDryRunServesWhatIsMappedAndPlacesAsTheAllocatorDoes) {
   EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 8 * MiB);
   EXPECT_EQ(r.calls(sim_call::phys_create), 4u);  // the dry run made no call
   r.pool.index_of(pool_kind::large).erase(&hole);
-  r.pool.pages.ranges.clear();
+  r.pg.forget_range(r.pool, &r.seg);
 }
 
 
@@ -556,7 +558,7 @@ TEST(Pager, AChunkedBlockFreedAndCarvedAgainWholeMakesNoCall) {
   ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
   const auto calls = r.vm_calls();
   r.free(b);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 22 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 22 * MiB);
   // The same block again, then one of another size that still covers both chunks whole.
   ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
   r.free(b);
@@ -586,7 +588,7 @@ TEST(Pager, ACarveTouchingPartOfAnIdleChunkReleasesItAndBacksItsPagesOneByOne) {
   EXPECT_FALSE(r.range->mapped(3));
   EXPECT_FALSE(r.range->mapped(4));
   EXPECT_EQ(r.reserved(), 18 * MiB);
-  EXPECT_EQ(r.pool.pages.idle_bytes, 12 * MiB);  // pages 5-10
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 12 * MiB);  // pages 5-10
   EXPECT_EQ(r.pg.straddled_chunks(), 0u);
   expect_runs_match_pages(r, {b});
 }
@@ -658,7 +660,8 @@ TEST(Pager, EvictReleasesChunksWholeAndBackMapsThemAgain) {
   r.pg.set_chunking(4, 4);
   block* b = nullptr;
   ASSERT_TRUE(r.carve_and_back(1 * MiB, 20 * MiB, &b));
-  r.pool.pages.ranges.push_back(&r.seg);  // evict walks the pool's
+  r.pg.make_room_for_range(r.pool);
+  r.pg.add_range(r.pool, &r.seg);  // evict walks the pool's
   EXPECT_EQ(r.pg.evict(r.pool, /*synchronize=*/true), 22 * MiB);
   EXPECT_EQ(r.calls(sim_call::unmap), 5u);  // one per mapping: three pages and two chunks
   EXPECT_EQ(r.calls(sim_call::phys_release), 5u);
@@ -670,7 +673,7 @@ TEST(Pager, EvictReleasesChunksWholeAndBackMapsThemAgain) {
   EXPECT_EQ(r.range->chunks, 2u);
   EXPECT_EQ(r.reserved(), 22 * MiB);
   expect_runs_match_pages(r, {b});
-  r.pool.pages.ranges.clear();
+  r.pg.forget_range(r.pool, &r.seg);
 }
 
 TEST(Pager, WithTheGateShutACarveStraddlesAnIdleChunkWhichIsReleasedOnceIdleAgain) {
@@ -712,13 +715,143 @@ TEST(Pager, TheDryRunCountsTheChunksARequestWouldCutAsMissing) {
   hole.seg = &r.seg;
   hole.state = block_state::free;
   r.seg.first = &hole;
-  r.pool.pages.ranges.push_back(&r.seg);
+  r.pg.make_room_for_range(r.pool);
+  r.pg.add_range(r.pool, &r.seg);
   r.pool.index_of(pool_kind::large).insert(&hole);
   // 16 MiB covers both chunks whole: served from them. Anything between 8 and 16 MiB would cut
   // the second chunk, releasing it: with no unmapped handles, not served from cached memory.
   EXPECT_EQ(r.pg.largest_cached_request(r.pool, pool_kind::large, policy), 16 * MiB);
   r.pool.index_of(pool_kind::large).erase(&hole);
-  r.pool.pages.ranges.clear();
+  r.pg.forget_range(r.pool, &r.seg);
+}
+
+// A pool's ranges change only through the pager: add_range lists a range and counts its bytes
+// by kind, forget_range unlists it, drop_range unlists it and gives its address space back.
+// check_invariants holds the list to the pool's segments that own a vm_range.
+TEST(Pager, RangesAreAddedAndDroppedThroughThePagerAndCheckedAgainstTheSegments) {
+  pager_rig r;
+  EXPECT_NO_THROW(r.pg.check_invariants(r.pool));  // no range, no segment
+  r.pg.make_room_for_range(r.pool);
+  r.pg.add_range(r.pool, &r.seg);
+  ASSERT_EQ(r.pool.pages.ranges, (std::vector<detail::segment*>{&r.seg}));
+  EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::large), r.seg.size);
+  EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::small), 0u);
+  // Listed, but not in the pool's segment list.
+  EXPECT_THROW(r.pg.check_invariants(r.pool), std::logic_error);
+  r.pool.segments = &r.seg;
+  EXPECT_NO_THROW(r.pg.check_invariants(r.pool));
+  r.pg.forget_range(r.pool, &r.seg);
+  EXPECT_TRUE(r.pool.pages.ranges.empty());
+  EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::large), 0u);
+  // A segment with a range that the list does not name.
+  EXPECT_THROW(r.pg.check_invariants(r.pool), std::logic_error);
+  r.pool.segments = nullptr;
+  EXPECT_NO_THROW(r.pg.check_invariants(r.pool));
+  // A second range, dropped: unlisted and its address space given back.
+  const std::size_t before = r.pg.reserved_address_bytes();
+  auto vm = r.pg.reserve_range(pool_kind::small, r.pg.next_range_bytes(pool_kind::small, 2 * MiB, 0));
+  ASSERT_NE(vm, nullptr);
+  detail::segment small;
+  small.base = vm->base;
+  small.size = vm->size;
+  small.kind = pool_kind::small;
+  small.owner = &r.pool;
+  small.vm = vm.get();
+  EXPECT_EQ(r.pg.reserved_address_bytes(), before + vm->size);
+  r.pg.make_room_for_range(r.pool);
+  r.pg.add_range(r.pool, &small);
+  EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::small), small.size);
+  EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::large), 0u);
+  r.pg.drop_range(r.pool, &small);
+  EXPECT_TRUE(r.pool.pages.ranges.empty());
+  EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::small), 0u);
+  EXPECT_EQ(r.pg.reserved_address_bytes(), before);
+}
+
+// check_invariants holds the idle list and idle_bytes to the ranges' tables: a freed block's
+// pages (parked, then listed) agree; a parked span the pool's count does not cover is seen.
+TEST(Pager, CheckInvariantsHoldsTheIdleListToThePageTables) {
+  pager_rig r;
+  r.pg.make_room_for_range(r.pool);
+  r.pg.add_range(r.pool, &r.seg);
+  r.pool.segments = &r.seg;
+  block* a = nullptr;
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 4 * MiB, &a));
+  ASSERT_TRUE(r.carve_and_back(8 * MiB, 4 * MiB, &b));
+  EXPECT_NO_THROW(r.pg.check_invariants(r.pool));
+  r.free(a);  // pages 0-1 parked
+  ASSERT_EQ(r.pool.pages.parked(), r.range.get());
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 4 * MiB);
+  EXPECT_NO_THROW(r.pg.check_invariants(r.pool));
+  r.free(b);  // pages 4-5 parked, pages 0-1 listed
+  ASSERT_NE(r.pool.pages.idle_head(), nullptr);
+  EXPECT_EQ(r.pool.pages.idle_head(), r.pool.pages.idle_tail());
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 8 * MiB);
+  EXPECT_NO_THROW(r.pg.check_invariants(r.pool));
+  // The parked span grown in the range's table behind the pool's back: the count disagrees.
+  const std::size_t end = r.range->parked_end;
+  r.range->parked_end = end + 1;
+  EXPECT_THROW(r.pg.check_invariants(r.pool), std::logic_error);
+  r.range->parked_end = end;
+  EXPECT_NO_THROW(r.pg.check_invariants(r.pool));
+  r.pool.segments = nullptr;
+  r.pg.forget_range(r.pool, &r.seg);
+}
+
+// fresh_pages (the rule touch() and headroom share) against its definition, by brute force:
+// the pages of a span inside a free hole that no carved block's span touches. Seeded random
+// layouts of blocks at quarter-page offsets, so that holes share edge pages with their
+// neighbours; every span checked is inside a hole, at its front and elsewhere.
+TEST(Pager, FreshPagesAreThePagesOfTheSpanNoBlockTouches) {
+  constexpr std::size_t q = 512 * 1024;  // a quarter page
+  std::mt19937_64 rng(31);
+  for (int layout = 0; layout < 40; ++layout) {
+    pager_rig r;
+    const std::size_t quarters = r.range->size / q;
+    std::vector<std::pair<std::size_t, std::size_t>> spans;  // [first, end) in quarters
+    for (std::size_t at = rng() % 3; at < quarters;) {
+      const std::size_t len = 1 + rng() % 10;
+      if (at + len > quarters) break;
+      if (rng() % 2 == 0) {
+        r.carve(at * q, len * q);
+        spans.emplace_back(at, at + len);
+      }
+      at += len + rng() % 3;
+    }
+    const auto touched_by_a_block = [&](std::size_t pg) {
+      return std::any_of(spans.begin(), spans.end(), [&](const auto& s) {
+        return r.range->page_of(r.range->base + s.first * q) <= pg &&
+               r.range->page_of(r.range->base + s.second * q - 1) >= pg;
+      });
+    };
+    // The holes: the quarters between carved spans.
+    std::size_t prev = 0;
+    spans.emplace_back(quarters, quarters);
+    for (const auto& [first, end] : spans) {
+      for (int k = 0; first > prev && k < 6; ++k) {
+        const std::size_t from = prev * q + (k == 0 ? 0 : rng() % ((first - prev) * q));
+        const std::size_t bytes = 1 + rng() % (first * q - from);
+        const std::uintptr_t addr = r.range->base + from;
+        std::size_t expect = 0;
+        for (std::size_t pg = r.range->page_of(addr); pg <= r.range->page_of(addr + bytes - 1);
+             ++pg) {
+          expect += touched_by_a_block(pg) ? 0 : 1;
+        }
+        ASSERT_EQ(detail::pager::fresh_pages(*r.range, addr, bytes), expect)
+            << "layout " << layout << " offset " << from << " bytes " << bytes;
+      }
+      prev = end;
+    }
+    for (const auto& b : r.blocks) r.free(b.get());
+  }
+  // Exact cases: a span inside one page, beside blocks on both sides, on neither, across pages.
+  EXPECT_EQ(detail::pager::fresh_pages(3, 3, true, true), 0u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 3, false, false), 1u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 4, true, true), 0u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 4, true, false), 1u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 7, true, true), 3u);
+  EXPECT_EQ(detail::pager::fresh_pages(3, 7, false, false), 5u);
 }
 
 }  // namespace

@@ -35,7 +35,7 @@ struct table_rig {
   /// Records p's quiet event on its stream with p quiet, as impl::note_quiet does.
   void record_quiet(stream_pool& p) {
     pool_lock lk(p.mu);
-    const event_handle e = pool_table::begin_quiet_record(p, [&] { return sim->event_create(); });
+    const event_handle e = p.retirement.begin_record([&] { return sim->event_create(); });
     sim->event_record(e, p.stream);
     pools.quiet_recorded(p);
   }
@@ -59,8 +59,8 @@ TEST(PoolTable, QuietEventsForTheFirstEightQuietFreesThenOneIn256) {
   stream_pool& p = r.new_stream_pool();
   pool_lock lk(p.mu);
   int due = 0;
-  for (int i = 0; i < 8; ++i) EXPECT_TRUE(pool_table::quiet_record_due(p)) << i;
-  for (int i = 8; i < 1000; ++i) due += pool_table::quiet_record_due(p) ? 1 : 0;
+  for (int i = 0; i < 8; ++i) EXPECT_TRUE(p.retirement.count_quiet_free()) << i;
+  for (int i = 8; i < 1000; ++i) due += p.retirement.count_quiet_free() ? 1 : 0;
   EXPECT_EQ(due, 3);  // the 256th, 512th and 768th
 }
 
@@ -143,8 +143,8 @@ TEST(PoolTable, AnAllocationUnlockedMidwayKeepsThePoolFromRetiring) {
   {
     pool_lock lk(p.mu);
     EXPECT_TRUE(p.quiet());
-    pool_table::begin_unlocked_allocation(p);
-    pool_table::begin_unlocked_allocation(p);
+    p.retirement.unlocked_allocation_began();
+    p.retirement.unlocked_allocation_began();
     EXPECT_FALSE(p.quiet());
     r.pools.queue_quiet(p);
   }
@@ -153,9 +153,9 @@ TEST(PoolTable, AnAllocationUnlockedMidwayKeepsThePoolFromRetiring) {
   EXPECT_FALSE(table_rig::queued(p));
   {
     pool_lock lk(p.mu);
-    pool_table::end_unlocked_allocation(p);
+    p.retirement.unlocked_allocation_ended();
     EXPECT_FALSE(p.quiet());
-    pool_table::end_unlocked_allocation(p);
+    p.retirement.unlocked_allocation_ended();
     EXPECT_TRUE(p.quiet());
   }
   r.queue(p);

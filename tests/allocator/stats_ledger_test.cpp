@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "allocator/stats_ledger.hpp"
+#include "allocator/stream_pool.hpp"
 #include "support/sim_device.hpp"
 
 namespace cucache::test {
@@ -50,6 +51,80 @@ TEST(StatsLedger, ReplaceKeepsTheSumsAndTheLargestOfThePools) {
   l.replace(a2, empty);
   EXPECT_EQ(l.largest_request(), 0u);
   EXPECT_TRUE(detail::same_fields(l.totals, device_stats{}));
+}
+
+// A pool's part of the ledger: settle puts its new summary in the totals (its old share out) and
+// clears its stale flag; only settle changes the summary.
+TEST(StatsLedger, SettleReplacesThePoolsShareAndClearsStale) {
+  stats_ledger l;
+  detail::stream_pool p(nullptr, 1, 0);
+  detail::stream_pool q(nullptr, 2, 1);
+  detail::pool_ledger::stale_queue queue;
+  {
+    std::lock_guard lk(p.mu);
+    queue.mark(p);
+    EXPECT_TRUE(p.ledger.stale());
+    p.ledger.settle(l, summary(100, 2, 8 * MiB));
+    EXPECT_FALSE(p.ledger.stale());
+    EXPECT_EQ(p.ledger.summary().part.allocated_bytes[0].current, 100);
+  }
+  {
+    std::lock_guard lk(q.mu);
+    q.ledger.settle(l, summary(40, 1, 2 * MiB));
+  }
+  {
+    std::lock_guard lk(p.mu);
+    p.ledger.settle(l, summary(10, 0, 0));
+  }
+  std::lock_guard lock(l.mu);
+  EXPECT_EQ(l.totals.allocated_bytes[0].current, 50);
+  EXPECT_EQ(l.totals.free_block_count, 1u);
+  EXPECT_EQ(l.largest_request(), 2 * MiB);
+}
+
+// The stale queue: each marked pool once, newest first; every mark counted; mark_all reported
+// once by the next take; a take empties the queue and the pools may be queued again.
+TEST(StatsLedger, StaleQueueListsEachMarkedPoolOnceAndCountsEveryMark) {
+  detail::stream_pool a(nullptr, 1, 0);
+  detail::stream_pool b(nullptr, 2, 1);
+  detail::pool_ledger::stale_queue queue;
+  auto t0 = queue.take();
+  EXPECT_TRUE(t0.pools.empty());
+  EXPECT_FALSE(t0.all);
+  EXPECT_EQ(t0.changes, 0u);
+  EXPECT_FALSE(queue.changed_since(0));
+  {
+    std::lock_guard la(a.mu);
+    queue.mark(a);
+  }
+  {
+    std::lock_guard lb(b.mu);
+    queue.mark(b);
+  }
+  {
+    std::lock_guard la(a.mu);
+    queue.mark(a);  // queued already: counted, not listed twice
+  }
+  EXPECT_TRUE(queue.changed_since(0));
+  EXPECT_FALSE(queue.all_marked());
+  auto t1 = queue.take();
+  EXPECT_EQ(t1.pools, (std::vector<detail::stream_pool*>{&b, &a}));
+  EXPECT_FALSE(t1.all);
+  EXPECT_EQ(t1.changes, 3u);
+  EXPECT_FALSE(queue.changed_since(3));
+  queue.mark_all();
+  EXPECT_TRUE(queue.all_marked());
+  EXPECT_TRUE(queue.changed_since(3));
+  {
+    std::lock_guard la(a.mu);
+    queue.mark(a);  // taken before: queued again
+  }
+  auto t2 = queue.take();
+  EXPECT_EQ(t2.pools, (std::vector<detail::stream_pool*>{&a}));
+  EXPECT_TRUE(t2.all);
+  EXPECT_EQ(t2.changes, 5u);
+  EXPECT_FALSE(queue.all_marked());
+  EXPECT_TRUE(queue.take().pools.empty());
 }
 
 class StatsOverPools : public ::testing::TestWithParam<const char*> {};
