@@ -205,6 +205,10 @@ struct sleep_plan {
   bool free_smaller = false;  // the domain's smaller spare goes once every buffer is pinned
 };
 
+/// For the analysis, inside a lambda of a function that holds every pool lock (lambdas are
+/// analysed on their own).
+void every_pool_held() noexcept ASSERT_CAPABILITY(detail::every_pool) {}
+
 std::string names_text(const std::vector<std::string>& names) {
   return fmt::format("{}", fmt::join(names, ", "));
 }
@@ -309,6 +313,7 @@ void device_allocator::impl::sleep(std::span<const device_allocator::sleep_reque
   // the earlier requests took: reused spares become spares again, new buffers are freed) ---
   auto& spares = sleeper.spares();
   const auto give_back = [&](std::size_t from, std::size_t to, bool keep_all) noexcept {
+    every_pool_held();  // called only below, under `all`
     for (std::size_t i = from; i < to; ++i) {
       sleep_plan& p = plans[i];
       if (p.rec.host == nullptr) continue;
