@@ -239,6 +239,16 @@ cudaError_t cucacheMakeTagSleepable(const char* tag) CUCACHE_NOEXCEPT;
  *   cudaErrorStreamCaptureUnsupported  a graph capture is underway
  *   cudaErrorMemoryAllocation  the host cannot pin the copy (keepContents). */
 cudaError_t cucacheSleep(int device, const char* tag, int keepContents) CUCACHE_NOEXCEPT;
+/** Puts `count` tags to sleep in one call, tags[i] with keepContents[i] (what an inference
+ * engine's sleep does: weights kept, KV cache dropped). One take of the allocator's locks; the
+ * device is synchronized once for the whole call (twice when any contents are kept: before and
+ * after the copies of all of them). Every tag is checked first, with the errors of cucacheSleep
+ * plus a tag named twice, NULL entries and count 0 (cudaErrorInvalidValue): any refusal changes
+ * nothing for any tag. A device failure while releasing one tag's pages rolls that tag back as
+ * cucacheSleep does; the tags before it in the list stay asleep, those after it are untouched and
+ * awake, and the message names both (docs/api.md, "Sleep and wake"). */
+cudaError_t cucacheSleepTags(int device, const char* const* tags, const int* keepContents,
+                             size_t count) CUCACHE_NOEXCEPT;
 /** Pins, ahead of the next cucacheSleep(device, tag, 1), the host buffer that sleep copies into:
  * at least `bytes` and at least the tag's allocated bytes on `device` now (bytes 0: just those).
  * Without it, the first kept sleep pins the buffer itself (cudaHostAlloc takes seconds for
@@ -258,6 +268,11 @@ cudaError_t cucacheSleepPrepare(int device, const char* tag, size_t bytes,
  * says how much was missing). Between sleep and wake, cucacheFree of the tag's blocks and
  * allocations under the tag fail with cudaErrorInvalidValue, changing nothing. */
 cudaError_t cucacheWake(int device, const char* tag) CUCACHE_NOEXCEPT;
+/** Wakes `count` tags in one call, all or none: each must be asleep and named once
+ * (cudaErrorInvalidValue, nothing changed); the room needed is that of all of them together
+ * (cudaErrorMemoryAllocation: all stay asleep, nothing of them mapped); their kept contents are
+ * copied back under one device synchronization. */
+cudaError_t cucacheWakeTags(int device, const char* const* tags, size_t count) CUCACHE_NOEXCEPT;
 /** Bytes of `tag` asleep on `device`: device bytes released (that wake maps again) and pinned host
  * bytes holding its contents; 0 and 0 when it is awake. Errors: cudaErrorInvalidValue (NULL). */
 cudaError_t cucacheGetSleepingBytes(int device, const char* tag, size_t* deviceBytes,

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -414,6 +415,23 @@ class device_allocator {
   /// compares them with its own count of the tag's bytes).
   void sleep(std::uint32_t domain, bool keep_contents, std::string_view label = {},
              const std::function<void(std::size_t placed_bytes)>& check = {});
+  /// One domain of a sleep call over several (sleep(std::span)).
+  struct sleep_request {
+    std::uint32_t domain = 0;
+    bool keep_contents = false;
+    std::string_view label;  ///< names the domain in messages
+    std::function<void(std::size_t placed_bytes)> check;  ///< as sleep's `check`
+  };
+  /// Puts several domains to sleep in one call (what an inference engine's sleep does: weights
+  /// kept, KV cache dropped), under one take of every pool lock and with the device synchronized
+  /// once for the whole call (twice when any contents are kept: before and after the copies,
+  /// which are queued for every kept domain before that second synchronization). Every request
+  /// is checked first, against the same refusals as sleep() plus a domain named twice; any
+  /// refusal throws with nothing changed for any domain. A device failure while releasing the
+  /// k-th domain's pages rolls that domain back as sleep() does; the domains before it stay
+  /// asleep, those after it are left awake and untouched (their kept copies become their spare
+  /// buffers), and the message names both. An empty list is invalid_argument.
+  void sleep(std::span<const sleep_request> requests);
   /// Pins the host buffer the domain's next kept sleep copies into, ahead (docs/api.md, "Sleep
   /// and wake"): at least `bytes`, and at least the bytes of the domain's allocated blocks now
   /// (what a sleep with keep_contents would copy). Nothing is pinned when the domain's buffer
@@ -437,6 +455,16 @@ class device_allocator {
   /// nothing of it mapped: invalid_argument (not asleep), out_of_memory naming how much was
   /// missing, cuda_error from the device.
   void wake(std::uint32_t domain, std::string_view label = {});
+  /// One domain of a wake call over several.
+  struct wake_request {
+    std::uint32_t domain = 0;
+    std::string_view label;  ///< names the domain in messages when its sleep gave none
+  };
+  /// Wakes several domains in one call, all or none: every domain must be asleep and named once
+  /// (else invalid_argument, nothing changed); the room needed is that of all of them together
+  /// (out_of_memory when short: all stay asleep, nothing of them mapped); the kept contents of
+  /// every domain are copied back under one device synchronization; a failure maps none again.
+  void wake(std::span<const wake_request> requests);
   /// A sleeping domain (sleeping()).
   struct sleep_state {
     std::uint32_t domain = 0;

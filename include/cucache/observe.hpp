@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -175,6 +176,19 @@ void make_sleepable(std::string_view tag);
 /// sleepable tag, asleep already, live blocks of the tag outside its pages), cuda_error 801 (not
 /// expandable mode), cuda_error 900 (a graph capture is underway), out_of_memory (host memory).
 void sleep(int device, std::string_view tag, bool keep_contents = true);
+/// One tag of a sleep call over several.
+struct tag_sleep_request {
+  std::string_view tag;
+  bool keep_contents = true;
+};
+/// Puts several tags to sleep in one call (vLLM's sleep: weights kept, KV cache dropped): one
+/// take of the allocator's locks, the device synchronized once (twice when contents are kept:
+/// before and after the copies of all of them). Every tag is checked first -- the refusals of
+/// sleep(device, tag) plus a tag named twice -- and any refusal throws with nothing changed for
+/// any tag. A device failure while releasing one tag's pages rolls that tag back as sleep does;
+/// the tags before it in the list stay asleep, those after it are untouched, and the message
+/// names them (docs/api.md, "Sleep and wake"). invalid_argument for an empty list.
+void sleep(int device, std::span<const tag_sleep_request> tags);
 /// Pins, ahead of the tag's next sleep with keep_contents, the host buffer that sleep copies into:
 /// at least `bytes` and at least the tag's allocated bytes on `device` now. Without it, the first
 /// kept sleep pins the buffer itself (cudaHostAlloc: about 3 s for 9 GiB on the H200). Runs with
@@ -190,6 +204,10 @@ std::size_t prepare_sleep(int device, std::string_view tag, std::size_t bytes = 
 /// contents. Throws invalid_argument (unknown tag, not asleep), out_of_memory (no room: the tag
 /// stays asleep, nothing of it mapped, the message says how much was missing).
 void wake(int device, std::string_view tag);
+/// Wakes several tags in one call, all or none: each must be asleep and named once; the room
+/// needed is that of all of them (out_of_memory: all stay asleep, nothing of them mapped); their
+/// kept contents are copied back under one device synchronization.
+void wake(int device, std::span<const std::string_view> tags);
 /// A sleeping tag on one device.
 struct sleep_stat {
   std::string tag;

@@ -141,6 +141,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cucache_torch_prepare_sleep": (i, [i, ctypes.c_char_p, u64, ctypes.POINTER(u64)]),
         "cucache_torch_wake": (i, [i, ctypes.c_char_p, ctypes.POINTER(ctypes.c_double)]),
         "cucache_torch_sleeping": (i64, [i, ctypes.c_char_p, sz]),
+        "cucache_torch_sleep_tags": (
+            i,
+            [i, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int), sz],
+        ),
+        "cucache_torch_wake_tags": (
+            i,
+            [i, ctypes.POINTER(ctypes.c_char_p), sz, ctypes.POINTER(ctypes.c_double)],
+        ),
         "cucache_torch_last_error": (ctypes.c_char_p, []),
         "cucache_torch_last_alloc_error": (i, []),
         "cucache_torch_bad_free_count": (u64, []),
@@ -606,14 +614,43 @@ def make_sleepable(name: str) -> None:
     _check(library().cucache_torch_make_sleepable(b), "make_sleepable")
 
 
-def sleep(name: str, keep_contents: bool = True, device: Any = None) -> None:
+def sleep(name: Any, keep_contents: Any = True, device: Any = None) -> None:
     """Gives back the device memory of every live allocation of sleepable tag `name` (and its
     cached pages), keeping their addresses: tensors keep their data_ptr(), but must not be used,
     freed or allocated under the tag until wake(name). keep_contents=True copies their bytes to
     pinned host memory first (wake restores them); False drops them (a KV cache). Waits for the
     device's queued work. RuntimeError with cucache's message on any misuse (unknown or not
     sleepable tag, asleep already, expandable segments off, a live allocation exported by IPC),
-    with nothing changed; TypeError when keep_contents is not a bool."""
+    with nothing changed; TypeError when keep_contents is not a bool.
+
+    Several tags in one call: `name` a list of tags, keep_contents one bool for all of them or a
+    list of bools, one per tag (sleep(["weights", "kv_cache"], [True, False])). Every tag is
+    checked first and any refusal changes nothing for any tag; a device failure part way leaves
+    the tags before the failing one asleep and those after it awake, and says so (docs/api.md,
+    "Sleep and wake")."""
+    if isinstance(name, (list, tuple)):
+        names = [_tag_name(n) for n in name]
+        if isinstance(keep_contents, bool):
+            keeps = [keep_contents] * len(names)
+        elif isinstance(keep_contents, (list, tuple)):
+            keeps = list(keep_contents)
+            if len(keeps) != len(names):
+                raise ValueError(
+                    f"cucache: sleep: {len(names)} tags but {len(keeps)} keep_contents values"
+                )
+        else:
+            raise TypeError(
+                "cucache: sleep: keep_contents must be True, False or a list of them, "
+                f"not {keep_contents!r}"
+            )
+        for k in keeps:
+            if not isinstance(k, bool):
+                raise TypeError(f"cucache: sleep: keep_contents must be True or False, not {k!r}")
+        d = _ready(_device(device))
+        tags = (ctypes.c_char_p * len(names))(*names)
+        flags = (ctypes.c_int * len(names))(*[1 if k else 0 for k in keeps])
+        _check(library().cucache_torch_sleep_tags(d, tags, flags, len(names)), "sleep")
+        return
     b = _tag_name(name)
     if not isinstance(keep_contents, bool):
         # bool('no') is True: anything but a bool is refused rather than guessed at.
@@ -641,13 +678,23 @@ def prepare_sleep(name: str, nbytes: int = 0, device: Any = None) -> int:
     return int(out.value)
 
 
-def wake(name: str, device: Any = None) -> float:
+def wake(name: Any, device: Any = None) -> float:
     """Maps new device memory under the sleeping tag's allocations at the same addresses and
     restores their contents (when sleep kept them); returns the seconds the host-to-device copies
     took (0.0 when nothing was kept). RuntimeError when the tag is not asleep, or when the device
-    has no room -- the tag then stays asleep and the message says how much was missing."""
+    has no room -- the tag then stays asleep and the message says how much was missing.
+    `name` a list of tags: all of them in one call, all or none (each must be asleep; the room
+    needed is that of all of them)."""
+    d_arg = device
+    if isinstance(name, (list, tuple)):
+        names = [_tag_name(n) for n in name]
+        d = _ready(_device(d_arg))
+        tags = (ctypes.c_char_p * len(names))(*names)
+        secs = ctypes.c_double(0.0)
+        _check(library().cucache_torch_wake_tags(d, tags, len(names), ctypes.byref(secs)), "wake")
+        return float(secs.value)
     b = _tag_name(name)
-    d = _ready(_device(device))
+    d = _ready(_device(d_arg))
     secs = ctypes.c_double(0.0)
     _check(library().cucache_torch_wake(d, b, ctypes.byref(secs)), "wake")
     return float(secs.value)

@@ -188,13 +188,15 @@ struct device_allocator::impl {
   }
 
   // --- sleep and wake (sleep.cpp) ---
-  void sleep(std::uint32_t domain, bool keep_contents, const std::string& label,
-             const std::function<void(std::size_t)>& check);
+  /// device_allocator::sleep over several domains (one: the single-domain sleep).
+  void sleep(std::span<const device_allocator::sleep_request> requests);
+  /// `others`: appended to the message (what the call's other domains became).
   [[noreturn]] void roll_back_sleep(std::uint32_t domain,
                                     const std::vector<detail::stream_pool*>& domain_pools,
                                     detail::tag_sleeper::record& rec, const std::string& name,
-                                    const std::string& why, int code) REQUIRES(detail::every_pool);
-  void wake(std::uint32_t domain, const std::string& label);
+                                    const std::string& why, int code, const std::string& others)
+      REQUIRES(detail::every_pool);
+  void wake(std::span<const device_allocator::wake_request> requests);
   /// device_allocator::prepare_sleep. Takes every pool lock twice, not while pinning.
   std::size_t prepare_sleep(std::uint32_t domain, std::size_t bytes, const std::string& label)
       EXCLUDES(detail::every_pool);

@@ -5,10 +5,12 @@
 // the domain can be allocated or freed meanwhile, and allocate / free see the asleep bit under
 // their pool's lock.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <span>
 #include <string_view>
 #include <utility>
 
@@ -112,8 +114,9 @@ std::string who(std::uint32_t domain, const std::string& label) {
 
 void check_domain(std::uint32_t domain, const char* what) {
   if (domain == 0 || domain > detail::k_max_sleep_domain) {
-    throw invalid_argument(fmt::format("cucache: {}: sleep domain {} is not in [1, {}]", what,
-                                       domain, detail::k_max_sleep_domain));
+    throw invalid_argument(fmt::format("cucache: {}: sleep domain {} is not in [1, {}]; nothing "
+                                       "changed",
+                                       what, domain, detail::k_max_sleep_domain));
   }
 }
 
@@ -187,163 +190,289 @@ std::pair<std::string, int> current_error() {
 }
 }  // namespace
 
-void device_allocator::impl::sleep(std::uint32_t domain, bool keep_contents,
-                                   const std::string& label,
-                                   const std::function<void(std::size_t)>& check) {
-  const std::string name = who(domain, label);
+namespace {
+/// One domain of a sleep call, as the call goes on.
+struct sleep_plan {
+  std::uint32_t domain = 0;
+  bool keep = false;
+  std::string name;
+  const std::function<void(std::size_t)>* check = nullptr;
+  domain_walk w;
+  detail::tag_sleeper::record rec;
+  /// rec.host stands for the domain's spare buffer (reused, or pinned in place of a smaller one
+  /// already freed): a sleep that does not happen keeps it as the spare; else it is freed.
+  bool host_is_spare = false;
+  bool free_smaller = false;  // the domain's smaller spare goes once every buffer is pinned
+};
+
+/// For the analysis, inside a lambda of a function that holds every pool lock (lambdas are
+/// analysed on their own).
+void every_pool_held() noexcept ASSERT_CAPABILITY(detail::every_pool) {}
+
+std::string names_text(const std::vector<std::string>& names) {
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+/// "the domain named twice" refusal, shared by sleep and wake.
+template <class Request>
+void refuse_duplicates(std::span<const Request> requests, const char* what, int device) {
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (requests[j].domain == requests[i].domain) {
+        throw invalid_argument(fmt::format(
+            "cucache: {}: {} on device {} is named twice in the list (entries {} and {}); "
+            "nothing changed",
+            what, who(requests[i].domain, std::string(requests[i].label)), device, j, i));
+      }
+    }
+  }
+}
+}  // namespace
+
+void device_allocator::impl::sleep(std::span<const device_allocator::sleep_request> requests) {
+  if (requests.empty()) {
+    throw invalid_argument("cucache: sleep: the list of tags to put to sleep is empty");
+  }
+  std::vector<sleep_plan> plans(requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    plans[i].domain = requests[i].domain;
+    plans[i].keep = requests[i].keep_contents;
+    plans[i].name = who(requests[i].domain, std::string(requests[i].label));
+    plans[i].check = requests[i].check ? &requests[i].check : nullptr;
+    plans[i].rec.label = std::string(requests[i].label);
+    plans[i].rec.keep_contents = requests[i].keep_contents;
+  }
   if (!cfg.expandable_segments) {
     throw cuda_error("cucache sleep", k_not_supported,
                      fmt::format("{} on device {}: sleep needs expandable segments "
                                  "(CUCACHE_CONF=expandable_segments:True): in the default mode a "
                                  "block is part of a cudaMalloc'd segment, whose memory cannot be "
                                  "released while its addresses stay reserved; nothing changed",
-                                 name, raw->device()));
+                                 plans[0].name, raw->device()));
   }
-  check_domain(domain, "sleep");
+  for (const sleep_plan& p : plans) check_domain(p.domain, "sleep");
+  refuse_duplicates(requests, "sleep", raw->device());
   detail::pool_table::all_locked all(pools);
-  if (sleeper.asleep(domain)) {
-    throw invalid_argument(fmt::format(
-        "cucache: sleep: {} on device {} is asleep already (wake it first); nothing changed", name,
-        raw->device()));
+  // --- every refusal first: nothing changes for any domain until all requests pass ---
+  for (const sleep_plan& p : plans) {
+    if (sleeper.asleep(p.domain)) {
+      throw invalid_argument(fmt::format(
+          "cucache: sleep: {} on device {} is asleep already (wake it first); nothing changed",
+          p.name, raw->device()));
+    }
   }
   if (sync_blocked()) graphs.throw_capture_blocks("sleep");
-  if (check) {
+  for (const sleep_plan& p : plans) {
+    if (p.check == nullptr) continue;
     // Under every pool lock: no allocation or free of the domain is half done in its pools.
     std::int64_t placed = 0;
     for (const auto& q : pools) {
       detail::pool_table::assert_locked(*q);
-      if (q->domain == domain && q->graph == nullptr) placed += q->stats.requested_bytes[0].current;
+      if (q->domain == p.domain && q->graph == nullptr) {
+        placed += q->stats.requested_bytes[0].current;
+      }
     }
-    check(static_cast<std::size_t>(placed));
+    (*p.check)(static_cast<std::size_t>(placed));
   }
-  domain_walk w = walk_domain(pools, domain);
-  if (const block* b = exported_block(w.pools)) {
-    // Sleep would release the physical memory the importers map: after wake they would read
-    // and write memory the exporter no longer sees.
-    throw invalid_argument(fmt::format(
-        "cucache: sleep: {} on device {} holds the block {:#x} ({}) exported to other processes "
-        "by ipc_get_handle (cucacheIpcGetHandle); its importers map its physical memory, which "
-        "sleep would release from under them. Free the block once every importer has closed it, "
-        "then sleep; nothing changed",
-        name, raw->device(), b->addr, bytes_text(b->size)));
+  for (sleep_plan& p : plans) {
+    p.w = walk_domain(pools, p.domain);
+    if (const block* b = exported_block(p.w.pools)) {
+      // Sleep would release the physical memory the importers map: after wake they would read
+      // and write memory the exporter no longer sees.
+      throw invalid_argument(fmt::format(
+          "cucache: sleep: {} on device {} holds the block {:#x} ({}) exported to other "
+          "processes by ipc_get_handle (cucacheIpcGetHandle); its importers map its physical "
+          "memory, which sleep would release from under them. Free the block once every "
+          "importer has closed it, then sleep; nothing changed",
+          p.name, raw->device(), b->addr, bytes_text(b->size)));
+    }
   }
-  // Work still queued on the domain's memory is waited for, not refused: unmapping must wait for
+  // Work still queued on the domains' memory is waited for, not refused: unmapping must wait for
   // it anyway (the pager never unmaps before a device synchronization), and the allocator cannot
   // see a block's use on its own stream. Pending frees (used on other streams) complete first.
-  for (stream_pool* q : w.pools) {
-    detail::pool_table::assert_locked(*q);
-    sync_pending(*q);
-  }
-  for (stream_pool* q : w.pools) {
-    detail::pool_table::assert_locked(*q);
-    if (q->retained != 0 || !q->pending.empty()) {
-      throw invalid_argument(fmt::format(
-          "cucache: sleep: {} on device {} has {} freed block(s) held for a CUDA graph that may "
-          "still replay on them; release the graph's pool first (nothing changed)",
-          name, raw->device(), q->retained + q->pending.size()));
+  for (sleep_plan& p : plans) {
+    for (stream_pool* q : p.w.pools) {
+      detail::pool_table::assert_locked(*q);
+      sync_pending(*q);
     }
   }
-  w = walk_domain(pools, domain);  // pending blocks became free
-  backend->device_synchronize();
-  detail::tag_sleeper::record rec;
-  rec.label = label;
-  rec.keep_contents = keep_contents;
-  rec.sleeping_bytes = w.touched_pages * page_bytes;
-  if (!keep_contents) {
-    // A sleep that keeps nothing gives back the pinned buffer the domain's last wake kept.
-    auto& spares = sleeper.spares();
-    if (auto sp = spares.find(domain); sp != spares.end()) {
-      backend->host_free_pinned(sp->second.host);
-      spares.erase(sp);
+  for (sleep_plan& p : plans) {
+    for (stream_pool* q : p.w.pools) {
+      detail::pool_table::assert_locked(*q);
+      if (q->retained != 0 || !q->pending.empty()) {
+        throw invalid_argument(fmt::format(
+            "cucache: sleep: {} on device {} has {} freed block(s) held for a CUDA graph that may "
+            "still replay on them; release the graph's pool first (nothing changed)",
+            p.name, raw->device(), q->retained + q->pending.size()));
+      }
     }
+    p.w = walk_domain(pools, p.domain);  // pending blocks became free
+    p.rec.sleeping_bytes = p.w.touched_pages * page_bytes;
   }
-  if (keep_contents && w.run_bytes != 0) {
+  // --- the host buffers of the kept contents: all of them, or none (a refusal gives back what
+  // the earlier requests took: reused spares become spares again, new buffers are freed) ---
+  auto& spares = sleeper.spares();
+  const auto give_back = [&](std::size_t from, std::size_t to, bool keep_all) noexcept {
+    every_pool_held();  // called only below, under `all`
+    for (std::size_t i = from; i < to; ++i) {
+      sleep_plan& p = plans[i];
+      if (p.rec.host == nullptr) continue;
+      if (p.host_is_spare || keep_all) {
+        keep_spare(p.domain, p.rec.host, p.rec.host_capacity);
+      } else {
+        try {
+          backend->host_free_pinned(p.rec.host);
+        } catch (...) {
+        }
+      }
+      p.rec.host = nullptr;
+    }
+  };
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    sleep_plan& p = plans[i];
+    if (!p.keep || p.w.run_bytes == 0) continue;
     // The domain's buffer (prepare_sleep's, or its last wake's) when it is large enough; else a
     // new one, pinned while the smaller one is still held (so that a refusal changes nothing),
     // and only when the host refuses that, after freeing the smaller one.
-    std::byte* host = nullptr;
-    std::size_t host_capacity = w.run_bytes;
-    auto& spares = sleeper.spares();
-    auto sp = spares.find(domain);
-    if (sp != spares.end() && sp->second.bytes >= w.run_bytes) {
-      host = sp->second.host;
-      host_capacity = sp->second.bytes;
+    auto sp = spares.find(p.domain);
+    if (sp != spares.end() && sp->second.bytes >= p.w.run_bytes) {
+      p.rec.host = sp->second.host;
+      p.rec.host_capacity = sp->second.bytes;
+      p.host_is_spare = true;
       spares.erase(sp);
-    } else {
-      host = static_cast<std::byte*>(backend->host_alloc_pinned(w.run_bytes));
-      std::string freed;  // the smaller buffer given up to make room, for the message
-      if (host == nullptr && sp != spares.end()) {
-        freed = fmt::format(" (its smaller pinned buffer of {} was freed to make room)",
-                            bytes_text(sp->second.bytes));
-        backend->host_free_pinned(sp->second.host);
-        spares.erase(sp);
-        sp = spares.end();
-        host = static_cast<std::byte*>(backend->host_alloc_pinned(w.run_bytes));
+      continue;
+    }
+    auto* host = static_cast<std::byte*>(backend->host_alloc_pinned(p.w.run_bytes));
+    std::string freed;  // the smaller buffer given up to make room, for the message
+    if (host == nullptr && sp != spares.end()) {
+      freed = fmt::format(" (its smaller pinned buffer of {} was freed to make room)",
+                          bytes_text(sp->second.bytes));
+      std::byte* smaller = sp->second.host;
+      spares.erase(sp);
+      sp = spares.end();
+      try {
+        backend->host_free_pinned(smaller);
+      } catch (...) {
       }
-      if (host == nullptr) {
-        throw out_of_memory(fmt::format(
-            "cucache: sleep: {} on device {}: cannot pin {} of host memory for the contents of "
-            "its live blocks (keep_contents); it stays awake with every byte in place{}",
-            name, raw->device(), bytes_text(w.run_bytes),
-            freed.empty() ? "; nothing changed" : freed));
+      host = static_cast<std::byte*>(backend->host_alloc_pinned(p.w.run_bytes));
+      p.host_is_spare = true;  // it stands in for the spare freed
+    }
+    if (host == nullptr) {
+      give_back(0, i, false);
+      throw out_of_memory(fmt::format(
+          "cucache: sleep: {} on device {}: cannot pin {} of host memory for the contents of "
+          "its live blocks (keep_contents); it stays awake with every byte in place{}{}",
+          p.name, raw->device(), bytes_text(p.w.run_bytes),
+          freed.empty() ? "; nothing changed" : freed,
+          plans.size() > 1 ? " (and no tag of the call sleeps)" : ""));
+    }
+    p.rec.host = host;
+    p.rec.host_capacity = p.w.run_bytes;
+    p.free_smaller = sp != spares.end();
+  }
+  for (sleep_plan& p : plans) {
+    if (!p.free_smaller) continue;
+    const auto sp = spares.find(p.domain);
+    std::byte* smaller = sp->second.host;
+    spares.erase(sp);
+    p.host_is_spare = true;
+    try {
+      backend->host_free_pinned(smaller);
+    } catch (...) {
+      give_back(0, plans.size(), false);
+      throw;
+    }
+  }
+  // --- the copies of every kept domain, under one synchronization after them ---
+  bool copied = false;
+  for (const sleep_plan& p : plans) copied = copied || p.rec.host != nullptr;
+  if (copied) {
+    const auto copy_start = std::chrono::steady_clock::now();
+    try {
+      backend->device_synchronize();  // the work queued on the blocks, before reading them
+      for (const sleep_plan& p : plans) {
+        if (p.rec.host != nullptr) queue_copies(*backend, p.w.runs, p.rec.host, /*to_host=*/true);
       }
-      if (sp != spares.end()) {
-        std::byte* smaller = sp->second.host;
+      backend->device_synchronize();
+    } catch (...) {
+      give_back(0, plans.size(), false);
+      throw;
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
+    for (sleep_plan& p : plans) {
+      if (p.rec.host == nullptr) continue;
+      p.rec.copy_seconds = seconds;
+      p.rec.host_bytes = p.w.run_bytes;
+      p.rec.runs = std::move(p.w.runs);
+    }
+  }
+  // The records go in before anything is released (put_to_sleep then only sets bits): no
+  // allocation can fail once pages are gone.
+  try {
+    for (const sleep_plan& p : plans) sleeper.reserve_record(p.domain);
+  } catch (...) {
+    for (const sleep_plan& p : plans) sleeper.drop_record(p.domain);
+    give_back(0, plans.size(), false);
+    throw;
+  }
+  // --- release, domain by domain. Without copies, the first evict's synchronization is the
+  // call's one; after the copies' synchronization no work has used the pages ---
+  bool synchronize = !copied;
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    sleep_plan& p = plans[i];
+    std::size_t released = 0;
+    try {
+      for (stream_pool* q : p.w.pools) {
+        detail::pool_table::assert_locked(*q);
+        released += pager->evict(*q, synchronize);
+        synchronize = false;
+      }
+    } catch (...) {
+      // A device failure part way: this domain rolled back to awake (roll_back_sleep), the ones
+      // before it asleep, the ones after untouched (their copies kept as spare buffers).
+      const auto [why, code] = current_error();
+      std::vector<std::string> slept;
+      std::vector<std::string> untouched;
+      for (std::size_t j = 0; j < i; ++j) slept.push_back(plans[j].name);
+      for (std::size_t j = i + 1; j < plans.size(); ++j) {
+        sleeper.drop_record(plans[j].domain);
+        untouched.push_back(plans[j].name);
+      }
+      give_back(i + 1, plans.size(), /*keep_all=*/true);
+      std::string others;
+      if (!slept.empty()) {
+        others += fmt::format("; of the same call, {} slept before the failure and stay{} asleep",
+                              names_text(slept), slept.size() == 1 ? "s" : "");
+      }
+      if (!untouched.empty()) {
+        others += fmt::format("; {} {} not touched and stay{} awake", names_text(untouched),
+                              untouched.size() == 1 ? "was" : "were",
+                              untouched.size() == 1 ? "s" : "");
+      }
+      roll_back_sleep(p.domain, p.w.pools, p.rec, p.name, why, code, others);  // throws
+    }
+    p.rec.released_bytes = released;
+    sleeper.put_to_sleep(p.domain, std::move(p.rec));
+    if (!p.keep) {
+      // A sleep that keeps nothing gives back the pinned buffer the domain's last wake kept.
+      if (auto sp = spares.find(p.domain); sp != spares.end()) {
+        std::byte* h = sp->second.host;
         spares.erase(sp);
         try {
-          backend->host_free_pinned(smaller);
+          backend->host_free_pinned(h);
         } catch (...) {
-          try {
-            backend->host_free_pinned(host);
-          } catch (...) {
-          }
-          throw;
         }
       }
     }
-    const auto copy_start = std::chrono::steady_clock::now();
-    try {
-      queue_copies(*backend, w.runs, host, /*to_host=*/true);
-      backend->device_synchronize();
-    } catch (...) {
-      try {
-        backend->host_free_pinned(host);
-      } catch (...) {
-      }
-      throw;
-    }
-    rec.copy_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
-    rec.host = host;
-    rec.host_bytes = w.run_bytes;
-    rec.host_capacity = host_capacity;
-    rec.runs = std::move(w.runs);
   }
-  // The record goes in before anything is released (put_to_sleep then only sets bits): no
-  // allocation can fail once pages are gone.
-  sleeper.reserve_record(domain);
-  std::size_t released = 0;
-  try {
-    bool first = true;
-    for (stream_pool* q : w.pools) {
-      detail::pool_table::assert_locked(*q);
-      released += pager->evict(*q, /*synchronize=*/first);
-      first = false;
-    }
-  } catch (...) {
-    // A device failure part way: some pages released, the rest mapped. Rolled back to awake.
-    const auto [why, code] = current_error();
-    roll_back_sleep(domain, w.pools, rec, name, why, code);  // throws
-  }
-  rec.released_bytes = released;
-  sleeper.put_to_sleep(domain, std::move(rec));
 }
 
 void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
                                              const std::vector<stream_pool*>& domain_pools,
                                              detail::tag_sleeper::record& rec,
                                              const std::string& name, const std::string& why,
-                                             int code) {
+                                             int code, const std::string& others) {
   // REQUIRES: the domain awake, its record reserved; sleep's evict failed
   // part way. Maps every page of the domain's live blocks again and copies the kept bytes back:
   // the domain stays awake. If that fails too, the rest is released instead and the domain
@@ -374,11 +503,12 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
     throw cuda_error(
         "cucache sleep", code,
         fmt::format("{} on device {}: releasing its pages failed part way ({}); rolled back: it "
-                    "stays awake, every page of its live blocks mapped again{}",
+                    "stays awake, every page of its live blocks mapped again{}{}",
                     name, raw->device(), why,
                     rec.keep_contents ? " with their contents"
                                       : ", but the contents of the pages released before the "
-                                        "failure are lost (keep_contents was off)"));
+                                        "failure are lost (keep_contents was off)",
+                    others));
   }
   // Could not map them again: the rest is released too, and the domain sleeps.
   std::string finish_failure;
@@ -396,45 +526,73 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
   throw cuda_error(
       "cucache sleep", code,
       fmt::format("{} on device {}: releasing its pages failed part way ({}), and mapping them "
-                  "again failed too ({}); {}: wake it (wake maps what is missing)",
+                  "again failed too ({}); {}: wake it (wake maps what is missing){}",
                   name, raw->device(), why, rollback_failure,
                   finish_failure.empty()
                       ? "the rest was released instead, so it is asleep"
-                      : "it is asleep with some pages still mapped (" + finish_failure + ")"));
+                      : "it is asleep with some pages still mapped (" + finish_failure + ")",
+                  others));
 }
 
-void device_allocator::impl::wake(std::uint32_t domain, const std::string& label) {
-  check_domain(domain, "wake");
-  detail::pool_table::all_locked all(pools);
-  if (!sleeper.asleep(domain)) {
-    throw invalid_argument(fmt::format("cucache: wake: {} on device {} is not asleep; nothing "
-                                       "changed",
-                                       who(domain, label), raw->device()));
+void device_allocator::impl::wake(std::span<const device_allocator::wake_request> requests) {
+  if (requests.empty()) {
+    throw invalid_argument("cucache: wake: the list of tags to wake is empty");
   }
-  detail::tag_sleeper::record& rec = sleeper.of(domain);
-  const std::string name = who(domain, rec.label.empty() ? label : rec.label);
+  for (const auto& r : requests) check_domain(r.domain, "wake");
+  refuse_duplicates(requests, "wake", raw->device());
+  detail::pool_table::all_locked all(pools);
+  struct wake_plan {
+    std::uint32_t domain = 0;
+    detail::tag_sleeper::record* rec = nullptr;
+    std::string name;
+    domain_walk w;
+  };
+  std::vector<wake_plan> plans(requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const std::uint32_t domain = requests[i].domain;
+    const std::string label(requests[i].label);
+    if (!sleeper.asleep(domain)) {
+      throw invalid_argument(fmt::format("cucache: wake: {} on device {} is not asleep; nothing "
+                                         "changed",
+                                         who(domain, label), raw->device()));
+    }
+    wake_plan& p = plans[i];
+    p.domain = domain;
+    p.rec = &sleeper.of(domain);
+    p.name = who(domain, p.rec->label.empty() ? label : p.rec->label);
+  }
   if (sync_blocked()) graphs.throw_capture_blocks("wake");
-  const domain_walk w = walk_domain(pools, domain);
+  const auto waking = [&](std::uint32_t d) {
+    return std::any_of(plans.begin(), plans.end(), [d](const wake_plan& p) { return p.domain == d; });
+  };
   // What wake maps: the pages live blocks touch that no mapping backs now (all of them, unless a
   // device failure stopped sleep part way).
   std::size_t missing_pages = 0;
-  for (stream_pool* q : w.pools) {
-    detail::pool_table::assert_locked(*q);
-    for (const segment* seg : q->pages.ranges) {
-      const detail::vm_range& r = *seg->vm;
-      bool counted_any = false;
-      std::size_t last_counted = 0;  // a page two blocks share is counted once
-      for (const block* b = seg->first; b != nullptr; b = b->next) {
-        if (b->state == block_state::free) continue;
-        const std::size_t first = r.page_of(b->addr);
-        const std::size_t last = r.page_of(b->addr + b->size - 1);
-        const std::size_t start = counted_any && first <= last_counted ? last_counted + 1 : first;
-        if (start <= last) missing_pages += r.unmapped_in(start, last);
-        last_counted = std::max(last_counted, last);
-        counted_any = true;
+  std::vector<std::string> names;
+  for (wake_plan& p : plans) {
+    names.push_back(p.name);
+    p.w = walk_domain(pools, p.domain);
+    for (stream_pool* q : p.w.pools) {
+      detail::pool_table::assert_locked(*q);
+      for (const segment* seg : q->pages.ranges) {
+        const detail::vm_range& r = *seg->vm;
+        bool counted_any = false;
+        std::size_t last_counted = 0;  // a page two blocks share is counted once
+        for (const block* b = seg->first; b != nullptr; b = b->next) {
+          if (b->state == block_state::free) continue;
+          const std::size_t first = r.page_of(b->addr);
+          const std::size_t last = r.page_of(b->addr + b->size - 1);
+          const std::size_t start =
+              counted_any && first <= last_counted ? last_counted + 1 : first;
+          if (start <= last) missing_pages += r.unmapped_in(start, last);
+          last_counted = std::max(last_counted, last);
+          counted_any = true;
+        }
       }
     }
   }
+  const bool one = plans.size() == 1;
+  const std::string name = one ? plans[0].name : names_text(names);
   const std::size_t needed = missing_pages * page_bytes;
   // Room: what the limit and the device allow plus the unmapped handles. When short, the other
   // pools' idle (cached) pages are given back first, pool by pool -- the same memory the
@@ -454,32 +612,35 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
   for (const auto& q : pools) {
     detail::pool_table::assert_locked(*q);
     if (room >= needed) break;
-    if (q->domain == domain || !q->pages.has_idle()) continue;
+    if (waking(q->domain) || !q->pages.has_idle()) continue;
     pager->unmap_idle(*q, /*release=*/true);
     room = pager->room_bytes();
   }
   const auto no_room = [&](std::size_t have) {
     return out_of_memory(fmt::format(
-        "cucache: wake: {} on device {} needs {} of device memory to map its {} page(s) again; "
-        "the device and the memory limit have room for {}: {} missing. It stays asleep and "
-        "nothing of it is mapped; free memory (or put another tag to sleep) and wake it again",
-        name, raw->device(), bytes_text(needed), missing_pages, bytes_text(have),
-        bytes_text(needed > have ? needed - have : 0)));
+        "cucache: wake: {} on device {} need{} {} of device memory to map {} {} page(s) again; "
+        "the device and the memory limit have room for {}: {} missing. {} asleep and "
+        "nothing of {} is mapped; free memory (or put another tag to sleep) and wake {} again",
+        name, raw->device(), one ? "s" : "", bytes_text(needed), one ? "its" : "their",
+        missing_pages, bytes_text(have), bytes_text(needed > have ? needed - have : 0),
+        one ? "It stays" : "They stay", one ? "it" : "them", one ? "it" : "them"));
   };
   if (room < needed) throw no_room(room);
-  // Undo: every page mapped for the domain goes again, and handles a failed map left in the
+  // Undo: every page mapped for the domains goes again, and handles a failed map left in the
   // unmapped list are released down to the reservation wake began with -- the device holds what
   // it held before (the other pools' idle pages given back above stay given back: cached memory).
   const std::size_t reserved_at_start = budget.reserved_bytes();
   const auto undo = [&](bool synchronize) noexcept {
     bool first = synchronize;
-    for (stream_pool* q : w.pools) {
-      try {
-        detail::pool_table::assert_locked(*q);
-        pager->evict(*q, first);
-      } catch (...) {
+    for (wake_plan& p : plans) {
+      for (stream_pool* q : p.w.pools) {
+        try {
+          detail::pool_table::assert_locked(*q);
+          pager->evict(*q, first);
+        } catch (...) {
+        }
+        first = false;
       }
-      first = false;
     }
     try {
       pager->release_unmapped(reserved_at_start);
@@ -487,12 +648,14 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
     }
   };
   try {
-    for (stream_pool* q : w.pools) {
-      detail::pool_table::assert_locked(*q);
-      for (segment* seg : q->pages.ranges) {
-        for (block* b = seg->first; b != nullptr; b = b->next) {
-          if (b->state == block_state::free) continue;
-          if (!pager->back(*q, b)) throw no_room(pager->room_bytes());
+    for (wake_plan& p : plans) {
+      for (stream_pool* q : p.w.pools) {
+        detail::pool_table::assert_locked(*q);
+        for (segment* seg : q->pages.ranges) {
+          for (block* b = seg->first; b != nullptr; b = b->next) {
+            if (b->state == block_state::free) continue;
+            if (!pager->back(*q, b)) throw no_room(pager->room_bytes());
+          }
         }
       }
     }
@@ -500,23 +663,33 @@ void device_allocator::impl::wake(std::uint32_t domain, const std::string& label
     undo(false);  // nothing has used the new pages: no synchronization needed
     throw;
   }
+  // The kept contents of every domain, copied back under one synchronization.
   double copy_in = 0;
-  if (rec.host != nullptr) {
+  bool copied = false;
+  for (const wake_plan& p : plans) copied = copied || p.rec->host != nullptr;
+  if (copied) {
     const auto copy_start = std::chrono::steady_clock::now();
     try {
-      queue_copies(*backend, rec.runs, rec.host, /*to_host=*/false);
+      for (const wake_plan& p : plans) {
+        if (p.rec->host != nullptr) {
+          queue_copies(*backend, p.rec->runs, p.rec->host, /*to_host=*/false);
+        }
+      }
       backend->device_synchronize();
     } catch (...) {
       undo(true);  // copies may be in flight: the pages go only after a synchronization
       throw;
     }
     copy_in = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_start).count();
+  }
+  for (wake_plan& p : plans) {
+    const bool kept = p.rec->host != nullptr;
     // Kept for the domain's next sleep. A spare can be there already (prepare_sleep pinned one
     // while the domain fell asleep): the larger of the two stays, the other is freed.
-    keep_spare(domain, rec.host, rec.host_capacity);
+    if (kept) keep_spare(p.domain, p.rec->host, p.rec->host_capacity);
+    sleeper.last_copy_in()[p.domain] = kept ? copy_in : 0.0;
+    sleeper.wake_up(p.domain);
   }
-  sleeper.last_copy_in()[domain] = copy_in;
-  sleeper.wake_up(domain);
 }
 
 void device_allocator::impl::keep_spare(std::uint32_t domain, std::byte* host,
@@ -594,8 +767,10 @@ std::uint32_t device_allocator::thread_sleep_domain() noexcept {
 }
 void device_allocator::sleep(std::uint32_t domain, bool keep_contents, std::string_view label,
                              const std::function<void(std::size_t)>& check) {
-  impl_->sleep(domain, keep_contents, std::string(label), check);
+  const sleep_request one{domain, keep_contents, label, check};
+  impl_->sleep(std::span<const sleep_request>(&one, 1));
 }
+void device_allocator::sleep(std::span<const sleep_request> requests) { impl_->sleep(requests); }
 std::size_t device_allocator::prepare_sleep(std::uint32_t domain, std::size_t bytes,
                                             std::string_view label) {
   return impl_->prepare_sleep(domain, bytes, std::string(label));
@@ -605,8 +780,10 @@ std::size_t device_allocator::sleep_buffer_bytes(std::uint32_t domain) const {
   return impl_->spare_bytes(domain);
 }
 void device_allocator::wake(std::uint32_t domain, std::string_view label) {
-  impl_->wake(domain, std::string(label));
+  const wake_request one{domain, label};
+  impl_->wake(std::span<const wake_request>(&one, 1));
 }
+void device_allocator::wake(std::span<const wake_request> requests) { impl_->wake(requests); }
 std::vector<device_allocator::sleep_state> device_allocator::sleeping() const {
   detail::pool_table::all_locked all(impl_->pools);
   std::vector<sleep_state> out;

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "api/c_boundary.hpp"
 #include "api/registry.hpp"
@@ -268,6 +269,40 @@ cudaError_t cucacheMakeTagSleepable(const char* tag) noexcept {
 cudaError_t cucacheSleep(int device, const char* tag, int keepContents) noexcept {
   if (tag == nullptr) return null_argument("cucacheSleep", "tag");
   return guarded("cucacheSleep", [&] { cucache::sleep(device, tag, keepContents != 0); });
+}
+
+cudaError_t cucacheSleepTags(int device, const char* const* tags, const int* keepContents,
+                             size_t count) noexcept {
+  if (tags == nullptr) return null_argument("cucacheSleepTags", "tags");
+  if (keepContents == nullptr) return null_argument("cucacheSleepTags", "keepContents");
+  return guarded("cucacheSleepTags", [&] {
+    std::vector<cucache::tag_sleep_request> requests;
+    requests.reserve(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      if (tags[i] == nullptr) {
+        throw cucache::invalid_argument("tags[" + std::to_string(i) +
+                                        "] is NULL; nothing changed");
+      }
+      requests.push_back({tags[i], keepContents[i] != 0});
+    }
+    cucache::sleep(device, requests);
+  });
+}
+
+cudaError_t cucacheWakeTags(int device, const char* const* tags, size_t count) noexcept {
+  if (tags == nullptr) return null_argument("cucacheWakeTags", "tags");
+  return guarded("cucacheWakeTags", [&] {
+    std::vector<std::string_view> names;
+    names.reserve(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      if (tags[i] == nullptr) {
+        throw cucache::invalid_argument("tags[" + std::to_string(i) +
+                                        "] is NULL; nothing changed");
+      }
+      names.emplace_back(tags[i]);
+    }
+    cucache::wake(device, names);
+  });
 }
 
 cudaError_t cucacheSleepPrepare(int device, const char* tag, size_t bytes,

@@ -224,30 +224,45 @@ bool is_sleepable(std::string_view tag) {
 }
 
 void sleep(int device, std::string_view tag, bool keep_contents) {
-  const std::uint32_t id = sleepable_tag(tag, "sleep");
+  const tag_sleep_request one{tag, keep_contents};
+  sleep(device, std::span<const tag_sleep_request>(&one, 1));
+}
+
+void sleep(int device, std::span<const tag_sleep_request> tags) {
+  if (tags.empty()) throw invalid_argument("cucache: sleep: the list of tags is empty");
+  std::vector<device_allocator::sleep_request> requests;
+  requests.reserve(tags.size());
+  for (const tag_sleep_request& t : tags) {
+    const std::uint32_t id = sleepable_tag(t.tag, "sleep");
+    // Every live block of the tag must be in its pages: blocks allocated under it before it was
+    // made sleepable (or in a graph capture) share pages with others and cannot sleep. The check
+    // runs under every pool lock, where no free is half done (the hub hears of a free under its
+    // pool's lock) but an allocation may be: the hub hears of it only after it returned. So the
+    // hub's count of the tag's blocks in its pages never exceeds the pools' bytes, and only a
+    // count above them proves a block outside (an allocation under way on another thread is
+    // never taken for one).
+    const std::string_view tag = t.tag;
+    requests.push_back({id, t.keep_contents, tag, [device, tag](std::size_t placed) {
+                          const std::uint64_t tagged = tag_stats(device, tag).current_bytes;
+                          if (tagged > placed) {
+                            throw invalid_argument(fmt::format(
+                                "cucache: sleep: tag '{}' on device {} has {} live bytes, of "
+                                "which {} lie in its own pages; the rest were allocated before "
+                                "make_sleepable or inside a CUDA graph capture and cannot sleep "
+                                "(free them first); nothing changed",
+                                tag, device, tagged, placed));
+                          }
+                        }});
+  }
   device_allocator& a = get(device);
-  // Every live block of the tag must be in its pages: blocks allocated under it before it was
-  // made sleepable (or in a graph capture) share pages with others and cannot sleep. The check
-  // runs under every pool lock, where no free is half done (the hub hears of a free under its
-  // pool's lock) but an allocation may be: the hub hears of it only after it returned. So the
-  // hub's count of the tag's blocks in its pages never exceeds the pools' bytes, and only a
-  // count above them proves a block outside (an allocation under way on another thread is
-  // never taken for one).
-  a.sleep(id, keep_contents, tag, [&](std::size_t placed) {
-    const std::uint64_t tagged = tag_stats(device, tag).current_bytes;
-    if (tagged > placed) {
-      throw invalid_argument(fmt::format(
-          "cucache: sleep: tag '{}' on device {} has {} live bytes, of which {} lie in its own "
-          "pages; the rest were allocated before make_sleepable or inside a CUDA graph capture "
-          "and cannot sleep (free them first); nothing changed",
-          tag, device, tagged, placed));
-    }
-  });
+  a.sleep(requests);
   if (trace_recorder* rec = registry::instance().recorder()) {
-    try {
-      rec->record_sleep(tag, keep_contents, sleeping_bytes_of(a, id));
-    } catch (...) {
-      rec->note_lost_row();  // as the allocation rows: the sleep the program asked for stands
+    for (const device_allocator::sleep_request& r : requests) {
+      try {
+        rec->record_sleep(r.label, r.keep_contents, sleeping_bytes_of(a, r.domain));
+      } catch (...) {
+        rec->note_lost_row();  // as the allocation rows: the sleep the program asked for stands
+      }
     }
   }
 }
@@ -263,16 +278,25 @@ std::size_t sleep_buffer_bytes(int device, std::string_view tag) {
   return a == nullptr || id == 0 ? 0 : a->sleep_buffer_bytes(id);
 }
 
-void wake(int device, std::string_view tag) {
-  const std::uint32_t id = sleepable_tag(tag, "wake");
+void wake(int device, std::string_view tag) { wake(device, std::span<const std::string_view>(&tag, 1)); }
+
+void wake(int device, std::span<const std::string_view> tags) {
+  if (tags.empty()) throw invalid_argument("cucache: wake: the list of tags is empty");
+  std::vector<device_allocator::wake_request> requests;
+  requests.reserve(tags.size());
+  for (const std::string_view tag : tags) requests.push_back({sleepable_tag(tag, "wake"), tag});
   device_allocator& a = get(device);
-  const std::size_t bytes = sleeping_bytes_of(a, id);
-  a.wake(id, tag);
+  std::vector<std::size_t> bytes;
+  bytes.reserve(requests.size());
+  for (const auto& r : requests) bytes.push_back(sleeping_bytes_of(a, r.domain));
+  a.wake(requests);
   if (trace_recorder* rec = registry::instance().recorder()) {
-    try {
-      rec->record_wake(tag, bytes);
-    } catch (...) {
-      rec->note_lost_row();
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      try {
+        rec->record_wake(requests[i].label, bytes[i]);
+      } catch (...) {
+        rec->note_lost_row();
+      }
     }
   }
 }

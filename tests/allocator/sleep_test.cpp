@@ -4,6 +4,7 @@
 // contents survive with keep_contents, placement keeps every page of a domain to itself, every
 // misuse is a clear error that changes nothing, and a seeded random program of sleeps, wakes,
 // allocations, frees and limits keeps every invariant.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -625,6 +626,344 @@ TEST(Sleep, AFailedUnmapOrReleaseRollsTheSleepBackAtEveryStep) {
       EXPECT_TRUE(reached_the_end);
     }
   }
+}
+
+// --- several domains in one call (device_allocator::sleep(std::span), wake(std::span)) ---------
+
+using sleep_request = device_allocator::sleep_request;
+using wake_request = device_allocator::wake_request;
+
+/// Domains 3 (kept), 4 (dropped) and 6 (kept) each with the blocks of failing_domain, and an
+/// untagged block; the sims of two allocators built this way behave the same.
+struct three_domains {
+  failing_domain d3;
+  failing_domain d4;
+  failing_domain d6;
+  void* other;
+  explicit three_domains(sim_allocator& a)
+      : d3(a, 3), d4(a, 4), d6(a, 6), other(a.alloc.allocate(3 * MiB)) {
+    fill(*a.sim, other, 3 * MiB, 1);
+  }
+};
+
+const std::vector<sleep_request> k_three = {
+    {3, true, "weights", {}}, {4, false, "kv_cache", {}}, {6, true, "graphs", {}}};
+
+TEST(SleepTags, SeveralDomainsSleepAsOneAndWakeAsOneUnderOneSynchronization) {
+  // The same program twice: one allocator sleeps the three domains one by one, the other in one
+  // call. Every figure is the same, and the call synchronizes the device twice (before and after
+  // the copies), the three single calls at least six times.
+  sim_allocator one(expandable(), host_backed());
+  sim_allocator all(expandable(), host_backed());
+  const three_domains d1(one);
+  const three_domains d(all);
+  for (const sleep_request& r : k_three) one.alloc.sleep(r.domain, r.keep_contents, r.label);
+  const auto syncs = all.sim->calls(sim_call::device_synchronize);
+  all.alloc.sleep(k_three);
+  EXPECT_EQ(all.sim->calls(sim_call::device_synchronize), syncs + 2);
+  all.alloc.check_invariants();
+  expect_no_leak(all);
+  for (std::uint32_t dom : {3u, 4u, 6u}) EXPECT_TRUE(all.alloc.is_asleep(dom)) << dom;
+  EXPECT_EQ(all.reserved(), one.reserved());
+  EXPECT_EQ(all.sim->used_bytes(), one.sim->used_bytes());
+  EXPECT_EQ(all.sim->pinned_bytes(), one.sim->pinned_bytes());
+  const auto s1 = one.alloc.sleeping();
+  const auto s = all.alloc.sleeping();
+  ASSERT_EQ(s.size(), 3u);
+  ASSERT_EQ(s1.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(s[i].domain, s1[i].domain);
+    EXPECT_EQ(s[i].bytes, s1[i].bytes);
+    EXPECT_EQ(s[i].host_bytes, s1[i].host_bytes);
+  }
+  EXPECT_EQ(s[1].host_bytes, 0u);  // kv_cache dropped
+  EXPECT_GT(s[0].host_bytes, 0u);
+  EXPECT_EQ(all.stats().sleeping_bytes, one.stats().sleeping_bytes);
+  EXPECT_FALSE(all.sim->accessible(d.d3.blocks[2].first, 1));
+  EXPECT_TRUE(holds(*all.sim, d.other, 3 * MiB, 1));
+
+  const std::vector<wake_request> wake_all = {{6, "graphs"}, {3, "weights"}, {4, "kv_cache"}};
+  const auto wake_syncs = all.sim->calls(sim_call::device_synchronize);
+  all.alloc.wake(wake_all);
+  EXPECT_EQ(all.sim->calls(sim_call::device_synchronize), wake_syncs + 1);  // the copies'
+  all.alloc.check_invariants();
+  expect_no_leak(all);
+  EXPECT_TRUE(all.alloc.sleeping().empty());
+  EXPECT_TRUE(d.d3.mapped_and_kept(all, true));
+  EXPECT_TRUE(d.d4.mapped_and_kept(all, false));
+  EXPECT_TRUE(d.d6.mapped_and_kept(all, true));
+  for (std::uint32_t dom : {3u, 4u, 6u}) one.alloc.wake(dom);
+  EXPECT_EQ(all.reserved(), one.reserved());
+  EXPECT_EQ(all.sim->used_bytes(), one.sim->used_bytes());
+  // The kept domains keep their buffers for the next sleep, as after single wakes.
+  EXPECT_EQ(all.alloc.sleep_buffer_bytes(3), one.alloc.sleep_buffer_bytes(3));
+  EXPECT_EQ(all.alloc.sleep_buffer_bytes(6), one.alloc.sleep_buffer_bytes(6));
+  EXPECT_EQ(all.alloc.sleep_buffer_bytes(4), 0u);
+
+  // Nothing kept: one synchronization (the first release's), for the whole call.
+  const std::vector<sleep_request> drop = {{3, false, "weights", {}}, {4, false, "kv_cache", {}}};
+  const auto drop_syncs = all.sim->calls(sim_call::device_synchronize);
+  all.alloc.sleep(drop);
+  EXPECT_EQ(all.sim->calls(sim_call::device_synchronize), drop_syncs + 1);
+  EXPECT_EQ(all.alloc.sleep_buffer_bytes(3), 0u);  // a drop frees the domain's buffer
+  all.alloc.check_invariants();
+  const std::vector<wake_request> wake_two = {{3, {}}, {4, {}}};
+  all.alloc.wake(wake_two);
+  EXPECT_TRUE(d.d3.mapped_and_kept(all, false));
+  all.alloc.check_invariants();
+  expect_no_leak(all);
+}
+
+/// What a refused call must leave as it was.
+struct snapshot {
+  std::int64_t reserved;
+  std::size_t used;
+  std::size_t pinned;
+  std::vector<std::size_t> spares;
+  std::vector<bool> asleep;
+  snapshot(sim_allocator& a, const std::vector<std::uint32_t>& domains)
+      : reserved(a.reserved()), used(a.sim->used_bytes()), pinned(a.sim->pinned_bytes()) {
+    for (std::uint32_t d : domains) {
+      spares.push_back(a.alloc.sleep_buffer_bytes(d));
+      asleep.push_back(a.alloc.is_asleep(d));
+    }
+  }
+  bool operator==(const snapshot&) const = default;
+};
+
+TEST(SleepTags, EveryRefusalChangesNothingForAnyDomain) {
+  sim_allocator a(expandable(), host_backed(4 * GiB));
+  const failing_domain d3(a, 3);
+  const failing_domain d4(a, 4);
+  const failing_domain d5(a, 5);
+  a.alloc.sleep(5, true, "asleep");
+  EXPECT_GT(a.alloc.prepare_sleep(4), 0u);  // a spare buffer that must stay as it is
+  const std::vector<std::uint32_t> doms = {3, 4, 5};
+  const snapshot before(a, doms);
+  const auto refused = [&](const std::vector<sleep_request>& req, const std::string& words) {
+    SCOPED_TRACE(words);
+    try {
+      a.alloc.sleep(req);
+      ADD_FAILURE() << "not refused";
+    } catch (const error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("nothing changed"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(snapshot(a, doms) == before);
+    a.alloc.check_invariants();
+    expect_no_leak(a);
+    EXPECT_TRUE(d3.mapped_and_kept(a, true));
+    EXPECT_TRUE(d4.mapped_and_kept(a, true));
+  };
+  refused({{3, true, "w", {}}, {3, false, "w", {}}}, "tag 'w' on device 0 is named twice");
+  refused({{3, true, "w", {}}, {4, true, "kv", {}}, {5, true, "asleep", {}}},
+          "tag 'asleep' on device 0 is asleep already");
+  refused({{3, true, "w", {}}, {0, true, "zero", {}}}, "sleep domain 0 is not in [1, 16383]");
+  refused({{3, true, "w", {}},
+           {4, false, "kv",
+            [](std::size_t) { throw invalid_argument("cucache: front end says no; nothing changed"); }}},
+          "front end says no");
+  // An exported block in the second domain.
+  a.alloc.note_ipc_export(d4.blocks[2].first);
+  refused({{3, true, "w", {}}, {4, false, "kv", {}}}, "exported to other processes");
+  EXPECT_THROW(a.alloc.sleep(std::vector<sleep_request>{}), invalid_argument);
+  EXPECT_TRUE(snapshot(a, doms) == before);
+  // Blocks held for a graph in the second domain's pools: the graph checkpoint tests' setup is
+  // heavy; the single-domain refusal (sleep_test's graph case) runs the same loop.
+  a.alloc.wake(5);
+  a.alloc.check_invariants();
+  EXPECT_TRUE(d5.mapped_and_kept(a, true));
+}
+
+TEST(SleepTags, AHostThatCannotPinTheSecondCopyChangesNothingForTheFirst) {
+  sim_allocator a(expandable(), host_backed());
+  const failing_domain d3(a, 3);
+  const failing_domain d4(a, 4);
+  const std::vector<std::uint32_t> doms = {3, 4};
+  const snapshot before(a, doms);
+  a.sim->fail_nth(sim_call::host_alloc_pinned, 2);  // the second domain's buffer
+  try {
+    a.alloc.sleep(std::vector<sleep_request>{{3, true, "w", {}}, {4, true, "kv", {}}});
+    ADD_FAILURE() << "not refused";
+  } catch (const out_of_memory& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("tag 'kv' on device 0: cannot pin"), std::string::npos) << m;
+    EXPECT_NE(m.find("nothing changed (and no tag of the call sleeps)"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(snapshot(a, doms) == before);
+  EXPECT_EQ(a.sim->calls(sim_call::host_free_pinned), 1u);  // the first domain's new buffer
+  EXPECT_EQ(a.sim->live_pinned(), 0u);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  EXPECT_TRUE(d3.mapped_and_kept(a, true));
+  EXPECT_TRUE(d4.mapped_and_kept(a, true));
+  a.sim->fail_nth(sim_call::host_alloc_pinned, 0);
+  a.alloc.sleep(std::vector<sleep_request>{{3, true, "w", {}}, {4, true, "kv", {}}});
+  a.alloc.wake(std::vector<wake_request>{{3, {}}, {4, {}}});
+  EXPECT_TRUE(d3.mapped_and_kept(a, true));
+  EXPECT_TRUE(d4.mapped_and_kept(a, true));
+}
+
+TEST(SleepTags, AFailedReleaseRollsThatDomainBackLeavesTheEarlierAsleepAndTheLaterUntouched) {
+  // How many unmaps each domain's sleep makes, from single sleeps of the same program.
+  std::vector<std::uint64_t> unmaps;
+  {
+    sim_allocator a(expandable(), host_backed(512 * MiB));
+    const three_domains d(a);
+    for (const sleep_request& r : k_three) {
+      const auto before = a.sim->calls(sim_call::unmap);
+      a.alloc.sleep(r.domain, r.keep_contents, r.label);
+      unmaps.push_back(a.sim->calls(sim_call::unmap) - before);
+    }
+  }
+  ASSERT_GT(unmaps[0], 2u);
+  const std::uint64_t total = unmaps[0] + unmaps[1] + unmaps[2];
+  for (std::uint64_t k = 1; k <= total; ++k) {
+    // The domain whose release fails: 0, 1 or 2.
+    const std::size_t failing = k <= unmaps[0] ? 0 : k <= unmaps[0] + unmaps[1] ? 1 : 2;
+    SCOPED_TRACE(::testing::Message() << "unmap " << k << ", failing domain index " << failing);
+    sim_allocator a(expandable(), host_backed(512 * MiB));
+    const three_domains d(a);
+    const std::vector<const failing_domain*> doms = {&d.d3, &d.d4, &d.d6};
+    a.sim->fail_nth(sim_call::unmap, k);
+    try {
+      a.alloc.sleep(k_three);
+      ADD_FAILURE() << "the failed unmap was not reported";
+    } catch (const cuda_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(fmt::format("tag '{}' on device 0: releasing its pages failed part way",
+                                   k_three[failing].label)),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("stays awake"), std::string::npos) << m;
+      if (failing == 0) {
+        EXPECT_EQ(m.find("slept before the failure"), std::string::npos) << m;
+      }
+      if (failing == 1) {
+        EXPECT_NE(m.find("tag 'weights' slept before the failure and stays asleep"),
+                  std::string::npos)
+            << m;
+      }
+      if (failing == 2) {
+        EXPECT_NE(m.find("tag 'weights', tag 'kv_cache' slept before the failure and stay asleep"),
+                  std::string::npos)
+            << m;
+        EXPECT_EQ(m.find("not touched"), std::string::npos) << m;
+      }
+      if (failing == 0) {
+        EXPECT_NE(m.find("tag 'kv_cache', tag 'graphs' were not touched and stay awake"),
+                  std::string::npos)
+            << m;
+      }
+      if (failing == 1) {
+        EXPECT_NE(m.find("tag 'graphs' was not touched and stays awake"), std::string::npos) << m;
+      }
+    }
+    a.sim->fail_nth(sim_call::unmap, 0);
+    a.alloc.check_invariants();
+    expect_no_leak(a);
+    for (std::size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(a.alloc.is_asleep(k_three[i].domain), i < failing) << i;
+      if (i >= failing) {
+        // Rolled back (the failing one: its kept bytes copied back; dropped bytes may be lost)
+        // or untouched (every byte in place).
+        EXPECT_TRUE(doms[i]->mapped_and_kept(a, i > failing || k_three[i].keep_contents)) << i;
+      }
+    }
+    // The untouched kept domain's copy became its spare buffer.
+    if (failing < 2) {
+      EXPECT_GT(a.alloc.sleep_buffer_bytes(6), 0u);
+    }
+    // The rest of the call, then a wake of everything: every kept byte back.
+    std::vector<sleep_request> rest(k_three.begin() + static_cast<std::ptrdiff_t>(failing),
+                                    k_three.end());
+    a.alloc.sleep(rest);
+    a.alloc.check_invariants();
+    a.alloc.wake(std::vector<wake_request>{{3, {}}, {4, {}}, {6, {}}});
+    a.alloc.check_invariants();
+    expect_no_leak(a);
+    EXPECT_TRUE(d.d3.mapped_and_kept(a, true));
+    EXPECT_TRUE(d.d6.mapped_and_kept(a, true));
+    EXPECT_TRUE(holds(*a.sim, d.other, 3 * MiB, 1));
+  }
+}
+
+TEST(SleepTags, WakeOfSeveralIsAllOrNone) {
+  sim_allocator a(expandable("memory_limit:96MiB"), host_backed());
+  void* p = nullptr;
+  void* q = nullptr;
+  {
+    in_domain d(3);
+    p = a.alloc.allocate(20 * MiB);
+  }
+  {
+    in_domain d(4);
+    q = a.alloc.allocate(20 * MiB);
+  }
+  fill(*a.sim, p, 20 * MiB, 5);
+  fill(*a.sim, q, 20 * MiB, 6);
+  a.alloc.sleep(std::vector<sleep_request>{{3, true, "w", {}}, {4, true, "kv", {}}});
+  const std::vector<std::uint32_t> doms = {3, 4};
+  const auto refused = [&](const std::vector<wake_request>& req, const std::string& words) {
+    SCOPED_TRACE(words);
+    const snapshot before(a, doms);
+    try {
+      a.alloc.wake(req);
+      ADD_FAILURE() << "not refused";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+    // Asleep as before, nothing of them mapped; only other pools' cached pages may have been
+    // given back (a wake short of room gives them back first, as a single wake does).
+    const snapshot after(a, doms);
+    EXPECT_EQ(after.asleep, before.asleep);
+    EXPECT_EQ(after.spares, before.spares);
+    EXPECT_EQ(after.pinned, before.pinned);
+    EXPECT_LE(after.reserved, before.reserved);
+    EXPECT_LE(after.used, before.used);
+    EXPECT_FALSE(a.sim->accessible(p, 1));
+    EXPECT_FALSE(a.sim->accessible(q, 1));
+    EXPECT_EQ(a.stats().sleeping_bytes, 40 * MiB);
+    a.alloc.check_invariants();
+    expect_no_leak(a);
+  };
+  refused({{3, "w"}, {3, "w"}}, "tag 'w' on device 0 is named twice");
+  {
+    in_domain d(5);
+    void* r = a.alloc.allocate(MiB);
+    refused({{3, "w"}, {5, "awake"}}, "tag 'awake' on device 0 is not asleep; nothing changed");
+    a.alloc.deallocate(r);
+  }
+  // Room for one of them but not both: both stay asleep.
+  void* big = a.alloc.allocate(60 * MiB);
+  refused({{3, "w"}, {4, "kv"}},
+          "tag 'w', tag 'kv' on device 0 need 40.00 MiB of device memory to map their 20 page(s)");
+  a.alloc.deallocate(big);
+  a.alloc.wake(std::vector<wake_request>{{4, {}}, {3, {}}});
+  EXPECT_TRUE(holds(*a.sim, p, 20 * MiB, 5));
+  EXPECT_TRUE(holds(*a.sim, q, 20 * MiB, 6));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+}
+
+TEST(SleepTags, AFailedCopyBackWakesNoneOfThem) {
+  sim_allocator a(expandable(), host_backed());
+  const failing_domain d3(a, 3);
+  const failing_domain d4(a, 4);
+  a.alloc.sleep(std::vector<sleep_request>{{3, true, "w", {}}, {4, true, "kv", {}}});
+  const std::size_t used_asleep = a.sim->used_bytes();
+  a.sim->fail_nth(sim_call::copy_async, 3);  // a copy of the second domain's
+  EXPECT_THROW(a.alloc.wake(std::vector<wake_request>{{3, {}}, {4, {}}}), cuda_error);
+  EXPECT_TRUE(a.alloc.is_asleep(3));
+  EXPECT_TRUE(a.alloc.is_asleep(4));
+  EXPECT_EQ(a.sim->used_bytes(), used_asleep);
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  a.sim->fail_nth(sim_call::copy_async, 0);
+  a.alloc.wake(std::vector<wake_request>{{3, {}}, {4, {}}});
+  EXPECT_TRUE(d3.mapped_and_kept(a, true));
+  EXPECT_TRUE(d4.mapped_and_kept(a, true));
+  a.alloc.check_invariants();
 }
 
 TEST(Sleep, AFailedCopyBackDuringWakeLeavesItAsleepAndWakeableAgain) {

@@ -94,6 +94,55 @@ TEST_F(SleepApi, SleepAndWakeATagThroughTheCApi) {
   cucache::get(0).check_invariants();
 }
 
+TEST_F(SleepApi, SeveralTagsSleepAndWakeInOneCall) {
+  ASSERT_EQ(cucacheMakeTagSleepable("weights"), cudaSuccess) << message();
+  ASSERT_EQ(cucacheMakeTagSleepable("kv_cache"), cudaSuccess) << message();
+  ASSERT_EQ(cucacheMakeTagSleepable("plain_sleepable"), cudaSuccess) << message();
+  void* w = alloc_under("weights", 40 * MiB);
+  void* kv = alloc_under("kv_cache", 20 * MiB);
+  void* untagged = nullptr;
+  ASSERT_EQ(cucacheMalloc(&untagged, 3 * MiB), cudaSuccess);
+  const cucacheStats before = stats();
+  const char* const tags[] = {"weights", "kv_cache"};
+  const int keep[] = {1, 0};
+  // Refusals, each with nothing changed for either tag.
+  const char* const twice[] = {"weights", "weights"};
+  EXPECT_EQ(cucacheSleepTags(0, twice, keep, 2), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'weights' on device 0 is named twice"), std::string::npos)
+      << message();
+  const char* const unknown[] = {"weights", "no_such_tag"};
+  EXPECT_EQ(cucacheSleepTags(0, unknown, keep, 2), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("unknown tag 'no_such_tag'"), std::string::npos) << message();
+  const char* const with_null[] = {"weights", nullptr};
+  EXPECT_EQ(cucacheSleepTags(0, with_null, keep, 2), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tags[1] is NULL"), std::string::npos) << message();
+  EXPECT_EQ(cucacheSleepTags(0, nullptr, keep, 2), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheSleepTags(0, tags, nullptr, 2), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheSleepTags(0, tags, keep, 0), cudaErrorInvalidValue);
+  EXPECT_TRUE(cucache::sleeping(0).empty());
+  EXPECT_EQ(stats().reservedBytes, before.reservedBytes);
+
+  ASSERT_EQ(cucacheSleepTags(0, tags, keep, 2), cudaSuccess) << message();
+  cucacheStats s = stats();
+  EXPECT_EQ(s.reservedBytes, 4 * MiB);  // the untagged block's pages
+  EXPECT_EQ(s.sleepingBytes, 60 * MiB);
+  EXPECT_EQ(s.sleepingHostBytes, 40 * MiB);  // weights kept, kv_cache dropped
+  // Wake: a tag not asleep refuses the whole call.
+  const char* const not_asleep[] = {"weights", "plain_sleepable"};
+  EXPECT_EQ(cucacheWakeTags(0, not_asleep, 2), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("tag 'plain_sleepable' on device 0 is not asleep"), std::string::npos)
+      << message();
+  EXPECT_EQ(stats().sleepingBytes, 60 * MiB);
+  ASSERT_EQ(cucacheWakeTags(0, tags, 2), cudaSuccess) << message();
+  s = stats();
+  EXPECT_EQ(s.reservedBytes, before.reservedBytes);
+  EXPECT_EQ(s.sleepingBytes, 0u);
+  EXPECT_EQ(cucacheFree(w), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(kv), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(untagged), cudaSuccess);
+  cucache::get(0).check_invariants();
+}
+
 TEST_F(SleepApi, EveryMisuseIsItsErrorWithNothingChanged) {
   EXPECT_EQ(cucacheSleep(0, nullptr, 1), cudaErrorInvalidValue);
   EXPECT_EQ(cucacheSleep(0, "nobody", 1), cudaErrorInvalidValue);

@@ -91,8 +91,43 @@ def main() -> None:
         cucache.free(p, n)
     assert cucache.bad_free_count() == bad_before + 1
     assert cucache.memory_stats()["allocated_bytes.all.current"] == 0
+    check_several_tags(cucache)
     check_tag_backward(cucache)
     print("sleep_check: ok")
+
+
+def check_several_tags(cucache: object) -> None:
+    """sleep / wake of a list of tags in one call (vLLM's sleep: weights kept, KV cache dropped):
+    refusals change nothing for any tag; the one-tag form stays as it was."""
+    with cucache.tag("weights2", sleepable=True):
+        w = cucache.alloc(8 * MIB)
+    with cucache.tag("kv2", sleepable=True):
+        kv = cucache.alloc(4 * MIB)
+    reserved = cucache.memory_stats()["reserved_bytes.all.current"]
+    expect(RuntimeError, cucache.sleep, ["weights2", "weights2"], match="named twice")
+    expect(RuntimeError, cucache.sleep, ["weights2", "nobody"], match="unknown tag 'nobody'")
+    expect(ValueError, cucache.sleep, ["weights2", "kv2"], [True], match="2 tags but 1")
+    expect(TypeError, cucache.sleep, ["weights2", "kv2"], [True, "no"], match="keep_contents")
+    expect(TypeError, cucache.sleep, ["weights2", "kv2"], "yes", match="keep_contents")
+    expect(RuntimeError, cucache.sleep, [], match="empty")
+    assert cucache.sleeping() == {}, cucache.sleeping()
+    assert cucache.memory_stats()["reserved_bytes.all.current"] == reserved
+    cucache.sleep(["weights2", "kv2"], [True, False])
+    sl = cucache.sleeping()
+    assert set(sl) == {"weights2", "kv2"}, sl
+    assert sl["weights2"]["host_bytes"] == 8 * MIB and sl["kv2"]["host_bytes"] == 0, sl
+    s = cucache.memory_stats()
+    assert s["reserved_bytes.all.current"] == reserved - 12 * MIB, s
+    expect(RuntimeError, cucache.wake, ["weights2", "train"], match="tag 'train' on device 0 is not asleep")
+    assert set(cucache.sleeping()) == {"weights2", "kv2"}
+    assert cucache.wake(("kv2", "weights2")) >= 0.0
+    assert cucache.sleeping() == {}
+    assert cucache.memory_stats()["reserved_bytes.all.current"] == reserved
+    cucache.sleep(["weights2", "kv2"], keep_contents=False)  # one bool for all
+    assert cucache.sleeping()["weights2"]["host_bytes"] == 0
+    cucache.wake(["weights2", "kv2"])
+    cucache.free(w, 8 * MIB)
+    cucache.free(kv, 4 * MIB)
 
 
 class FakeLoss:

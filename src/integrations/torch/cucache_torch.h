@@ -310,6 +310,13 @@ CUCACHE_TORCH_API int cucache_torch_prepare_sleep(int device, const char* tag, u
                                                   uint64_t* pinned);
 /* wake: *copy_seconds (when not NULL) gets the seconds its host-to-device copies took. */
 CUCACHE_TORCH_API int cucache_torch_wake(int device, const char* tag, double* copy_seconds);
+/* sleep_tags / wake_tags: several tags in one call (docs/api.md, "Sleep and wake": every tag
+ * checked first, any refusal changes nothing; wake is all or none). *copy_seconds (when not
+ * NULL) gets the seconds of the call's host-to-device copies. */
+CUCACHE_TORCH_API int cucache_torch_sleep_tags(int device, const char* const* tags,
+                                               const int* keep_contents, size_t count);
+CUCACHE_TORCH_API int cucache_torch_wake_tags(int device, const char* const* tags, size_t count,
+                                              double* copy_seconds);
 CUCACHE_TORCH_API int64_t cucache_torch_sleeping(int device, char* buf, size_t len);
 /* Whether cucache can serve `device` (any device when negative), building the process registry
  * from the environment if need be: CUCACHE_TORCH_READY, or the kind of failure, its message in

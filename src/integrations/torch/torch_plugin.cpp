@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <deque>
@@ -866,6 +867,44 @@ int cucache_torch_sleep(int device, const char* tag, int keep_contents) {
     if (tag == nullptr) throw invalid_argument("tag is NULL");
     require_device(device);
     cucache::sleep(device, tag, keep_contents != 0);
+  });
+}
+
+int cucache_torch_sleep_tags(int device, const char* const* tags, const int* keep_contents,
+                             size_t count) {
+  return guarded("sleep", [&] {
+    if (tags == nullptr || keep_contents == nullptr) {
+      throw invalid_argument("tags or keep_contents is NULL");
+    }
+    require_device(device);
+    std::vector<cucache::tag_sleep_request> requests;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (tags[i] == nullptr) throw invalid_argument("tags[" + std::to_string(i) + "] is NULL");
+      requests.push_back({tags[i], keep_contents[i] != 0});
+    }
+    cucache::sleep(device, requests);
+  });
+}
+
+int cucache_torch_wake_tags(int device, const char* const* tags, size_t count,
+                            double* copy_seconds) {
+  return guarded("wake", [&] {
+    if (tags == nullptr) throw invalid_argument("tags is NULL");
+    require_device(device);
+    std::vector<std::string_view> names;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (tags[i] == nullptr) throw invalid_argument("tags[" + std::to_string(i) + "] is NULL");
+      names.emplace_back(tags[i]);
+    }
+    cucache::wake(device, names);
+    if (copy_seconds != nullptr) {
+      // The copies of all the tags share one synchronization: each tag reports the call's time.
+      double secs = 0;
+      for (const std::string_view n : names) {
+        secs = std::max(secs, cucache::last_wake_copy_seconds(device, n));
+      }
+      *copy_seconds = secs;
+    }
   });
 }
 
