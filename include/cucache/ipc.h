@@ -80,6 +80,7 @@ typedef struct cucacheIpcLongHandle {
 static inline cucacheIpcPiece* cucacheIpcLongHandlePieces(cucacheIpcLongHandle* h) {
   return (cucacheIpcPiece*)(void*)(h + 1);
 }
-static inline const cucacheIpcPiece* cucacheIpcLongHandlePiecesConst(const cucacheIpcLongHandle* h) {
+static inline const cucacheIpcPiece* cucacheIpcLongHandlePiecesConst(
+    const cucacheIpcLongHandle* h) {
   return (const cucacheIpcPiece*)(const void*)(h + 1);
 }

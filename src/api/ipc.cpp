@@ -110,14 +110,14 @@ void check_fields(int kind, std::uint64_t offset, std::uint64_t size, std::uint6
                   std::int64_t piece_count, std::int64_t max_pieces, Bytes piece_bytes,
                   const char* what) {
   if (size == 0 || offset > span || size > span - offset) {
-    throw invalid_argument(fmt::format(
-        "cucache::{}: IPC handle with a block of {} bytes at offset {} of {} bytes", what, size,
-        offset, span));
+    throw invalid_argument(
+        fmt::format("cucache::{}: IPC handle with a block of {} bytes at offset {} of {} bytes",
+                    what, size, offset, span));
   }
   if (kind == cucacheIpcKindSegment) {
     if (piece_count != 0) {
-      throw invalid_argument(fmt::format("cucache::{}: segment IPC handle with {} pieces", what,
-                                         piece_count));
+      throw invalid_argument(
+          fmt::format("cucache::{}: segment IPC handle with {} pieces", what, piece_count));
     }
     return;
   }
@@ -155,22 +155,23 @@ void check_handle(const cucacheIpcHandle& h, const char* what) {
     throw invalid_argument(fmt::format("cucache::{}: IPC handle version {}, this cucache reads {}",
                                        what, h.version, CUCACHE_IPC_VERSION));
   }
-  check_fields(h.kind, h.offset, h.size, h.span, h.pieceCount, CUCACHE_IPC_MAX_PIECES,
-               [&](std::int64_t i) { return h.pieceBytes[i]; }, what);
+  check_fields(
+      h.kind, h.offset, h.size, h.span, h.pieceCount, CUCACHE_IPC_MAX_PIECES,
+      [&](std::int64_t i) { return h.pieceBytes[i]; }, what);
 }
 
 // The long header's own fields (magic, version), then the piece count against what follows.
 void check_long_head(const cucacheIpcLongHandle& h, const char* what) {
   if (h.magic != CUCACHE_IPC_LONG_MAGIC) {
     throw invalid_argument(fmt::format(
-        "cucache::{}: not a cucache long IPC handle (magic {:#x}, expected {:#x}){}", what,
-        h.magic, CUCACHE_IPC_LONG_MAGIC,
+        "cucache::{}: not a cucache long IPC handle (magic {:#x}, expected {:#x}){}", what, h.magic,
+        CUCACHE_IPC_LONG_MAGIC,
         h.magic == CUCACHE_IPC_MAGIC ? ": a fixed cucacheIpcHandle, open it as one" : ""));
   }
   if (h.version != CUCACHE_IPC_LONG_VERSION) {
-    throw invalid_argument(fmt::format(
-        "cucache::{}: long IPC handle version {}, this cucache reads {}", what, h.version,
-        CUCACHE_IPC_LONG_VERSION));
+    throw invalid_argument(
+        fmt::format("cucache::{}: long IPC handle version {}, this cucache reads {}", what,
+                    h.version, CUCACHE_IPC_LONG_VERSION));
   }
   if (h.pieceCount < 0) {
     throw invalid_argument(
@@ -181,13 +182,13 @@ void check_long_head(const cucacheIpcLongHandle& h, const char* what) {
 void check_long(const ipc_long_handle& h, const char* what) {
   check_long_head(h.head, what);
   if (static_cast<std::size_t>(h.head.pieceCount) != h.pieces.size()) {
-    throw invalid_argument(fmt::format(
-        "cucache::{}: long IPC handle says {} pieces and holds {}", what, h.head.pieceCount,
-        h.pieces.size()));
+    throw invalid_argument(fmt::format("cucache::{}: long IPC handle says {} pieces and holds {}",
+                                       what, h.head.pieceCount, h.pieces.size()));
   }
-  check_fields(h.head.kind, h.head.offset, h.head.size, h.head.span, h.head.pieceCount,
-               std::numeric_limits<std::int32_t>::max(),
-               [&](std::int64_t i) { return h.pieces[static_cast<std::size_t>(i)].bytes; }, what);
+  check_fields(
+      h.head.kind, h.head.offset, h.head.size, h.head.span, h.head.pieceCount,
+      std::numeric_limits<std::int32_t>::max(),
+      [&](std::int64_t i) { return h.pieces[static_cast<std::size_t>(i)].bytes; }, what);
 }
 
 ipc_long_handle to_long(const cucacheIpcHandle& h) {
@@ -380,8 +381,8 @@ void recv_exact(int socket, void* data, std::size_t n, std::vector<int>& fds, co
                                    got < 0 ? std::strerror(errno) : "short read"));
     }
     if ((msg.msg_flags & MSG_CTRUNC) != 0) {
-      throw invalid_argument(fmt::format(
-          "cucache::{}: more file descriptors arrived than a message may carry", what));
+      throw invalid_argument(
+          fmt::format("cucache::{}: more file descriptors arrived than a message may carry", what));
     }
     p += got;
     n -= static_cast<std::size_t>(got);
@@ -419,8 +420,8 @@ ipc_long_handle ipc_long_handle::from_bytes(const void* data, std::size_t size) 
   const std::size_t want = CUCACHE_IPC_LONG_HANDLE_BYTES(l.head.pieceCount);
   if (size != want) {
     throw invalid_argument(fmt::format(
-        "cucache::{}: a long IPC handle of {} bytes, where its {} pieces make {} ({})", what,
-        size, l.head.pieceCount, want, size < want ? "truncated" : "trailing bytes"));
+        "cucache::{}: a long IPC handle of {} bytes, where its {} pieces make {} ({})", what, size,
+        l.head.pieceCount, want, size < want ? "truncated" : "trailing bytes"));
   }
   l.pieces.resize(static_cast<std::size_t>(l.head.pieceCount));
   if (!l.pieces.empty()) {
@@ -589,9 +590,9 @@ cucacheIpcHandle ipc_recv_handle(int socket) {
   const std::size_t want = h.kind == cucacheIpcKindFileDescriptors ? h.pieceCount : 0;
   if (fds.size() != want) {
     drop();
-    throw invalid_argument(fmt::format(
-        "cucache::ipc_recv_handle: the handle names {} file descriptors, {} arrived", want,
-        fds.size()));
+    throw invalid_argument(
+        fmt::format("cucache::ipc_recv_handle: the handle names {} file descriptors, {} arrived",
+                    want, fds.size()));
   }
   for (int& fd : h.fds) fd = -1;
   for (std::size_t i = 0; i < want; ++i) h.fds[i] = fds[i];
@@ -631,8 +632,7 @@ ipc_long_handle ipc_recv_long_handle(int socket) {
     const std::size_t want = l.head.kind == cucacheIpcKindFileDescriptors ? n : 0;
     if (fds.size() != want) {
       throw invalid_argument(fmt::format(
-          "cucache::{}: the handle names {} file descriptors, {} arrived", what, want,
-          fds.size()));
+          "cucache::{}: the handle names {} file descriptors, {} arrived", what, want, fds.size()));
     }
   } catch (...) {
     for (int fd : fds) ::close(fd);

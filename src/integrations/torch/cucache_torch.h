@@ -251,8 +251,7 @@ CUCACHE_TORCH_API size_t cucache_torch_ipc_handle_size(void);
  * cucacheIpcLongHandle of *handle_size bytes (free it with cucache_torch_ipc_free), its fds kept
  * open here as export's are. cucache_torch_ipc_open takes it (it tells the forms apart by the
  * magic and checks the size exactly). 0, or -1 with the reason. */
-CUCACHE_TORCH_API int cucache_torch_ipc_export_long(void* ptr, void** handle,
-                                                    size_t* handle_size);
+CUCACHE_TORCH_API int cucache_torch_ipc_export_long(void* ptr, void** handle, size_t* handle_size);
 CUCACHE_TORCH_API void cucache_torch_ipc_free(void* handle);
 
 /* Memory fraction at any time: *out = the cap of `device` as a fraction of its memory, 1.0 when

@@ -764,10 +764,10 @@ int cucache_torch_ipc_open(const void* handle, size_t handle_size, int fds_of_ex
       return;
     }
     if (handle == nullptr || handle_size != sizeof(cucacheIpcHandle)) {
-      throw invalid_argument(
-          "handle is NULL or not " + std::to_string(sizeof(cucacheIpcHandle)) +
-          " bytes (a cucacheIpcHandle) nor a long handle (magic " +
-          std::to_string(CUCACHE_IPC_LONG_MAGIC) + ", from cucache_torch_ipc_export_long)");
+      throw invalid_argument("handle is NULL or not " + std::to_string(sizeof(cucacheIpcHandle)) +
+                             " bytes (a cucacheIpcHandle) nor a long handle (magic " +
+                             std::to_string(CUCACHE_IPC_LONG_MAGIC) +
+                             ", from cucache_torch_ipc_export_long)");
     }
     cucacheIpcHandle h;
     std::memcpy(&h, handle, sizeof h);
