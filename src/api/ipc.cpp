@@ -364,7 +364,7 @@ void recv_exact(int socket, void* data, std::size_t n, std::vector<int>& fds, co
     do {
       got = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
     } while (got < 0 && errno == EINTR);
-    if (got > 0 || got == 0) {
+    if (got >= 0) {
       for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
         const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
