@@ -3,7 +3,9 @@
  * cucache::ipc_get_handle in cucache.hpp). It holds no pointer: copy it through any byte channel
  * (a pipe, shared memory, a file). When kind is cucacheIpcKindFileDescriptors it also names file
  * descriptors, which only a unix socket can carry to another process: send it with
- * cucacheIpcSendHandle and receive it with cucacheIpcRecvHandle (SCM_RIGHTS). See docs/api.md. */
+ * cucacheIpcSendHandle and receive it with cucacheIpcRecvHandle (SCM_RIGHTS). It carries at most
+ * CUCACHE_IPC_MAX_PIECES physical handles; cucacheIpcLongHandle (below) carries any number.
+ * See docs/api.md. */
 #pragma once
 
 #include <stddef.h>
