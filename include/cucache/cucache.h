@@ -287,7 +287,8 @@ cudaError_t cucacheGetSleepingBytes(int device, const char* tag, size_t* deviceB
  * closed it by then (afterwards the memory may belong to another allocation).
  * Errors: cudaErrorInvalidValue (NULL, or not the start of a live cucache allocation),
  * cudaErrorNotSupported (expandable segments without ipc_handles:True, or a block over more than
- * CUCACHE_IPC_MAX_PIECES physical handles; nothing is exported), CUDA runtime errors. */
+ * CUCACHE_IPC_MAX_PIECES physical handles, which the fixed struct cannot carry: export it with
+ * cucacheIpcGetLongHandle; nothing is exported), CUDA runtime errors. */
 cudaError_t cucacheIpcGetHandle(cucacheIpcHandle* handle, void* devPtr) CUCACHE_NOEXCEPT;
 
 /** Opens a handle of another process on the current device: *devPtr is the block's address in
@@ -312,6 +313,34 @@ cudaError_t cucacheIpcSendHandle(int socket, const cucacheIpcHandle* handle) CUC
 cudaError_t cucacheIpcRecvHandle(int socket, cucacheIpcHandle* handle) CUCACHE_NOEXCEPT;
 /** Closes the file descriptors of *handle and sets them to -1 (nothing for kind Segment). */
 cudaError_t cucacheIpcReleaseFds(cucacheIpcHandle* handle) CUCACHE_NOEXCEPT;
+
+/** The variable-length form (cucacheIpcLongHandle in cucache/ipc.h): a block spanning any number
+ * of physical handles, of either kind. *handle is allocated by cucache, *bytes its size
+ * (CUCACHE_IPC_LONG_HANDLE_BYTES(pieceCount)); it is plain bytes and may be copied (the fds need
+ * cucacheIpcSendLongHandle to reach another process). Free it with cucacheIpcFreeLongHandle.
+ * Errors: as cucacheIpcGetHandle, without the piece limit; on error *handle = NULL, *bytes = 0. */
+cudaError_t cucacheIpcGetLongHandle(cucacheIpcLongHandle** handle, size_t* bytes,
+                                    void* devPtr) CUCACHE_NOEXCEPT;
+/** Opens a long handle of `bytes` bytes (it must be exactly
+ * CUCACHE_IPC_LONG_HANDLE_BYTES(pieceCount): a truncated or padded one is refused), as
+ * cucacheIpcOpenHandle does; the fds stay the caller's. */
+cudaError_t cucacheIpcOpenLongHandle(void** devPtr, const cucacheIpcLongHandle* handle,
+                                     size_t bytes) CUCACHE_NOEXCEPT;
+/** Sends a long handle over a connected unix socket: its bytes, and its fds as SCM_RIGHTS in
+ * batches (the kernel passes at most 253 per message). Errors: as cucacheIpcSendHandle. */
+cudaError_t cucacheIpcSendLongHandle(int socket, const cucacheIpcLongHandle* handle,
+                                     size_t bytes) CUCACHE_NOEXCEPT;
+/** Receives what cucacheIpcSendLongHandle sent: *handle allocated by cucache (free it with
+ * cucacheIpcFreeLongHandle), its fds this process's descriptors, *bytes its size. Errors: as
+ * cucacheIpcRecvHandle (every descriptor received is closed on error). */
+cudaError_t cucacheIpcRecvLongHandle(int socket, cucacheIpcLongHandle** handle,
+                                     size_t* bytes) CUCACHE_NOEXCEPT;
+/** Closes the fds of a long handle and sets them to -1 (the exporter after sending, the importer
+ * after opening). */
+cudaError_t cucacheIpcReleaseLongHandleFds(cucacheIpcLongHandle* handle) CUCACHE_NOEXCEPT;
+/** Closes the fds still open in *handle and frees what cucacheIpcGetLongHandle or
+ * cucacheIpcRecvLongHandle allocated. NULL is a no-op. */
+void cucacheIpcFreeLongHandle(cucacheIpcLongHandle* handle) CUCACHE_NOEXCEPT;
 
 /** The message of the most recent failed cucache call on this thread (for an out-of-memory error,
  * the full report: request, capacity, free, allocated, cached, largest free block,

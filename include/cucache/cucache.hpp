@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "cucache/backend.hpp"
 #include "cucache/device_allocator.hpp"
@@ -89,7 +90,8 @@ void flush_trace();
 /// A handle naming the live allocation `ptr` (of any device) for another process. Throws
 /// invalid_argument when ptr is not the start of a live cucache allocation, cuda_error
 /// (cudaErrorNotSupported) in expandable mode without ipc_handles:True or past
-/// CUCACHE_IPC_MAX_PIECES handles, cuda_error for a runtime failure.
+/// CUCACHE_IPC_MAX_PIECES handles (the fixed struct's limit: use ipc_get_long_handle), cuda_error
+/// for a runtime failure.
 [[nodiscard]] cucacheIpcHandle ipc_get_handle(void* ptr);
 /// Opens another process's handle on the current device; the block's address here.
 [[nodiscard]] void* ipc_open_handle(const cucacheIpcHandle& handle);
@@ -100,6 +102,23 @@ void ipc_send_handle(int socket, const cucacheIpcHandle& handle);
 [[nodiscard]] cucacheIpcHandle ipc_recv_handle(int socket);
 /// Closes the handle's file descriptors, setting them to -1.
 void ipc_release_fds(cucacheIpcHandle& handle) noexcept;
+
+/// A handle of any number of pieces (cucacheIpcLongHandle): the header, pieceCount equal to
+/// pieces.size(). bytes() is its wire form (CUCACHE_IPC_LONG_HANDLE_BYTES), from_bytes reads one
+/// back, validated (throws invalid_argument for a malformed, truncated or padded one).
+struct ipc_long_handle {
+  cucacheIpcLongHandle head{};
+  std::vector<cucacheIpcPiece> pieces;
+  [[nodiscard]] std::vector<std::byte> bytes() const;
+  [[nodiscard]] static ipc_long_handle from_bytes(const void* data, std::size_t size);
+};
+/// As ipc_get_handle, without the piece limit (either kind).
+[[nodiscard]] ipc_long_handle ipc_get_long_handle(void* ptr);
+[[nodiscard]] void* ipc_open_handle(const ipc_long_handle& handle);
+/// Sends the bytes, and the fds as SCM_RIGHTS in batches of at most 253.
+void ipc_send_handle(int socket, const ipc_long_handle& handle);
+[[nodiscard]] ipc_long_handle ipc_recv_long_handle(int socket);
+void ipc_release_fds(ipc_long_handle& handle) noexcept;
 
 /// An owning pointer to `count` objects of T in device memory from cucache::malloc, returned with
 /// cucache::free when destroyed. Move-only. The objects are never constructed or destroyed on the

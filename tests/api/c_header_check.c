@@ -24,6 +24,17 @@ static cudaError_t (*const k_ipc_close)(void*) = cucacheIpcCloseHandle;
 static cudaError_t (*const k_ipc_send)(int, const cucacheIpcHandle*) = cucacheIpcSendHandle;
 static cudaError_t (*const k_ipc_recv)(int, cucacheIpcHandle*) = cucacheIpcRecvHandle;
 static cudaError_t (*const k_ipc_release)(cucacheIpcHandle*) = cucacheIpcReleaseFds;
+static cudaError_t (*const k_ipc_get_long)(cucacheIpcLongHandle**, size_t*,
+                                           void*) = cucacheIpcGetLongHandle;
+static cudaError_t (*const k_ipc_open_long)(void**, const cucacheIpcLongHandle*,
+                                            size_t) = cucacheIpcOpenLongHandle;
+static cudaError_t (*const k_ipc_send_long)(int, const cucacheIpcLongHandle*,
+                                            size_t) = cucacheIpcSendLongHandle;
+static cudaError_t (*const k_ipc_recv_long)(int, cucacheIpcLongHandle**,
+                                            size_t*) = cucacheIpcRecvLongHandle;
+static cudaError_t (*const k_ipc_release_long)(cucacheIpcLongHandle*) =
+    cucacheIpcReleaseLongHandleFds;
+static void (*const k_ipc_free_long)(cucacheIpcLongHandle*) = cucacheIpcFreeLongHandle;
 
 /* Returns 0 when every step behaves, else the number of the first step that did not. */
 int cucache_c_header_check(void) {
@@ -35,6 +46,10 @@ int cucache_c_header_check(void) {
   char text[64];
   cudaStream_t stream = (cudaStream_t)(void*)0x100;
   cucacheIpcHandle ipc;
+  cucacheIpcLongHandle* lh = NULL;
+  size_t lbytes = 0;
+  cucacheIpcLongHandle* got = NULL;
+  size_t got_bytes = 7;
   void* r = NULL;
 
   if (k_malloc(&p, 1000) != cudaSuccess || p == NULL) return 1;
@@ -50,10 +65,24 @@ int cucache_c_header_check(void) {
   if (ipc.offset != 0 || ipc.size != 1024) return 20;
   if (k_ipc_open(&r, &ipc) != cudaSuccess || r == NULL || r == p) return 21;
   if (k_ipc_close(r) != cudaSuccess) return 22;
-  if (k_ipc_close(r) != cudaErrorInvalidValue) return 23; /* closed twice */
+  if (k_ipc_close(r) != cudaErrorInvalidValue) return 23;  /* closed twice */
   if (k_ipc_send(-1, &ipc) != cudaErrorUnknown) return 24; /* not a socket */
   if (k_ipc_recv(-1, &ipc) != cudaErrorUnknown) return 25;
   if (k_ipc_release(&ipc) != cudaSuccess) return 26;
+  if (k_ipc_get_long(&lh, &lbytes, p) != cudaSuccess || lh == NULL) return 27;
+  if (lbytes != CUCACHE_IPC_LONG_HANDLE_BYTES(0) || lh->pieceCount != 0) return 28;
+  if (lh->magic != CUCACHE_IPC_LONG_MAGIC || lh->size != 1024) return 29;
+  if (cucacheIpcLongHandlePieces(lh) != (cucacheIpcPiece*)(void*)(lh + 1)) return 30;
+  if (k_ipc_open_long(&r, lh, lbytes - 1) != cudaErrorInvalidValue || r != NULL) return 31;
+  if (k_ipc_open_long(&r, lh, lbytes) != cudaSuccess || r == NULL) return 32;
+  if (k_ipc_close(r) != cudaSuccess) return 33;
+  if (k_ipc_send_long(-1, lh, lbytes) != cudaErrorUnknown) return 34;
+  if (k_ipc_recv_long(-1, &got, &got_bytes) != cudaErrorUnknown) return 35;
+  if (got != NULL || got_bytes != 0) return 36; /* nothing is allocated on failure */
+  if (k_ipc_release_long(NULL) != cudaErrorInvalidValue) return 37;
+  if (k_ipc_release_long(lh) != cudaSuccess) return 38;
+  k_ipc_free_long(lh);
+  k_ipc_free_long(NULL);
   if (k_free(p) != cudaSuccess) return 8;
   if (k_free_async(q, stream) != cudaSuccess) return 9;
   if (k_free(p) != cudaErrorInvalidValue) return 10; /* double free */

@@ -10,7 +10,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
+#include <vector>
 
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
@@ -41,6 +43,13 @@ class Ipc : public ::testing::Test {
   static sim_backend& sim(int d = 0) { return dynamic_cast<sim_backend&>(get(d).backend()); }
   static std::string last() { return cucacheGetLastErrorMessage(); }
 };
+
+// Open file descriptors of this process (the exported and imported pieces are real ones).
+std::size_t open_fds() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
 
 void* alloc(std::size_t n) {
   void* p = nullptr;
@@ -304,6 +313,268 @@ TEST_F(Ipc, AChunkedExpandableBlockTravelsAsOnePiecePerChunk) {
   EXPECT_EQ(cucacheIpcReleaseFds(&h), cudaSuccess);
   EXPECT_EQ(cucacheFree(b), cudaSuccess);
   get().check_invariants();
+}
+
+// A block over `pages` pages, each its own physical handle: the pages are first backed one by
+// one (2 MiB blocks, below the chunked size) and cached, then the block is carved from them.
+char* block_of_single_pages(std::size_t pages) {
+  std::vector<void*> small;
+  for (std::size_t i = 0; i < pages; ++i) small.push_back(alloc(2 * MiB));
+  for (void* p : small) EXPECT_EQ(cucacheFree(p), cudaSuccess);
+  char* b = static_cast<char*>(alloc(pages * 2 * MiB));
+  EXPECT_EQ(b, small.front());
+  return b;
+}
+
+TEST_F(Ipc, ABlockOfThreeHundredPagesTravelsAsALongHandle) {
+  fresh("expandable_segments:True,ipc_handles:True");
+  constexpr std::size_t pages = 300;
+  char* b = block_of_single_pages(pages);
+  const std::size_t fds0 = open_fds();
+  const std::uint64_t exports0 = sim().calls(sim_call::phys_export_fd);
+
+  // The fixed struct cannot carry 300 descriptors: refused, exporting nothing, naming the form
+  // that can.
+  cucacheIpcHandle fixed{};
+  EXPECT_EQ(cucacheIpcGetHandle(&fixed, b), cudaErrorNotSupported);
+  EXPECT_NE(last().find("spans 300 physical handles"), std::string::npos) << last();
+  EXPECT_NE(last().find("cucacheIpcGetLongHandle"), std::string::npos) << last();
+  EXPECT_EQ(fixed.magic, 0u);
+  EXPECT_EQ(sim().calls(sim_call::phys_export_fd), exports0);
+  EXPECT_EQ(open_fds(), fds0);
+
+  cucacheIpcLongHandle* h = nullptr;
+  std::size_t bytes = 0;
+  ASSERT_EQ(cucacheIpcGetLongHandle(&h, &bytes, b), cudaSuccess) << last();
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(bytes, sizeof(cucacheIpcLongHandle) + pages * 16);
+  EXPECT_EQ(bytes, CUCACHE_IPC_LONG_HANDLE_BYTES(pages));
+  EXPECT_EQ(h->magic, CUCACHE_IPC_LONG_MAGIC);
+  EXPECT_EQ(h->version, CUCACHE_IPC_LONG_VERSION);
+  EXPECT_EQ(h->kind, cucacheIpcKindFileDescriptors);
+  EXPECT_EQ(h->pid, static_cast<std::int64_t>(::getpid()));
+  EXPECT_EQ(h->offset, 0u);
+  EXPECT_EQ(h->size, pages * 2 * MiB);
+  EXPECT_EQ(h->span, pages * 2 * MiB);
+  ASSERT_EQ(h->pieceCount, 300);
+  const cucacheIpcPiece* pc = cucacheIpcLongHandlePieces(h);
+  for (std::size_t i = 0; i < pages; ++i) {
+    EXPECT_EQ(pc[i].bytes, 2 * MiB) << i;
+    EXPECT_GE(pc[i].fd, 0) << i;
+  }
+  EXPECT_EQ(sim().calls(sim_call::phys_export_fd), exports0 + pages);
+  EXPECT_EQ(open_fds(), fds0 + pages);
+  // Page i holds the byte i (through each page's own handle, the sim's host view).
+  for (std::size_t i = 0; i < pages; ++i) {
+    std::memset(sim().host_view(b + i * 2 * MiB, 2 * MiB), static_cast<int>(i & 0xff), 2 * MiB);
+  }
+
+  // Over a unix socket: 300 descriptors, more than one message may carry (253).
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  ASSERT_EQ(cucacheIpcSendLongHandle(sv[0], h, bytes), cudaSuccess) << last();
+  ASSERT_EQ(cucacheIpcReleaseLongHandleFds(h), cudaSuccess);
+  for (std::size_t i = 0; i < pages; ++i) EXPECT_EQ(pc[i].fd, -1);
+  EXPECT_EQ(open_fds(), fds0 + 2);  // the socket pair
+  cucacheIpcLongHandle* r = nullptr;
+  std::size_t rbytes = 0;
+  ASSERT_EQ(cucacheIpcRecvLongHandle(sv[1], &r, &rbytes), cudaSuccess) << last();
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(rbytes, bytes);
+  EXPECT_EQ(open_fds(), fds0 + 2 + pages);
+  EXPECT_EQ(std::memcmp(r, h, sizeof(cucacheIpcLongHandle)), 0);
+  const cucacheIpcPiece* rp = cucacheIpcLongHandlePieces(r);
+  for (std::size_t i = 0; i < pages; ++i) {
+    EXPECT_GE(rp[i].fd, 0);
+    EXPECT_EQ(rp[i].bytes, 2 * MiB);
+  }
+
+  const std::size_t mappings = sim().live_mappings();
+  const std::size_t handles = sim().live_handles();
+  void* q = nullptr;
+  ASSERT_EQ(cucacheIpcOpenLongHandle(&q, r, rbytes), cudaSuccess) << last();
+  cucacheIpcFreeLongHandle(r);  // closes the received descriptors: the mapping keeps the memory
+  EXPECT_EQ(open_fds(), fds0 + 2);
+  EXPECT_NE(q, static_cast<void*>(b));
+  EXPECT_EQ(sim().live_mappings(), mappings + pages);
+  EXPECT_TRUE(sim().device_can_access(0, q, pages * 2 * MiB));
+  for (std::size_t i = 0; i < pages; ++i) {
+    std::byte* page = sim().host_view(static_cast<char*>(q) + i * 2 * MiB, 2 * MiB);
+    ASSERT_NE(page, nullptr) << i;
+    EXPECT_EQ(page[0], static_cast<std::byte>(i & 0xff)) << i;
+    EXPECT_EQ(page[2 * MiB - 1], static_cast<std::byte>(i & 0xff)) << i;
+  }
+  // Written through the import, read through the export: the last page.
+  sim().host_view(static_cast<char*>(q) + 299 * 2 * MiB, 16)[5] = std::byte{0xa5};
+  EXPECT_EQ(sim().host_view(b + 299 * 2 * MiB, 16)[5], std::byte{0xa5});
+
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess) << last();
+  EXPECT_EQ(sim().live_mappings(), mappings);
+  EXPECT_EQ(sim().live_handles(), handles);
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaErrorInvalidValue);
+  ::close(sv[0]);
+  ::close(sv[1]);
+  cucacheIpcFreeLongHandle(h);
+  EXPECT_EQ(open_fds(), fds0);
+  EXPECT_EQ(cucacheFree(b), cudaSuccess);
+  get().check_invariants();
+}
+
+TEST_F(Ipc, TheCppLongHandleOpensInPlaceAndRoundTripsItsBytes) {
+  fresh("expandable_segments:True,ipc_handles:True");
+  char* b = block_of_single_pages(40);
+  const std::size_t fds0 = open_fds();
+  ipc_long_handle h = ipc_get_long_handle(b);
+  ASSERT_EQ(h.pieces.size(), 40u);
+  EXPECT_EQ(h.head.pieceCount, 40);
+  const std::vector<std::byte> wire = h.bytes();
+  EXPECT_EQ(wire.size(), CUCACHE_IPC_LONG_HANDLE_BYTES(40));
+  const ipc_long_handle back = ipc_long_handle::from_bytes(wire.data(), wire.size());
+  EXPECT_EQ(back.bytes(), wire);
+  std::memset(sim().host_view(b + 39 * 2 * MiB, 2 * MiB), 0x42, 2 * MiB);
+  void* q = ipc_open_handle(back);
+  EXPECT_EQ(sim().host_view(static_cast<char*>(q) + 39 * 2 * MiB, 16)[0], std::byte{0x42});
+  ipc_close_handle(q);
+  EXPECT_THROW(ipc_close_handle(q), invalid_argument);
+  ipc_release_fds(h);
+  for (const auto& p : h.pieces) EXPECT_EQ(p.fd, -1);
+  EXPECT_EQ(open_fds(), fds0);
+  EXPECT_EQ(cucacheFree(b), cudaSuccess);
+  get().check_invariants();
+}
+
+TEST_F(Ipc, AMalformedLongHandleIsRefusedAndChangesNothing) {
+  fresh("expandable_segments:True,ipc_handles:True");
+  char* b = block_of_single_pages(20);
+  cucacheIpcLongHandle* h = nullptr;
+  std::size_t bytes = 0;
+  ASSERT_EQ(cucacheIpcGetLongHandle(&h, &bytes, b), cudaSuccess) << last();
+  ASSERT_EQ(h->pieceCount, 20);
+  const std::size_t fds0 = open_fds();
+  const std::size_t mappings = sim().live_mappings();
+  const std::size_t reservations = sim().live_reservations();
+  const std::uint64_t imports0 = sim().calls(sim_call::phys_import_fd);
+  std::vector<std::byte> copy(bytes);
+  auto* bad = reinterpret_cast<cucacheIpcLongHandle*>(copy.data());
+  const auto reset = [&] { std::memcpy(copy.data(), h, bytes); };
+  const auto refused = [&](std::size_t n, const char* says) {
+    void* q = reinterpret_cast<void*>(1);
+    EXPECT_EQ(cucacheIpcOpenLongHandle(&q, bad, n), cudaErrorInvalidValue) << says;
+    EXPECT_EQ(q, nullptr) << says;
+    EXPECT_NE(last().find(says), std::string::npos) << last();
+  };
+  reset();
+  refused(bytes - 1, "truncated");
+  refused(sizeof(cucacheIpcLongHandle) - 1, "its header alone is 120");
+  refused(sizeof(cucacheIpcLongHandle), "its 20 pieces make 440");
+  bad->pieceCount = 21;  // one more than the bytes hold
+  refused(bytes, "its 21 pieces make 456 (truncated)");
+  bad->pieceCount = 19;  // one fewer: the span is not covered, and bytes trail
+  refused(bytes, "(trailing bytes)");
+  refused(bytes - 16, "pieces total 39845888 bytes, its span says 41943040");
+  reset();
+  bad->pieceCount = -3;
+  refused(bytes, "with -3 pieces");
+  reset();
+  cucacheIpcLongHandlePieces(bad)[7].bytes = 0;
+  refused(bytes, "piece 7 of 0 bytes");
+  reset();
+  bad->magic = CUCACHE_IPC_MAGIC;
+  refused(bytes, "a fixed cucacheIpcHandle");
+  reset();
+  bad->version = 9;
+  refused(bytes, "version 9");
+  reset();
+  bad->offset = bad->span;
+  refused(bytes, "at offset");
+  void* q = nullptr;
+  EXPECT_EQ(cucacheIpcOpenLongHandle(&q, nullptr, bytes), cudaErrorInvalidValue);
+  EXPECT_EQ(cucacheIpcOpenLongHandle(nullptr, h, bytes), cudaErrorInvalidValue);
+  // A long handle given to the fixed open, and the other way round, names the right call.
+  cucacheIpcHandle as_fixed{};
+  std::memcpy(&as_fixed, h, sizeof(cucacheIpcLongHandle));
+  EXPECT_EQ(cucacheIpcOpenHandle(&q, &as_fixed), cudaErrorInvalidValue);
+  EXPECT_NE(last().find("a cucacheIpcLongHandle, open it as one"), std::string::npos) << last();
+  // Nothing was imported, mapped or reserved; no descriptor leaked.
+  EXPECT_EQ(sim().calls(sim_call::phys_import_fd), imports0);
+  EXPECT_EQ(sim().live_mappings(), mappings);
+  EXPECT_EQ(sim().live_reservations(), reservations);
+  EXPECT_EQ(open_fds(), fds0);
+  // The handle still opens.
+  ASSERT_EQ(cucacheIpcOpenLongHandle(&q, h, bytes), cudaSuccess) << last();
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess);
+  cucacheIpcFreeLongHandle(h);
+  EXPECT_EQ(cucacheFree(b), cudaSuccess);
+  get().check_invariants();
+}
+
+TEST_F(Ipc, ARecvOfATruncatedLongHandleClosesWhatArrived) {
+  fresh("expandable_segments:True,ipc_handles:True");
+  char* b = block_of_single_pages(300);
+  ipc_long_handle h = ipc_get_long_handle(b);
+  ASSERT_EQ(h.pieces.size(), 300u);
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  // A header that promises 300 pieces, then only a 250-piece handle (its header and 250
+  // descriptors), then the end of the stream: 4120 of the 4800 bytes of pieces arrive.
+  ASSERT_EQ(::write(sv[0], &h.head, sizeof(h.head)), static_cast<ssize_t>(sizeof(h.head)));
+  ipc_long_handle part = h;
+  part.head.pieceCount = 250;
+  part.head.span = 500 * MiB;
+  part.head.size = 500 * MiB;
+  part.pieces.resize(250);
+  ipc_send_handle(sv[0], part);
+  ::close(sv[0]);
+  const std::size_t fds0 = open_fds();
+  cucacheIpcLongHandle* r = reinterpret_cast<cucacheIpcLongHandle*>(1);
+  std::size_t rbytes = 7;
+  EXPECT_EQ(cucacheIpcRecvLongHandle(sv[1], &r, &rbytes), cudaErrorUnknown);
+  EXPECT_NE(last().find("recvmsg"), std::string::npos) << last();
+  EXPECT_EQ(r, nullptr);
+  EXPECT_EQ(rbytes, 0u);
+  EXPECT_EQ(open_fds(), fds0);
+  ::close(sv[1]);
+  ipc_release_fds(h);
+  EXPECT_EQ(cucacheFree(b), cudaSuccess);
+}
+
+TEST_F(Ipc, ADefaultModeBlockTravelsAsALongHandleOfNoPieces) {
+  char* a = static_cast<char*>(alloc(4 * MiB));
+  char* b = static_cast<char*>(alloc(4 * MiB));
+  ASSERT_EQ(b, a + 4 * MiB);
+  cucacheIpcLongHandle* h = nullptr;
+  std::size_t bytes = 0;
+  ASSERT_EQ(cucacheIpcGetLongHandle(&h, &bytes, b), cudaSuccess) << last();
+  EXPECT_EQ(bytes, sizeof(cucacheIpcLongHandle));
+  EXPECT_EQ(h->kind, cucacheIpcKindSegment);
+  EXPECT_EQ(h->pieceCount, 0);
+  EXPECT_EQ(h->offset, 4 * MiB);
+  cucacheIpcHandle fixed{};
+  ASSERT_EQ(cucacheIpcGetHandle(&fixed, b), cudaSuccess) << last();
+  EXPECT_EQ(std::memcmp(h->segmentHandle, fixed.segmentHandle, sizeof(fixed.segmentHandle)), 0);
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  ASSERT_EQ(cucacheIpcSendLongHandle(sv[0], h, bytes), cudaSuccess) << last();
+  cucacheIpcLongHandle* r = nullptr;
+  std::size_t rbytes = 0;
+  ASSERT_EQ(cucacheIpcRecvLongHandle(sv[1], &r, &rbytes), cudaSuccess) << last();
+  EXPECT_EQ(rbytes, bytes);
+  void* q = nullptr;
+  ASSERT_EQ(cucacheIpcOpenLongHandle(&q, r, rbytes), cudaSuccess) << last();
+  void* q2 = nullptr;
+  ASSERT_EQ(cucacheIpcOpenHandle(&q2, &fixed), cudaSuccess) << last();
+  EXPECT_EQ(q, q2) << "one segment, opened once, whichever form names it";
+  EXPECT_EQ(sim().live_imports(), 1u);
+  EXPECT_EQ(cucacheIpcCloseHandle(q), cudaSuccess);
+  EXPECT_EQ(cucacheIpcCloseHandle(q2), cudaSuccess);
+  EXPECT_EQ(sim().live_imports(), 0u);
+  cucacheIpcFreeLongHandle(h);
+  cucacheIpcFreeLongHandle(r);
+  cucacheIpcFreeLongHandle(nullptr);
+  ::close(sv[0]);
+  ::close(sv[1]);
+  EXPECT_EQ(cucacheFree(a), cudaSuccess);
+  EXPECT_EQ(cucacheFree(b), cudaSuccess);
 }
 
 TEST_F(Ipc, ARecvOfSomethingElseIsRefusedAndLeaksNoDescriptor) {

@@ -8,6 +8,7 @@
 // handle (file descriptors as SCM_RIGHTS in expandable mode), waits, then checks that the importer
 // incremented every word of the block and touched no neighbour. Importer: receives, opens, checks
 // the pattern with a kernel, increments it, closes (a second close is refused), reports.
+// A third pair shares a 600 MiB block of 300 single-page handles as a cucacheIpcLongHandle.
 // Skips with a one-line reason without a GPU, or (expandable) when the driver cannot export POSIX
 // file descriptors.
 #include <cuda_runtime.h>
@@ -175,6 +176,88 @@ int run_importer(int sock) {
   return done == 'k' ? 0 : 1;
 }
 
+// A block over many single-page physical handles (300 pages backed one by one by 2 MiB blocks,
+// freed, then carved whole): the fixed handle refuses it, naming the long form, which carries
+// every piece (the descriptors in two SCM_RIGHTS batches: 300 > the kernel's 253 per message).
+constexpr std::size_t k_long_pages = 300;
+
+int run_long_exporter(int sock) {
+  const char* role = "long exporter";
+  std::vector<void*> small(k_long_pages, nullptr);
+  for (void*& p : small) ROLE_CHECK(cucacheMalloc(&p, 2 * k_mib));
+  for (void* p : small) ROLE_CHECK(cucacheFree(p));
+  const std::size_t bytes = k_long_pages * 2 * k_mib;
+  const std::size_t words = bytes / sizeof(std::uint32_t);
+  std::uint32_t* b = nullptr;
+  ROLE_CHECK(cucacheMalloc(&b, bytes));
+  fill<<<1024, 256>>>(b, words);
+  ROLE_CHECK(cudaDeviceSynchronize());
+  cucacheIpcLongHandle* h = nullptr;
+  std::size_t n = 0;
+  const cudaError_t got = cucacheIpcGetLongHandle(&h, &n, b);
+  if (got == cudaErrorNotSupported) {
+    std::printf("SKIP: %s\n", cucacheGetLastErrorMessage());
+    return k_skip;
+  }
+  ROLE_CHECK(got);
+  if (h->kind != cucacheIpcKindFileDescriptors || h->pieceCount <= CUCACHE_IPC_MAX_PIECES ||
+      n != CUCACHE_IPC_LONG_HANDLE_BYTES(h->pieceCount) || h->size != bytes) {
+    std::fprintf(stderr, "long exporter: kind %d, %d pieces, %zu bytes of handle\n", h->kind,
+                 h->pieceCount, n);
+    return 1;
+  }
+  cucacheIpcHandle fixed{};
+  const cudaError_t refused = cucacheIpcGetHandle(&fixed, b);
+  if (refused != cudaErrorNotSupported ||
+      std::strstr(cucacheGetLastErrorMessage(), "cucacheIpcGetLongHandle") == nullptr) {
+    std::fprintf(stderr, "long exporter: the fixed handle answered %s: %s\n",
+                 cudaGetErrorName(refused), cucacheGetLastErrorMessage());
+    return 1;
+  }
+  const int pieces = h->pieceCount;
+  ROLE_CHECK(cucacheIpcSendLongHandle(sock, h, n));
+  cucacheIpcFreeLongHandle(h);  // the exporter's descriptors: the importer has its own
+  char done = 0;
+  if (::read(sock, &done, 1) != 1 || done != 'k') {
+    std::fprintf(stderr, "long exporter: the importer reported failure ('%c')\n", done);
+    return 1;
+  }
+  bool ok = false;
+  const unsigned long long bad = mismatches_in(b, words, 1, false, role, &ok);
+  if (!ok || bad != 0) {
+    std::fprintf(stderr, "long exporter: %llu words not incremented by the importer\n", bad);
+    return 1;
+  }
+  ROLE_CHECK(cucacheFree(b));
+  std::printf("long exporter: ok (%d pieces, %zu bytes of handle)\n", pieces, n);
+  return 0;
+}
+
+int run_long_importer(int sock) {
+  const char* role = "long importer";
+  cucacheIpcLongHandle* h = nullptr;
+  std::size_t n = 0;
+  ROLE_CHECK(cucacheIpcRecvLongHandle(sock, &h, &n));
+  const std::size_t words = h->size / sizeof(std::uint32_t);
+  void* p = nullptr;
+  ROLE_CHECK(cucacheIpcOpenLongHandle(&p, h, n));
+  cucacheIpcFreeLongHandle(h);  // closes the received descriptors: the mapping keeps the memory
+  bool ok = false;
+  const unsigned long long bad =
+      mismatches_in(static_cast<std::uint32_t*>(p), words, 0, true, role, &ok);
+  ROLE_CHECK(cudaDeviceSynchronize());
+  ROLE_CHECK(cucacheIpcCloseHandle(p));
+  const bool second_refused = cucacheIpcCloseHandle(p) == cudaErrorInvalidValue;
+  const char done = ok && bad == 0 && second_refused ? 'k' : 'x';
+  if (done != 'k') {
+    std::fprintf(stderr, "long importer: %llu mismatches, second close %s\n", bad,
+                 second_refused ? "refused" : "accepted");
+  }
+  if (::write(sock, &done, 1) != 1) return 1;
+  std::printf("long importer: %s\n", done == 'k' ? "ok" : "FAILED");
+  return done == 'k' ? 0 : 1;
+}
+
 int run_refusal() {
   // Expandable segments without ipc_handles:True: a clear refusal, nothing exported.
   const char* role = "refusal";
@@ -225,12 +308,15 @@ int wait_exit(pid_t pid) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-void share_between_two_processes(const char* conf, bool expandable) {
+void share_between_two_processes(const char* conf, bool expandable,
+                                 const char* export_role = nullptr,
+                                 const char* import_role = "import") {
   int sv[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);  // inherited across exec
-  const pid_t exporter = spawn_role(expandable ? "export-expandable" : "export", conf, sv[0], sv[1]);
+  if (export_role == nullptr) export_role = expandable ? "export-expandable" : "export";
+  const pid_t exporter = spawn_role(export_role, conf, sv[0], sv[1]);
   ASSERT_GT(exporter, 0);
-  const pid_t importer = spawn_role("import", conf, sv[1], sv[0]);
+  const pid_t importer = spawn_role(import_role, conf, sv[1], sv[0]);
   ::close(sv[0]);
   ::close(sv[1]);
   ASSERT_GT(importer, 0);
@@ -251,6 +337,12 @@ TEST(IpcGpu, ExpandableBlockIsSharedAsPosixFileDescriptors) {
   share_between_two_processes("expandable_segments:True,ipc_handles:True", true);
 }
 
+TEST(IpcGpu, AnExpandableBlockOfThreeHundredPagesIsSharedAsALongHandle) {
+  CUCACHE_REQUIRE_GPU();
+  share_between_two_processes("expandable_segments:True,ipc_handles:True", true, "export-long",
+                              "import-long");
+}
+
 TEST(IpcGpu, ExpandableWithoutIpcHandlesIsRefusedWithAReason) {
   CUCACHE_REQUIRE_GPU();
   const pid_t p = spawn_role("refuse", "expandable_segments:True", -1);
@@ -267,6 +359,8 @@ int main(int argc, char** argv) {
     if (r == "export") return run_exporter(sock, false);
     if (r == "export-expandable") return run_exporter(sock, true);
     if (r == "import") return run_importer(sock);
+    if (r == "export-long") return run_long_exporter(sock);
+    if (r == "import-long") return run_long_importer(sock);
     if (r == "refuse") return run_refusal();
     std::fprintf(stderr, "unknown CUCACHE_IPC_ROLE %s\n", role);
     return 2;

@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -567,6 +569,110 @@ TEST(TorchExtensionCalls, IpcHandleSizeAndRefusals) {
   EXPECT_EQ(cucache_torch_ipc_open(h.data(), h.size(), 1, &out), -1);
   EXPECT_NE(std::string(cucache_torch_last_error()).find("not a cucache IPC handle"),
             std::string::npos);
+}
+
+TEST(TorchExtensionCalls, IpcLongHandleOfADefaultModeBlock) {
+  // Default mode: a Segment handle of no pieces, the header alone (120 bytes).
+  const int dev = 13;
+  void* a = cucache_torch_alloc(4 * MiB, dev, stream(0));
+  void* b = cucache_torch_alloc(4 * MiB, dev, stream(0));
+  ASSERT_TRUE(a && b);
+  ASSERT_EQ(static_cast<char*>(b), static_cast<char*>(a) + 4 * MiB);
+  void* h = nullptr;
+  std::size_t n = 0;
+  ASSERT_EQ(cucache_torch_ipc_export_long(b, &h, &n), 0) << cucache_torch_last_error();
+  ASSERT_EQ(n, 120u);
+  std::uint64_t offset = 0;
+  std::memcpy(&offset, static_cast<char*>(h) + 24, sizeof offset);  // as torch_allocator reads it
+  EXPECT_EQ(offset, 4 * MiB);
+  std::vector<char> bytes(static_cast<char*>(h), static_cast<char*>(h) + n);
+  cucache_torch_ipc_free(h);
+  void* out = reinterpret_cast<void*>(1);
+  EXPECT_EQ(cucache_torch_ipc_open(bytes.data(), n - 1, 1, &out), -1);
+  EXPECT_EQ(out, nullptr);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("truncated"), std::string::npos)
+      << cucache_torch_last_error();
+  bytes.resize(n + 16);  // a piece too many for a Segment handle of 0 pieces
+  EXPECT_EQ(cucache_torch_ipc_open(bytes.data(), n + 16, 1, &out), -1);
+  EXPECT_NE(std::string(cucache_torch_last_error()).find("trailing bytes"), std::string::npos)
+      << cucache_torch_last_error();
+  // The sim opens its own process's segment handle (a real device would refuse: same pid).
+  ASSERT_EQ(cucache_torch_ipc_open(bytes.data(), n, 1, &out), 0) << cucache_torch_last_error();
+  EXPECT_NE(out, nullptr);
+  EXPECT_EQ(cucache_torch_ipc_close(out), 0) << cucache_torch_last_error();
+  EXPECT_EQ(cucache_torch_ipc_close(out), -1);
+  cucache_torch_free(a, 4 * MiB, dev, stream(0));
+  cucache_torch_free(b, 4 * MiB, dev, stream(0));
+  EXPECT_EQ(cucache_torch_ipc_export_long(nullptr, &h, &n), -1);
+  EXPECT_EQ(cucache_torch_ipc_export_long(b, nullptr, &n), -1);
+}
+
+std::size_t open_fds() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// Expandable mode needs its own process (this binary's registry is in default mode): the body
+// runs in a fresh copy of the test binary (death-test "threadsafe" style re-executes it) and
+// exits 0, or 1 with what went wrong on stderr.
+std::string expandable_long_export_and_open() {
+  ::setenv("CUCACHE_CONF", "expandable_segments:True,ipc_handles:True", 1);
+  const auto fail = [](const std::string& what) {
+    return what + ": " + cucache_torch_last_error();
+  };
+  // 300 pages, each its own physical handle: backed one by one (2 MiB blocks), cached, then one
+  // 600 MiB block carved from them.
+  std::vector<void*> small;
+  for (int i = 0; i < 300; ++i) small.push_back(cucache_torch_alloc(2 * MiB, 0, stream(0)));
+  for (void* p : small) cucache_torch_free(p, 2 * MiB, 0, stream(0));
+  void* b = cucache_torch_alloc(600 * MiB, 0, stream(0));
+  if (b != small.front()) return fail("the 600 MiB block is not carved from the cached pages");
+  std::vector<char> fixed(cucache_torch_ipc_handle_size());
+  if (cucache_torch_ipc_export(b, fixed.data(), fixed.size()) != -1) {
+    return "the fixed export took 300 pieces";
+  }
+  if (std::string(cucache_torch_last_error()).find("spans 300 physical handles") ==
+          std::string::npos ||
+      std::string(cucache_torch_last_error()).find("long handle") == std::string::npos) {
+    return fail("the fixed export's refusal");
+  }
+  const std::size_t fds0 = open_fds();
+  void* h = nullptr;
+  std::size_t n = 0;
+  if (cucache_torch_ipc_export_long(b, &h, &n) != 0) return fail("export_long");
+  if (n != 120 + 300 * 16) return "export_long made " + std::to_string(n) + " bytes";
+  std::int32_t pieces = 0;
+  std::memcpy(&pieces, static_cast<char*>(h) + 112, sizeof pieces);
+  if (pieces != 300) return "pieceCount " + std::to_string(pieces);
+  // The exporter keeps the 300 descriptors open for importers' pidfd_getfd.
+  if (open_fds() != fds0 + 300) return "after export: " + std::to_string(open_fds()) + " fds";
+  void* out = reinterpret_cast<void*>(1);
+  if (cucache_torch_ipc_open(h, n - 16, 1, &out) != -1 || out != nullptr) {
+    return "a truncated long handle was opened";
+  }
+  if (open_fds() != fds0 + 300) return "a refused open leaked descriptors";
+  // As torch's getIpcDevPtr does: the exporter's descriptor numbers, duplicated by pidfd_getfd
+  // (here from this very process), imported, then closed.
+  if (cucache_torch_ipc_open(h, n, 1, &out) != 0) return fail("open");
+  if (out == nullptr || out == b) return "open returned the exporter's address or NULL";
+  if (open_fds() != fds0 + 300) return "open leaked its duplicated descriptors";
+  if (cucache_torch_ipc_close(out) != 0) return fail("close");
+  if (cucache_torch_ipc_close(out) != -1) return "closed twice";
+  cucache_torch_ipc_free(h);
+  cucache_torch_free(b, 600 * MiB, 0, stream(0));
+  return "";
+}
+
+TEST(TorchExtensionCallsDeathTest, IpcLongHandleOfThreeHundredExpandablePages) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        const std::string err = expandable_long_export_and_open();
+        if (!err.empty()) std::fprintf(stderr, "%s\n", err.c_str());
+        std::_Exit(err.empty() ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST(TorchPlugin, SizeRulesChangeAtRunTimeAsPyTorchsSettingsDo) {

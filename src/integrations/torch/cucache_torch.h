@@ -238,6 +238,7 @@ CUCACHE_TORCH_API int cucache_torch_base_allocation(const void* ptr, void** base
  * importer can duplicate them with pidfd_getfd. open maps a handle: with `fds_of_exporter` 1 its
  * descriptors are the exporter's numbers, duplicated from process `pid` (pidfd_open +
  * pidfd_getfd, which needs ptrace permission on the exporter), else they are this process's;
+ * `handle` is a cucacheIpcHandle or a cucacheIpcLongHandle (cucache_torch_ipc_export_long);
  * *out = the block's address. close undoes one open. 0, or -1 with the reason. */
 CUCACHE_TORCH_API int cucache_torch_ipc_export(void* ptr, void* handle, size_t handle_size);
 CUCACHE_TORCH_API int cucache_torch_ipc_open(const void* handle, size_t handle_size,
@@ -245,6 +246,13 @@ CUCACHE_TORCH_API int cucache_torch_ipc_open(const void* handle, size_t handle_s
 CUCACHE_TORCH_API int cucache_torch_ipc_close(void* ptr);
 /* sizeof(cucacheIpcHandle), for bindings that do not include cucache/ipc.h. */
 CUCACHE_TORCH_API size_t cucache_torch_ipc_handle_size(void);
+/* The variable-length form, for a block of any number of physical handles (an expandable block
+ * past CUCACHE_IPC_MAX_PIECES, which cucache_torch_ipc_export refuses): *handle = a malloc'd
+ * cucacheIpcLongHandle of *handle_size bytes (free it with cucache_torch_ipc_free), its fds kept
+ * open here as export's are. cucache_torch_ipc_open takes it (it tells the forms apart by the
+ * magic and checks the size exactly). 0, or -1 with the reason. */
+CUCACHE_TORCH_API int cucache_torch_ipc_export_long(void* ptr, void** handle, size_t* handle_size);
+CUCACHE_TORCH_API void cucache_torch_ipc_free(void* handle);
 
 /* Memory fraction at any time: *out = the cap of `device` as a fraction of its memory, 1.0 when
  * none is set (PyTorch's answer). (cucache_torch_set_memory_fraction sets it.) */

@@ -64,7 +64,12 @@ using cca::SegmentInfo;
 using cca::TraceEntry;
 
 constexpr char k_handle_prefix = '\xCC';  // first byte of a cucache IPC handle string
-constexpr char k_handle_version = 1;
+// Version 1: a fixed cucacheIpcHandle follows (at most CUCACHE_IPC_MAX_PIECES pieces; still
+// read). Version 2, what shareIpcHandle writes: a cucacheIpcLongHandle of any number of pieces,
+// the string as long as it needs. Both put the block's offset at byte 24 of what follows.
+constexpr char k_handle_version_fixed = 1;
+constexpr char k_handle_version = 2;
+constexpr std::size_t k_handle_offset_at = 24;  // magic, version, kind, device (4 each), pid (8)
 
 std::string last_error() {
   return cucache_torch_last_error();
@@ -1553,39 +1558,46 @@ cca::CheckpointDelta cucache_allocator::setCheckpointPoolState(
 }
 
 cca::ShareableHandle cucache_allocator::shareIpcHandle(void* ptr) {
-  std::string bytes(cucache_torch_ipc_handle_size(), '\0');
-  TORCH_CHECK(cucache_torch_ipc_export(ptr, bytes.data(), bytes.size()) == 0,
+  void* bytes = nullptr;
+  std::size_t size = 0;
+  TORCH_CHECK(cucache_torch_ipc_export_long(ptr, &bytes, &size) == 0,
               "cucache: shareIpcHandle: ", last_error());
+  std::unique_ptr<void, void (*)(void*)> owned(bytes, &cucache_torch_ipc_free);
   // offset: of the block in what getIpcDevPtr returns (the handle's segment, or first piece).
   std::uint64_t offset = 0;
   static_assert(sizeof(std::uint64_t) == 8);
-  // cucacheIpcHandle: magic, version, kind, device (4 bytes each), pid (8), offset (8).
-  std::memcpy(&offset, bytes.data() + 24, sizeof offset);
+  TORCH_CHECK(size >= k_handle_offset_at + sizeof offset, "cucache: shareIpcHandle: a handle of ",
+              size, " bytes");
+  std::memcpy(&offset, static_cast<const char*>(bytes) + k_handle_offset_at, sizeof offset);
   std::string handle;
-  handle.reserve(bytes.size() + 2);
+  handle.reserve(size + 2);
   handle.push_back(k_handle_prefix);
   handle.push_back(k_handle_version);
-  handle += bytes;
+  handle.append(static_cast<const char*>(bytes), size);
   return {static_cast<std::ptrdiff_t>(offset), std::move(handle)};
 }
 
 std::shared_ptr<void> cucache_allocator::getIpcDevPtr(std::string handle) {
-  const std::size_t size = cucache_torch_ipc_handle_size();
   TORCH_CHECK(!handle.empty() && handle[0] == k_handle_prefix,
               "cucache: getIpcDevPtr: this CUDA IPC handle was not made by cucache (its first "
               "byte is ",
               handle.empty() ? -1 : static_cast<int>(static_cast<unsigned char>(handle[0])),
               "; PyTorch's own allocator made it?): the sending and the receiving process must "
               "both use cucache, or both PyTorch's allocator");
-  TORCH_CHECK(handle.size() == size + 2 && handle[1] == k_handle_version,
+  const std::size_t fixed = cucache_torch_ipc_handle_size();
+  const int version = handle.size() >= 2 ? static_cast<int>(handle[1]) : -1;
+  // Version 2 is variable length: cucache_torch_ipc_open checks its size against its piece count.
+  TORCH_CHECK((version == k_handle_version && handle.size() >= 2 + k_handle_offset_at + 8) ||
+                  (version == k_handle_version_fixed && handle.size() == fixed + 2),
               "cucache: getIpcDevPtr: a cucache IPC handle of another version or size (",
-              handle.size(), " bytes, version ", static_cast<int>(handle[1]), "; this cucache reads ",
-              size + 2, " bytes, version ", static_cast<int>(k_handle_version), ")");
+              handle.size(), " bytes, version ", version, "; this cucache reads version ",
+              static_cast<int>(k_handle_version), ", or version ",
+              static_cast<int>(k_handle_version_fixed), " of ", fixed + 2, " bytes)");
   void* ptr = nullptr;
-  TORCH_CHECK(cucache_torch_ipc_open(handle.data() + 2, size, 1, &ptr) == 0,
+  TORCH_CHECK(cucache_torch_ipc_open(handle.data() + 2, handle.size() - 2, 1, &ptr) == 0,
               "cucache: getIpcDevPtr: ", last_error());
   std::uint64_t offset = 0;
-  std::memcpy(&offset, handle.data() + 2 + 24, sizeof offset);
+  std::memcpy(&offset, handle.data() + 2 + k_handle_offset_at, sizeof offset);
   void* base = static_cast<char*>(ptr) - offset;
   return std::shared_ptr<void>(base, [ptr](void*) {
     if (cucache_torch_ipc_close(ptr) != 0) {

@@ -322,6 +322,38 @@ bool free_block(void* ptr, int device, cucache_torch_stream stream, bool print) 
 using namespace cucache;
 using namespace cucache::detail;
 
+namespace {
+// Replaces each *slot, a file descriptor number of process `pid`, by a duplicate in this process
+// (pidfd_open + pidfd_getfd). The duplicates made are in `mine` (also on failure, to close).
+void duplicate_fds(std::int64_t pid, const std::vector<std::int32_t*>& slots,
+                   std::vector<int>& mine) {
+  if (slots.empty()) return;
+  const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+  if (pidfd < 0) {
+    throw std::runtime_error("pidfd_open(" + std::to_string(pid) +
+                             ") of the exporting process failed: " + std::strerror(errno) +
+                             " (it must still run, and this kernel must be Linux >= 5.6)");
+  }
+  for (std::int32_t* slot : slots) {
+    const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, *slot, 0));
+    if (fd < 0) {
+      const int err = errno;
+      ::close(pidfd);
+      throw std::runtime_error(
+          "pidfd_getfd of file descriptor " + std::to_string(*slot) + " of process " +
+          std::to_string(pid) + " failed: " + std::strerror(err) +
+          (err == EPERM ? " (this process may not ptrace the exporter: Yama's "
+                          "kernel.yama.ptrace_scope=1 lets only ancestors do so; the exporter "
+                          "can allow it with prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY))"
+                        : ""));
+    }
+    mine.push_back(fd);
+    *slot = fd;
+  }
+  ::close(pidfd);
+}
+}  // namespace
+
 extern "C" {
 
 void* cucache_torch_alloc(size_t size, int device, cucache_torch_stream stream) {
@@ -665,50 +697,89 @@ int cucache_torch_ipc_export(void* ptr, void* handle, size_t handle_size) {
   });
 }
 
+int cucache_torch_ipc_export_long(void* ptr, void** handle, size_t* handle_size) {
+  return guarded("ipc_export_long", [&] {
+    if (handle == nullptr || handle_size == nullptr) {
+      throw invalid_argument("handle or handle_size is NULL");
+    }
+    *handle = nullptr;
+    *handle_size = 0;
+    cucache::ipc_long_handle l = cucache::ipc_get_long_handle(ptr);
+    const std::vector<std::byte> bytes = l.bytes();
+    void* m = std::malloc(bytes.size());
+    if (m == nullptr) {
+      cucache::ipc_release_fds(l);
+      throw std::runtime_error("no host memory for an IPC handle of " +
+                               std::to_string(bytes.size()) + " bytes");
+    }
+    std::memcpy(m, bytes.data(), bytes.size());
+    if (!l.pieces.empty()) {
+      std::vector<int> fds;
+      fds.reserve(l.pieces.size());
+      for (const cucacheIpcPiece& p : l.pieces) fds.push_back(p.fd);
+      exported_fds& k = kept_fds();
+      std::lock_guard lock(k.mu);
+      k.sets.push_back(std::move(fds));
+      while (k.sets.size() > k_kept_exports) {
+        for (int fd : k.sets.front()) ::close(fd);
+        k.sets.pop_front();
+      }
+    }
+    *handle = m;
+    *handle_size = bytes.size();
+  });
+}
+
+void cucache_torch_ipc_free(void* handle) {
+  std::free(handle);
+}
+
 int cucache_torch_ipc_open(const void* handle, size_t handle_size, int fds_of_exporter,
                            void** out) {
   return guarded("ipc_open", [&] {
     if (out == nullptr) throw invalid_argument("out is NULL");
     *out = nullptr;
+    std::uint32_t magic = 0;
+    if (handle != nullptr && handle_size >= sizeof magic) std::memcpy(&magic, handle, sizeof magic);
+    std::vector<int> mine;
+    const auto close_mine = [&] {
+      for (int fd : mine) ::close(fd);
+    };
+    if (handle != nullptr && magic == CUCACHE_IPC_LONG_MAGIC) {
+      // The variable-length form (cucache_torch_ipc_export_long): validated whole before any
+      // descriptor is duplicated.
+      cucache::ipc_long_handle l = cucache::ipc_long_handle::from_bytes(handle, handle_size);
+      try {
+        if (fds_of_exporter != 0 && l.head.kind == cucacheIpcKindFileDescriptors) {
+          std::vector<std::int32_t*> slots;
+          slots.reserve(l.pieces.size());
+          for (cucacheIpcPiece& p : l.pieces) slots.push_back(&p.fd);
+          duplicate_fds(l.head.pid, slots, mine);
+        }
+        *out = cucache::ipc_open_handle(l);
+      } catch (...) {
+        close_mine();
+        throw;
+      }
+      close_mine();  // imported: the mapping holds the memory now
+      return;
+    }
     if (handle == nullptr || handle_size != sizeof(cucacheIpcHandle)) {
       throw invalid_argument("handle is NULL or not " + std::to_string(sizeof(cucacheIpcHandle)) +
-                             " bytes (a cucacheIpcHandle)");
+                             " bytes (a cucacheIpcHandle) nor a long handle (magic " +
+                             std::to_string(CUCACHE_IPC_LONG_MAGIC) +
+                             ", from cucache_torch_ipc_export_long)");
     }
     cucacheIpcHandle h;
     std::memcpy(&h, handle, sizeof h);
     const bool dup = fds_of_exporter != 0 && h.kind == cucacheIpcKindFileDescriptors &&
                      h.pieceCount > 0 && h.pieceCount <= CUCACHE_IPC_MAX_PIECES;
-    std::vector<int> mine;
-    const auto close_mine = [&] {
-      for (int fd : mine) ::close(fd);
-    };
-    if (dup) {
-      const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(h.pid), 0));
-      if (pidfd < 0) {
-        throw std::runtime_error("pidfd_open(" + std::to_string(h.pid) +
-                                 ") of the exporting process failed: " + std::strerror(errno) +
-                                 " (it must still run, and this kernel must be Linux >= 5.6)");
-      }
-      for (int i = 0; i < h.pieceCount; ++i) {
-        const int fd = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, h.fds[i], 0));
-        if (fd < 0) {
-          const int err = errno;
-          ::close(pidfd);
-          close_mine();
-          throw std::runtime_error(
-              "pidfd_getfd of file descriptor " + std::to_string(h.fds[i]) + " of process " +
-              std::to_string(h.pid) + " failed: " + std::strerror(err) +
-              (err == EPERM ? " (this process may not ptrace the exporter: Yama's "
-                              "kernel.yama.ptrace_scope=1 lets only ancestors do so; the exporter "
-                              "can allow it with prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY))"
-                            : ""));
-        }
-        mine.push_back(fd);
-        h.fds[i] = fd;
-      }
-      ::close(pidfd);
-    }
     try {
+      if (dup) {
+        std::vector<std::int32_t*> slots;
+        for (int i = 0; i < h.pieceCount; ++i) slots.push_back(&h.fds[i]);
+        duplicate_fds(h.pid, slots, mine);
+      }
       *out = cucache::ipc_open_handle(h);
     } catch (...) {
       close_mine();
