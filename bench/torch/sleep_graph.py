@@ -11,7 +11,7 @@ and the graph replays. SGLang releases its "cuda_graph" memory this way with tor
      cucache.sleeping() reports; wake; replay: the output equals the reference.
   3. sleep("graph", keep_contents=True); wake; no replay: the graph's output tensor (graph-pool
      memory) still holds the reference; then a replay, equal again.
-  4. Several tags in one call, when cucache has it: "graph" and "weights" asleep and awake together.
+  4. Several tags in one call: "graph" and "weights" asleep and awake together.
 
 Prints 'RESULT <name> pass|fail <detail>' lines; exit status 0 only if every result passes.
 
@@ -80,28 +80,16 @@ def main():
     result("graph_kept_sleep_keeps_output", kept and again and host > 0,
            f"host_bytes={host} output_kept={kept} replay_equal={again}")
 
-    many = getattr(cucache, "sleep_tags", None)
-    if many is None:
-        try:
-            cucache.sleep(["graph", "weights"], keep_contents=[False, True])
-            many = "list"
-        except Exception as e:  # noqa: BLE001
-            result("several_tags_one_call", False, f"not available: {type(e).__name__}: {e}")
-    if many is not None:
-        try:
-            if many != "list":
-                many(["graph", "weights"], [False, True])
-            asleep = sorted(cucache.sleeping())
-            if hasattr(cucache, "wake_tags"):
-                cucache.wake_tags(["graph", "weights"])
-            else:
-                cucache.wake(["graph", "weights"])
-            g.replay()
-            torch.cuda.synchronize()
-            result("several_tags_one_call", asleep == ["graph", "weights"] and torch.equal(y, ref),
-                   f"asleep_together={asleep} replay_equal={torch.equal(y, ref)}")
-        except Exception as e:  # noqa: BLE001
-            result("several_tags_one_call", False, f"{type(e).__name__}: {e}")
+    try:
+        cucache.sleep(["graph", "weights"], [False, True])
+        asleep = sorted(cucache.sleeping())
+        cucache.wake(["graph", "weights"])
+        g.replay()
+        torch.cuda.synchronize()
+        result("several_tags_one_call", asleep == ["graph", "weights"] and torch.equal(y, ref),
+               f"asleep_together={asleep} replay_equal={torch.equal(y, ref)}")
+    except Exception as e:  # noqa: BLE001
+        result("several_tags_one_call", False, f"{type(e).__name__}: {e}")
     del g, y
     return 0 if ok_all else 1
 
