@@ -56,6 +56,11 @@ run() {  # name, env..., -- args...
   grep -q "1 IPC handles refused" "$report" || fail "$name: cudaIpcGetMemHandle was not refused"
   grep -q "1 address ranges answered" "$report" || fail "$name: cuMemGetAddressRange was not cucache's"
   grep -q "cuIpcGetMemHandle(.*) refused" "$out/$name.log" || fail "$name: no loud IPC refusal on stderr"
+  grep -q "3 replays right" "$out/$name.log" || fail "$name: the captured graph did not replay right"
+  local captures="captures: announced (CUCACHE_PRELOAD_CAPTURES), 1 announced by the shim, 0 allocations"
+  [[ " ${envs[*]} " == *CUCACHE_PRELOAD_CAPTURES=query* ]] &&
+    captures="captures: query (CUCACHE_PRELOAD_CAPTURES), 0 announced by the shim, 0 allocations"
+  grep -q "$captures" "$report" || fail "$name: want '$captures' in the report: $(grep '^captures:' "$report")"
 }
 for variant in static shared; do
   run "${variant}_default" -- "$variant"
@@ -63,6 +68,7 @@ for variant in static shared; do
   run "${variant}_stream_free" CUCACHE_PRELOAD_FREE=stream -- "$variant"
   run "${variant}_reset" -- "$variant" --reset
 done
+run static_captures_query CUCACHE_PRELOAD_CAPTURES=query -- static
 # A trace through CUCACHE_CONF, flushed at exit.
 run static_trace CUCACHE_CONF=trace:"$out/trace.csv" -- static
 [[ -s $out/trace.csv ]] || fail "static_trace: no trace written"

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
@@ -42,11 +43,34 @@ struct fake_calls {
   cu_device device = 0;  // what cuCtxGetDevice answers; < 0: it fails (no context)
   cu_deviceptr last_ptr = 0;
   cu_stream last_stream = reinterpret_cast<cu_stream>(std::uintptr_t{0xdead});
+  // The capture calls: what begin and end answer, what cuStreamIsCapturing says, and the number of
+  // announced captures cucache's allocator had when the driver's begin ran.
+  cu_result begin_rc = k_success;
+  cu_result end_rc = k_success;
+  int capturing = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+  int begins = 0;
+  int ends = 0;
+  std::uint64_t announced_at_begin = 0;
 };
 fake_calls g_calls;
 
 cu_mem_pool default_pool_of(cu_device dev) {
   return reinterpret_cast<cu_mem_pool>(std::uintptr_t{0x100} + static_cast<std::uintptr_t>(dev));
+}
+
+std::uint64_t allocator_announced() {
+  return cucache::detail::registry::instance().allocator(0).announced_captures();
+}
+cu_result fake_begin() {
+  ++g_calls.begins;
+  g_calls.announced_at_begin = allocator_announced();
+  if (g_calls.begin_rc == k_success) g_calls.capturing = 1;  // ACTIVE
+  return g_calls.begin_rc;
+}
+cu_result fake_end() {
+  ++g_calls.ends;
+  if (g_calls.end_rc == k_success || g_calls.end_rc == 901) g_calls.capturing = 0;
+  return g_calls.end_rc;
 }
 
 real_driver fake_driver() {
@@ -116,6 +140,17 @@ real_driver fake_driver() {
     *pool = default_pool_of(dev);
     return k_success;
   };
+  d.stream_begin_capture = [](cu_stream, int) -> cu_result { return fake_begin(); };
+  d.stream_begin_capture_ptsz = [](cu_stream, int) -> cu_result { return fake_begin(); };
+  d.stream_begin_capture_to_graph = [](cu_stream, cu_graph, const cu_graph_node*, const void*,
+                                       std::size_t, int) -> cu_result { return fake_begin(); };
+  d.stream_end_capture = [](cu_stream, cu_graph*) -> cu_result { return fake_end(); };
+  d.stream_end_capture_ptsz = [](cu_stream, cu_graph*) -> cu_result { return fake_end(); };
+  d.stream_is_capturing = [](cu_stream, int* status) -> cu_result {
+    *status = g_calls.capturing;
+    return k_success;
+  };
+  d.stream_is_capturing_ptsz = d.stream_is_capturing;
   return d;
 }
 
@@ -129,6 +164,7 @@ class PreloadRouting : public ::testing::Test {
   void TearDown() override { restore(); }
   static void restore() {
     ::unsetenv("CUCACHE_PRELOAD_FREE");
+    set_captures_mode(captures_mode::announced);
     cucache::test::use_sim_registry();
     g_calls = {};
   }
@@ -463,4 +499,104 @@ TEST_F(PreloadRouting, AllocationsFromTheDefaultPoolAreCucachesAndOtherPoolsAreT
   EXPECT_EQ(mem_alloc_from_pool_async(real, &q, 0, default_pool_of(0), nullptr, false),
             k_invalid_value);
   EXPECT_EQ(g_calls.pool_alloc, 2);
+}
+
+// The capture calls (docs/preload.md, "Captures"): the shim announces each capture to cucache
+// before the driver begins it, withdraws it when the driver refuses to begin, and ends it once the
+// stream no longer captures; allocations outside captures then skip the capture query.
+TEST_F(PreloadRouting, CapturesAreAnnouncedBeforeTheDriverBeginsThemAndEndedAfter) {
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, k_mib, nullptr), k_success);
+  cucache::device_allocator& a = cucache::detail::registry::instance().allocator(0);
+  EXPECT_TRUE(a.captures_announced());
+  ASSERT_EQ(stream_begin_capture(real, stream_n(1), 0, false), k_success);
+  EXPECT_EQ(g_calls.announced_at_begin, 1U);  // announced before the driver began it
+  EXPECT_EQ(a.announced_captures(), 1U);
+  EXPECT_EQ(announced_capture_count(), 1U);
+  cu_graph graph = nullptr;
+  ASSERT_EQ(stream_end_capture(real, stream_n(1), &graph, false), k_success);
+  EXPECT_EQ(a.announced_captures(), 0U);
+  EXPECT_EQ(announced_capture_count(), 0U);
+  // cuStreamBeginCaptureToGraph the same way.
+  ASSERT_EQ(stream_begin_capture_to_graph(real, stream_n(2), nullptr, nullptr, nullptr, 0, 0,
+                                          false),
+            k_success);
+  EXPECT_EQ(a.announced_captures(), 1U);
+  ASSERT_EQ(stream_end_capture(real, stream_n(2), &graph, false), k_success);
+  EXPECT_EQ(a.announced_captures(), 0U);
+  EXPECT_EQ(mem_free(real, p, free_mode::stream), k_success);
+}
+
+TEST_F(PreloadRouting, ACaptureTheDriverRefusesIsNotLeftAnnounced) {
+  g_calls.begin_rc = 900;  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (the legacy stream, say)
+  EXPECT_EQ(stream_begin_capture(real, nullptr, 0, false), 900);
+  EXPECT_EQ(g_calls.announced_at_begin, 1U);
+  EXPECT_EQ(allocator_announced(), 0U);
+  EXPECT_EQ(announced_capture_count(), 0U);
+}
+
+TEST_F(PreloadRouting, AnEndThatLeavesTheStreamCapturingKeepsTheAnnouncement) {
+  ASSERT_EQ(stream_begin_capture(real, stream_n(3), 0, false), k_success);
+  g_calls.end_rc = 908;  // CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: the capture goes on
+  cu_graph graph = nullptr;
+  EXPECT_EQ(stream_end_capture(real, stream_n(3), &graph, false), 908);
+  EXPECT_EQ(allocator_announced(), 1U);
+  g_calls.end_rc = 901;  // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: ended, no graph
+  EXPECT_EQ(stream_end_capture(real, stream_n(3), &graph, false), 901);
+  EXPECT_EQ(allocator_announced(), 0U);
+  EXPECT_EQ(announced_capture_count(), 0U);
+}
+
+TEST_F(PreloadRouting, TheEndOfACaptureTheShimDidNotBeginChangesNothing) {
+  cu_graph graph = nullptr;
+  EXPECT_EQ(stream_end_capture(real, stream_n(4), &graph, false), k_success);
+  EXPECT_EQ(g_calls.ends, 1);
+  EXPECT_EQ(allocator_announced(), 0U);
+}
+
+TEST_F(PreloadRouting, PerThreadStreamCapturesBelongToTheirThread) {
+  // Stream 0 of a _ptsz entry point is the calling thread's own stream.
+  ASSERT_EQ(stream_begin_capture(real, nullptr, 0, true), k_success);
+  EXPECT_EQ(allocator_announced(), 1U);
+  std::thread other([&] {
+    cu_graph graph = nullptr;
+    g_calls.capturing = 0;  // the other thread's stream is not capturing
+    EXPECT_EQ(stream_end_capture(real, nullptr, &graph, true), k_success);
+  });
+  other.join();
+  EXPECT_EQ(allocator_announced(), 1U);  // another thread's per-thread stream: not this capture
+  cu_graph graph = nullptr;
+  EXPECT_EQ(stream_end_capture(real, k_stream_per_thread, &graph, true), k_success);
+  EXPECT_EQ(allocator_announced(), 0U);
+}
+
+TEST_F(PreloadRouting, QueryModeAnnouncesNothing) {
+  set_captures_mode(captures_mode::query);
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, k_mib, nullptr), k_success);
+  EXPECT_FALSE(cucache::detail::registry::instance().allocator(0).captures_announced());
+  ASSERT_EQ(stream_begin_capture(real, stream_n(5), 0, false), k_success);
+  EXPECT_EQ(g_calls.announced_at_begin, 0U);
+  EXPECT_EQ(announced_capture_count(), 0U);
+  cu_graph graph = nullptr;
+  EXPECT_EQ(stream_end_capture(real, stream_n(5), &graph, false), k_success);
+  EXPECT_EQ(mem_free(real, p, free_mode::stream), k_success);
+}
+
+TEST_F(PreloadRouting, CapturesModeFromEnvironment) {
+  ::unsetenv("CUCACHE_PRELOAD_CAPTURES");
+  EXPECT_EQ(captures_mode_from_env(), captures_mode::announced);
+  ::setenv("CUCACHE_PRELOAD_CAPTURES", "query", 1);
+  EXPECT_EQ(captures_mode_from_env(), captures_mode::query);
+  ::setenv("CUCACHE_PRELOAD_CAPTURES", "announced", 1);
+  EXPECT_EQ(captures_mode_from_env(), captures_mode::announced);
+  ::setenv("CUCACHE_PRELOAD_CAPTURES", "on", 1);
+  try {
+    static_cast<void>(captures_mode_from_env());
+    ADD_FAILURE() << "no error for CUCACHE_PRELOAD_CAPTURES=on";
+  } catch (const cucache::environment_error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUCACHE_PRELOAD_CAPTURES: 'on'"), std::string::npos)
+        << e.what();
+  }
+  ::unsetenv("CUCACHE_PRELOAD_CAPTURES");
 }

@@ -11,7 +11,10 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <map>
 #include <string_view>
+#include <thread>
+#include <utility>
 
 #include <unistd.h>
 
@@ -79,9 +82,42 @@ bool is_live_start(const registry& r, const void* ptr) noexcept {
   return false;
 }
 
+// CUCACHE_PRELOAD_CAPTURES as the routing uses it: 0 not read yet, 1 announced, 2 query.
+std::atomic<int> g_captures_mode{0};
+
+captures_mode routing_captures_mode() noexcept {
+  int m = g_captures_mode.load(std::memory_order_acquire);
+  if (m == 0) {
+    captures_mode read = captures_mode::query;
+    try {
+      read = captures_mode_from_env();
+    } catch (const std::exception& e) {
+      say(fmt::format("{}; using query (every allocation asks the capture status)", e.what()));
+    }
+    int expected = 0;
+    const int want = read == captures_mode::announced ? 1 : 2;
+    g_captures_mode.compare_exchange_strong(expected, want, std::memory_order_acq_rel);
+    m = g_captures_mode.load(std::memory_order_acquire);
+  }
+  return m == 1 ? captures_mode::announced : captures_mode::query;
+}
+
+// The registry whose allocators were told the captures mode (the registry is rebuilt by tests).
+std::atomic<const registry*> g_armed_registry{nullptr};
+
+// Tells `r` the captures mode once: in the announced mode every capture of the process passes
+// through this shim's begin and end (both the runtime's and a direct caller's reach the driver's
+// entry points that the shim replaces), so the allocators may skip the capture query.
+void arm_captures(registry& r) {
+  if (g_armed_registry.load(std::memory_order_acquire) == &r) return;
+  r.set_captures_announced(routing_captures_mode() == captures_mode::announced);
+  g_armed_registry.store(&r, std::memory_order_release);
+}
+
 device_allocator& current_allocator() {
   registry& r = registry::instance();
   arm_exit_report();
+  arm_captures(r);
   return r.allocator(r.current_device());
 }
 
@@ -138,6 +174,21 @@ cu_result refuse_if_ours(cu_deviceptr dptr, const char* function, const char* wh
 counters& stats() noexcept {
   static counters c;
   return c;
+}
+
+captures_mode captures_mode_from_env() {
+  const char* env = std::getenv("CUCACHE_PRELOAD_CAPTURES");
+  if (env == nullptr || *env == '\0' || std::string_view(env) == "announced") {
+    return captures_mode::announced;
+  }
+  if (std::string_view(env) == "query") return captures_mode::query;
+  throw environment_error(fmt::format(
+      "environment variable CUCACHE_PRELOAD_CAPTURES: '{}' is neither announced nor query", env));
+}
+
+void set_captures_mode(captures_mode mode) noexcept {
+  g_captures_mode.store(mode == captures_mode::announced ? 1 : 2, std::memory_order_release);
+  g_armed_registry.store(nullptr, std::memory_order_release);
 }
 
 free_mode free_mode_from_env() {
@@ -364,6 +415,15 @@ std::string report_text() {
   if (r == nullptr) return out + "cucache: no device was used\n";
   out += fmt::format("backend {}, CUCACHE_CONF='{}'\n", to_string(r->kind()),
                      std::getenv("CUCACHE_CONF") != nullptr ? std::getenv("CUCACHE_CONF") : "");
+  std::uint64_t unannounced = 0;
+  for (int d = 0; d < r->device_count(); ++d) {
+    if (const device_allocator* a = r->find(d)) unannounced += a->unannounced_captures();
+  }
+  out += fmt::format(
+      "captures: {} (CUCACHE_PRELOAD_CAPTURES), {} announced by the shim, {} allocations refused "
+      "in captures nobody announced\n",
+      routing_captures_mode() == captures_mode::announced ? "announced" : "query",
+      c.captures.load(), unannounced);
   for (int d = 0; d < r->device_count(); ++d) {
     if (device_allocator* a = r->find(d)) {
       out += fmt::format("--- device {} ---\n", d);
@@ -425,6 +485,110 @@ std::string nothing_reached_text(bool driver_loaded, bool sim) {
         "CUCACHE_PRELOAD_TRACE=1 lists the lookups that reached the shim (docs/preload.md).\n";
   }
   return out;
+}
+
+namespace {
+
+// The captures this shim announced and that have not ended, by stream; the per-thread default
+// stream is a different stream on each thread, so its key carries the thread.
+struct capture_key {
+  std::uintptr_t stream;
+  std::thread::id thread;
+  bool operator<(const capture_key& o) const noexcept {
+    return stream != o.stream ? stream < o.stream : thread < o.thread;
+  }
+};
+std::mutex g_captures_mu;
+std::map<capture_key, std::uint64_t> g_captures;  // guarded by g_captures_mu
+
+capture_key key_of(cu_stream stream, bool ptsz) noexcept {
+  const bool per_thread = stream == k_stream_per_thread || (ptsz && stream == nullptr);
+  return {per_thread ? reinterpret_cast<std::uintptr_t>(k_stream_per_thread)
+                     : reinterpret_cast<std::uintptr_t>(stream),
+          per_thread ? std::this_thread::get_id() : std::thread::id{}};
+}
+
+// Begins a capture through `begin` (the driver's call), announced first in the announced mode.
+template <typename Begin>
+cu_result announced_begin(cu_stream stream, bool ptsz, Begin&& begin) noexcept {
+  if (routing_captures_mode() != captures_mode::announced) return begin();
+  try {
+    registry& r = registry::instance();
+    arm_captures(r);
+    r.announce_capture_begin();
+  } catch (...) {
+    return fail("cuStreamBeginCapture");
+  }
+  const cu_result rc = begin();
+  try {
+    if (rc != k_success) {
+      registry::instance().announce_capture_end();
+    } else {
+      const std::lock_guard<std::mutex> lock(g_captures_mu);
+      ++g_captures[key_of(stream, ptsz)];
+      stats().captures.fetch_add(1, std::memory_order_relaxed);
+    }
+  } catch (...) {
+    // an announcement that cannot be withdrawn only keeps the capture query on (never unsafe)
+  }
+  return rc;
+}
+
+}  // namespace
+
+cu_result stream_begin_capture(const real_driver& real, cu_stream stream, int mode,
+                               bool ptsz) noexcept {
+  auto fn = ptsz ? real.stream_begin_capture_ptsz : real.stream_begin_capture;
+  if (fn == nullptr) return k_not_found;
+  return announced_begin(stream, ptsz, [&] { return fn(stream, mode); });
+}
+
+cu_result stream_begin_capture_to_graph(const real_driver& real, cu_stream stream, cu_graph graph,
+                                        const cu_graph_node* dependencies, const void* edge_data,
+                                        std::size_t count, int mode, bool ptsz) noexcept {
+  auto fn = ptsz ? real.stream_begin_capture_to_graph_ptsz : real.stream_begin_capture_to_graph;
+  if (fn == nullptr) return k_not_found;
+  return announced_begin(stream, ptsz,
+                         [&] { return fn(stream, graph, dependencies, edge_data, count, mode); });
+}
+
+cu_result stream_end_capture(const real_driver& real, cu_stream stream, cu_graph* graph,
+                             bool ptsz) noexcept {
+  auto fn = ptsz ? real.stream_end_capture_ptsz : real.stream_end_capture;
+  if (fn == nullptr) return k_not_found;
+  const cu_result rc = fn(stream, graph);
+  try {
+    const capture_key key = key_of(stream, ptsz);
+    {
+      const std::lock_guard<std::mutex> lock(g_captures_mu);
+      if (g_captures.find(key) == g_captures.end()) return rc;  // not a capture this shim began
+    }
+    // Ended unless the stream still captures: cuStreamIsCapturing's NONE (0), or, where it cannot
+    // answer, the driver's own answer to the end (success, or the invalidated capture's 901).
+    auto is = ptsz ? real.stream_is_capturing_ptsz : real.stream_is_capturing;
+    int status = 0;
+    const bool ended = is != nullptr && is(stream, &status) == k_success
+                           ? status == 0
+                           : rc == k_success || rc == 901;
+    if (!ended) return rc;
+    {
+      const std::lock_guard<std::mutex> lock(g_captures_mu);
+      auto it = g_captures.find(key);
+      if (it == g_captures.end()) return rc;
+      if (--it->second == 0) g_captures.erase(it);
+    }
+    registry::instance().announce_capture_end();
+  } catch (...) {
+    // as above: an announcement left in place only keeps the capture query on
+  }
+  return rc;
+}
+
+std::uint64_t announced_capture_count() noexcept {
+  const std::lock_guard<std::mutex> lock(g_captures_mu);
+  std::uint64_t n = 0;
+  for (const auto& [key, count] : g_captures) n += count;
+  return n;
 }
 
 void arm_exit_report() noexcept {

@@ -21,6 +21,8 @@ using cu_stream = struct CUstream_st*;     // CUstream
 using cu_mem_handle = unsigned long long;  // CUmemGenericAllocationHandle
 using cu_mem_pool = struct CUmemPoolHandle_st*;  // CUmemoryPool
 using cu_device = int;                     // CUdevice
+using cu_graph = struct CUgraph_st*;       // CUgraph
+using cu_graph_node = struct CUgraphNode_st*;  // CUgraphNode
 
 inline constexpr cu_result k_success = 0;           // CUDA_SUCCESS
 inline constexpr cu_result k_invalid_value = 1;     // CUDA_ERROR_INVALID_VALUE
@@ -55,6 +57,17 @@ struct real_driver {
                                               cu_stream) = nullptr;
   cu_result (*ctx_get_device)(cu_device*) = nullptr;
   cu_result (*device_get_default_mem_pool)(cu_mem_pool*, cu_device) = nullptr;
+  // The capture calls (CUDA 10.1's cuStreamBeginCapture_v2 signature; _ptsz: per-thread stream).
+  cu_result (*stream_begin_capture)(cu_stream, int) = nullptr;
+  cu_result (*stream_begin_capture_ptsz)(cu_stream, int) = nullptr;
+  cu_result (*stream_begin_capture_to_graph)(cu_stream, cu_graph, const cu_graph_node*,
+                                             const void*, std::size_t, int) = nullptr;
+  cu_result (*stream_begin_capture_to_graph_ptsz)(cu_stream, cu_graph, const cu_graph_node*,
+                                                  const void*, std::size_t, int) = nullptr;
+  cu_result (*stream_end_capture)(cu_stream, cu_graph*) = nullptr;
+  cu_result (*stream_end_capture_ptsz)(cu_stream, cu_graph*) = nullptr;
+  cu_result (*stream_is_capturing)(cu_stream, int*) = nullptr;
+  cu_result (*stream_is_capturing_ptsz)(cu_stream, int*) = nullptr;
 };
 
 /// What a plain free (cuMemFree, so cudaFree) does before the block is reused.
@@ -64,6 +77,16 @@ enum class free_mode : std::uint8_t {
   stream,  ///< CUCACHE_PRELOAD_FREE=stream: reusable at once on its allocation stream (cucache's
            ///< and PyTorch's rule; fast, but a program that frees memory in use on another stream
            ///< without synchronizing first would see it reused under that stream's feet)
+};
+
+/// Whether the shim announces the program's graph captures to cucache (docs/preload.md,
+/// "Captures"). CUCACHE_PRELOAD_CAPTURES.
+enum class captures_mode : std::uint8_t {
+  announced,  ///< default: every capture begin and end passes through the shim, which announces
+              ///< it, and an allocation on a created stream skips the driver's capture query
+              ///< while none is underway (device_allocator::set_captures_announced)
+  query,      ///< CUCACHE_PRELOAD_CAPTURES=query: announce nothing; every allocation on a created
+              ///< stream asks the driver whether the stream is capturing
 };
 
 /// Counters of what the routing did, for the exit report and the tests.
@@ -76,8 +99,16 @@ struct counters {
   std::atomic<std::uint64_t> bad_frees{0};        ///< refused: inside cucache memory, not live
   std::atomic<std::uint64_t> refused{0};          ///< IPC handles of cucache memory
   std::atomic<std::uint64_t> address_ranges{0};   ///< cuMemGetAddressRange on cucache memory
+  std::atomic<std::uint64_t> captures{0};         ///< captures begun and announced by the shim
 };
 [[nodiscard]] counters& stats() noexcept;
+
+/// CUCACHE_PRELOAD_CAPTURES (announced | query; unset or empty: announced). Throws
+/// environment_error naming the value otherwise.
+[[nodiscard]] captures_mode captures_mode_from_env();
+/// The mode the routing uses, read once from the environment (a bad value is named on stderr and
+/// query used: the safe side). Tests may set it before the first allocation.
+void set_captures_mode(captures_mode mode) noexcept;
 
 /// CUCACHE_PRELOAD_FREE, read once. Throws environment_error on a value that is not sync/stream.
 [[nodiscard]] free_mode free_mode_from_env();
@@ -106,6 +137,24 @@ cu_result mem_free(const real_driver& real, cu_deviceptr dptr, free_mode mode) n
 cu_result mem_free_async(const real_driver& real, cu_deviceptr dptr, cu_stream stream,
                          bool ptsz) noexcept;
 cu_result mem_get_info(const real_driver& real, std::size_t* free, std::size_t* total) noexcept;
+
+/// cuStreamBeginCapture_v2 (`ptsz`: its _ptsz variant). In the announced mode the capture is
+/// announced to every device's allocator *before* the driver begins it (so an allocation on the
+/// stream from another thread, the moment it is capturing, already asks the capture status), and
+/// the announcement is withdrawn if the driver refuses to begin. In the query mode: forwarded.
+cu_result stream_begin_capture(const real_driver& real, cu_stream stream, int mode,
+                               bool ptsz) noexcept;
+/// cuStreamBeginCaptureToGraph (CUDA 12.3), as stream_begin_capture.
+cu_result stream_begin_capture_to_graph(const real_driver& real, cu_stream stream, cu_graph graph,
+                                        const cu_graph_node* dependencies, const void* edge_data,
+                                        std::size_t count, int mode, bool ptsz) noexcept;
+/// cuStreamEndCapture. The announcement of a capture this shim announced is withdrawn once the
+/// stream no longer captures (asked of cuStreamIsCapturing after the driver's answer: an end
+/// refused -- from the wrong thread, say -- leaves the capture, and its announcement, in place).
+cu_result stream_end_capture(const real_driver& real, cu_stream stream, cu_graph* graph,
+                             bool ptsz) noexcept;
+/// Captures announced by this shim and not yet ended (for the tests and the exit report).
+[[nodiscard]] std::uint64_t announced_capture_count() noexcept;
 cu_result ipc_get_mem_handle(const real_driver& real, void* handle, cu_deviceptr dptr) noexcept;
 /// cuMemRetainAllocationHandle: on cucache memory, CUDA_ERROR_INVALID_VALUE, the driver's answer
 /// for memory that no cuMemCreate mapping backs. In expandable mode cucache's pages are such

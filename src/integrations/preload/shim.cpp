@@ -102,6 +102,14 @@ const real_entry_points& real() noexcept {
     resolve(e.drv.mem_alloc_from_pool_async_ptsz, "cuMemAllocFromPoolAsync_ptsz");
     resolve(e.drv.ctx_get_device, "cuCtxGetDevice");
     resolve(e.drv.device_get_default_mem_pool, "cuDeviceGetDefaultMemPool");
+    resolve(e.drv.stream_begin_capture, "cuStreamBeginCapture_v2");
+    resolve(e.drv.stream_begin_capture_ptsz, "cuStreamBeginCapture_v2_ptsz");
+    resolve(e.drv.stream_begin_capture_to_graph, "cuStreamBeginCaptureToGraph");
+    resolve(e.drv.stream_begin_capture_to_graph_ptsz, "cuStreamBeginCaptureToGraph_ptsz");
+    resolve(e.drv.stream_end_capture, "cuStreamEndCapture");
+    resolve(e.drv.stream_end_capture_ptsz, "cuStreamEndCapture_ptsz");
+    resolve(e.drv.stream_is_capturing, "cuStreamIsCapturing");
+    resolve(e.drv.stream_is_capturing_ptsz, "cuStreamIsCapturing_ptsz");
     resolve(e.get_proc_address, "cuGetProcAddress");
     resolve(e.get_proc_address_v2, "cuGetProcAddress_v2");
     return e;
@@ -125,7 +133,7 @@ void trace_lookup(const char* via, const char* name, int version, const void* ca
                   bool ours) noexcept {
   if (!tracing() || name == nullptr || name[0] != 'c' || name[1] != 'u') return;
   if (std::strncmp(name, "cuMem", 5) != 0 && std::strncmp(name, "cuIpc", 5) != 0 &&
-      std::strncmp(name, "cuGetProcAddress", 16) != 0) {
+      std::strncmp(name, "cuGetProcAddress", 16) != 0 && std::strncmp(name, "cuStream", 8) != 0) {
     return;
   }
   Dl_info info{};
@@ -281,6 +289,78 @@ CUCACHE_PRELOAD_API cu_result cuMemRetainAllocationHandle(cu_mem_handle* handle,
   return mem_retain_allocation_handle(r, handle, addr);
 }
 
+// The capture calls: announced to cucache (preload.hpp, stream_begin_capture), so that allocations
+// outside captures skip the driver's capture query. cucache's own calls never capture.
+CUCACHE_PRELOAD_API cu_result cuStreamBeginCapture_v2(cu_stream stream, int mode) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.stream_begin_capture != nullptr ? r.stream_begin_capture(stream, mode) : k_not_found;
+  }
+  inside guard;
+  return stream_begin_capture(r, stream, mode, false);
+}
+
+CUCACHE_PRELOAD_API cu_result cuStreamBeginCapture_v2_ptsz(cu_stream stream, int mode) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.stream_begin_capture_ptsz != nullptr ? r.stream_begin_capture_ptsz(stream, mode)
+                                                  : k_not_found;
+  }
+  inside guard;
+  return stream_begin_capture(r, stream, mode, true);
+}
+
+CUCACHE_PRELOAD_API cu_result cuStreamBeginCaptureToGraph(cu_stream stream, cu_graph graph,
+                                                          const cu_graph_node* dependencies,
+                                                          const void* edge_data, std::size_t count,
+                                                          int mode) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.stream_begin_capture_to_graph != nullptr
+               ? r.stream_begin_capture_to_graph(stream, graph, dependencies, edge_data, count,
+                                                 mode)
+               : k_not_found;
+  }
+  inside guard;
+  return stream_begin_capture_to_graph(r, stream, graph, dependencies, edge_data, count, mode,
+                                       false);
+}
+
+CUCACHE_PRELOAD_API cu_result cuStreamBeginCaptureToGraph_ptsz(cu_stream stream, cu_graph graph,
+                                                               const cu_graph_node* dependencies,
+                                                               const void* edge_data,
+                                                               std::size_t count, int mode) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.stream_begin_capture_to_graph_ptsz != nullptr
+               ? r.stream_begin_capture_to_graph_ptsz(stream, graph, dependencies, edge_data,
+                                                      count, mode)
+               : k_not_found;
+  }
+  inside guard;
+  return stream_begin_capture_to_graph(r, stream, graph, dependencies, edge_data, count, mode,
+                                       true);
+}
+
+CUCACHE_PRELOAD_API cu_result cuStreamEndCapture(cu_stream stream, cu_graph* graph) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.stream_end_capture != nullptr ? r.stream_end_capture(stream, graph) : k_not_found;
+  }
+  inside guard;
+  return stream_end_capture(r, stream, graph, false);
+}
+
+CUCACHE_PRELOAD_API cu_result cuStreamEndCapture_ptsz(cu_stream stream, cu_graph* graph) {
+  const real_driver& r = real().drv;
+  if (t_depth > 0) {
+    return r.stream_end_capture_ptsz != nullptr ? r.stream_end_capture_ptsz(stream, graph)
+                                                : k_not_found;
+  }
+  inside guard;
+  return stream_end_capture(r, stream, graph, true);
+}
+
 CUCACHE_PRELOAD_API cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version,
                                                   std::uint64_t flags, int* status);
 CUCACHE_PRELOAD_API cu_result cuGetProcAddress(const char* symbol, void** pfn, int version,
@@ -318,6 +398,13 @@ void* replacement(const char* symbol, int version, std::uint64_t flags) noexcept
        reinterpret_cast<void*>(&cuMemAllocFromPoolAsync_ptsz)},
       {"cuMemRetainAllocationHandle", 11000, reinterpret_cast<void*>(&cuMemRetainAllocationHandle),
        nullptr},
+      // CUDA 10.0's one-argument cuStreamBeginCapture keeps the driver's (docs/preload.md).
+      {"cuStreamBeginCapture", 10010, reinterpret_cast<void*>(&cuStreamBeginCapture_v2),
+       reinterpret_cast<void*>(&cuStreamBeginCapture_v2_ptsz)},
+      {"cuStreamBeginCaptureToGraph", 12030, reinterpret_cast<void*>(&cuStreamBeginCaptureToGraph),
+       reinterpret_cast<void*>(&cuStreamBeginCaptureToGraph_ptsz)},
+      {"cuStreamEndCapture", 10000, reinterpret_cast<void*>(&cuStreamEndCapture),
+       reinterpret_cast<void*>(&cuStreamEndCapture_ptsz)},
   };
   if (std::strcmp(symbol, "cuGetProcAddress") == 0) {
     return version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
@@ -353,6 +440,13 @@ void* exported(const char* name) noexcept {
       {"cuIpcGetMemHandle", reinterpret_cast<void*>(&cuIpcGetMemHandle)},
       {"cuMemGetAddressRange_v2", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},
       {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&cuMemRetainAllocationHandle)},
+      {"cuStreamBeginCapture_v2", reinterpret_cast<void*>(&cuStreamBeginCapture_v2)},
+      {"cuStreamBeginCapture_v2_ptsz", reinterpret_cast<void*>(&cuStreamBeginCapture_v2_ptsz)},
+      {"cuStreamBeginCaptureToGraph", reinterpret_cast<void*>(&cuStreamBeginCaptureToGraph)},
+      {"cuStreamBeginCaptureToGraph_ptsz",
+       reinterpret_cast<void*>(&cuStreamBeginCaptureToGraph_ptsz)},
+      {"cuStreamEndCapture", reinterpret_cast<void*>(&cuStreamEndCapture)},
+      {"cuStreamEndCapture_ptsz", reinterpret_cast<void*>(&cuStreamEndCapture_ptsz)},
   };
   if (name == nullptr || name[0] != 'c' || name[1] != 'u') return nullptr;
   for (const entry& e : table) {

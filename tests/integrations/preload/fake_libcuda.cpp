@@ -28,8 +28,11 @@ enum counter {
   sync,
   v1_alloc,
   retain,
-  pool_alloc
+  pool_alloc,
+  begin_capture,
+  end_capture
 };
+int g_capturing = 0;  // what cuStreamIsCapturing answers
 cu_deviceptr host_alloc(std::size_t n) {
   return static_cast<cu_deviceptr>(reinterpret_cast<std::uintptr_t>(std::malloc(n)));
 }
@@ -137,6 +140,21 @@ __attribute__((visibility("default"))) cu_result cuCtxSynchronize() {
   return 0;
 }
 
+__attribute__((visibility("default"))) cu_result cuStreamBeginCapture_v2(cu_stream, int) {
+  ++g_counts[begin_capture];
+  g_capturing = 1;
+  return 0;
+}
+__attribute__((visibility("default"))) cu_result cuStreamEndCapture(cu_stream, void** graph) {
+  ++g_counts[end_capture];
+  g_capturing = 0;
+  *graph = nullptr;
+  return 0;
+}
+__attribute__((visibility("default"))) cu_result cuStreamIsCapturing(cu_stream, int* status) {
+  *status = g_capturing;
+  return 0;
+}
 __attribute__((visibility("default"))) cu_result cuGetProcAddress_v2(const char* symbol, void** pfn,
                                                                      int version,
                                                                      std::uint64_t flags,
@@ -169,6 +187,9 @@ cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version, std::
       {"cuCtxSynchronize", reinterpret_cast<void*>(&cuCtxSynchronize)},
       {"cuMemAllocFromPoolAsync", reinterpret_cast<void*>(&cuMemAllocFromPoolAsync)},
       {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&cuMemRetainAllocationHandle)},
+      {"cuStreamBeginCapture", reinterpret_cast<void*>(&cuStreamBeginCapture_v2)},
+      {"cuStreamEndCapture", reinterpret_cast<void*>(&cuStreamEndCapture)},
+      {"cuStreamIsCapturing", reinterpret_cast<void*>(&cuStreamIsCapturing)},
       {"cuGetProcAddress", version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
                                             : reinterpret_cast<void*>(&cuGetProcAddress)},
   };

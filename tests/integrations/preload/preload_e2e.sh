@@ -48,7 +48,7 @@ out=$(LD_PRELOAD="$shim" CUCACHE_REPORT=stderr /bin/echo unaffected 2>&1)
 [[ $out == *unaffected* ]] || { echo "preload_e2e: /bin/echo under the shim: $out"; exit 1; }
 # Only the interposed symbols are exported.
 if command -v nm > /dev/null; then
-  extra=$(nm -D --defined-only "$shim" | awk '{print $3}' | grep -v -E '^(dlsym|cuGetProcAddress(_v2)?|cuMemAlloc_v2|cuMemAllocAsync(_ptsz)?|cuMemAllocFromPoolAsync(_ptsz)?|cuMemAllocPitch_v2|cuMemFree_v2|cuMemFreeAsync(_ptsz)?|cuMemGetInfo_v2|cuIpcGetMemHandle|cuMemGetAddressRange_v2|cuMemRetainAllocationHandle|cuda(Malloc|MallocAsync|MallocPitch|Free|FreeAsync|MemGetInfo)@libcudart\.so\.1[23]|libcudart\.so\.1[23])$' || true)
+  extra=$(nm -D --defined-only "$shim" | awk '{print $3}' | grep -v -E '^(dlsym|cuGetProcAddress(_v2)?|cuMemAlloc_v2|cuMemAllocAsync(_ptsz)?|cuMemAllocFromPoolAsync(_ptsz)?|cuMemAllocPitch_v2|cuMemFree_v2|cuMemFreeAsync(_ptsz)?|cuMemGetInfo_v2|cuIpcGetMemHandle|cuMemGetAddressRange_v2|cuMemRetainAllocationHandle|cuStreamBeginCapture(_v2|ToGraph)(_ptsz)?|cuStreamEndCapture(_ptsz)?|cuda(Malloc|MallocAsync|MallocPitch|Free|FreeAsync|MemGetInfo)@libcudart\.so\.1[23]|libcudart\.so\.1[23])$' || true)
   [[ -z $extra ]] || { echo "preload_e2e: unexpected exports: $extra"; exit 1; }
 fi
 echo "preload_e2e: OK"

@@ -28,6 +28,8 @@ using retain_fn = cu_result (*)(unsigned long long*, void*);
 using cu_mem_pool = struct CUmemPoolHandle_st*;
 using pool_alloc_fn = cu_result (*)(cu_deviceptr*, std::size_t, cu_mem_pool, cu_stream);
 using count_fn = int (*)(int);
+using begin_capture_fn = cu_result (*)(cu_stream, int);
+using end_capture_fn = cu_result (*)(cu_stream, void**);
 using raw_alloc_fn = cu_deviceptr (*)(std::size_t);
 
 namespace {
@@ -53,7 +55,9 @@ enum counter {
   c_sync,
   c_v1_alloc,
   c_retain,
-  c_pool_alloc
+  c_pool_alloc,
+  c_begin_capture,
+  c_end_capture
 };
 }  // namespace
 
@@ -122,6 +126,8 @@ int main(int argc, char** argv) {
   auto range = reinterpret_cast<range_fn>(get("cuMemGetAddressRange", 12000, 0));
   auto retain = reinterpret_cast<retain_fn>(get("cuMemRetainAllocationHandle", 12000, 0));
   auto pool_alloc = reinterpret_cast<pool_alloc_fn>(get("cuMemAllocFromPoolAsync", 12000, 0));
+  auto begin_capture = reinterpret_cast<begin_capture_fn>(get("cuStreamBeginCapture", 12000, 0));
+  auto end_capture = reinterpret_cast<end_capture_fn>(get("cuStreamEndCapture", 12000, 0));
   auto old_alloc = get("cuMemAlloc", 3000, 0);
   if (failures != 0) return 1;
   if (argc > 2 && std::strcmp(argv[1], "fork") == 0)
@@ -182,6 +188,20 @@ int main(int argc, char** argv) {
     expect(count(c_pool_alloc) == n + 1, "an allocation from the program's own pool is the driver's");
     expect(free_async(q, nullptr) == 0 && count(c_free_async) == 2 * n + 1,
            "its free is the driver's");
+  }
+  // The capture calls reach the driver either way; preloaded, through the shim (which announces
+  // them to cucache: preload_routing_test checks what it announces).
+  {
+    const auto stream = reinterpret_cast<cu_stream>(std::uintptr_t{0x5000});
+    void* graph = &graph;
+    expect(begin_capture(stream, 0) == 0 && count(c_begin_capture) == 1, "cuStreamBeginCapture");
+    expect(end_capture(stream, &graph) == 0 && count(c_end_capture) == 1 && graph == nullptr,
+           "cuStreamEndCapture");
+    Dl_info info{};
+    expect(dladdr(reinterpret_cast<void*>(begin_capture), &info) != 0 &&
+               info.dli_fname != nullptr &&
+               (std::strstr(info.dli_fname, "cucache_preload") != nullptr) == preloaded,
+           preloaded ? "cuStreamBeginCapture is the shim's" : "cuStreamBeginCapture is the fake's");
   }
   // An old ABI is not replaced: the fake's own 32-bit cuMemAlloc.
   expect(old_alloc == dlsym(h, "cuMemAlloc"), "cuMemAlloc at ABI 3000 is the driver's");
