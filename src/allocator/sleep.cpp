@@ -52,7 +52,6 @@ std::string asleep_block_text(const std::string& name, int device, const void* p
 }
 
 /// "the domain named twice" refusal, shared by sleep and wake.
-/// "the domain named twice" refusal, shared by sleep and wake.
 template <class Request>
 void refuse_duplicates(std::span<const Request> requests, const char* what, int device) {
   for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -101,7 +100,7 @@ void device_allocator::impl::refuse_asleep_block(std::uint32_t d, const void* pt
 detail::tag_sleeper::parts device_allocator::impl::sleeper_parts() {
   return detail::tag_sleeper::parts{
       pools,
-      *pager,
+      pager.get(),
       budget,
       *backend,
       graphs,

@@ -335,7 +335,7 @@ void tag_sleeper::sleep(const parts& ps, std::span<const device_allocator::sleep
     try {
       for (stream_pool* q : p.w.pools) {
         pool_table::assert_locked(*q);
-        released += ps.pg.evict(*q, synchronize);
+        released += ps.pg->evict(*q, synchronize);
         synchronize = false;
       }
     } catch (...) {
@@ -394,7 +394,7 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
       for (segment* seg : q->pages.ranges) {
         for (block* b = seg->first; b != nullptr; b = b->next) {
           if (b->state == block_state::free) continue;
-          if (!ps.pg.back(*q, b)) {
+          if (!ps.pg->back(*q, b)) {
             throw out_of_memory(fmt::format("no room to map {} again", bytes_text(b->size)));
           }
         }
@@ -426,7 +426,7 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
   for (stream_pool* q : domain_pools) {
     try {
       pool_table::assert_locked(*q);
-      rec.released_bytes += ps.pg.evict(*q, /*synchronize=*/first);
+      rec.released_bytes += ps.pg->evict(*q, /*synchronize=*/first);
     } catch (...) {
       if (finish_failure.empty()) finish_failure = current_error().first;
     }
@@ -501,7 +501,7 @@ void tag_sleeper::wake(const parts& ps, std::span<const device_allocator::wake_r
   // Room: what the limit and the device allow plus the unmapped handles. When short, the other
   // ps.pools' idle (cached) pages are given back first, pool by pool -- the same memory the
   // out-of-memory ladder would take.
-  std::size_t room = ps.pg.room_bytes();
+  std::size_t room = ps.pg->room_bytes();
   if (room < needed) {
     // As the out-of-memory ladder: the stream-ordered frees whose work is still queued hold
     // room an allocation would get by waiting; their blocks become free (their pages idle,
@@ -511,14 +511,14 @@ void tag_sleeper::wake(const parts& ps, std::span<const device_allocator::wake_r
       ps.sync_pending(*q);
     }
     ps.settle_graph_pools();
-    room = ps.pg.room_bytes();
+    room = ps.pg->room_bytes();
   }
   for (const auto& q : ps.pools) {
     pool_table::assert_locked(*q);
     if (room >= needed) break;
     if (waking(q->domain) || !q->pages.has_idle()) continue;
-    ps.pg.unmap_idle(*q, /*release=*/true);
-    room = ps.pg.room_bytes();
+    ps.pg->unmap_idle(*q, /*release=*/true);
+    room = ps.pg->room_bytes();
   }
   const auto no_room = [&](std::size_t have) {
     return out_of_memory(fmt::format(
@@ -540,14 +540,14 @@ void tag_sleeper::wake(const parts& ps, std::span<const device_allocator::wake_r
       for (stream_pool* q : p.w.pools) {
         try {
           pool_table::assert_locked(*q);
-          ps.pg.evict(*q, first);
+          ps.pg->evict(*q, first);
         } catch (...) {
         }
         first = false;
       }
     }
     try {
-      ps.pg.release_unmapped(reserved_at_start);
+      ps.pg->release_unmapped(reserved_at_start);
     } catch (...) {
     }
   };
@@ -558,7 +558,7 @@ void tag_sleeper::wake(const parts& ps, std::span<const device_allocator::wake_r
         for (segment* seg : q->pages.ranges) {
           for (block* b = seg->first; b != nullptr; b = b->next) {
             if (b->state == block_state::free) continue;
-            if (!ps.pg.back(*q, b)) throw no_room(ps.pg.room_bytes());
+            if (!ps.pg->back(*q, b)) throw no_room(ps.pg->room_bytes());
           }
         }
       }

@@ -86,7 +86,7 @@ class tag_sleeper {
   /// every pool lock while the walk runs.
   struct parts {
     pool_table& pools;
-    pager& pg;
+    pager* pg;  // null in default mode, where nothing sleeps (wake then refuses: not asleep)
     const device_budget& budget;
     device_backend& backend;
     const graph_pools& graphs;

@@ -113,7 +113,7 @@ struct sleeper_rig {
 
   detail::tag_sleeper::parts parts() {
     return detail::tag_sleeper::parts{pools,
-                                      pg,
+                                      &pg,
                                       budget,
                                       *sim,
                                       graphs,
