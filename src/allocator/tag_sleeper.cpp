@@ -153,7 +153,8 @@ std::string names_text(const std::vector<std::string>& names) {
 
 }  // namespace
 
-void tag_sleeper::sleep(const parts& ps, std::span<const device_allocator::sleep_request> requests) {
+void tag_sleeper::sleep(const parts& ps,
+                        std::span<const device_allocator::sleep_request> requests) {
   std::vector<sleep_plan> plans(requests.size());
   for (std::size_t i = 0; i < requests.size(); ++i) {
     plans[i].domain = requests[i].domain;
@@ -379,10 +380,9 @@ void tag_sleeper::sleep(const parts& ps, std::span<const device_allocator::sleep
 }
 
 void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
-                                             const std::vector<stream_pool*>& domain_pools,
-                                             tag_sleeper::record& rec,
-                                             const std::string& name, const std::string& why,
-                                             int code, const std::string& others) {
+                                  const std::vector<stream_pool*>& domain_pools, record& rec,
+                                  const std::string& name, const std::string& why, int code,
+                                  const std::string& others) {
   // REQUIRES: the domain awake, its record reserved; sleep's evict failed
   // part way. Maps every page of the domain's live blocks again and copies the kept bytes back:
   // the domain stays awake. If that fails too, the rest is released instead and the domain
@@ -409,7 +409,8 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
   }
   if (rollback_failure.empty()) {
     drop_record(domain);
-    if (rec.host != nullptr) keep_spare(ps.backend, domain, rec.host, rec.host_capacity);  // next sleep's
+    // The pinned buffer is kept for the next sleep.
+    if (rec.host != nullptr) keep_spare(ps.backend, domain, rec.host, rec.host_capacity);
     throw cuda_error(
         "cucache sleep", code,
         fmt::format("{} on device {}: releasing its pages failed part way ({}); rolled back: it "
@@ -444,7 +445,8 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
                   others));
 }
 
-void tag_sleeper::wake(const parts& ps, std::span<const device_allocator::wake_request> requests) {
+void tag_sleeper::wake(const parts& ps,
+                       std::span<const device_allocator::wake_request> requests) {
   struct wake_plan {
     std::uint32_t domain = 0;
     tag_sleeper::record* rec = nullptr;
@@ -597,7 +599,7 @@ void tag_sleeper::wake(const parts& ps, std::span<const device_allocator::wake_r
 }
 
 void tag_sleeper::keep_spare(device_backend& backend, std::uint32_t domain, std::byte* host,
-                                        std::size_t bytes) noexcept {
+                             std::size_t bytes) noexcept {
   std::byte* loser = host;
   try {
     auto& spares = spares_;
