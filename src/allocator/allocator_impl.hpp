@@ -6,7 +6,7 @@
 //   graphs  graph_pools    graph pools, routes, captures, blocks held for graphs
 //   pager   pager          expandable mode: physical memory behind the pools' virtual ranges
 //   events  event_cache    CUDA events kept for reuse
-//   sleeper tag_sleeper    sleeping domains and what they keep to wake (sleep.cpp)
+//   sleeper tag_sleeper    sleeping domains, what they keep to wake, and the walk of sleep/wake
 //   blocks  block_map      the pointer map (allocated blocks by address; sharded locks)
 //
 // and each pool (stream_pool) owns its segments, free indices, pending frees, statistics and the
@@ -187,26 +187,18 @@ struct device_allocator::impl {
     return (p.graph == nullptr || p.graph->released) && s.whole_free();
   }
 
-  // --- sleep and wake (sleep.cpp) ---
+  // --- sleep and wake (sleep.cpp: checks and locks around tag_sleeper's walk) ---
   /// device_allocator::sleep over several domains (one: the single-domain sleep).
   void sleep(std::span<const device_allocator::sleep_request> requests);
-  /// `others`: appended to the message (what the call's other domains became).
-  [[noreturn]] void roll_back_sleep(std::uint32_t domain,
-                                    const std::vector<detail::stream_pool*>& domain_pools,
-                                    detail::tag_sleeper::record& rec, const std::string& name,
-                                    const std::string& why, int code, const std::string& others)
-      REQUIRES(detail::every_pool);
   void wake(std::span<const device_allocator::wake_request> requests);
   /// device_allocator::prepare_sleep. Takes every pool lock twice, not while pinning.
   std::size_t prepare_sleep(std::uint32_t domain, std::size_t bytes, const std::string& label)
       EXCLUDES(detail::every_pool);
   /// The bytes of domain's spare pinned buffer (0: none). Takes every pool lock.
   std::size_t spare_bytes(std::uint32_t domain) EXCLUDES(detail::every_pool);
-  /// Makes (host, bytes) domain's spare buffer; when it has one already, the larger stays and the
-  /// other is freed (a failure to free it, or to record the entry, is swallowed: nothing leaks
-  /// that the allocator does not own).
-  void keep_spare(std::uint32_t domain, std::byte* host, std::size_t bytes) noexcept
-      REQUIRES(detail::every_pool);
+  /// The parts the sleeper's walk works with (tag_sleeper::parts), for a caller that holds
+  /// every pool lock.
+  detail::tag_sleeper::parts sleeper_parts() REQUIRES(detail::every_pool);
   /// Frees the spare pinned host buffers of woken domains (~impl).
   void free_spare_host_buffers() noexcept REQUIRES(detail::every_pool);
   /// Throws invalid_argument naming the block's domain when p's domain sleeps (allocate, free).

@@ -366,33 +366,8 @@ void device_allocator::check_invariants() const {
     }
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
   }
-  // Sleeping domains: a record for each asleep bit, and its bytes the pages its blocks touch.
-  std::size_t sleep_records = 0;
-  for (const auto& [domain, r] : m.sleeper.records()) {
-    ++sleep_records;
-    if (!m.sleeper.asleep(domain)) {
-      violated(fmt::format("sleep domain {} has a record but is not asleep", domain));
-    }
-    const std::size_t pages = sleeping_pages.contains(domain) ? sleeping_pages[domain] : 0;
-    if (pages * m.page_bytes != r.sleeping_bytes) {
-      violated(fmt::format("sleep domain {}: record says {} sleeping bytes, its blocks touch {} "
-                           "pages of {}",
-                           domain, r.sleeping_bytes, pages, m.page_bytes));
-    }
-    std::size_t run_bytes = 0;
-    for (const auto& run : r.runs) run_bytes += run.bytes;
-    if (run_bytes != r.host_bytes || (r.host == nullptr) != (r.host_bytes == 0)) {
-      violated(fmt::format("sleep domain {}: {} host bytes for runs of {}", domain, r.host_bytes,
-                           run_bytes));
-    }
-  }
-  if (sleep_records != 0) {
-    std::size_t asleep_bits = 0;
-    for (std::uint32_t d = 1; d <= detail::k_max_sleep_domain; ++d) asleep_bits += m.sleeper.asleep(d);
-    if (asleep_bits != sleep_records) {
-      violated(fmt::format("{} sleep domains asleep, {} records", asleep_bits, sleep_records));
-    }
-  }
+  // Sleeping domains: the sleeper's own check, against the pages recounted here.
+  m.sleeper.check_invariants(sleeping_pages, m.page_bytes);
   // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
   // retention count is right; parts belong to their graph pool.
   m.graphs.check_invariants();

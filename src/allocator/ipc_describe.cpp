@@ -1,7 +1,7 @@
 // device_allocator::ipc_describe: where a live block lies, for sharing it with another process
 // (docs/design.md, "IPC"). Read-only: it walks the segments and, for an expandable segment, the
 // page table under every pool lock, and changes nothing. note_ipc_export marks an exported
-// block, which keeps its sleep domain from sleeping while it lives (sleep.cpp).
+// block, which keeps its sleep domain from sleeping while it lives (tag_sleeper.cpp).
 #include <fmt/format.h>
 
 #include <cstdint>

@@ -47,7 +47,7 @@ class pool_pages {
   /// vm_range, also linked in the pool's segment list. A range is added when no free block of the
   /// pool's ranges of its kind holds a request (pager::next_range_bytes sizes it; pager::
   /// add_range) and given back when it is empty (pager::drop_range). A const view, for walks
-  /// (sleep.cpp's among them).
+  /// (tag_sleeper.cpp's among them).
   const std::vector<segment*>& ranges = ranges_;
   /// The address space those ranges span, of pool kind k.
   [[nodiscard]] std::size_t range_bytes(pool_kind k) const noexcept {
