@@ -226,6 +226,7 @@ void device_allocator::check_invariants() const {
   std::size_t mapped_total = 0;
   std::size_t address_total = 0;  // the address space of every range
   std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain, recounted
+  std::map<std::uint32_t, std::size_t> sleeping_graph;  // whole-VM graph bytes, by domain
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
     detail::pool_table::assert_locked(p);
@@ -251,8 +252,23 @@ void device_allocator::check_invariants() const {
                     asleep, sleeping_pages[p.domain], m.pager->straddled_chunks());
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
-        reserved[k] += static_cast<std::int64_t>(s->size);
-        seg_count[k] += 1;
+        // A whole-VM segment (graph memory of a sleepable tag, graph_sleep.cpp) holds no memory
+        // while unmapped, which only its domain's sleep does.
+        const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
+        if (s->whole_vm && (p.graph == nullptr || p.domain == 0 || !m.cfg.expandable_segments)) {
+          violated(fmt::format("segment {:#x}: whole-VM, but pool {} is no graph part of a sleep "
+                               "domain in expandable mode",
+                               s->base, p.index));
+        }
+        if (s->unmapped && (!s->whole_vm || !asleep)) {
+          violated(fmt::format("segment {:#x}: unmapped, but {}", s->base,
+                               s->whole_vm ? "its sleep domain is awake" : "not whole-VM"));
+        }
+        if (s->whole_vm && asleep) sleeping_graph[p.domain] += s->size;
+        if (!s->unmapped) {
+          reserved[k] += static_cast<std::int64_t>(s->size);
+          seg_count[k] += 1;
+        }
       }
       std::uintptr_t cursor = s->base;
       const block* prev = nullptr;
@@ -374,10 +390,11 @@ void device_allocator::check_invariants() const {
       violated(fmt::format("sleep domain {} has a record but is not asleep", domain));
     }
     const std::size_t pages = sleeping_pages.contains(domain) ? sleeping_pages[domain] : 0;
-    if (pages * m.page_bytes != r.sleeping_bytes) {
+    const std::size_t graph = sleeping_graph.contains(domain) ? sleeping_graph[domain] : 0;
+    if (pages * m.page_bytes + graph != r.sleeping_bytes) {
       violated(fmt::format("sleep domain {}: record says {} sleeping bytes, its blocks touch {} "
-                           "pages of {}",
-                           domain, r.sleeping_bytes, pages, m.page_bytes));
+                           "pages of {} and its graph segments hold {}",
+                           domain, r.sleeping_bytes, pages, m.page_bytes, graph));
     }
     std::size_t run_bytes = 0;
     for (const auto& run : r.runs) run_bytes += run.bytes;

@@ -42,6 +42,9 @@ struct domain_walk {
   std::size_t live_blocks = 0;
   std::vector<detail::tag_sleeper::copy_run> runs;
   std::size_t run_bytes = 0;
+  // Graph memory captured under the domain (graph_sleep.cpp): whole segments, copied whole.
+  std::vector<segment*> graph_segments;
+  std::size_t graph_bytes = 0;
 };
 
 std::string bytes_text(std::size_t n) {
@@ -51,6 +54,23 @@ std::string bytes_text(std::size_t n) {
 }  // namespace
 
 namespace {
+
+/// The whole-VM segments of the domain's graph parts (graph_sleep.cpp) join walk w: each one a
+/// run of its own (a replay uses every byte of it, free blocks included).
+void add_graph_segments(const detail::pool_table& pools, std::uint32_t domain, domain_walk& w)
+    REQUIRES(detail::every_pool) {
+  for (const auto& q : pools) {
+    detail::pool_table::assert_locked(*q);
+    if (q->domain != domain || q->graph == nullptr) continue;
+    for (segment* s = q->segments; s != nullptr; s = s->next) {
+      if (!s->whole_vm) continue;
+      w.graph_segments.push_back(s);
+      w.graph_bytes += s->size;
+      w.runs.push_back({s->base, s->size, 0});
+      w.run_bytes += s->size;
+    }
+  }
+}
 
 domain_walk walk_domain(const detail::pool_table& pools, std::uint32_t domain)
     REQUIRES(detail::every_pool) {
@@ -82,6 +102,7 @@ domain_walk walk_domain(const detail::pool_table& pools, std::uint32_t domain)
       }
     }
   }
+  add_graph_segments(pools, domain, w);
   // Offsets in order of the runs (merging only grew the last one).
   std::size_t off = 0;
   for (auto& run : w.runs) {
@@ -268,9 +289,8 @@ void device_allocator::impl::sleep(std::span<const device_allocator::sleep_reque
     std::int64_t placed = 0;
     for (const auto& q : pools) {
       detail::pool_table::assert_locked(*q);
-      if (q->domain == p.domain && q->graph == nullptr) {
-        placed += q->stats.requested_bytes[0].current;
-      }
+      // The domain's graph parts too: graph memory captured under the tag sleeps with it.
+      if (q->domain == p.domain) placed += q->stats.requested_bytes[0].current;
     }
     (*p.check)(static_cast<std::size_t>(placed));
   }
@@ -307,7 +327,7 @@ void device_allocator::impl::sleep(std::span<const device_allocator::sleep_reque
       }
     }
     p.w = walk_domain(pools, p.domain);  // pending blocks became free
-    p.rec.sleeping_bytes = p.w.touched_pages * page_bytes;
+    p.rec.sleeping_bytes = p.w.touched_pages * page_bytes + p.w.graph_bytes;
   }
   // --- the host buffers of the kept contents: all of them, or none (a refusal gives back what
   // the earlier requests took: reused spares become spares again, new buffers are freed) ---
@@ -428,6 +448,7 @@ void device_allocator::impl::sleep(std::span<const device_allocator::sleep_reque
         released += pager->evict(*q, synchronize);
         synchronize = false;
       }
+      released += release_graph_segments(p.w.graph_segments, synchronize);
     } catch (...) {
       // A device failure part way: this domain rolled back to awake (roll_back_sleep), the ones
       // before it asleep, the ones after untouched (their copies kept as spare buffers).
@@ -450,7 +471,8 @@ void device_allocator::impl::sleep(std::span<const device_allocator::sleep_reque
                               untouched.size() == 1 ? "was" : "were",
                               untouched.size() == 1 ? "s" : "");
       }
-      roll_back_sleep(p.domain, p.w.pools, p.rec, p.name, why, code, others);  // throws
+      roll_back_sleep(p.domain, p.w.pools, p.w.graph_segments, p.rec, p.name, why, code,
+                      others);  // throws
     }
     p.rec.released_bytes = released;
     sleeper.put_to_sleep(p.domain, std::move(p.rec));
@@ -470,6 +492,7 @@ void device_allocator::impl::sleep(std::span<const device_allocator::sleep_reque
 
 void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
                                              const std::vector<stream_pool*>& domain_pools,
+                                             const std::vector<segment*>& graph_segments,
                                              detail::tag_sleeper::record& rec,
                                              const std::string& name, const std::string& why,
                                              int code, const std::string& others) {
@@ -489,6 +512,10 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
           }
         }
       }
+    }
+    if (!map_graph_segments(graph_segments)) {
+      throw out_of_memory(fmt::format("no room to map {} of graph memory again",
+                                      bytes_text(unmapped_bytes(graph_segments))));
     }
     if (rec.host != nullptr) {
       queue_copies(*backend, rec.runs, rec.host, /*to_host=*/false);
@@ -521,6 +548,11 @@ void device_allocator::impl::roll_back_sleep(std::uint32_t domain,
       if (finish_failure.empty()) finish_failure = current_error().first;
     }
     first = false;
+  }
+  try {
+    rec.released_bytes += release_graph_segments(graph_segments, first);
+  } catch (...) {
+    if (finish_failure.empty()) finish_failure = current_error().first;
   }
   sleeper.put_to_sleep(domain, std::move(rec));
   throw cuda_error(
@@ -591,9 +623,11 @@ void device_allocator::impl::wake(std::span<const device_allocator::wake_request
       }
     }
   }
+  std::size_t missing_graph_bytes = 0;
+  for (const wake_plan& p : plans) missing_graph_bytes += unmapped_bytes(p.w.graph_segments);
   const bool one = plans.size() == 1;
   const std::string name = one ? plans[0].name : names_text(names);
-  const std::size_t needed = missing_pages * page_bytes;
+  const std::size_t needed = missing_pages * page_bytes + missing_graph_bytes;
   // Room: what the limit and the device allow plus the unmapped handles. When short, the other
   // pools' idle (cached) pages are given back first, pool by pool -- the same memory the
   // out-of-memory ladder would take.
@@ -641,6 +675,10 @@ void device_allocator::impl::wake(std::span<const device_allocator::wake_request
         }
         first = false;
       }
+      try {
+        release_graph_segments(p.w.graph_segments, first);
+      } catch (...) {
+      }
     }
     try {
       pager->release_unmapped(reserved_at_start);
@@ -658,6 +696,7 @@ void device_allocator::impl::wake(std::span<const device_allocator::wake_request
           }
         }
       }
+      if (!map_graph_segments(p.w.graph_segments)) throw no_room(pager->room_bytes());
     }
   } catch (...) {
     undo(false);  // nothing has used the new pages: no synchronization needed
