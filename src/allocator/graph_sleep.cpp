@@ -69,9 +69,24 @@ std::size_t device_allocator::impl::release_graph_segments(const std::vector<seg
       synchronize = false;
     }
     budget.refund(s->size, [&] {
-      backend->unmap(reinterpret_cast<void*>(s->base), s->size);
+      void* va = reinterpret_cast<void*>(s->base);
+      backend->unmap(va, s->size);  // a failure here changes nothing
+      try {
+        backend->phys_release(s->phys);
+      } catch (...) {
+        // The handle is still ours: mapped back, the segment is as it was (rollback maps the
+        // others). Only if that fails too is it left unmapped, its handle held (and charged).
+        try {
+          backend->map(va, s->size, s->phys);
+          backend->set_access(va, s->size);
+        } catch (...) {
+          s->unmapped = true;
+          s->owner->stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
+          s->owner->stats.segment_count.dec(s->kind, 1);
+        }
+        throw;
+      }
       s->unmapped = true;
-      backend->phys_release(s->phys);
     });
     // The segment holds no memory while asleep: out of the pool's reserved bytes and segments.
     s->owner->stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
