@@ -62,6 +62,7 @@ std::size_t device_allocator::impl::release_graph_segments(const std::vector<seg
                                                            bool& synchronize) {
   std::size_t released = 0;
   for (segment* s : segs) {
+    detail::pool_table::assert_locked(*s->owner);  // every pool is
     if (s->unmapped) continue;
     if (synchronize) {
       // The graph's last replay (and any work on its memory) must be done before the unmap.
@@ -69,6 +70,7 @@ std::size_t device_allocator::impl::release_graph_segments(const std::vector<seg
       synchronize = false;
     }
     budget.refund(s->size, [&] {
+      detail::pool_table::assert_locked(*s->owner);  // (a lambda: analysed on its own)
       void* va = reinterpret_cast<void*>(s->base);
       backend->unmap(va, s->size);  // a failure here changes nothing
       try {
@@ -98,6 +100,7 @@ std::size_t device_allocator::impl::release_graph_segments(const std::vector<seg
 
 bool device_allocator::impl::map_graph_segments(const std::vector<segment*>& segs) {
   for (segment* s : segs) {
+    detail::pool_table::assert_locked(*s->owner);  // every pool is
     if (!s->unmapped) continue;
     const std::optional<phys_handle> h =
         budget.charge(s->size, [&] { return backend->phys_create(s->size); });

@@ -665,6 +665,7 @@ void device_allocator::impl::wake(std::span<const device_allocator::wake_request
   // it held before (the other pools' idle pages given back above stay given back: cached memory).
   const std::size_t reserved_at_start = budget.reserved_bytes();
   const auto undo = [&](bool synchronize) noexcept {
+    every_pool_held();  // called only below, under `all`
     bool first = synchronize;
     for (wake_plan& p : plans) {
       for (stream_pool* q : p.w.pools) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -364,6 +365,119 @@ TEST(GraphSleep, DefaultModeGraphPoolsUnderATagAreOrdinarySegments) {
   a.alloc.check_invariants();
   a.alloc.deallocate(p);
 }
+
+class graph_sleep_random : public ::testing::TestWithParam<unsigned> {};
+
+TEST_P(graph_sleep_random, InvariantsHoldAfterEveryOperation) {
+  // A seeded program of tagged allocations, graph captures under the tag (routed, blocks freed
+  // inside the capture), frees, graph pool releases, empty_cache, kept and dropped sleeps and
+  // wakes: after every operation the invariants hold and the device holds exactly what is
+  // reserved; after every kept sleep every live block's bytes are back; while asleep a free is
+  // refused and changes nothing.
+  std::mt19937 rng(GetParam());  // (32-bit results: the casts below are exact)
+  sim_allocator a(parse_config("expandable_segments:True"), host_backed(2 * GiB));
+  const stream_handle s = a.sim->create_stream();
+  struct live {
+    void* p;
+    std::size_t n;
+    std::uint8_t seed;
+  };
+  std::vector<live> blocks;
+  std::vector<graph_pool_id> pools;
+  std::uint64_t next_pool = 100;
+  bool asleep = false;
+  bool kept = false;
+  std::size_t graph_sleeps = 0;
+  std::uint8_t next_seed = 1;
+  const auto size = [&] {
+    const std::size_t sizes[] = {4096, 100'000, 1 * MiB, 3 * MiB, 7 * MiB + 5};
+    return sizes[rng() % 5];
+  };
+  const auto add = [&](void* p, std::size_t n) {
+    blocks.push_back({p, n, next_seed});
+    fill(*a.sim, addr(p), n, next_seed++);
+  };
+  for (int op = 0; op < 150; ++op) {
+    SCOPED_TRACE(op);
+    const auto what = static_cast<unsigned>(rng() % 9);
+    if (asleep) {
+      if (what < 3 && !blocks.empty()) {
+        const live b = blocks[rng() % blocks.size()];
+        EXPECT_THROW(a.alloc.deallocate(b.p), invalid_argument);
+      } else if (what < 4 && !pools.empty()) {
+        const std::size_t i = rng() % pools.size();
+        a.alloc.release_graph_pool(pools[i]);
+        pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
+      } else if (what < 5) {
+        a.alloc.empty_cache();
+      } else {
+        a.alloc.wake(5, "g");
+        asleep = false;
+        for (live& b : blocks) {
+          if (kept) {
+            EXPECT_TRUE(holds(*a.sim, addr(b.p), b.n, b.seed));
+          } else {
+            b.seed = next_seed++;
+            fill(*a.sim, addr(b.p), b.n, b.seed);
+          }
+        }
+      }
+    } else if (what < 2) {
+      in_domain d(5);
+      const std::size_t n = size();
+      add(a.alloc.allocate(n), n);
+    } else if (what < 4) {
+      in_domain d(5);
+      const graph_pool_id pool{next_pool++, 0};
+      a.alloc.begin_allocate_to_pool(pool, [s](stream_handle t) { return t == s; });
+      const std::uint64_t id = a.sim->begin_capture(s);
+      std::vector<std::pair<void*, std::size_t>> made;
+      for (auto k = static_cast<unsigned>(1 + rng() % 3); k-- > 0;) {
+        const std::size_t n = size();
+        made.emplace_back(a.alloc.allocate(n, s), n);
+      }
+      if (made.size() > 1) {
+        a.alloc.deallocate(made.front().first, s);  // freed inside the capture
+        made.erase(made.begin());
+      }
+      EXPECT_EQ(a.sim->end_capture(s), id);
+      a.alloc.end_allocate_to_pool(pool);
+      pools.push_back(pool);
+      for (auto [p, n] : made) add(p, n);
+    } else if (what < 6 && !blocks.empty()) {
+      const std::size_t i = rng() % blocks.size();
+      a.alloc.deallocate(blocks[i].p);
+      blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (what < 7 && !pools.empty()) {
+      const std::size_t i = rng() % pools.size();
+      a.alloc.release_graph_pool(pools[i]);
+      pools.erase(pools.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (what < 8) {
+      a.alloc.empty_cache();
+    } else {
+      kept = rng() % 2 == 0;
+      for (const graph_pool_id& pool : pools) {
+        if (a.alloc.graph_pool_state(pool).reserved_bytes != 0) {
+          ++graph_sleeps;  // a sleep with graph memory in it
+          break;
+        }
+      }
+      a.alloc.sleep(5, kept, "g");
+      asleep = true;
+    }
+    a.alloc.check_invariants();
+    expect_device_matches(a);
+  }
+  if (asleep) a.alloc.wake(5, "g");
+  for (const live& b : blocks) a.alloc.deallocate(b.p);
+  for (const graph_pool_id& pool : pools) a.alloc.release_graph_pool(pool);
+  a.alloc.empty_cache();
+  a.alloc.check_invariants();
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
+  EXPECT_GE(graph_sleeps, 3u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, graph_sleep_random, ::testing::Values(1u, 2u, 3u));
 
 }  // namespace
 }  // namespace cucache::test
