@@ -187,6 +187,30 @@ struct device_allocator::impl {
     return (p.graph == nullptr || p.graph->released) && s.whole_free();
   }
 
+  // --- graph memory of a sleepable tag (graph_sleep.cpp) ---
+  /// Whether p's new segments are whole-VM segments (segment::whole_vm): p is a part of a graph
+  /// pool created under a sleep domain, in expandable mode.
+  [[nodiscard]] bool graph_sleeps(const detail::stream_pool& p) const noexcept {
+    return p.graph != nullptr && p.domain != 0 && cfg.expandable_segments;
+  }
+  /// A whole-VM segment of `bytes` (a multiple of the VM granularity): reserved, one handle
+  /// created and mapped over it, made accessible. nullptr when the device refuses the memory
+  /// or the address space; nothing is left behind on any failure.
+  void* whole_vm_create(std::size_t bytes, std::uint64_t& phys);
+  /// Unmaps and releases s's handle (unless s->unmapped) and frees its range. Throws on a
+  /// device failure before anything changed.
+  void whole_vm_destroy(detail::segment& s);
+  /// Sleep: unmaps and releases the handles of `segs` (whole-VM segments of a domain's graph
+  /// parts), refunding the budget; returns the bytes released. A device synchronization comes
+  /// first when `synchronize` (then cleared). On a failure part way the segments done stay
+  /// unmapped (segment::unmapped) and the error propagates.
+  std::size_t release_graph_segments(const std::vector<detail::segment*>& segs, bool& synchronize)
+      REQUIRES(detail::every_pool);
+  /// Wake (and sleep's rollback): a new handle mapped over every unmapped segment of `segs`,
+  /// charged to the budget. False when the device or the limit has no room (what was mapped
+  /// stays mapped); other failures throw.
+  bool map_graph_segments(const std::vector<detail::segment*>& segs) REQUIRES(detail::every_pool);
+
   // --- sleep and wake (sleep.cpp: checks and locks around tag_sleeper's walk) ---
   /// device_allocator::sleep over several domains (one: the single-domain sleep).
   void sleep(std::span<const device_allocator::sleep_request> requests);

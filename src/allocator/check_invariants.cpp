@@ -226,6 +226,7 @@ void device_allocator::check_invariants() const {
   std::size_t mapped_total = 0;
   std::size_t address_total = 0;  // the address space of every range
   std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain, recounted
+  std::map<std::uint32_t, std::size_t> sleeping_graph;  // whole-VM graph bytes, by domain
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
     detail::pool_table::assert_locked(p);
@@ -251,8 +252,23 @@ void device_allocator::check_invariants() const {
                     asleep, sleeping_pages[p.domain], m.pager->straddled_chunks());
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
-        reserved[k] += static_cast<std::int64_t>(s->size);
-        seg_count[k] += 1;
+        // A whole-VM segment (graph memory of a sleepable tag, graph_sleep.cpp) holds no memory
+        // while unmapped, which only its domain's sleep does.
+        const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
+        if (s->whole_vm && (p.graph == nullptr || p.domain == 0 || !m.cfg.expandable_segments)) {
+          violated(fmt::format("segment {:#x}: whole-VM, but pool {} is no graph part of a sleep "
+                               "domain in expandable mode",
+                               s->base, p.index));
+        }
+        if (s->unmapped && (!s->whole_vm || !asleep)) {
+          violated(fmt::format("segment {:#x}: unmapped, but {}", s->base,
+                               s->whole_vm ? "its sleep domain is awake" : "not whole-VM"));
+        }
+        if (s->whole_vm && asleep) sleeping_graph[p.domain] += s->size;
+        if (!s->unmapped) {
+          reserved[k] += static_cast<std::int64_t>(s->size);
+          seg_count[k] += 1;
+        }
       }
       std::uintptr_t cursor = s->base;
       const block* prev = nullptr;
@@ -366,8 +382,8 @@ void device_allocator::check_invariants() const {
     }
     reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
   }
-  // Sleeping domains: the sleeper's own check, against the pages recounted here.
-  m.sleeper.check_invariants(sleeping_pages, m.page_bytes);
+  // Sleeping domains: the sleeper's own check, against the pages and graph bytes recounted here.
+  m.sleeper.check_invariants(sleeping_pages, sleeping_graph, m.page_bytes);
   // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
   // retention count is right; parts belong to their graph pool.
   m.graphs.check_invariants();

@@ -156,7 +156,11 @@ device_allocator::impl::~impl() {
         s->vm = nullptr;
       } else {
         try {
-          backend->segment_free(reinterpret_cast<void*>(s->base));
+          if (s->whole_vm) {
+            whole_vm_destroy(*s);
+          } else {
+            backend->segment_free(reinterpret_cast<void*>(s->base));
+          }
         } catch (...) {
         }
       }
@@ -231,6 +235,30 @@ block* device_allocator::impl::find_free(const stream_pool& p, pool_kind kind,
 }
 
 segment* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::size_t bytes) {
+  if (graph_sleeps(p)) [[unlikely]] {
+    // Graph memory of a sleepable tag: a whole-VM segment (graph_sleep.cpp), whole pages.
+    bytes = (bytes + page_bytes - 1) / page_bytes * page_bytes;
+    std::uint64_t phys = 0;
+    void* va = budget.charge(bytes, [&] { return whole_vm_create(bytes, phys); });
+    if (va == nullptr) return nullptr;
+    segment* s = nullptr;
+    try {
+      s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(va), bytes, nullptr);
+    } catch (...) {
+      budget.refund(bytes, [&] {
+        backend->unmap(va, bytes);
+        backend->phys_release(phys);
+        backend->va_free(va, bytes);
+      });
+      throw;
+    }
+    s->whole_vm = true;
+    s->phys = phys;
+    p.stats.reserved_bytes.inc(kind, static_cast<std::int64_t>(bytes));
+    p.stats.segment_count.inc(kind, 1);
+    if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;
+    return s;
+  }
   void* ptr = budget.charge(bytes, [&] {
     const detail::nvtx_range range(cfg.nvtx, "cucache: cudaMalloc");
     return backend->segment_malloc(bytes);
@@ -295,7 +323,11 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   // every structure as it was.
   budget.refund(s->size, [&] {
     const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
-    backend->segment_free(reinterpret_cast<void*>(s->base));
+    if (s->whole_vm) {
+      whole_vm_destroy(*s);  // (never asleep here: whole_free is false while unmapped)
+    } else {
+      backend->segment_free(reinterpret_cast<void*>(s->base));
+    }
   });
   if (allocation_observer* o = observer.load(std::memory_order_acquire)) [[unlikely]]
     o->on_segment_free(s->base, s->size, p.stream);
@@ -678,6 +710,8 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   if (graph_part != nullptr) [[unlikely]]
     pools.note_change(p);  // (lock_pool_for notes the stream pools)
   if (!p.pending.empty()) poll_pending(p);
+  if (graph_part != nullptr && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
+    refuse_if_asleep(p, nullptr, "allocate");  // a capture into graph memory of a sleeping tag
   if (graph_part != nullptr && graph_part->graph->no_split) [[unlikely]]
     return allocate_unsplit(p, kind, rounded, bytes, stream, lk);
   if (cfg.expandable_segments && p.graph == nullptr) {

@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "allocator/tag_sleeper.hpp"
 #include "cucache/errors.hpp"
 
 namespace cucache::detail {
@@ -54,6 +55,7 @@ graph_pool* graph_pools::add_owner_locked(graph_pool_id gid, const char* what) {
   if (g == nullptr) {
     auto owned = std::make_unique<graph_pool>();
     owned->id = gid;
+    owned->domain = t_sleep_domain;  // the creating thread's sleepable tag, if any
     g = owned.get();
     pools_by_id_.emplace(gid, std::move(owned));
   }
@@ -194,6 +196,7 @@ graph_pool* graph_pools::capture_pool_locked(stream_handle stream, std::uint64_t
     if (g == nullptr) {
       auto owned = std::make_unique<graph_pool>();
       owned->id = gid;
+      owned->domain = t_sleep_domain;  // the capturing thread's sleepable tag, if any
       owned->uses = 1;  // the capture's graph; release_graph_pool(of_capture(id)) drops it
       g = owned.get();
       pools_by_id_.emplace(gid, std::move(owned));
@@ -266,7 +269,7 @@ stream_pool* graph_pools::part_for(stream_handle stream, capture_info cap) {
   detail::lock_guard list(pools_.list_mutex());
   detail::lock_guard lock(mu_);
   if (auto it = g->parts.find(key); it != g->parts.end()) return it->second;
-  stream_pool& part = pools_.new_pool(stream, key, g);
+  stream_pool& part = pools_.new_pool(stream, key, g, g->domain);
   g->parts.emplace(key, &part);
   return &part;
 }

@@ -43,6 +43,9 @@ struct graph_pool {
   bool released = false;   // uses reached 0 (or never had any: sync_waiters)
   bool settled = false;    // released, and a device synchronization completed since
   bool no_split = false;   // blocks are never split (MemPool(no_split=True)); set under all locks
+  /// The sleep domain (sleepable tag) of the thread that created the pool (t_sleep_domain): its
+  /// parts carry it, and in expandable mode their segments sleep and wake with that domain.
+  std::uint32_t domain = 0;
   std::unordered_map<std::uint64_t, stream_pool*> parts;  // by stream key
   std::vector<retained_block> retained;
 };

@@ -155,8 +155,9 @@ std::string pool_table::check_map() const {
   return {};
 }
 
-stream_pool& pool_table::new_pool(stream_handle stream, std::uint64_t key, graph_pool* g) {
-  pools_.push_back(std::make_unique<stream_pool>(stream, key, pools_.size(), g));
+stream_pool& pool_table::new_pool(stream_handle stream, std::uint64_t key, graph_pool* g,
+                                  std::uint32_t domain) {
+  pools_.push_back(std::make_unique<stream_pool>(stream, key, pools_.size(), g, domain));
   return *pools_.back();
 }
 

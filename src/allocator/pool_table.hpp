@@ -199,8 +199,9 @@ class pool_table {
     return adoptions_.load(std::memory_order_relaxed);
   }
   /// The list lock, exclusive: for new_pool (`lock_guard list(table.list_mutex())`).
-  /// A new pool outside the map (a graph pool's part).
-  stream_pool& new_pool(stream_handle stream, std::uint64_t key, graph_pool* g) REQUIRES(mu_);
+  /// A new pool outside the map (a graph pool's part), of the graph pool's sleep domain.
+  stream_pool& new_pool(stream_handle stream, std::uint64_t key, graph_pool* g,
+                        std::uint32_t domain) REQUIRES(mu_);
 
   // --- device-wide work -----------------------------------------------------------------------
   /// Why every pool is locked: `change` (device-wide work that may change any pool) marks every

@@ -96,7 +96,7 @@ void device_allocator::impl::refuse_asleep_block(std::uint32_t d, const void* pt
   throw invalid_argument(asleep_block_text(who(d, label), raw->device(), ptr, what));
 }
 
-/// The parts the sleeper's walk works with, and the allocation story's two steps it needs.
+/// The parts the sleeper's walk works with, and the allocation story's steps it needs.
 detail::tag_sleeper::parts device_allocator::impl::sleeper_parts() {
   return detail::tag_sleeper::parts{
       pools,
@@ -113,6 +113,14 @@ detail::tag_sleeper::parts device_allocator::impl::sleeper_parts() {
       [this] {
         every_pool_held();
         settle_graph_pools();
+      },
+      [this](const std::vector<detail::segment*>& segs, bool& synchronize) {
+        every_pool_held();
+        return release_graph_segments(segs, synchronize);
+      },
+      [this](const std::vector<detail::segment*>& segs) {
+        every_pool_held();
+        return map_graph_segments(segs);
       }};
 }
 

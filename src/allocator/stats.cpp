@@ -114,8 +114,9 @@ detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) con
       s.mapped_bytes += seg->vm->mapped_pages * page_bytes;
       continue;
     }
-    // Inactive split: free blocks inside segments that are not wholly free.
-    if (seg->whole_free()) continue;
+    // Inactive split: free blocks inside segments that are not wholly free (a sleeping graph
+    // segment, graph_sleep.cpp, holds no memory: nothing of it is inactive).
+    if (seg->whole_free() || seg->unmapped) continue;
     const std::size_t slot = seg->kind == detail::pool_kind::small ? 1 : 2;
     for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
       if (b->state != detail::block_state::free) continue;

@@ -40,10 +40,47 @@ struct domain_walk {
   std::size_t live_blocks = 0;
   std::vector<tag_sleeper::copy_run> runs;
   std::size_t run_bytes = 0;
+  // Graph memory captured under the domain (graph_sleep.cpp): whole segments, copied whole.
+  std::vector<segment*> graph_segments;
+  std::size_t graph_bytes = 0;
 };
 
 std::string bytes_text(std::size_t n) {
   return format_bytes(static_cast<double>(n));
+}
+
+/// The whole-VM segments of the domain's graph parts (graph_sleep.cpp) join walk w: each one a
+/// run of its own (a replay uses every byte of it, free blocks included).
+void add_graph_segments(const pool_table& pools, std::uint32_t domain, domain_walk& w)
+    REQUIRES(every_pool) {
+  for (const auto& q : pools) {
+    pool_table::assert_locked(*q);
+    if (q->domain != domain || q->graph == nullptr) continue;
+    for (segment* s = q->segments; s != nullptr; s = s->next) {
+      if (!s->whole_vm) continue;
+      w.graph_segments.push_back(s);
+      w.graph_bytes += s->size;
+      w.runs.push_back({s->base, s->size, 0});
+      w.run_bytes += s->size;
+    }
+  }
+}
+
+/// ps.release_graph_segments / ps.map_graph_segments, for a domain with graph memory only (a
+/// walk without it needs neither step; a rig may leave them empty).
+std::size_t release_graph(const tag_sleeper::parts& ps, const std::vector<segment*>& segs,
+                          bool& synchronize) {
+  return segs.empty() ? 0 : ps.release_graph_segments(segs, synchronize);
+}
+bool map_graph(const tag_sleeper::parts& ps, const std::vector<segment*>& segs) {
+  return segs.empty() || ps.map_graph_segments(segs);
+}
+
+/// The bytes of the unmapped segments of `segs`.
+std::size_t unmapped_bytes(const std::vector<segment*>& segs) noexcept {
+  std::size_t n = 0;
+  for (const segment* s : segs) n += s->unmapped ? s->size : 0;
+  return n;
 }
 
 domain_walk walk_domain(const pool_table& pools, std::uint32_t domain)
@@ -76,6 +113,7 @@ domain_walk walk_domain(const pool_table& pools, std::uint32_t domain)
       }
     }
   }
+  add_graph_segments(pools, domain, w);
   // Offsets in order of the runs (merging only grew the last one).
   std::size_t off = 0;
   for (auto& run : w.runs) {
@@ -179,9 +217,8 @@ void tag_sleeper::sleep(const parts& ps,
     std::int64_t placed = 0;
     for (const auto& q : ps.pools) {
       pool_table::assert_locked(*q);
-      if (q->domain == p.domain && q->graph == nullptr) {
-        placed += q->stats.requested_bytes[0].current;
-      }
+      // The domain's graph parts too: graph memory captured under the tag sleeps with it.
+      if (q->domain == p.domain) placed += q->stats.requested_bytes[0].current;
     }
     (*p.check)(static_cast<std::size_t>(placed));
   }
@@ -218,7 +255,7 @@ void tag_sleeper::sleep(const parts& ps,
       }
     }
     p.w = walk_domain(ps.pools, p.domain);  // pending blocks became free
-    p.rec.sleeping_bytes = p.w.touched_pages * ps.page_bytes;
+    p.rec.sleeping_bytes = p.w.touched_pages * ps.page_bytes + p.w.graph_bytes;
   }
   // --- the host buffers of the kept contents: all of them, or none (a refusal gives back what
   // the earlier requests took: reused spares become spares again, new buffers are freed) ---
@@ -339,6 +376,7 @@ void tag_sleeper::sleep(const parts& ps,
         released += ps.pg->evict(*q, synchronize);
         synchronize = false;
       }
+      released += release_graph(ps, p.w.graph_segments, synchronize);
     } catch (...) {
       // A device failure part way: this domain rolled back to awake (roll_back_sleep), the ones
       // before it asleep, the ones after untouched (their copies kept as spare buffers).
@@ -361,7 +399,8 @@ void tag_sleeper::sleep(const parts& ps,
                               untouched.size() == 1 ? "was" : "were",
                               untouched.size() == 1 ? "s" : "");
       }
-      roll_back_sleep(ps, p.domain, p.w.pools, p.rec, p.name, why, code, others);  // throws
+      roll_back_sleep(ps, p.domain, p.w.pools, p.w.graph_segments, p.rec, p.name, why, code,
+                      others);  // throws
     }
     p.rec.released_bytes = released;
     put_to_sleep(p.domain, std::move(p.rec));
@@ -380,7 +419,8 @@ void tag_sleeper::sleep(const parts& ps,
 }
 
 void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
-                                  const std::vector<stream_pool*>& domain_pools, record& rec,
+                                  const std::vector<stream_pool*>& domain_pools,
+                                  const std::vector<segment*>& graph_segments, record& rec,
                                   const std::string& name, const std::string& why, int code,
                                   const std::string& others) {
   // REQUIRES: the domain awake, its record reserved; sleep's evict failed
@@ -399,6 +439,10 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
           }
         }
       }
+    }
+    if (!map_graph(ps, graph_segments)) {
+      throw out_of_memory(fmt::format("no room to map {} of graph memory again",
+                                      bytes_text(unmapped_bytes(graph_segments))));
     }
     if (rec.host != nullptr) {
       queue_copies(ps.backend, rec.runs, rec.host, /*to_host=*/false);
@@ -432,6 +476,11 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
       if (finish_failure.empty()) finish_failure = current_error().first;
     }
     first = false;
+  }
+  try {
+    rec.released_bytes += release_graph(ps, graph_segments, first);
+  } catch (...) {
+    if (finish_failure.empty()) finish_failure = current_error().first;
   }
   put_to_sleep(domain, std::move(rec));
   throw cuda_error(
@@ -497,9 +546,11 @@ void tag_sleeper::wake(const parts& ps,
       }
     }
   }
+  std::size_t missing_graph_bytes = 0;
+  for (const wake_plan& p : plans) missing_graph_bytes += unmapped_bytes(p.w.graph_segments);
   const bool one = plans.size() == 1;
   const std::string name = one ? plans[0].name : names_text(names);
-  const std::size_t needed = missing_pages * ps.page_bytes;
+  const std::size_t needed = missing_pages * ps.page_bytes + missing_graph_bytes;
   // Room: what the limit and the device allow plus the unmapped handles. When short, the other
   // ps.pools' idle (cached) pages are given back first, pool by pool -- the same memory the
   // out-of-memory ladder would take.
@@ -537,6 +588,7 @@ void tag_sleeper::wake(const parts& ps,
   // it held before (the other pools' idle pages given back above stay given back: cached memory).
   const std::size_t reserved_at_start = ps.budget.reserved_bytes();
   const auto undo = [&](bool synchronize) noexcept {
+    every_pool_held();  // called only below, under every pool lock
     bool first = synchronize;
     for (wake_plan& p : plans) {
       for (stream_pool* q : p.w.pools) {
@@ -546,6 +598,10 @@ void tag_sleeper::wake(const parts& ps,
         } catch (...) {
         }
         first = false;
+      }
+      try {
+        release_graph(ps, p.w.graph_segments, first);
+      } catch (...) {
       }
     }
     try {
@@ -564,6 +620,7 @@ void tag_sleeper::wake(const parts& ps,
           }
         }
       }
+      if (!map_graph(ps, p.w.graph_segments)) throw no_room(ps.pg->room_bytes());
     }
   } catch (...) {
     undo(false);  // nothing has used the new pages: no synchronization needed
@@ -637,6 +694,7 @@ void tag_sleeper::free_spares(device_backend& backend) noexcept {
 }
 
 void tag_sleeper::check_invariants(const std::map<std::uint32_t, std::size_t>& touched_pages,
+                                   const std::map<std::uint32_t, std::size_t>& graph_bytes,
                                    std::size_t page_bytes) const {
   const auto violated = [](const std::string& what) {
     throw std::logic_error("cucache invariant violated: " + what);
@@ -649,10 +707,12 @@ void tag_sleeper::check_invariants(const std::map<std::uint32_t, std::size_t>& t
     }
     const auto t = touched_pages.find(domain);
     const std::size_t pages = t != touched_pages.end() ? t->second : 0;
-    if (pages * page_bytes != r.sleeping_bytes) {
+    const auto g = graph_bytes.find(domain);
+    const std::size_t graph = g != graph_bytes.end() ? g->second : 0;
+    if (pages * page_bytes + graph != r.sleeping_bytes) {
       violated(fmt::format("sleep domain {}: record says {} sleeping bytes, its blocks touch {} "
-                           "pages of {}",
-                           domain, r.sleeping_bytes, pages, page_bytes));
+                           "pages of {} and its graph segments hold {}",
+                           domain, r.sleeping_bytes, pages, page_bytes, graph));
     }
     std::size_t run_bytes = 0;
     for (const auto& run : r.runs) run_bytes += run.bytes;

@@ -71,6 +71,7 @@ class graph_pools;
 class pager;
 class pool_table;
 class stream_pool;
+struct segment;
 
 /// The largest sleep domain: pool keys carry the domain in bits 48..61 (pool_table::domain_key).
 inline constexpr std::uint32_t k_max_sleep_domain = (std::uint32_t{1} << 14) - 1;
@@ -94,6 +95,11 @@ class tag_sleeper {
     std::size_t page_bytes = 0;   // the pager's page
     std::function<void(stream_pool&)> sync_pending;  // REQUIRES: the pool's lock (held)
     std::function<void()> settle_graph_pools;        // REQUIRES: every pool lock (held)
+    // Graph memory of the domain (impl's graph_sleep.cpp): whole-VM segments released (sleep;
+    // returns the bytes; a synchronization first when the flag is set, then cleared) and mapped
+    // again (wake, rollback; false when the device or the limit lacks room).
+    std::function<std::size_t(const std::vector<segment*>&, bool&)> release_graph_segments;
+    std::function<bool(const std::vector<segment*>&)> map_graph_segments;
   };
 
   /// One run of live blocks whose bytes sleep copied to host memory (keep_contents).
@@ -144,9 +150,11 @@ class tag_sleeper {
   /// The domain's name in messages: "tag 'label'", or "sleep domain d" without a label.
   [[nodiscard]] static std::string name_of(std::uint32_t domain, const std::string& label);
   /// The invariants above, against `touched_pages`: by domain, the pages its pools' blocks touch
-  /// (counted by the caller's walk of every range). Throws std::logic_error naming the first
+  /// (counted by the caller's walk of every range), and `graph_bytes`: by domain, the bytes of
+  /// its graph parts' whole-VM segments. Throws std::logic_error naming the first
   /// violation (check_invariants composes it).
   void check_invariants(const std::map<std::uint32_t, std::size_t>& touched_pages,
+                        const std::map<std::uint32_t, std::size_t>& graph_bytes,
                         std::size_t page_bytes) const REQUIRES(every_pool);
 
   /// True while domain d sleeps. REQUIRES: d <= k_max_sleep_domain; the caller holds a pool lock.
@@ -204,7 +212,8 @@ class tag_sleeper {
   /// appended to the message (what the call's other domains became). REQUIRES: domain awake,
   /// its record reserved.
   [[noreturn]] void roll_back_sleep(const parts& ps, std::uint32_t domain,
-                                    const std::vector<stream_pool*>& domain_pools, record& rec,
+                                    const std::vector<stream_pool*>& domain_pools,
+                                    const std::vector<segment*>& graph_segments, record& rec,
                                     const std::string& name, const std::string& why, int code,
                                     const std::string& others) REQUIRES(every_pool);
 

@@ -234,8 +234,9 @@ void sleep(int device, std::span<const tag_sleep_request> tags) {
   requests.reserve(tags.size());
   for (const tag_sleep_request& t : tags) {
     const std::uint32_t id = sleepable_tag(t.tag, "sleep");
-    // Every live block of the tag must be in its pages: blocks allocated under it before it was
-    // made sleepable (or in a graph capture) share pages with others and cannot sleep. The check
+    // Every live block of the tag must be in its pages (its graph pools' included: a pool created
+    // under the tag sleeps with it): blocks allocated under it before it was made sleepable, or
+    // in a graph pool created under another tag, share memory with others and cannot sleep. The check
     // runs under every pool lock, where no free is half done (the hub hears of a free under its
     // pool's lock) but an allocation may be: the hub hears of it only after it returned. So the
     // hub's count of the tag's blocks in its pages never exceeds the pools' bytes, and only a
@@ -248,8 +249,9 @@ void sleep(int device, std::span<const tag_sleep_request> tags) {
                             throw invalid_argument(fmt::format(
                                 "cucache: sleep: tag '{}' on device {} has {} live bytes, of "
                                 "which {} lie in its own pages; the rest were allocated before "
-                                "make_sleepable or inside a CUDA graph capture and cannot sleep "
-                                "(free them first); nothing changed",
+                                "make_sleepable, or inside a CUDA graph capture whose pool was "
+                                "created under another tag (or none), and cannot sleep (free "
+                                "them first); nothing changed",
                                 tag, device, tagged, placed));
                           }
                         }});

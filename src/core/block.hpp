@@ -62,9 +62,15 @@ struct segment {
   vm_range* vm = nullptr;       // expandable segments: the page table; nullptr for cudaMalloc'd
   std::uint64_t free_tick = 0;  // the pool's tick when a block of it last became free: for a
                                 // wholly free segment, when it became so (garbage collection age)
-  /// A cudaMalloc'd segment with no live block: it can be returned to the device.
+  // A segment of a graph pool captured under a sleepable tag (expandable mode) is not
+  // cudaMalloc'd: one reserved range wholly mapped to one physical handle, so that sleep can
+  // release the memory and wake map it again at the same addresses (graph_sleep.cpp).
+  bool whole_vm = false;
+  bool unmapped = false;  // whole_vm: asleep, its handle released (phys is stale)
+  std::uint64_t phys = 0;  // whole_vm: the physical handle mapped over the whole segment
+  /// A segment with no live block that holds memory: it can be returned to the device.
   [[nodiscard]] bool whole_free() const noexcept {
-    return vm == nullptr && first != nullptr && first->next == nullptr &&
+    return vm == nullptr && !unmapped && first != nullptr && first->next == nullptr &&
            first->state == block_state::free;
   }
 };

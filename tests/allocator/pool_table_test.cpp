@@ -179,7 +179,7 @@ TEST(PoolTable, AGraphPoolsPartIsNeverQuiet) {
   stream_pool* part = nullptr;
   {
     detail::unique_lock list(r.pools.list_mutex());
-    part = &r.pools.new_pool(nullptr, 7, reinterpret_cast<detail::graph_pool*>(0x10));
+    part = &r.pools.new_pool(nullptr, 7, reinterpret_cast<detail::graph_pool*>(0x10), 0);
   }
   pool_lock lk(part->mu);
   EXPECT_FALSE(part->quiet());

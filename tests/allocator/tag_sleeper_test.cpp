@@ -123,7 +123,16 @@ struct sleeper_rig {
                                         EXPECT_EQ(&q, &pool);
                                         ++syncs;
                                       },
-                                      [this] { ++settles; }};
+                                      [this] { ++settles; },
+                                      // No graph memory on this rig: the walk never asks.
+                                      [](const std::vector<detail::segment*>&, bool&) -> std::size_t {
+                                        ADD_FAILURE() << "graph segments released";
+                                        return 0;
+                                      },
+                                      [](const std::vector<detail::segment*>&) {
+                                        ADD_FAILURE() << "graph segments mapped";
+                                        return true;
+                                      }};
   }
   void sleep(bool keep, const std::function<void(std::size_t)>& check = {}) {
     const device_allocator::sleep_request r{k_domain, keep, "weights", check};
@@ -150,7 +159,7 @@ struct sleeper_rig {
       any = true;
     }
     detail::pool_table::all_locked all(pools);
-    sleeper.check_invariants(touched, k_page);
+    sleeper.check_invariants(touched, {}, k_page);
   }
   [[nodiscard]] const detail::tag_sleeper::record& record() {
     detail::pool_table::all_locked all(pools);

@@ -341,6 +341,51 @@ TEST_F(SleepApi, ATagWithAnExportedBlockRefusesToSleepNamingTheBlock) {
   cucache::get(0).check_invariants();
 }
 
+TEST_F(SleepApi, AGraphCapturedUnderASleepableTagSleepsWithItsTag) {
+  // As a serving engine captures its CUDA graphs (PyTorch routes the capture to a pool of its
+  // own): under the tag, the graph's memory counts as the tag's and sleeps with it. Before, the
+  // tag's bytes counted the graph's and sleep refused ("inside a CUDA graph capture").
+  ASSERT_EQ(cucacheMakeTagSleepable("cuda_graph"), cudaSuccess) << message();
+  auto& dev = cucache::get(0);
+  auto& sim = dynamic_cast<cucache::sim_backend&>(dev.backend());
+  const cucache::stream_handle s = sim.create_stream();
+  const cucache::graph_pool_id pool{9, 0};
+  void* weights = alloc_under("cuda_graph", 5 * MiB);
+  ASSERT_EQ(cucachePushTag("cuda_graph"), cudaSuccess);
+  dev.begin_allocate_to_pool(pool, [s](cucache::stream_handle t) { return t == s; });
+  const std::uint64_t id = sim.begin_capture(s);
+  void* out = nullptr;
+  ASSERT_EQ(cucacheMallocAsync(&out, 30 * MiB, static_cast<cudaStream_t>(s)), cudaSuccess)
+      << message();
+  EXPECT_EQ(sim.end_capture(s), id);
+  dev.end_allocate_to_pool(pool);
+  ASSERT_EQ(cucachePopTag(), cudaSuccess);
+  const cucacheStats before = stats();
+  EXPECT_EQ(before.reservedBytes, 6 * MiB + 30 * MiB);
+
+  ASSERT_EQ(cucacheSleep(0, "cuda_graph", 0), cudaSuccess) << message();
+  std::size_t bytes = 0, host = 0;
+  ASSERT_EQ(cucacheGetSleepingBytes(0, "cuda_graph", &bytes, &host), cudaSuccess);
+  EXPECT_EQ(bytes, 30 * MiB + 6 * MiB);  // the graph pool's segment and the tag's 3 pages
+  EXPECT_EQ(host, 0u);
+  EXPECT_EQ(stats().reservedBytes, 0u);
+  EXPECT_EQ(sim.used_bytes(), 0u);
+  dev.check_invariants();
+  // Freeing the graph's output while asleep: refused, nothing changed.
+  EXPECT_EQ(cucacheFree(out), cudaErrorInvalidValue);
+  EXPECT_NE(message().find("asleep"), std::string::npos) << message();
+  ASSERT_EQ(cucacheWake(0, "cuda_graph"), cudaSuccess) << message();
+  EXPECT_EQ(stats().reservedBytes, before.reservedBytes);
+  EXPECT_TRUE(sim.accessible(out, 30 * MiB));
+  dev.check_invariants();
+  EXPECT_EQ(cucacheFree(out), cudaSuccess) << message();
+  EXPECT_EQ(cucacheFree(weights), cudaSuccess) << message();
+  dev.release_graph_pool(pool);
+  dev.empty_cache();
+  EXPECT_EQ(stats().reservedBytes, 0u);
+  dev.check_invariants();
+}
+
 TEST_F(SleepApi, SmallMisusesNameTheirProblem) {
   restore("expandable_segments:True,ipc_handles:True");
   ASSERT_EQ(cucacheMakeTagSleepable("nap"), cudaSuccess);
