@@ -428,7 +428,9 @@ void pager::convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std:
     // Touched by no block unless a carve straddled it before: then it stays as it is.
     bool converted = false;
     try {
-      if (may_synchronize_() && r.all_idle(m)) {
+      // While coarse handles are plentiful the chunk stays, straddled: releasing it would only
+      // make its pages be created again one by one.
+      if (may_synchronize_() && r.all_idle(m) && !coarse_now_.load(std::memory_order_relaxed)) {
         wait_until_unmappable(r.idle_epoch(m));
         const piece pc = unmap(p, r, m.first);
         counters.splits.fetch_add(1, std::memory_order_relaxed);
@@ -613,6 +615,16 @@ bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
   return fits(extra);
 }
 
+bool pager::coarse_room(std::size_t extra) {
+  if (coarse_pages_ < 2) return false;
+  std::size_t capacity = device_total_;
+  if (const std::size_t limit = budget_.limit.load(std::memory_order_relaxed);
+      limit != 0 && limit < capacity) {
+    capacity = limit;
+  }
+  return fits(extra + capacity / 2);
+}
+
 bool pager::over_caps(std::size_t bytes) { return budget_.over_caps(bytes); }
 
 bool pager::fits(std::size_t bytes) {
@@ -622,6 +634,7 @@ bool pager::fits(std::size_t bytes) {
 bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   if (fits(bytes)) return true;
   counters.reclaims.fetch_add(1, std::memory_order_relaxed);
+  coarse_now_.store(false, std::memory_order_relaxed);
   const nvtx_range range(nvtx, "cucache: reclaim idle pages");
   // Unmapped handles are not given back: each is one page (a chunk's is released when unmapped),
   // and back() takes them before it creates anything, so releasing one only to create another would gain no room. Idle pages,
@@ -705,7 +718,13 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
   const bool grow = may_grow(p, missing);
   const bool plentiful = grow || !may_synchronize_();
   const page_span whole = r.whole_pages(b->addr, b->size);
-  const bool chunked = grow && max_chunk_pages_ > 1 && whole.pages() >= min_chunked_pages_;
+  // Coarse handles (set_coarse_handles): with half the capacity to spare beyond this growth,
+  // every block's whole pages get chunks, and cut idle chunks stay (convert_cut_chunks).
+  const bool coarse = grow && coarse_room(missing);
+  if (coarse_pages_ != 0) coarse_now_.store(coarse, std::memory_order_relaxed);
+  const bool big = max_chunk_pages_ > 1 && whole.pages() >= min_chunked_pages_;
+  const bool chunked = grow && (big || coarse);
+  const std::size_t chunk_cap = big ? max_chunk_pages_ : coarse_pages_;
   bool moved = false;
   for (int pass = plentiful ? 1 : 0; pass < 2; ++pass) {
     if (pass == 1) {
@@ -749,7 +768,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
       } else if (!pc) {
         if (chunked && pg >= whole.first && pg < whole.end) {
           std::size_t run = 1;  // missing pages from pg that b covers whole
-          while (run < max_chunk_pages_ && pg + run < whole.end && !r.mapped(pg + run)) ++run;
+          while (run < chunk_cap && pg + run < whole.end && !r.mapped(pg + run)) ++run;
           if (run > 1 && (pc = create(run * page_bytes_))) {
             counters.chunks.fetch_add(1, std::memory_order_relaxed);
           }
