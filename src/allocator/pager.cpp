@@ -863,7 +863,8 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
   // is served from cached memory when back() finds every page it touches mapped or backed by an
   // unmapped one-page handle: nothing is created. The pages of an idle chunk that the request
   // would touch in part (one holding its first or last page that it does not cover whole) count
-  // as unmapped: the carve releases that chunk (touch) and back() backs them page by page. Idle
+  // as unmapped: the carve releases that chunk (touch) and back() backs them page by page --
+  // unless coarse handles are plentiful, when the carve keeps the chunk (straddled). Idle
   // mappings elsewhere are not counted: back() moves them only when memory is not plentiful,
   // which depends on the device's free memory at the time of the request; while it is plentiful
   // it creates instead.
@@ -874,6 +875,7 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     detail::lock_guard lock(budget_.mu);
     handles = page_handle_bytes_locked() / page_bytes_;
   }
+  const bool coarse = coarse_now_.load(std::memory_order_relaxed);
   std::size_t best = 0;
   const auto consider = [&](std::size_t bytes) {
     const std::size_t r = policy.largest_rounded_within(std::min(bytes, hi));
@@ -899,15 +901,17 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     }
     const std::size_t end_pages = all_mapped ? fl - fp + 1 : unmapped_upto.size();
     // The pages of [fp, lp] in chunks that a request of r bytes at f would touch in part.
+    // While coarse handles are plentiful (coarse_now_) a cut chunk stays mapped: nothing counts.
     const auto cut_pages = [&](std::size_t r, std::size_t lp) {
-      if (range.chunks == 0) return std::size_t{0};
+      if (range.chunks == 0 || coarse) return std::size_t{0};
       const page_span whole = range.whole_pages(f->addr, r);
       std::size_t n = 0;
       std::size_t counted = range.page_count;  // the first page of the chunk counted, if any
       for (const std::size_t pg : {fp, lp}) {
         const page_span m = range.mapping_of(pg);
+        // A chunk some block touches already is kept by the carve (straddled): mapped.
         if (m.pages() == 1 || m.first == counted ||
-            (m.first >= whole.first && m.end <= whole.end)) {
+            (m.first >= whole.first && m.end <= whole.end) || !range.all_idle(m)) {
           continue;
         }
         n += std::min(m.end, lp + 1) - std::max(m.first, fp);

@@ -254,6 +254,14 @@ class pager {
     return page_handle_bytes_locked();
   }
 
+  /// What every expandable pool's largest_cached_request depends on besides the pool: the
+  /// unmapped one-page handles' bytes (a multiple of the page), plus 1 while coarse handles are
+  /// plentiful (a carve then keeps the idle chunks it cuts). The statistics ledger summarizes
+  /// every pool again when it changes.
+  [[nodiscard]] std::size_t largest_request_key() const {
+    return unmapped_page_handle_bytes() + (coarse_now_.load(std::memory_order_relaxed) ? 1 : 0);
+  }
+
   /// The idle bytes of every pool, read without their locks (a snapshot, as any figure about
   /// other pools is once read). REQUIRES: the caller holds the pool table's list lock (lock_all).
   /// Not analysed: it reads each pool's atomic idle_bytes without the pool's lock, by design, and
