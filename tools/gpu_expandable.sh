@@ -8,6 +8,8 @@
 #   tools/gpu_expandable.sh BIN_DIR OUT_DIR torch   -- bench/torch workloads (WORKLOADS, default
 #       gpt2_train,resnet50_train,gpt2_train_dynseq) in expandable mode, PyTorch's allocator and
 #       cucache's plug-in in turn, ROUNDS interleaved rounds, results.jsonl and table.md per round
+# CONF (replay part): cucache's --config, default expandable_segments:True (e.g.
+# CONF=expandable_segments:True,coarse_handles:8; c10 gets only the keys PyTorch shares).
 # BIN_DIR holds cucache-replay and libcucache_c10_peer.so (tools/build_c10_peer.sh BIN_DIR); the
 # torch part needs the Python plug-in importable (docs/torch.md). Writes gpu.txt, one log per run
 # and summary.txt (medians and spreads) into OUT_DIR; exit status 0 only if every run exited 0.
@@ -29,7 +31,7 @@ case $part in
     # allocators alternate over the rounds rather than running all of one first.
     for ((i = 1; i <= rounds; i++)); do
       run "replay_$i" 150 "$bin/cucache-replay" --backend cuda --json --warm \
-        --config expandable_segments:True --peers c10 "${traces[@]}"
+        --config "${CONF:-expandable_segments:True}" --peers c10 "${traces[@]}"
       cp "$out/replay_$i.log" "$out/replay_$i.jsonl"
     done
     python3 - "$out" "$rounds" <<'EOF' | tee -a "$out/summary.txt"

@@ -49,6 +49,10 @@ struct config {
   /// blocks can be shared with other processes (ipc_handles). Default-mode segments can always be
   /// exported (cudaIpcGetMemHandle).
   bool ipc_handles = false;
+  /// Expandable segments: coarse handles (coarse_handles:N): while memory is plentiful with half
+  /// the capacity to spare, physical handles of up to N pages for every block, kept when a later
+  /// carve cuts them. 0 = off (one handle per page, chunks for blocks of 256 MiB or more).
+  std::size_t coarse_handle_pages = 0;
   /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
   std::string trace_path;
   /// reserve_mb: bytes the allocator caches when it is created (device_allocator::reserve on the
@@ -78,7 +82,8 @@ inline constexpr std::size_t k_roundup_power2_intervals = 64;
 /// others keep base's values. Keys (docs/config.md): max_split_size_mb,
 /// max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold,
 /// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace,
-/// reserve_mb, nvtx, history, leak_steps, record_backtraces, peer_access, ipc_handles.
+/// reserve_mb, nvtx, history, leak_steps, record_backtraces, peer_access, ipc_handles,
+/// coarse_handles.
 /// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key (with
 /// the nearest accepted key when it looks like a typo: "did you mean 'expandable_segments'?"), a
 /// PyTorch key cucache does not support, a duplicate key, an empty entry or a malformed value;

@@ -27,13 +27,14 @@ namespace {
 /// and a page without access is idle (back() grants access before a block is handed out). A chunk
 /// (a handle of several pages) is recorded consistently on consecutive pages, and is either idle
 /// as a whole or lies within the pages that one live block covers whole -- unless a carve
-/// straddled a chunk it could not unmap (pager::straddled_chunks, `straddles`).
+/// straddled a chunk (pager::straddled_chunks, `straddles`); no chunk is larger than the pager
+/// makes them (`max_chunk_pages`: pager::largest_chunk_pages).
 /// (The pool's idle list against these tables: pager::check_invariants.) In a sleeping pool
 /// (`asleep`) no page is mapped at all, and the pages its blocks touch are counted in
 /// `sleeping_pages` instead.
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
                  std::int64_t& mappings, std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages,
-                 std::uint64_t straddles) REQUIRES(p.mu) {
+                 std::uint64_t straddles, std::size_t max_chunk_pages) REQUIRES(p.mu) {
   const detail::vm_range& r = *s.vm;
   if (r.page_count != r.size / r.page_bytes) {
     violated(fmt::format("range {:#x}: {} pages, size says {}", r.base, r.page_count,
@@ -88,7 +89,7 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     if (e.chunk_pages != 0 && e.chunk_index == 0) {  // a chunk's first page: check it whole
       ++chunks;
       bool idle_all = true, one_owner = whole_owner[pg] != nullptr;
-      if (e.chunk_pages < 2 || pg + e.chunk_pages > r.page_count) {
+      if (e.chunk_pages < 2 || e.chunk_pages > max_chunk_pages || pg + e.chunk_pages > r.page_count) {
         violated(fmt::format("range {:#x}: chunk at page {} of {} pages is malformed", r.base, pg,
                              e.chunk_pages));
       }
@@ -249,7 +250,8 @@ void device_allocator::check_invariants() const {
         std::int64_t mappings = 0;
         const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
         check_range(p, *s, reserved[k], mappings, mapped_total,
-                    asleep, sleeping_pages[p.domain], m.pager->straddled_chunks());
+                    asleep, sleeping_pages[p.domain], m.pager->straddled_chunks(),
+                    m.pager->largest_chunk_pages());
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
         // A whole-VM segment (graph memory of a sleepable tag, graph_sleep.cpp) holds no memory

@@ -117,6 +117,7 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
     pager->set_synchronization_gate([this] { return !sync_blocked(); });
     pager->set_observer(&observer);
     pager->nvtx = cfg.nvtx;
+    pager->set_coarse_handles(cfg.coarse_handle_pages);  // docs/config.md: coarse_handles
     // Which devices every mapping is made accessible to, and whether its physical memory can be
     // exported (docs/config.md: peer_access, ipc_handles).
     backend->configure_peer_access(cfg.peer_access);

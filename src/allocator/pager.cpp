@@ -428,7 +428,9 @@ void pager::convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std:
     // Touched by no block unless a carve straddled it before: then it stays as it is.
     bool converted = false;
     try {
-      if (may_synchronize_() && r.all_idle(m)) {
+      // While coarse handles are plentiful the chunk stays, straddled: releasing it would only
+      // make its pages be created again one by one.
+      if (may_synchronize_() && r.all_idle(m) && !coarse_now_.load(std::memory_order_relaxed)) {
         wait_until_unmappable(r.idle_epoch(m));
         const piece pc = unmap(p, r, m.first);
         counters.splits.fetch_add(1, std::memory_order_relaxed);
@@ -613,6 +615,16 @@ bool pager::may_grow(stream_pool& /*p*/, std::size_t extra) {
   return fits(extra);
 }
 
+bool pager::coarse_room(std::size_t extra) {
+  if (coarse_pages_ < 2) return false;
+  std::size_t capacity = device_total_;
+  if (const std::size_t limit = budget_.limit.load(std::memory_order_relaxed);
+      limit != 0 && limit < capacity) {
+    capacity = limit;
+  }
+  return fits(extra + capacity / 2);
+}
+
 bool pager::over_caps(std::size_t bytes) { return budget_.over_caps(bytes); }
 
 bool pager::fits(std::size_t bytes) {
@@ -622,6 +634,7 @@ bool pager::fits(std::size_t bytes) {
 bool pager::reclaim(stream_pool& p, std::size_t bytes) {
   if (fits(bytes)) return true;
   counters.reclaims.fetch_add(1, std::memory_order_relaxed);
+  coarse_now_.store(false, std::memory_order_relaxed);
   const nvtx_range range(nvtx, "cucache: reclaim idle pages");
   // Unmapped handles are not given back: each is one page (a chunk's is released when unmapped),
   // and back() takes them before it creates anything, so releasing one only to create another would gain no room. Idle pages,
@@ -705,7 +718,13 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
   const bool grow = may_grow(p, missing);
   const bool plentiful = grow || !may_synchronize_();
   const page_span whole = r.whole_pages(b->addr, b->size);
-  const bool chunked = grow && max_chunk_pages_ > 1 && whole.pages() >= min_chunked_pages_;
+  // Coarse handles (set_coarse_handles): with half the capacity to spare beyond this growth,
+  // every block's whole pages get chunks, and cut idle chunks stay (convert_cut_chunks).
+  const bool coarse = grow && coarse_room(missing);
+  if (coarse_pages_ != 0) coarse_now_.store(coarse, std::memory_order_relaxed);
+  const bool big = max_chunk_pages_ > 1 && whole.pages() >= min_chunked_pages_;
+  const bool chunked = grow && (big || coarse);
+  const std::size_t chunk_cap = big ? max_chunk_pages_ : coarse_pages_;
   bool moved = false;
   for (int pass = plentiful ? 1 : 0; pass < 2; ++pass) {
     if (pass == 1) {
@@ -749,7 +768,7 @@ bool pager::back_pages(stream_pool& p, vm_range& r, const block* b, std::size_t 
       } else if (!pc) {
         if (chunked && pg >= whole.first && pg < whole.end) {
           std::size_t run = 1;  // missing pages from pg that b covers whole
-          while (run < max_chunk_pages_ && pg + run < whole.end && !r.mapped(pg + run)) ++run;
+          while (run < chunk_cap && pg + run < whole.end && !r.mapped(pg + run)) ++run;
           if (run > 1 && (pc = create(run * page_bytes_))) {
             counters.chunks.fetch_add(1, std::memory_order_relaxed);
           }
@@ -844,7 +863,8 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
   // is served from cached memory when back() finds every page it touches mapped or backed by an
   // unmapped one-page handle: nothing is created. The pages of an idle chunk that the request
   // would touch in part (one holding its first or last page that it does not cover whole) count
-  // as unmapped: the carve releases that chunk (touch) and back() backs them page by page. Idle
+  // as unmapped: the carve releases that chunk (touch) and back() backs them page by page --
+  // unless coarse handles are plentiful, when the carve keeps the chunk (straddled). Idle
   // mappings elsewhere are not counted: back() moves them only when memory is not plentiful,
   // which depends on the device's free memory at the time of the request; while it is plentiful
   // it creates instead.
@@ -855,6 +875,7 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     detail::lock_guard lock(budget_.mu);
     handles = page_handle_bytes_locked() / page_bytes_;
   }
+  const bool coarse = coarse_now_.load(std::memory_order_relaxed);
   std::size_t best = 0;
   const auto consider = [&](std::size_t bytes) {
     const std::size_t r = policy.largest_rounded_within(std::min(bytes, hi));
@@ -880,15 +901,17 @@ std::size_t pager::largest_cached_request(const stream_pool& p, pool_kind kind,
     }
     const std::size_t end_pages = all_mapped ? fl - fp + 1 : unmapped_upto.size();
     // The pages of [fp, lp] in chunks that a request of r bytes at f would touch in part.
+    // While coarse handles are plentiful (coarse_now_) a cut chunk stays mapped: nothing counts.
     const auto cut_pages = [&](std::size_t r, std::size_t lp) {
-      if (range.chunks == 0) return std::size_t{0};
+      if (range.chunks == 0 || coarse) return std::size_t{0};
       const page_span whole = range.whole_pages(f->addr, r);
       std::size_t n = 0;
       std::size_t counted = range.page_count;  // the first page of the chunk counted, if any
       for (const std::size_t pg : {fp, lp}) {
         const page_span m = range.mapping_of(pg);
+        // A chunk some block touches already is kept by the carve (straddled): mapped.
         if (m.pages() == 1 || m.first == counted ||
-            (m.first >= whole.first && m.end <= whole.end)) {
+            (m.first >= whole.first && m.end <= whole.end) || !range.all_idle(m)) {
           continue;
         }
         n += std::min(m.end, lp + 1) - std::max(m.first, fp);

@@ -13,7 +13,9 @@
 // unmap_idle, evict -- releases the whole chunk. So an idle chunk pins no page a block touches,
 // and what a limit needs is given back as with one-page handles. The one exception: while the
 // synchronization gate is closed nothing can be unmapped, so such a carve uses the chunk as it is
-// (a straddled chunk, counted); it is given back once all of its pages are idle again.
+// (a straddled chunk, counted); it is given back once all of its pages are idle again. With coarse
+// handles (set_coarse_handles, config coarse_handles), while half the capacity is to spare beyond
+// a growth, every block's whole pages get chunks and a cut idle chunk is straddled, not released.
 //
 // Locking: a pool's page tables and idle list are under that pool's mutex, which the caller
 // holds; the unmapped handles and the device-wide reservation are under the budget's mutex.
@@ -21,6 +23,7 @@
 // order (creation order) is never violated.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -111,8 +114,24 @@ class pager {
     max_chunk_pages_ = max_pages;
     min_chunked_pages_ = min_block_pages;
   }
-  /// Carves that touched part of an idle chunk while it could not be unmapped (the gate closed,
-  /// or an unmap that failed): the chunk stayed mapped, touched in part. Never reset.
+  /// Coarse handles (config key coarse_handles, docs/design.md "Coarse handles"): while memory is
+  /// plentiful with room to spare -- the device, the limit and the garbage-collection threshold
+  /// have room for the pages a block lacks plus half the capacity (coarse_room) -- every run of
+  /// missing pages the block covers whole gets one chunk of up to `pages` pages, whatever the
+  /// block's size, and a carve that cuts an idle chunk uses it as it is (straddled) instead of
+  /// releasing it. Otherwise the pager behaves as without. 0 (the default): off. REQUIRES: pages
+  /// is 0 or in [2, k_max_coarse_pages]; set before use.
+  void set_coarse_handles(std::size_t pages) noexcept { coarse_pages_ = pages; }
+  [[nodiscard]] std::size_t coarse_handles() const noexcept { return coarse_pages_; }
+  /// The largest coarse_handles setting (the cap of chunks, vm_page::chunk_pages aside).
+  static constexpr std::size_t k_max_coarse_pages = 32;
+  /// The largest chunk any setting makes, in pages (the invariant check's bound).
+  [[nodiscard]] std::size_t largest_chunk_pages() const noexcept {
+    return std::max(max_chunk_pages_, coarse_pages_);
+  }
+  /// Carves that touched part of an idle chunk and left it mapped, touched in part: while it
+  /// could not be unmapped (the gate closed, or an unmap that failed), or while coarse handles
+  /// were plentiful (set_coarse_handles). Never reset.
   [[nodiscard]] std::uint64_t straddled_chunks() const noexcept {
     return straddles_.load(std::memory_order_relaxed);
   }
@@ -235,6 +254,14 @@ class pager {
     return page_handle_bytes_locked();
   }
 
+  /// What every expandable pool's largest_cached_request depends on besides the pool: the
+  /// unmapped one-page handles' bytes (a multiple of the page), plus 1 while coarse handles are
+  /// plentiful (a carve then keeps the idle chunks it cuts). The statistics ledger summarizes
+  /// every pool again when it changes.
+  [[nodiscard]] std::size_t largest_request_key() const {
+    return unmapped_page_handle_bytes() + (coarse_now_.load(std::memory_order_relaxed) ? 1 : 0);
+  }
+
   /// The idle bytes of every pool, read without their locks (a snapshot, as any figure about
   /// other pools is once read). REQUIRES: the caller holds the pool table's list lock (lock_all).
   /// Not analysed: it reads each pool's atomic idle_bytes without the pool's lock, by design, and
@@ -324,6 +351,9 @@ class pager {
   /// Memory is plentiful for `extra` more: the device, the limit and the garbage-collection
   /// threshold have room for it, so missing pages are created and idle pages stay mapped.
   bool may_grow(stream_pool& p, std::size_t extra) REQUIRES(p.mu);
+  /// Coarse handles are on and memory is plentiful for `extra` more with half the capacity (the
+  /// smaller of the device and the limit) to spare.
+  bool coarse_room(std::size_t extra);
 
   /// Unmapping is not stream-ordered: work queued before a free may still use the page at its
   /// old address. The one wait that is always safe is the device's -- the pool's stream may have
@@ -449,6 +479,10 @@ class pager {
   std::size_t max_chunk_pages_ = k_max_chunk_pages;
   std::size_t min_chunked_pages_ = k_min_chunked_pages;
   std::atomic<std::uint64_t> straddles_{0};
+  std::size_t coarse_pages_ = 0;  // set_coarse_handles; 0: off
+  /// The last back() that lacked pages found coarse_room (and no reclaim ran since): a carve that
+  /// cuts an idle chunk then straddles it instead of releasing it (no device call to decide).
+  std::atomic<bool> coarse_now_{false};
 };
 
 }  // namespace cucache::detail

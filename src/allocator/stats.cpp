@@ -137,8 +137,9 @@ void device_allocator::impl::resummarize(stream_pool& p) const {
 std::uint64_t device_allocator::impl::refresh_stats(bool all_locked, std::size_t handles) const {
   // The pools marked stale since the last refresh are summarized again,
   // each under its own lock (or the caller's lock_all); every pool when lock_all ran meanwhile
-  // or, in expandable mode, the unmapped one-page handles (`handles`, read by the caller) differ
-  // from those the ledger last saw (every expandable pool's largest request depends on them).
+  // or, in expandable mode, the unmapped one-page handles and whether coarse handles are
+  // plentiful (`handles`: pager::largest_request_key, read by the caller) differ from those the
+  // ledger last saw (every expandable pool's largest request depends on them).
   detail::pool_table::stale_pools stale = pools.take_stale();
   bool every = stale.all;
   {
@@ -251,7 +252,7 @@ device_stats device_allocator::impl::compose_stats_from(const device_stats& tota
 }
 
 device_stats device_allocator::impl::stats_locked() const {
-  const std::size_t handles = pager ? pager->unmapped_page_handle_bytes() : 0;
+  const std::size_t handles = pager ? pager->largest_request_key() : 0;
   refresh_stats(/*all_locked=*/true, handles);
   return compose_stats(/*all_locked=*/true, nullptr);
 }
@@ -286,7 +287,7 @@ device_stats device_allocator::impl::stats_unlocked() const {
       detail::lock_guard lock(budget.mu);
       budget_before = budget.changes_locked();
     }
-    const std::size_t handles = pager ? pager->unmapped_page_handle_bytes() : 0;
+    const std::size_t handles = pager ? pager->largest_request_key() : 0;
     const std::uint64_t marks = refresh_stats(/*all_locked=*/false, handles);
     std::uint64_t budget_after = 0;
     device_stats s = compose_stats(/*all_locked=*/false, &budget_after);
@@ -493,7 +494,7 @@ void device_allocator::impl::check_ledger() const {
         largest != ledger.largest) {
       violated("the statistics ledger's totals are not the sum of the pools' summaries");
     }
-    handles_seen = ledger.handles_seen == (pager ? pager->unmapped_page_handle_bytes() : 0);
+    handles_seen = ledger.handles_seen == (pager ? pager->largest_request_key() : 0);
   }
   // The relations of the field table (violated_stats_relation) on the statistics recounted now:
   // every pool summarized again, composed with the device-wide figures as stats() composes them.

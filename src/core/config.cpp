@@ -292,6 +292,12 @@ void parse_ipc_handles(std::string_view key, std::string_view value, config& out
   }
 }
 
+void parse_coarse_handles(std::string_view key, std::string_view value, config& out) {
+  const std::uint64_t n = parse_uint(key, value);
+  if (n == 1 || n > 32) fail_value(key, value, "must be 0 (off) or 2 to 32 pages");
+  out.coarse_handle_pages = n;
+}
+
 void parse_peer_access(std::string_view key, std::string_view value, config& out) {
   if (value == "auto") {
     out.peer_access = peer_access_mode::automatic;
@@ -460,6 +466,10 @@ std::span<const key_spec> key_specs() {
        "True, False, true, false, 1 or 0, e.g. ipc_handles:True (expandable segments: physical "
        "memory exportable as POSIX file descriptors)",
        parse_ipc_handles},
+      {"coarse_handles", "coarse_handles",
+       "0 (off) or a number of pages from 2 to 32, e.g. coarse_handles:8 (expandable segments: "
+       "physical handles of up to that many pages while memory is plentiful)",
+       parse_coarse_handles},
   });
   static_assert(std::ranges::none_of(specs,
                                      [](const key_spec& k) {
@@ -670,6 +680,10 @@ std::string to_string(const config& cfg) {
   if (cfg.ipc_handles != def.ipc_handles) {
     put("ipc_handles", cfg.ipc_handles ? "True" : "False",
         [&](const config& c) { return c.ipc_handles == cfg.ipc_handles; });
+  }
+  if (cfg.coarse_handle_pages != def.coarse_handle_pages) {
+    put("coarse_handles", fmt::format("{}", cfg.coarse_handle_pages),
+        [&](const config& c) { return c.coarse_handle_pages == cfg.coarse_handle_pages; });
   }
   if (cfg.trace_path != def.trace_path) {
     put("trace", cfg.trace_path, [&](const config& c) { return c.trace_path == cfg.trace_path; });

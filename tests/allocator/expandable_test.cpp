@@ -55,6 +55,42 @@ TEST(Expandable, MapsOnlyTheMissingPagesOneHandlePerPage) {
   expect_no_leak(a);
 }
 
+// coarse_handles:8 (docs/config.md): while half the device is to spare beyond a growth, a block's
+// whole pages get handles of up to 8 pages, and a later block that uses part of an idle one uses
+// it as it is; on a device without that room, one handle per page as without the key.
+TEST(Expandable, CoarseHandlesWhilePlentifulAndOneHandlePerPageWithoutRoom) {
+  sim_allocator a(parse_config("expandable_segments:True,coarse_handles:8"));
+  void* p = a.alloc.allocate(20 * MiB);  // pages 0-9, all whole: handles of 8 and 2 pages
+  EXPECT_EQ(a.stats().device_alloc_count, 2u);
+  EXPECT_EQ(a.stats().vm_map_count, 2u);
+  EXPECT_EQ(a.sim->calls(sim_call::set_access), 1u);
+  EXPECT_TRUE(a.sim->accessible(p, 20 * MiB));
+  a.alloc.deallocate(p);
+  const std::uint64_t maps = a.sim->calls(sim_call::map);
+  void* q = a.alloc.allocate(6 * MiB);  // pages 0-2: part of the idle 8-page handle, kept
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(a.sim->calls(sim_call::map), maps);
+  EXPECT_EQ(a.sim->calls(sim_call::unmap), 0u);
+  EXPECT_EQ(a.sim->calls(sim_call::device_synchronize), 0u);
+  EXPECT_EQ(a.stats().device_alloc_count, 2u);
+  EXPECT_EQ(a.reserved(), static_cast<std::int64_t>(20 * MiB));
+  a.alloc.check_invariants();
+  expect_no_leak(a);
+  a.alloc.deallocate(q);
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.reserved(), 0);
+  EXPECT_EQ(a.sim->live_handles(), 0u);
+  a.alloc.check_invariants();
+
+  sim_options small;
+  small.capacity_bytes = 32 * MiB;  // 20 MiB + half of 32 do not fit
+  sim_allocator b(parse_config("expandable_segments:True,coarse_handles:8"), small);
+  (void)b.alloc.allocate(20 * MiB);
+  EXPECT_EQ(b.stats().device_alloc_count, 10u);
+  b.alloc.check_invariants();
+  expect_no_leak(b);
+}
+
 /// PyTorch's SEGMENT_MAP / SEGMENT_UNMAP (NCCL's user-buffer registration listens to them): a
 /// map event for each run of pages given access at once, after the access; an unmap event for
 /// each accessible mapping, before it goes; none for segments (expandable mode has none).

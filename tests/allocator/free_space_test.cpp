@@ -183,7 +183,8 @@ INSTANTIATE_TEST_SUITE_P(Configs, free_space,
                                            "expandable_segments:True,memory_limit:1GiB",
                                            "expandable_segments:True,"
                                            "garbage_collection_threshold:0.3",
-                                           "expandable_segments:True,roundup_power2_divisions:4"),
+                                           "expandable_segments:True,roundup_power2_divisions:4",
+                                           "expandable_segments:True,coarse_handles:8"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            return "config" + std::to_string(p.index);
                          });

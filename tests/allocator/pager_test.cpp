@@ -310,6 +310,7 @@ void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live
     if (r.pg.straddled_chunks() == 0) {
       ASSERT_TRUE(all_idle || one_block) << "chunk at page " << pg;
     }
+    ASSERT_LE(m.pages(), r.pg.largest_chunk_pages()) << "chunk at page " << pg;
     for (std::size_t q = m.first; q < m.end; ++q) {
       ASSERT_EQ(v.pages.get(q).handle, e.handle) << "page " << q;
       ASSERT_EQ(v.pages.get(q).chunk_index, q - m.first) << "page " << q;
@@ -323,12 +324,17 @@ void expect_runs_match_pages(const pager_rig& r, const std::vector<block*>& live
 // operation the runs and chunks agree with a per-page recount, and no failure leaves a page
 // half-mapped or a handle untracked.
 TEST(Pager, RunsMatchAPerPageRecountAfterEveryOperation) {
-  for (std::uint32_t seed = 1; seed <= 8; ++seed) {
+  for (std::uint32_t seed = 1; seed <= 12; ++seed) {
     SCOPED_TRACE(seed);
-    pager_rig r(64 * MiB, /*limit=*/seed % 2 == 0 ? 40 * MiB : 0);  // 64 pages of range
+    // 64 pages of range; seeds 9-12 (coarse handles) 128, so that half the capacity is often to
+    // spare.
+    const std::size_t capacity = seed > 8 ? 128 * MiB : 64 * MiB;
+    pager_rig r(capacity, /*limit=*/seed % 2 == 0 ? capacity / 8 * 5 : 0);
     // Seeds 5-8: chunks of up to 4 pages for blocks of at least 2 whole pages, so that carves
-    // cut idle chunks often.
-    if (seed > 4) r.pg.set_chunking(4, 2);
+    // cut idle chunks often. Seeds 9-12: coarse handles of up to 4 pages (chunks for every block
+    // while half the capacity is to spare, straddled when cut), otherwise the default chunking.
+    if (seed > 4 && seed <= 8) r.pg.set_chunking(4, 2);
+    if (seed > 8) r.pg.set_coarse_handles(4);
     std::mt19937_64 rng(seed);
     std::vector<block*> live;
     const std::size_t span = r.range->size;
@@ -378,6 +384,9 @@ TEST(Pager, RunsMatchAPerPageRecountAfterEveryOperation) {
     live.clear();
     r.sim->fail_always(sim_call::unmap, false);
     expect_runs_match_pages(r, live);
+    if (seed > 8 && seed % 2 == 1) {  // without a limit, coarse chunks were cut and kept
+      EXPECT_GT(r.pg.straddled_chunks(), 0u);
+    }
   }
 }
 
@@ -700,6 +709,79 @@ TEST(Pager, WithTheGateShutACarveStraddlesAnIdleChunkWhichIsReleasedOnceIdleAgai
   EXPECT_EQ(r.calls(sim_call::unmap), 2u);
   EXPECT_EQ(r.reserved(), 0u);
   EXPECT_EQ(r.sim->live_handles(), 0u);
+}
+
+// Coarse handles (set_coarse_handles): while the device has room for a block's missing pages
+// plus half its capacity, every block's whole pages get chunks, and a carve that cuts an idle
+// chunk uses it as it is (straddled) instead of releasing it; the straddled chunk is released
+// once idle as a whole.
+TEST(Pager, CoarseHandlesChunkEveryBlockWhilePlentifulAndKeepACutChunk) {
+  pager_rig r;  // 64 MiB: coarse while 14 + 32 MiB fit
+  r.pg.set_coarse_handles(4);
+  block* b = nullptr;
+  // [1, 13) MiB: pages 0-6, pages 1-5 whole: a chunk over 1-4, page 5 (a run of one) and the
+  // edge pages 0 and 6 a handle each.
+  ASSERT_TRUE(r.carve_and_back(1 * MiB, 12 * MiB, &b));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 4u);
+  EXPECT_EQ(r.calls(sim_call::map), 4u);
+  EXPECT_EQ(r.calls(sim_call::set_access), 1u);
+  EXPECT_EQ(r.range->chunks, 1u);
+  EXPECT_EQ(r.range->mapping_of(2).first, 1u);
+  EXPECT_EQ(r.range->mapping_of(2).end, 5u);
+  EXPECT_EQ(r.reserved(), 14 * MiB);
+  expect_runs_match_pages(r, {b});
+  r.free(b);
+  // [2, 6) MiB: pages 1-2, part of the idle chunk: it stays mapped, straddled; no call at all.
+  const auto calls = r.vm_calls();
+  ASSERT_TRUE(r.carve_and_back(2 * MiB, 4 * MiB, &b));
+  EXPECT_EQ(r.vm_calls(), calls);
+  EXPECT_EQ(r.pg.straddled_chunks(), 1u);
+  EXPECT_EQ(r.pg.counters.splits.load(), 0u);
+  EXPECT_EQ(r.reserved(), 14 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 10 * MiB);  // pages 0 and 3-6
+  expect_runs_match_pages(r, {b});
+  // empty_cache gives back what is idle as a whole mapping (pages 0, 5, 6); the chunk's idle
+  // pages 3-4 stay while b touches its pages 1-2.
+  r.pg.unmap_idle(r.pool, /*release_handles=*/true);
+  EXPECT_EQ(r.calls(sim_call::unmap), 3u);
+  EXPECT_EQ(r.reserved(), 8 * MiB);
+  EXPECT_EQ(r.pool.pages.idle_bytes(), 4 * MiB);
+  expect_runs_match_pages(r, {b});
+  r.free(b);
+  r.pg.unmap_idle(r.pool, /*release_handles=*/true);
+  EXPECT_EQ(r.calls(sim_call::unmap), 4u);
+  EXPECT_EQ(r.reserved(), 0u);
+  EXPECT_EQ(r.sim->live_handles(), 0u);
+}
+
+// Once a growth leaves less than half the capacity to spare, coarse handles behave as without:
+// one handle per page for a block below the chunk minimum, and an idle chunk a carve cuts is
+// released and its pages created again one by one.
+TEST(Pager, CoarseHandlesBehaveAsWithoutOnceHalfTheCapacityIsNotToSpare) {
+  pager_rig r;
+  r.pg.set_coarse_handles(4);
+  block* a = nullptr;
+  ASSERT_TRUE(r.carve_and_back(1 * MiB, 12 * MiB, &a));  // coarse, as above: 4 creates
+  ASSERT_EQ(r.calls(sim_call::phys_create), 4u);
+  // [32, 56) MiB: pages 16-27, 12 missing: 24 + 32 MiB do not fit in the 50 MiB left.
+  block* c = nullptr;
+  ASSERT_TRUE(r.carve_and_back(32 * MiB, 24 * MiB, &c));
+  EXPECT_EQ(r.calls(sim_call::phys_create), 16u);
+  EXPECT_EQ(r.range->chunks, 1u);
+  r.free(a);
+  // The chunk over pages 1-4 is cut: unmapped after a device synchronization and released;
+  // pages 1 and 2 get a handle each (30 MiB reserved: 4 + 32 MiB do not fit in the 34 left).
+  block* b = nullptr;
+  ASSERT_TRUE(r.carve_and_back(2 * MiB, 4 * MiB, &b));
+  EXPECT_EQ(r.calls(sim_call::device_synchronize), 1u);
+  EXPECT_EQ(r.calls(sim_call::unmap), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_release), 1u);
+  EXPECT_EQ(r.calls(sim_call::phys_create), 18u);
+  EXPECT_EQ(r.reserved(), 34 * MiB);
+  EXPECT_EQ(r.pg.counters.splits.load(), 1u);
+  EXPECT_EQ(r.pg.straddled_chunks(), 0u);
+  EXPECT_EQ(r.range->chunks, 0u);
+  expect_runs_match_pages(r, {b, c});
 }
 
 TEST(Pager, TheDryRunCountsTheChunksARequestWouldCutAsMissing) {

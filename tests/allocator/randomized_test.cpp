@@ -305,7 +305,12 @@ INSTANTIATE_TEST_SUITE_P(Configs, randomized,
                                            "garbage_collection_threshold:0.5",
                                            // Compaction under a tight limit: most large
                                            // requests find their pages among idle ones.
-                                           "expandable_segments:True,memory_limit:768MiB"),
+                                           "expandable_segments:True,memory_limit:768MiB",
+                                           // Coarse handles, without and with a limit that the
+                                           // program grows into (decision 0022).
+                                           "expandable_segments:True,coarse_handles:8",
+                                           "expandable_segments:True,coarse_handles:8,"
+                                           "memory_limit:768MiB"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
                            return "config" + std::to_string(p.index);
                          });

@@ -175,6 +175,22 @@ TEST(ConfigParse, ExpandableSegments) {
   expect_error("expandable_segments:2", "expandable_segments", "not a boolean");
 }
 
+TEST(ConfigParse, CoarseHandles) {
+  EXPECT_EQ(config{}.coarse_handle_pages, 0u);
+  EXPECT_EQ(parse_config("coarse_handles:8").coarse_handle_pages, 8u);
+  EXPECT_EQ(parse_config("coarse_handles:2").coarse_handle_pages, 2u);
+  EXPECT_EQ(parse_config("coarse_handles:32").coarse_handle_pages, 32u);
+  config on;
+  on.coarse_handle_pages = 8;
+  EXPECT_EQ(parse_config("coarse_handles:0", on).coarse_handle_pages, 0u);
+  expect_error("coarse_handles:1", "coarse_handles", "must be 0 (off) or 2 to 32 pages");
+  expect_error("coarse_handles:33", "coarse_handles", "must be 0 (off) or 2 to 32 pages");
+  expect_error("coarse_handles:-4", "coarse_handles", "");
+  expect_error("coarse_handles:True", "coarse_handles", "");
+  EXPECT_EQ(to_string(on), "coarse_handles:8");
+  EXPECT_EQ(parse_config(to_string(on)), on);
+}
+
 TEST(ConfigParse, MemoryFractionAndAlias) {
   EXPECT_EQ(parse_config("memory_fraction:0.9").memory_fraction, 0.9);
   EXPECT_EQ(parse_config("memory_fraction:1").memory_fraction, 1.0);
@@ -279,7 +295,8 @@ TEST(ConfigParse, StructuralErrors) {
   for (const char* key :
        {"max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
         "garbage_collection_threshold", "expandable_segments", "memory_fraction",
-        "per_process_memory_fraction", "memory_limit", "trace", "peer_access", "ipc_handles"}) {
+        "per_process_memory_fraction", "memory_limit", "trace", "peer_access", "ipc_handles",
+        "coarse_handles"}) {
     EXPECT_NE(unknown.find(key), std::string::npos) << key;
   }
   expect_error("bogus", "bogus", "unknown key");
@@ -307,7 +324,7 @@ TEST(ConfigParse, StrayCommaNamesTheTextAndListsEveryKey) {
       "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "
       "garbage_collection_threshold, expandable_segments, memory_fraction, "
       "per_process_memory_fraction, memory_limit, trace, reserve_mb, nvtx, history, "
-      "leak_steps, record_backtraces, peer_access, ipc_handles");
+      "leak_steps, record_backtraces, peer_access, ipc_handles, coarse_handles");
   EXPECT_EQ(msg.find("key ''"), std::string::npos) << msg;
   const std::string empty_key = parse_error(":5");
   EXPECT_NE(empty_key.find("accepted keys: max_split_size_mb,"), std::string::npos) << empty_key;

@@ -312,6 +312,7 @@ std::string c10_settings(const config& cfg) {
   shared.memory_limit_bytes = 0;
   shared.memory_fraction = 0.0;
   shared.trace_path.clear();
+  shared.coarse_handle_pages = 0;  // cucache's own (docs/config.md)
   return to_string(shared);
 }
 
