@@ -20,14 +20,6 @@ namespace {
 
 constexpr std::size_t k_page = 2 * MiB;
 
-sim_options host_backed(std::size_t capacity = 1 * GiB) {
-  sim_options o;
-  o.capacity_bytes = capacity;
-  o.host_memory = true;
-  o.events_complete_immediately = false;
-  return o;
-}
-
 class in_domain {
  public:
   explicit in_domain(std::uint32_t d) : before_(device_allocator::thread_sleep_domain()) {
@@ -130,7 +122,7 @@ struct graph_under_tag {
 };
 
 TEST(GraphSleep, DroppedGivesBackTheGraphPoolAndTheTagAndWakeMapsTheSameAddresses) {
-  sim_allocator a(parse_config("expandable_segments:True"), host_backed());
+  sim_allocator a(parse_config("expandable_segments:True"), host_backed(1 * GiB));
   void* other = a.alloc.allocate(3 * MiB);  // untagged: stays
   const graph_under_tag g(a);
   // The graph pool: a 2 MiB small segment and a 30 MiB large one, whole-VM: no cudaMalloc.
@@ -175,7 +167,7 @@ TEST(GraphSleep, DroppedGivesBackTheGraphPoolAndTheTagAndWakeMapsTheSameAddresse
 }
 
 TEST(GraphSleep, KeptContentsOfEveryGraphSegmentComeBackWholeFreeBlocksIncluded) {
-  sim_allocator a(parse_config("expandable_segments:True"), host_backed());
+  sim_allocator a(parse_config("expandable_segments:True"), host_backed(1 * GiB));
   const graph_under_tag g(a);
   for (int cycle = 0; cycle < 3; ++cycle) {
     SCOPED_TRACE(cycle);
@@ -199,7 +191,7 @@ TEST(GraphSleep, KeptContentsOfEveryGraphSegmentComeBackWholeFreeBlocksIncluded)
 }
 
 TEST(GraphSleep, WhileAsleepEveryMisuseIsRefusedAndChangesNothing) {
-  sim_allocator a(parse_config("expandable_segments:True"), host_backed());
+  sim_allocator a(parse_config("expandable_segments:True"), host_backed(1 * GiB));
   const graph_under_tag g(a);
   a.alloc.sleep(5, /*keep_contents=*/true, "graph");
   const std::size_t used = a.sim->used_bytes();
@@ -233,7 +225,7 @@ TEST(GraphSleep, WhileAsleepEveryMisuseIsRefusedAndChangesNothing) {
 }
 
 TEST(GraphSleep, ACaptureUnderwayRefusesSleepAndWake) {
-  sim_allocator a(parse_config("expandable_segments:True"), host_backed());
+  sim_allocator a(parse_config("expandable_segments:True"), host_backed(1 * GiB));
   const graph_under_tag g(a);
   const stream_handle t = a.sim->create_stream();
   a.sim->begin_capture(t);
@@ -325,7 +317,7 @@ TEST(GraphSleep, AFailedMapDuringWakeUndoesEverythingItMapped) {
   bool reached_the_end = false;
   for (std::uint64_t k = 1; k < 20 && !reached_the_end; ++k) {
     SCOPED_TRACE(k);
-    sim_allocator a(parse_config("expandable_segments:True"), host_backed());
+    sim_allocator a(parse_config("expandable_segments:True"), host_backed(1 * GiB));
     const graph_under_tag g(a);
     a.alloc.sleep(5, true, "graph");
     const std::size_t used = a.sim->used_bytes();
@@ -355,7 +347,7 @@ TEST(GraphSleep, AFailedMapDuringWakeUndoesEverythingItMapped) {
 TEST(GraphSleep, DefaultModeGraphPoolsUnderATagAreOrdinarySegments) {
   // Without expandable segments nothing sleeps: a graph captured under a domain takes
   // cudaMalloc'd segments as before.
-  sim_allocator a(config{}, host_backed());
+  sim_allocator a(config{}, host_backed(1 * GiB));
   const stream_handle s = a.sim->create_stream();
   in_domain d(5);
   const std::uint64_t id = a.sim->begin_capture(s);

@@ -24,14 +24,6 @@ namespace {
 
 constexpr std::size_t k_page = 2 * MiB;
 
-sim_options host_backed(std::size_t capacity = 4 * GiB) {
-  sim_options o;
-  o.capacity_bytes = capacity;
-  o.host_memory = true;
-  o.events_complete_immediately = false;
-  return o;
-}
-
 config expandable(const std::string& extra = "") {
   return parse_config("expandable_segments:True" + (extra.empty() ? "" : "," + extra));
 }
@@ -103,7 +95,7 @@ std::set<std::uintptr_t> pages_of(void* p, std::size_t bytes) {
 }
 
 TEST(Sleep, ReleasesTheDomainsPagesKeepsAddressesAndContents) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* other = a.alloc.allocate(3 * MiB);  // untagged: stays mapped throughout
   fill(*a.sim, other, 3 * MiB, 1);
   const std::vector<std::pair<void*, std::size_t>> mine = domain_blocks(a, 7);
@@ -165,7 +157,7 @@ TEST(Sleep, AChunkedBlockSleepsAndWakesWithItsContentsHandleByHandle) {
   // 300 MiB at the front of the large range: 150 whole pages, backed by chunks of 32, 32, 32, 32
   // and 22 pages (pager::k_max_chunk_pages, k_min_chunked_pages). Sleep releases each chunk whole
   // (one unmap and one release each); wake backs the block with chunks again.
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* p = nullptr;
   {
     in_domain d(7);
@@ -194,7 +186,7 @@ TEST(Sleep, AChunkedBlockSleepsAndWakesWithItsContentsHandleByHandle) {
 }
 
 TEST(Sleep, WithoutContentsCopiesNothingAndReleasesCachedPagesToo) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* keep = nullptr;
   {
     in_domain d(3);
@@ -221,7 +213,7 @@ TEST(Sleep, WithoutContentsCopiesNothingAndReleasesCachedPagesToo) {
 // sleepable tag, that tag's pool. Reserved pages are then the tag's (its sleep gives them back),
 // and while it sleeps nothing can be allocated under it: max_allocatable says 0, reserve refuses.
 TEST(Sleep, ReserveAndMaxAllocatableUnderASleepableTagUseItsPool) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   {
     in_domain d(4);
     a.alloc.reserve(8 * MiB);
@@ -252,7 +244,7 @@ TEST(Sleep, ReserveAndMaxAllocatableUnderASleepableTagUseItsPool) {
 // domain are handed to the next stream of the same domain (never to another domain's, nor to
 // untagged requests), so address space and reservations stay bounded (issue 22 x issue 24).
 TEST(Sleep, AStreamPerRequestUnderASleepableTagReusesThatDomainsPools) {
-  sim_options o = host_backed();
+  sim_options o = host_backed(4 * GiB);
   o.events_complete_immediately = true;
   sim_allocator a(expandable(), o);
   for (int i = 0; i < 1500; ++i) {
@@ -284,7 +276,7 @@ TEST(Sleep, AStreamPerRequestUnderASleepableTagReusesThatDomainsPools) {
 // Free memory while a tag sleeps: its blocks stay allocated (active) but no reserved page backs
 // them, so they are not subtracted from what is reserved.
 TEST(Sleep, FreeBytesCountOnlyTheAwakeBlocks) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* tagged = nullptr;
   {
     in_domain d(4);
@@ -307,7 +299,7 @@ TEST(Sleep, FreeBytesCountOnlyTheAwakeBlocks) {
 // neither side -- it was 1 - 8 / 4 = -1 here. Every relation of the field table holds
 // throughout.
 TEST(Sleep, OverheadFragmentationCountsOnlyWhatIsReserved) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* tagged = nullptr;
   {
     in_domain d(4);
@@ -333,7 +325,7 @@ TEST(Sleep, OverheadFragmentationCountsOnlyWhatIsReserved) {
 }
 
 TEST(Sleep, ADomainsBlocksShareNoPageWithOthers) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   std::set<std::uintptr_t> untagged, tagged, other_tag;
   auto alloc_into = [&](std::set<std::uintptr_t>& pages, std::size_t bytes) {
     void* p = a.alloc.allocate(bytes);
@@ -370,7 +362,7 @@ TEST(Sleep, ADomainsBlocksShareNoPageWithOthers) {
 }
 
 TEST(Sleep, MisusesAreClearErrorsThatChangeNothing) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* p = nullptr;
   {
     in_domain d(5);
@@ -452,7 +444,7 @@ TEST(Sleep, MisusesAreClearErrorsThatChangeNothing) {
 }
 
 TEST(Sleep, DefaultModeIsRefused) {
-  sim_allocator a(config{}, host_backed());
+  sim_allocator a(config{}, host_backed(4 * GiB));
   try {
     a.alloc.sleep(1, true, "train");
     FAIL() << "sleep in the default mode";
@@ -464,7 +456,7 @@ TEST(Sleep, DefaultModeIsRefused) {
 }
 
 TEST(Sleep, WakeWithoutRoomLeavesTheDomainAsleepAndSaysWhatIsMissing) {
-  sim_allocator a(expandable("memory_limit:64MiB"), host_backed());
+  sim_allocator a(expandable("memory_limit:64MiB"), host_backed(4 * GiB));
   void* mine = nullptr;
   {
     in_domain d(9);
@@ -496,7 +488,7 @@ TEST(Sleep, WakeWithoutRoomLeavesTheDomainAsleepAndSaysWhatIsMissing) {
 }
 
 TEST(Sleep, AFailedMapDuringWakeUndoesEverythingItMapped) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   std::vector<void*> mine;
   {
     in_domain d(4);
@@ -519,7 +511,7 @@ TEST(Sleep, AFailedMapDuringWakeUndoesEverythingItMapped) {
 }
 
 TEST(Sleep, HostMemoryThatCannotBePinnedChangesNothing) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   {
     in_domain d(2);
     static_cast<void>(a.alloc.allocate(4 * MiB));
@@ -533,7 +525,7 @@ TEST(Sleep, HostMemoryThatCannotBePinnedChangesNothing) {
 }
 
 TEST(Sleep, PendingFreesAndQueuedWorkAreWaitedFor) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* p = nullptr;
   {
     in_domain d(6);
@@ -653,8 +645,8 @@ TEST(SleepTags, SeveralDomainsSleepAsOneAndWakeAsOneUnderOneSynchronization) {
   // The same program twice: one allocator sleeps the three domains one by one, the other in one
   // call. Every figure is the same, and the call synchronizes the device twice (before and after
   // the copies), the three single calls at least six times.
-  sim_allocator one(expandable(), host_backed());
-  sim_allocator all(expandable(), host_backed());
+  sim_allocator one(expandable(), host_backed(4 * GiB));
+  sim_allocator all(expandable(), host_backed(4 * GiB));
   const three_domains d1(one);
   const three_domains d(all);
   for (const sleep_request& r : k_three) one.alloc.sleep(r.domain, r.keep_contents, r.label);
@@ -776,7 +768,7 @@ TEST(SleepTags, EveryRefusalChangesNothingForAnyDomain) {
 }
 
 TEST(SleepTags, AHostThatCannotPinTheSecondCopyChangesNothingForTheFirst) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   const failing_domain d3(a, 3);
   const failing_domain d4(a, 4);
   const std::vector<std::uint32_t> doms = {3, 4};
@@ -889,7 +881,7 @@ TEST(SleepTags, AFailedReleaseRollsThatDomainBackLeavesTheEarlierAsleepAndTheLat
 }
 
 TEST(SleepTags, WakeOfSeveralIsAllOrNone) {
-  sim_allocator a(expandable("memory_limit:96MiB"), host_backed());
+  sim_allocator a(expandable("memory_limit:96MiB"), host_backed(4 * GiB));
   void* p = nullptr;
   void* q = nullptr;
   {
@@ -947,7 +939,7 @@ TEST(SleepTags, WakeOfSeveralIsAllOrNone) {
 }
 
 TEST(SleepTags, AFailedCopyBackWakesNoneOfThem) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   const failing_domain d3(a, 3);
   const failing_domain d4(a, 4);
   a.alloc.sleep(std::vector<sleep_request>{{3, true, "w", {}}, {4, true, "kv", {}}});
@@ -967,7 +959,7 @@ TEST(SleepTags, AFailedCopyBackWakesNoneOfThem) {
 }
 
 TEST(Sleep, AFailedCopyBackDuringWakeLeavesItAsleepAndWakeableAgain) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   const failing_domain dom(a, 5);
   a.alloc.sleep(5, true);
   const std::size_t used_asleep = a.sim->used_bytes();
@@ -982,7 +974,7 @@ TEST(Sleep, AFailedCopyBackDuringWakeLeavesItAsleepAndWakeableAgain) {
 }
 
 TEST(Sleep, AFailedCopyOutDuringSleepChangesNothingAndFreesTheBuffer) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   const failing_domain dom(a, 5);
   const std::int64_t reserved = a.reserved();
   a.sim->fail_nth(sim_call::copy_async, 3);
@@ -998,7 +990,7 @@ TEST(Sleep, AFailedCopyOutDuringSleepChangesNothingAndFreesTheBuffer) {
 // 3.3 s of the first kept sleep on the H200): that sleep pins nothing, a larger request replaces a
 // smaller buffer, a sleep without contents frees it, and while asleep it is refused.
 TEST(Sleep, PrepareSleepPinsAheadSoTheFirstKeptSleepPinsNothing) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   const std::vector<std::pair<void*, std::size_t>> mine = domain_blocks(a, 7);
   const std::size_t run_bytes = 512 + 100'352 + 5 * MiB + 40 * MiB;  // block sizes, rounded
   EXPECT_EQ(a.alloc.sleep_buffer_bytes(7), 0u);
@@ -1057,7 +1049,7 @@ TEST(Sleep, PrepareSleepPinsAheadSoTheFirstKeptSleepPinsNothing) {
   EXPECT_THROW(static_cast<void>(a.alloc.prepare_sleep(0)), invalid_argument);
   EXPECT_THROW(static_cast<void>(a.alloc.prepare_sleep(16384)),
                invalid_argument);
-  sim_allocator plain(config{}, host_backed());
+  sim_allocator plain(config{}, host_backed(4 * GiB));
   try {
     static_cast<void>(plain.alloc.prepare_sleep(7));
     ADD_FAILURE() << "prepare_sleep in the default mode was not refused";
@@ -1073,7 +1065,7 @@ TEST(Sleep, PrepareSleepPinsAheadSoTheFirstKeptSleepPinsNothing) {
 // cudaErrorMemoryAllocation) refuses prepare_sleep and a kept sleep with nothing changed: the tag
 // stays awake, every byte in place, the buffer it had still held.
 TEST(Sleep, PinningTheHostRefusesLeavesTheTagAwakeAndEveryByteInPlace) {
-  sim_options o = host_backed();
+  sim_options o = host_backed(4 * GiB);
   o.pinned_capacity_bytes = 16 * MiB;
   sim_allocator a(expandable(), o);
   void* p = nullptr;
@@ -1169,7 +1161,7 @@ TEST(Sleep, PinningTheHostRefusesLeavesTheTagAwakeAndEveryByteInPlace) {
 // leave the pinned host bytes, the pinned blocks, the device's handles and mappings and the
 // reserved bytes exactly where they started, and every kept byte exact.
 TEST(Sleep, AThousandCyclesOfSeveralTagsGrowNothingAndKeepEveryByte) {
-  sim_allocator a(expandable(), host_backed());
+  sim_allocator a(expandable(), host_backed(4 * GiB));
   void* other = a.alloc.allocate(3 * MiB);  // untagged: mapped throughout
   fill(*a.sim, other, 3 * MiB, 1);
   std::map<std::uint32_t, std::vector<std::pair<void*, std::size_t>>> blocks;
@@ -1247,7 +1239,7 @@ TEST(Sleep, WakeWaitsForPendingFreesAsAnAllocationDoes) {
   // Issue 30, item 6: the room a stream-ordered free holds comes back once its stream's work
   // completes; wake waits for it, as the out-of-memory ladder does, before saying memory is
   // missing.
-  sim_allocator a(expandable("memory_limit:64MiB"), host_backed());
+  sim_allocator a(expandable("memory_limit:64MiB"), host_backed(4 * GiB));
   void* mine = nullptr;
   {
     in_domain d(9);

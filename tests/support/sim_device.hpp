@@ -42,6 +42,16 @@ inline std::uintptr_t addr(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p);
 }
 
+/// A simulated device of `capacity` bytes whose memory holds contents (host-backed, so copies
+/// and sleep's kept bytes can be checked) and whose events complete only when synchronized.
+inline sim_options host_backed(std::size_t capacity) {
+  sim_options o;
+  o.capacity_bytes = capacity;
+  o.host_memory = true;
+  o.events_complete_immediately = false;
+  return o;
+}
+
 struct sim_allocator {
   explicit sim_allocator(config cfg = {}, sim_options opts = {})
       : sim(std::make_shared<sim_backend>(opts)), alloc(sim, std::move(cfg)) {}
