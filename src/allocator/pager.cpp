@@ -429,8 +429,10 @@ void pager::convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std:
     bool converted = false;
     try {
       // While coarse handles are plentiful the chunk stays, straddled: releasing it would only
-      // make its pages be created again one by one.
-      if (may_synchronize_() && r.all_idle(m) && !coarse_now_.load(std::memory_order_relaxed)) {
+      // make its pages be created again one by one. That test comes first: it is one load,
+      // where all_idle looks up every page of the chunk in the idle runs (a warm pass carves
+      // into straddled chunks at every step).
+      if (!coarse_now_.load(std::memory_order_relaxed) && may_synchronize_() && r.all_idle(m)) {
         wait_until_unmappable(r.idle_epoch(m));
         const piece pc = unmap(p, r, m.first);
         counters.splits.fetch_add(1, std::memory_order_relaxed);
