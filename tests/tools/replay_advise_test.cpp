@@ -31,16 +31,19 @@ const std::filesystem::path k_resnet =
     std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "resnet50_train.csv.gz";
 
 
-TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_resnet50) {
+TEST(replay_advise, ranks_the_candidates_and_recommends_coarse_expandable_segments_for_resnet50) {
   const cli_run r = run({"--advise", "--backend", "sim", k_resnet.string()});
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"), std::string::npos)
+  // Coarse handles tie plain expandable segments on minimum capacity and peak reserved bytes
+  // here, and make a quarter of their device calls (399 against 1,533).
+  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True,coarse_handles:8\n"),
+            std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF: not measured"),
             std::string::npos)
       << r.out;
   const prepared_trace trace = load_trace(k_resnet);
-  EXPECT_EQ(advice_candidates(trace).size(), 13u);
+  EXPECT_EQ(advice_candidates(trace).size(), 14u);
   // The table has a legend, as the replay's and --fit's have: every column named.
   const std::size_t legend = r.out.find("\nlegend:\n");
   ASSERT_NE(legend, std::string::npos) << r.out;
@@ -57,10 +60,10 @@ TEST(replay_advise, every_row_matches_fit_and_replay_of_its_setting) {
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["trace"], "resnet50_train");
-  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
+  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True,coarse_handles:8");
   EXPECT_TRUE(j["pytorch_cuda_alloc_conf"].is_null());
   EXPECT_TRUE(j["pytorch_alloc_conf"].is_null());
-  ASSERT_EQ(j["rows"].size(), 13u);
+  ASSERT_EQ(j["rows"].size(), 14u);
   const prepared_trace trace = load_trace(k_resnet);
   std::size_t previous = 0;
   for (const nlohmann::json& row : j["rows"]) {
@@ -89,13 +92,15 @@ TEST(replay_advise, capacity_ranks_what_fits_by_device_calls) {
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["capacity_bytes"].get<std::size_t>(), 3274912563u);  // round(3.05 GiB)
-  // Three settings fit 3.05 GiB: expandable segments (twice) and reserve_mb, which makes the
-  // fewest device calls.
+  // Four settings fit 3.05 GiB: expandable segments (three times) and reserve_mb, which makes
+  // the fewest device calls; coarse handles fewer than plain expandable segments.
   std::vector<std::string> fitting;
   for (const nlohmann::json& row : j["rows"]) {
     if (row["fits"].get<bool>()) fitting.push_back(row["conf"]);
   }
-  EXPECT_EQ(fitting, (std::vector<std::string>{"reserve_mb:2740", "expandable_segments:True",
+  EXPECT_EQ(fitting, (std::vector<std::string>{"reserve_mb:2740",
+                                               "expandable_segments:True,coarse_handles:8",
+                                               "expandable_segments:True",
                                                "expandable_segments:True,reserve_mb:2740"}));
   EXPECT_EQ(j["recommended_conf"], "reserve_mb:2740");
 
@@ -104,6 +109,28 @@ TEST(replay_advise, capacity_ranks_what_fits_by_device_calls) {
   ASSERT_EQ(none.status, 0) << none.err;
   EXPECT_NE(none.out.find("recommended: none: no setting fits 2.000 GiB"), std::string::npos)
       << none.out;
+}
+
+// Coarse handles are chosen per trace: on gpt2_train_ckpt they need a larger card (1.0081 of the
+// peak requested bytes against 1.0026), so plain expandable segments rank first there.
+TEST(replay_advise, coarse_handles_are_chosen_per_trace) {
+  const std::filesystem::path ckpt =
+      std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "gpt2_train_ckpt.csv.gz";
+  const cli_run r = run({"--advise", "--json", "--backend", "sim", ckpt.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
+  std::size_t plain = 0;
+  std::size_t coarse = 0;
+  for (const nlohmann::json& row : j["rows"]) {
+    if (row["conf"] == "expandable_segments:True") plain = row["min_capacity_bytes"];
+    if (row["conf"] == "expandable_segments:True,coarse_handles:8") {
+      coarse = row["min_capacity_bytes"];
+      EXPECT_FALSE(row["pytorch_option"].get<bool>());
+    }
+  }
+  ASSERT_NE(plain, 0u);
+  EXPECT_GT(coarse, plain);
 }
 
 TEST(replay_advise, bad_input_is_a_clear_error_naming_the_file_or_flag) {
@@ -172,7 +199,8 @@ TEST(replay_advise, pytorch_settings_are_fitted_in_pytorchs_spelling_and_ranked)
   options o;
   o.backend = backend_kind::sim;
   const advice a = advise_trace(trace, o, fit_options{}, std::nullopt, std::ref(script));
-  // The 11 candidates without reserve_mb (a cucache-only key), PyTorch's defaults first.
+  // The 11 candidates without reserve_mb or coarse_handles (cucache-only keys), PyTorch's
+  // defaults first.
   const std::vector<std::string> expected = {"",
                                              "expandable_segments:True",
                                              "max_split_size_mb:64",
@@ -196,8 +224,8 @@ TEST(replay_advise, pytorch_settings_are_fitted_in_pytorchs_spelling_and_ranked)
   ASSERT_TRUE(a.pytorch_conf.has_value());
   EXPECT_EQ(*a.pytorch_conf, "expandable_segments:True");
   // cucache's own ranking is untouched by PyTorch's.
-  EXPECT_EQ(a.recommended_conf, "expandable_segments:True");
-  EXPECT_EQ(a.rows.size(), 13u);
+  EXPECT_EQ(a.recommended_conf, "expandable_segments:True,coarse_handles:8");
+  EXPECT_EQ(a.rows.size(), 14u);
 
   const nlohmann::json j = to_json(a);
   EXPECT_EQ(j["pytorch_cuda_alloc_conf"], "expandable_segments:True");
@@ -265,7 +293,7 @@ TEST(replay_advise, peers_c10_without_the_shim_is_a_clear_note_from_the_child) {
   }
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
+  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True,coarse_handles:8");
   EXPECT_TRUE(j["pytorch_cuda_alloc_conf"].is_null());
   EXPECT_TRUE(j["pytorch_alloc_conf"].is_null());
   ASSERT_EQ(j["pytorch_rows"].size(), 11u);
@@ -330,7 +358,8 @@ TEST(replay_advise, says_that_it_ignores_cucache_conf) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("--advise ignores CUCACHE_CONF in the environment"), std::string::npos)
       << r.err;
-  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"), std::string::npos)
+  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True,coarse_handles:8\n"),
+            std::string::npos)
       << r.out;
 }
 

@@ -56,9 +56,11 @@ void rank(std::vector<advice_row>& rows, bool with_capacity) {
   });
 }
 
-/// Whether PyTorch's allocator has every key of candidate `conf` (reserve_mb is cucache's own).
+/// Whether PyTorch's allocator has every key of candidate `conf` (reserve_mb and coarse_handles
+/// are cucache's own).
 bool pytorch_shares(const std::string& conf) {
-  return conf.find("reserve_mb") == std::string::npos;
+  return conf.find("reserve_mb") == std::string::npos &&
+         conf.find("coarse_handles") == std::string::npos;
 }
 
 }  // namespace
@@ -67,6 +69,10 @@ std::vector<std::string> advice_candidates(const prepared_trace& trace) {
   std::vector<std::string> c = {
       "",
       "expandable_segments:True",
+      // Coarse handles (docs/decisions/0022): fewer, larger handles while half the capacity is
+      // to spare; under a limit near the minimum capacity it behaves as plain expandable
+      // segments. It wins where its minimum capacity equals theirs, on its fewer device calls.
+      "expandable_segments:True,coarse_handles:8",
       "max_split_size_mb:64",
       "max_split_size_mb:128",
       "max_split_size_mb:256",
