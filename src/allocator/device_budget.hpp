@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 
 #include "backend/thread_annotations.hpp"
 
@@ -135,6 +136,27 @@ class device_budget {
     peak = reserved;
     ++changes_;
   }
+  /// The device's free bytes without asking the device: the last read (note_device_free) less
+  /// what was charged since, plus what was refunded. Exact while nothing outside this allocator
+  /// allocates on the device; none before a read or after forget_device_free (a creation the
+  /// device refused). The pager trusts it only with room to spare (pager::fits).
+  [[nodiscard]] std::optional<std::size_t> device_free_estimate() const {
+    detail::lock_guard lock(mu);
+    if (!free_known_) return std::nullopt;
+    const std::size_t base = free_at_read_ + reserved_at_read_;
+    return base > reserved ? base - reserved : 0;
+  }
+  /// Records a read of the device's free bytes (cudaMemGetInfo), against reserved now.
+  void note_device_free(std::size_t free_bytes) {
+    detail::lock_guard lock(mu);
+    free_at_read_ = free_bytes;
+    reserved_at_read_ = reserved;
+    free_known_ = true;
+  }
+  void forget_device_free() {
+    detail::lock_guard lock(mu);
+    free_known_ = false;
+  }
   /// Counts the changes of what `mu` guards -- reserved, peak, the pager's unmapped handles --
   /// for the statistics' validated read (impl::stats_unlocked): equal counts read under `mu`
   /// mean nothing of it changed between the two reads. Bumped on the paths that change them,
@@ -166,6 +188,10 @@ class device_budget {
   std::size_t peak GUARDED_BY(mu) = 0;
   std::size_t above_limit_ GUARDED_BY(mu) = 0;  // reserved when the cap was lowered under it
   std::uint64_t changes_ GUARDED_BY(mu) = 0;    // (changes_locked)
+  // device_free_estimate: the last read of the device's free bytes and reserved at that read.
+  std::size_t free_at_read_ GUARDED_BY(mu) = 0;
+  std::size_t reserved_at_read_ GUARDED_BY(mu) = 0;
+  bool free_known_ GUARDED_BY(mu) = false;
 };
 
 }  // namespace cucache::detail

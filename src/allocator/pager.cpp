@@ -596,7 +596,10 @@ std::optional<pager::piece> pager::take_peer_idle(stream_pool& p, std::size_t wa
 std::optional<pager::piece> pager::create(std::size_t bytes) {
   const std::optional<phys_handle> h = budget_.charge(
       bytes, [&] { return timed(counters.vm_ns, [&] { return backend_.phys_create(bytes); }); });
-  if (!h) return std::nullopt;
+  if (!h) {
+    budget_.forget_device_free();  // the next fits() asks the device
+    return std::nullopt;
+  }
   return piece{*h, bytes, false};
 }
 
@@ -630,7 +633,19 @@ bool pager::coarse_room(std::size_t extra) {
 bool pager::over_caps(std::size_t bytes) { return budget_.over_caps(bytes); }
 
 bool pager::fits(std::size_t bytes) {
-  return !over_caps(bytes) && backend_.mem_get_info().free_bytes >= bytes;
+  if (over_caps(bytes)) return false;
+  // The device is asked (cudaMemGetInfo, microseconds) only when the estimate from its last
+  // answer and this allocator's own creations since leaves less than a sixteenth of the device
+  // beyond `bytes`: what other allocators took meanwhile is unknown, and a creation the device
+  // refuses forgets the estimate (create), so a wrong "fits" costs one refused creation, never
+  // a reclaim skipped twice.
+  if (const std::optional<std::size_t> known = budget_.device_free_estimate();
+      known && *known >= bytes && *known - bytes >= device_total_ / 16) {
+    return true;
+  }
+  const std::size_t free_bytes = backend_.mem_get_info().free_bytes;
+  budget_.note_device_free(free_bytes);
+  return free_bytes >= bytes;
 }
 
 bool pager::reclaim(stream_pool& p, std::size_t bytes) {
