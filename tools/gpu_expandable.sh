@@ -9,7 +9,9 @@
 #       gpt2_train,resnet50_train,gpt2_train_dynseq) in expandable mode, PyTorch's allocator and
 #       cucache's plug-in in turn, ROUNDS interleaved rounds, results.jsonl and table.md per round
 # CONF (replay part): cucache's --config, default expandable_segments:True (e.g.
-# CONF=expandable_segments:True,coarse_handles:8; c10 gets only the keys PyTorch shares).
+# CONF=expandable_segments:True,coarse_handles:8; c10 gets only the keys PyTorch shares). CONFS:
+# several, separated by spaces, each round running every one in turn (interleaved); a summary
+# table per configuration, the c10 columns from the runs beside it.
 # BIN_DIR holds cucache-replay and libcucache_c10_peer.so (tools/build_c10_peer.sh BIN_DIR); the
 # torch part needs the Python plug-in importable (docs/torch.md). Writes gpu.txt, one log per run
 # and summary.txt (medians and spreads) into OUT_DIR; exit status 0 only if every run exited 0.
@@ -29,18 +31,23 @@ case $part in
   replay)
     # Each round replays every trace through cucache and then c10 (the replay's order), so the two
     # allocators alternate over the rounds rather than running all of one first.
+    read -ra confs <<< "${CONFS:-${CONF:-expandable_segments:True}}"
     for ((i = 1; i <= rounds; i++)); do
-      run "replay_$i" 150 "$bin/cucache-replay" --backend cuda --json --warm \
-        --config "${CONF:-expandable_segments:True}" --peers c10 "${traces[@]}"
-      cp "$out/replay_$i.log" "$out/replay_$i.jsonl"
+      for k in "${!confs[@]}"; do
+        run "replay_${k}_$i" 150 "$bin/cucache-replay" --backend cuda --json --warm \
+          --config "${confs[$k]}" --peers c10 "${traces[@]}"
+        cp "$out/replay_${k}_$i.log" "$out/replay_${k}_$i.jsonl"
+      done
     done
-    python3 - "$out" "$rounds" <<'EOF' | tee -a "$out/summary.txt"
+    for k in "${!confs[@]}"; do
+    echo "== CUCACHE_CONF=${confs[$k]}" | tee -a "$out/summary.txt"
+    python3 - "$out" "$rounds" "$k" <<'EOF' | tee -a "$out/summary.txt"
 import json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+out, rounds, k = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 runs = {}
 for i in range(1, rounds + 1):
     try:
-        lines = [json.loads(l) for l in open(f"{out}/replay_{i}.jsonl") if l.startswith("{")]
+        lines = [json.loads(l) for l in open(f"{out}/replay_{k}_{i}.jsonl") if l.startswith("{")]
     except OSError:
         continue
     for d in lines:
@@ -73,6 +80,7 @@ for t, ds in sorted(runs.items()):
                      ("create", "map", "set_access", "unmap", "release", "mem_get_info", "total")) +
           f" | {d['warm']['vm_model_us']['total'] / 1000:.2f}")
 EOF
+    done
     ;;
   torch)
     workloads=${WORKLOADS:-gpt2_train,resnet50_train,gpt2_train_dynseq}
