@@ -985,7 +985,7 @@ void device_allocator::impl::retire_empty_pools() {
     if (p->domain != 0 && sleeper.asleep(p->domain)) continue;
     const bool retire = p->quiet() && p->holds_no_memory();
     if (cfg.expandable_segments && p->graph == nullptr) {
-      const auto& ranges = p->pages.ranges;
+      const auto& ranges = p->pages.ranges();
       for (std::size_t i = ranges.size(); i-- > 0;) {
         segment* s = ranges[i];
         // Empty: one free block, no page mapped (so nothing on the idle list either).

@@ -131,7 +131,7 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
       return detail::pager::fresh_pages(*h->seg->vm, addr, bytes) * page_bytes;
     };
     std::vector<const block*> holes;
-    for (const segment* range : own.pages.ranges) {
+    for (const segment* range : own.pages.ranges()) {
       if (range->kind != kind) continue;
       for (const block* b = range->first; b != nullptr; b = b->next) {
         if (b->state == block_state::free) holes.push_back(b);

@@ -847,7 +847,7 @@ std::size_t pager::evict(stream_pool& p, bool synchronize) {
   unpark(p);
   if (synchronize) synchronize_device();
   std::size_t released = 0;
-  for (segment* seg : p.pages.ranges) {
+  for (segment* seg : p.pages.ranges()) {
     vm_range& r = *seg->vm;
     // The mapped pages first: unmapping frees the page table's chunks that empty, which a walk
     // over the table must not see.
@@ -983,24 +983,24 @@ void pager::check_invariants(const stream_pool& p) const {
     if (s->vm == nullptr) continue;
     ++ranges_seen;
     range_bytes[static_cast<int>(s->kind)] += s->size;
-    if (std::count(pp.ranges.begin(), pp.ranges.end(), s) != 1) {
+    if (std::count(pp.ranges().begin(), pp.ranges().end(), s) != 1) {
       violated(fmt::format("pool {}: range {:#x} is not listed once in its pool's ranges", p.index,
                            s->base));
     }
   }
   const std::size_t listed_bytes[2] = {pp.range_bytes(static_cast<pool_kind>(0)),
                                        pp.range_bytes(static_cast<pool_kind>(1))};
-  if (ranges_seen != pp.ranges.size() || range_bytes[0] != listed_bytes[0] ||
+  if (ranges_seen != pp.ranges().size() || range_bytes[0] != listed_bytes[0] ||
       range_bytes[1] != listed_bytes[1]) {
     violated(fmt::format("pool {}: {} ranges of {} + {} bytes listed as {} of {} + {} bytes",
-                         p.index, ranges_seen, range_bytes[0], range_bytes[1], pp.ranges.size(),
+                         p.index, ranges_seen, range_bytes[0], range_bytes[1], pp.ranges().size(),
                          listed_bytes[0], listed_bytes[1]));
   }
   // The idle runs and parked pages the ranges' tables hold (each range's own table is checked
   // with its pages: check_invariants.cpp).
   std::size_t runs_seen = 0;
   std::size_t pages_seen = 0;
-  for (const segment* s : pp.ranges) {
+  for (const segment* s : pp.ranges()) {
     const vm_range& r = *s->vm;
     runs_seen += r.idle_runs.size();
     for (const auto& [first, u] : r.idle_runs) pages_seen += u->pages();
@@ -1033,7 +1033,7 @@ void pager::check_invariants(const stream_pool& p) const {
   std::size_t parked_pages = 0;
   if (const vm_range* pr = pp.parked()) {
     parked_pages = pr->parked_end - pr->parked_first;
-    const bool own = std::any_of(pp.ranges.begin(), pp.ranges.end(),
+    const bool own = std::any_of(pp.ranges().begin(), pp.ranges().end(),
                                  [&](const segment* s) { return s != nullptr && s->vm == pr; });
     if (!own) violated(fmt::format("pool {}: parked span in a range not its own", p.index));
     if (pp.idle_head() != nullptr && pp.idle_head()->epoch > pr->parked_epoch) {

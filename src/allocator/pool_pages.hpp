@@ -48,7 +48,7 @@ class pool_pages {
   /// pool's ranges of its kind holds a request (pager::next_range_bytes sizes it; pager::
   /// add_range) and given back when it is empty (pager::drop_range). A const view, for walks
   /// (tag_sleeper.cpp's among them).
-  const std::vector<segment*>& ranges = ranges_;
+  [[nodiscard]] const std::vector<segment*>& ranges() const noexcept { return ranges_; }
   /// The address space those ranges span, of pool kind k.
   [[nodiscard]] std::size_t range_bytes(pool_kind k) const noexcept {
     return range_bytes_[static_cast<int>(k)];

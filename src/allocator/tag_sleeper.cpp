@@ -90,7 +90,7 @@ domain_walk walk_domain(const pool_table& pools, std::uint32_t domain)
     pool_table::assert_locked(*q);
     if (q->domain != domain || q->graph != nullptr) continue;
     w.pools.push_back(q.get());
-    for (const segment* seg : q->pages.ranges) {
+    for (const segment* seg : q->pages.ranges()) {
       const vm_range& r = *seg->vm;
       bool counted_any = false;
       std::size_t last_counted = 0;  // the last page counted in this range
@@ -144,7 +144,7 @@ void queue_copies(device_backend& backend, const std::vector<tag_sleeper::copy_r
 const block* exported_block(const std::vector<stream_pool*>& pools) REQUIRES(every_pool) {
   for (const stream_pool* q : pools) {
     pool_table::assert_locked(*q);
-    for (const segment* seg : q->pages.ranges) {
+    for (const segment* seg : q->pages.ranges()) {
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         if (b->state == block_state::allocated && b->exported) return b;
       }
@@ -431,7 +431,7 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
   try {
     for (stream_pool* q : domain_pools) {
       pool_table::assert_locked(*q);
-      for (segment* seg : q->pages.ranges) {
+      for (segment* seg : q->pages.ranges()) {
         for (block* b = seg->first; b != nullptr; b = b->next) {
           if (b->state == block_state::free) continue;
           if (!ps.pg->back(*q, b)) {
@@ -529,7 +529,7 @@ void tag_sleeper::wake(const parts& ps,
     p.w = walk_domain(ps.pools, p.domain);
     for (stream_pool* q : p.w.pools) {
       pool_table::assert_locked(*q);
-      for (const segment* seg : q->pages.ranges) {
+      for (const segment* seg : q->pages.ranges()) {
         const vm_range& r = *seg->vm;
         bool counted_any = false;
         std::size_t last_counted = 0;  // a page two blocks share is counted once
@@ -613,7 +613,7 @@ void tag_sleeper::wake(const parts& ps,
     for (wake_plan& p : plans) {
       for (stream_pool* q : p.w.pools) {
         pool_table::assert_locked(*q);
-        for (segment* seg : q->pages.ranges) {
+        for (segment* seg : q->pages.ranges()) {
           for (block* b = seg->first; b != nullptr; b = b->next) {
             if (b->state == block_state::free) continue;
             if (!ps.pg->back(*q, b)) throw no_room(ps.pg->room_bytes());

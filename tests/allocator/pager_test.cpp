@@ -815,7 +815,7 @@ TEST(Pager, RangesAreAddedAndDroppedThroughThePagerAndCheckedAgainstTheSegments)
   EXPECT_NO_THROW(r.pg.check_invariants(r.pool));  // no range, no segment
   r.pg.make_room_for_range(r.pool);
   r.pg.add_range(r.pool, &r.seg);
-  ASSERT_EQ(r.pool.pages.ranges, (std::vector<detail::segment*>{&r.seg}));
+  ASSERT_EQ(r.pool.pages.ranges(), (std::vector<detail::segment*>{&r.seg}));
   EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::large), r.seg.size);
   EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::small), 0u);
   // Listed, but not in the pool's segment list.
@@ -823,7 +823,7 @@ TEST(Pager, RangesAreAddedAndDroppedThroughThePagerAndCheckedAgainstTheSegments)
   r.pool.segments = &r.seg;
   EXPECT_NO_THROW(r.pg.check_invariants(r.pool));
   r.pg.forget_range(r.pool, &r.seg);
-  EXPECT_TRUE(r.pool.pages.ranges.empty());
+  EXPECT_TRUE(r.pool.pages.ranges().empty());
   EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::large), 0u);
   // A segment with a range that the list does not name.
   EXPECT_THROW(r.pg.check_invariants(r.pool), std::logic_error);
@@ -845,7 +845,7 @@ TEST(Pager, RangesAreAddedAndDroppedThroughThePagerAndCheckedAgainstTheSegments)
   EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::small), small.size);
   EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::large), 0u);
   r.pg.drop_range(r.pool, &small);
-  EXPECT_TRUE(r.pool.pages.ranges.empty());
+  EXPECT_TRUE(r.pool.pages.ranges().empty());
   EXPECT_EQ(r.pool.pages.range_bytes(pool_kind::small), 0u);
   EXPECT_EQ(r.pg.reserved_address_bytes(), before);
 }
