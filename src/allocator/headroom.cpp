@@ -117,18 +117,37 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   // for the pages of its span that no other block touches. The pager finds it on the device, in
   // unmapped handles and -- the ladder unmapping every idle page of every pool -- in idle
   // mappings, under the memory limit.
-  const std::size_t reclaimable =
-      pager->reclaimable_bytes(blocked ? 0 : pager->idle_bytes_of_every_pool_locked());
+  // The idle pages of straddled chunks (a block touches part of the chunk) stay mapped through
+  // the ladder: not reclaimable, but a request placed over them uses them in place (needed).
+  std::size_t straddled = 0;
+  for (auto& q : pools) {
+    detail::pool_table::assert_locked(*q);
+    straddled += pager->straddled_idle_bytes(*q);
+  }
+  const std::size_t reclaimable = pager->reclaimable_bytes(
+      blocked ? 0 : pager->idle_bytes_of_every_pool_locked() - straddled);
   std::size_t avail = std::min(device_free + reclaimable, device_total);
   if (limit != 0) avail = std::min(avail, limit - std::min(limit, reserved_now - reclaimable));
   const std::size_t cap_all = limit != 0 ? std::min(device_total, limit) : device_total;
   for (pool_kind kind : {pool_kind::small, pool_kind::large}) {
     // The pages a request of `bytes` placed at `addr` of hole h needs: those its carve touches
-    // anew, asked of the rule the carve (pager::touch) uses; a new range's one block
-    // (h == nullptr) shares no page.
+    // anew, asked of the rule the carve (pager::touch) uses, less the idle pages of straddled
+    // chunks among them, which it uses in place (such a chunk holds a page a block touches, so it
+    // meets a hole that starts at addr only at the request's first or last page); a new range's
+    // one block (h == nullptr) shares no page.
     auto needed = [&](const block* h, std::uintptr_t addr, std::size_t bytes) {
       if (h == nullptr) return detail::round_up(bytes, page_bytes);
-      return detail::pager::fresh_pages(*h->seg->vm, addr, bytes) * page_bytes;
+      const detail::vm_range& r = *h->seg->vm;
+      std::size_t pages = detail::pager::fresh_pages(r, addr, bytes);
+      if (r.chunks != 0 && pages != 0) {
+        const std::size_t first = r.page_of(addr);
+        const std::size_t last = r.page_of(addr + bytes - 1);
+        const detail::page_span a = r.mapping_of(first);
+        const detail::page_span z = r.mapping_of(last);
+        pages -= r.straddled_idle_pages(a, first, last + 1);
+        if (z.first != a.first) pages -= r.straddled_idle_pages(z, first, last + 1);
+      }
+      return pages * page_bytes;
     };
     std::vector<const block*> holes;
     for (const segment* range : own.pages.ranges()) {

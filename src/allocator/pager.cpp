@@ -405,6 +405,20 @@ std::optional<pager::idle_page> pager::newest_unmappable(const stream_pool& q) c
   return std::nullopt;
 }
 
+std::size_t pager::straddled_idle_bytes(const stream_pool& p) const {
+  std::size_t pages = 0;
+  for (const segment* s : p.pages.ranges()) {
+    const vm_range& r = *s->vm;
+    if (r.chunks == 0) continue;
+    r.pages.for_each([&](std::size_t pg, const vm_page& e) {
+      if (e.chunk_pages > 1 && e.chunk_index == 0) {
+        pages += r.straddled_idle_pages(r.mapping_of(pg), pg, pg + e.chunk_pages);
+      }
+    });
+  }
+  return pages * page_bytes_;
+}
+
 bool pager::release_oldest_idle(stream_pool& q) {
   unpark(q);
   const std::optional<idle_page> at = oldest_unmappable(q);

@@ -272,6 +272,11 @@ class pager {
     for (const auto& q : pools_) n += q->pages.idle_bytes();
     return n;
   }
+  /// The idle bytes of p's straddled chunks (vm_range::straddled_idle_pages): counted in its
+  /// idle_bytes, yet no ladder can unmap them while a block touches part of their chunk (a carve
+  /// that used them as they were, under coarse handles or while nothing could be unmapped).
+  /// O(mapped pages of p's ranges that hold chunks).
+  [[nodiscard]] std::size_t straddled_idle_bytes(const stream_pool& p) const REQUIRES(p.mu);
   /// The same, under the list lock taken here. The caller holds no pool lock nor the list lock.
   [[nodiscard]] std::size_t idle_bytes_of_every_pool() const EXCLUDES(pools_mu_) {
     detail::shared_lock list(pools_mu_);

@@ -16,6 +16,7 @@
 // (1 GiB of a 2 MiB-page range) on first use and free it when it empties.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstddef>
@@ -221,6 +222,21 @@ struct vm_range {
       if (!idle(pg)) return false;
     }
     return true;
+  }
+  /// The idle pages of [first, end) of mapping m when m is a chunk that is not idle as a whole
+  /// (straddled: a block touches part of it), else 0: mapped memory that no unmap gives back
+  /// until the whole chunk is idle. O(pages of m x log runs).
+  [[nodiscard]] std::size_t straddled_idle_pages(page_span m, std::size_t first,
+                                                 std::size_t end) const {
+    if (m.pages() == 1) return 0;
+    std::size_t idle_n = 0;
+    for (std::size_t pg = m.first; pg < m.end; ++pg) idle_n += idle(pg) ? 1 : 0;
+    if (idle_n == m.pages()) return 0;
+    std::size_t n = 0;
+    for (std::size_t pg = std::max(m.first, first); pg < std::min(m.end, end); ++pg) {
+      n += idle(pg) ? 1 : 0;
+    }
+    return n;
   }
   /// The latest epoch of the idle pages of [first, end) (their idle runs and the parked span):
   /// the epoch after which a synchronization covers all of them. O(log runs + runs met).

@@ -146,6 +146,10 @@ INSTANTIATE_TEST_SUITE_P(
                       sweep_case{"garbage_collection_threshold:0.6", 512 * MiB},
                       sweep_case{"memory_limit:300MiB", 512 * MiB},
                       sweep_case{"expandable_segments:True", 512 * MiB},
+                      sweep_case{"expandable_segments:True,coarse_handles:0", 512 * MiB},
+                      sweep_case{"expandable_segments:True,coarse_handles:32", 512 * MiB},
+                      sweep_case{"expandable_segments:True,coarse_handles:8,memory_limit:300MiB",
+                                 512 * MiB},
                       sweep_case{"expandable_segments:True,memory_limit:300MiB", 512 * MiB},
                       sweep_case{"expandable_segments:True,roundup_power2_divisions:4",
                                  512 * MiB}));
