@@ -7,7 +7,8 @@
 #       one JSON line per trace per round in replay_ROUND.jsonl
 #   tools/gpu_expandable.sh BIN_DIR OUT_DIR torch   -- bench/torch workloads (WORKLOADS, default
 #       gpt2_train,resnet50_train,gpt2_train_dynseq) in expandable mode, PyTorch's allocator and
-#       cucache's plug-in in turn, ROUNDS interleaved rounds, results.jsonl and table.md per round
+#       cucache's plug-in in turn (TORCH_RUNS: other modes and allocators), ROUNDS interleaved
+#       rounds, results.jsonl per round; the summary gives steady steps and first cycles
 # CONF (replay part): cucache's --config, default expandable_segments:True (e.g.
 # CONF=expandable_segments:True,coarse_handles:8; c10 gets only the keys PyTorch shares). CONFS:
 # several, separated by spaces, each round running every one in turn (interleaved); a summary
@@ -84,34 +85,54 @@ EOF
     ;;
   torch)
     workloads=${WORKLOADS:-gpt2_train,resnet50_train,gpt2_train_dynseq}
+    # TORCH_RUNS: the runs of a round per workload, in order, each MODE:ALLOCATORS of
+    # run_workloads.py (e.g. "expandable:torch,cucache expandable_fine:cucache").
+    read -ra truns <<< "${TORCH_RUNS:-expandable:torch,cucache}"
     for ((i = 1; i <= rounds; i++)); do
       IFS=, read -ra ws <<< "$workloads"
-      for w in "${ws[@]}"; do  # per workload: PyTorch, then cucache (run_workloads.py's order)
-        run "torch_${w}_$i" 170 python3 "$repo/bench/torch/run_workloads.py" --workloads "$w" \
-          --modes expandable --out "$out/torch_$i"
+      for w in "${ws[@]}"; do
+        for tr in "${truns[@]}"; do
+          run "torch_${w}_${tr%%:*}_$i" 170 python3 "$repo/bench/torch/run_workloads.py" \
+            --workloads "$w" --modes "${tr%%:*}" --allocators "${tr#*:}" --out "$out/torch_$i"
+        done
       done
     done
     python3 - "$out" "$rounds" <<'EOF' | tee -a "$out/summary.txt"
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-steps = {}
-peaks = {}
+runs = {}
 for i in range(1, rounds + 1):
     try:
         lines = [json.loads(l) for l in open(f"{out}/torch_{i}/results.jsonl")]
     except OSError:
         continue
     for d in lines:
-        steps.setdefault((d["workload"], d["allocator"]), []).append(d["median_step_ms"])
-        peaks.setdefault((d["workload"], d["allocator"]), []).append(d["peak_reserved"])
-print("workload | cucache step ms (runs) | PyTorch step ms (runs) | ratio of medians | peak resv ratio")
-for w in sorted({k[0] for k in steps}):
-    c, t = steps.get((w, "cucache"), []), steps.get((w, "torch"), [])
-    if not c or not t:
-        continue
-    pr = statistics.median(peaks[(w, "cucache")]) / statistics.median(peaks[(w, "torch")])
-    print(f"{w} | {', '.join(f'{x:.1f}' for x in c)} | {', '.join(f'{x:.1f}' for x in t)} | "
-          f"{statistics.median(c) / statistics.median(t):.3f} | {pr:.3f}")
+        if "error" in d:
+            print(f"FAILED {d['workload']} {d['mode']} {d['allocator']}: {d['error'][-300:]}")
+            continue
+        runs.setdefault((d["workload"], d["allocator"], d["mode"]), []).append(d)
+def spread(xs):
+    return f"{statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
+# Steady: the median timed step (after the warm-up steps). First cycle: every step of the run,
+# summed (a dynamic-shape workload meets new shapes at every step), and its first two steps.
+print("workload | allocator (mode) | runs | steady step ms | first cycle ms (all steps) | step 0 ms "
+      "| step 1 ms | peak reserved GiB | steady / PyTorch | first cycle / PyTorch")
+for w in sorted({k[0] for k in runs}):
+    torch_runs = [d for k, ds in runs.items() if k[0] == w and k[1] == "torch" for d in ds]
+    med = lambda ds, f: statistics.median(f(d) for d in ds) if ds else float("nan")
+    t_steady = med(torch_runs, lambda d: d["median_step_ms"])
+    t_cycle = med(torch_runs, lambda d: sum(d["step_ms"]))
+    rows = sorted(((k[1], k[2]), ds) for k, ds in runs.items() if k[0] == w and k[1] != "torch")
+    rows = [(("torch", "all modes"), torch_runs)] + rows
+    for (alloc, mode), ds in rows:
+        if not ds:
+            continue
+        steady = [d["median_step_ms"] for d in ds]
+        cycle = [sum(d["step_ms"]) for d in ds]
+        print(f"{w} | {alloc} ({mode}) | {len(ds)} | {spread(steady)} | {spread(cycle)} | "
+              f"{spread([d['step_ms'][0] for d in ds])} | {spread([d['step_ms'][1] for d in ds])} | "
+              f"{statistics.median(d['peak_reserved'] for d in ds) / 2**30:.3f} | "
+              f"{statistics.median(steady) / t_steady:.3f} | {statistics.median(cycle) / t_cycle:.3f}")
 EOF
     ;;
 esac

@@ -29,7 +29,13 @@ WARMUP = 2
 # difference tolerated per step: a few bf16 ulps (2^-8 each) of a loss around 7-11.
 LOSS_RTOL = 2e-2
 
-MODES = {"default": "", "expandable": "expandable_segments:True"}
+# Per mode: PyTorch's PYTORCH_CUDA_ALLOC_CONF and cucache's CUCACHE_CONF. expandable_fine is
+# cucache with one handle per page (coarse_handles:0, its own key) beside PyTorch's expandable mode.
+MODES = {
+    "default": ("", ""),
+    "expandable": ("expandable_segments:True", "expandable_segments:True"),
+    "expandable_fine": ("expandable_segments:True", "expandable_segments:True,coarse_handles:0"),
+}
 ALLOCATORS = ("torch", "cucache")
 
 
@@ -105,8 +111,9 @@ def run_one(workload: str, mode: str, allocator: str, steps: int, hooks: str, ti
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("CUCACHE_CONF", None)
-    if MODES[mode]:
-        env["PYTORCH_CUDA_ALLOC_CONF" if allocator == "torch" else "CUCACHE_CONF"] = MODES[mode]
+    conf = MODES[mode][0 if allocator == "torch" else 1]
+    if conf:
+        env["PYTORCH_CUDA_ALLOC_CONF" if allocator == "torch" else "CUCACHE_CONF"] = conf
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--workload", workload, "--mode", mode,
            "--allocator", allocator, "--steps", str(steps), "--hooks", hooks]
     t0 = time.perf_counter()
@@ -181,6 +188,8 @@ def main() -> None:
     ap.add_argument("--hooks", choices=("auto", "on", "off"), default="off",
                     help="cucache runs: use libcucache_torch_hooks.so (default off: the plain plug-in)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    ap.add_argument("--allocators", default=",".join(ALLOCATORS),
+                    help="comma-separated, in the order they run: torch, cucache or both")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -202,6 +211,10 @@ def main() -> None:
     for m in modes:
         if m not in MODES:
             ap.error(f"unknown mode {m}; known: {', '.join(MODES)}")
+    allocators = [a.strip() for a in args.allocators.split(",") if a.strip()]
+    for a in allocators:
+        if a not in ALLOCATORS:
+            ap.error(f"unknown allocator {a}; known: {', '.join(ALLOCATORS)}")
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -209,7 +222,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for w in chosen:
         for m in modes:
-            for alloc in ALLOCATORS:
+            for alloc in allocators:
                 r = run_one(w, m, alloc, args.steps or defaults[w], args.hooks, args.timeout)
                 results.append(r)
                 line = json.dumps(r)

@@ -49,10 +49,10 @@ struct config {
   /// blocks can be shared with other processes (ipc_handles). Default-mode segments can always be
   /// exported (cudaIpcGetMemHandle).
   bool ipc_handles = false;
-  /// Expandable segments: coarse handles (coarse_handles:N): while memory is plentiful with half
-  /// the capacity to spare, physical handles of up to N pages for every block, kept when a later
-  /// carve cuts them. 0 = off (one handle per page, chunks for blocks of 256 MiB or more).
-  std::size_t coarse_handle_pages = 0;
+  /// Expandable segments: coarse handles (coarse_handles:N, default 8): while memory is plentiful
+  /// with half the capacity to spare, physical handles of up to N pages for every block, kept when
+  /// a later carve cuts them. 0 = off (one handle per page, chunks for blocks of 256 MiB or more).
+  std::size_t coarse_handle_pages = 8;
   /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
   std::string trace_path;
   /// reserve_mb: bytes the allocator caches when it is created (device_allocator::reserve on the

@@ -805,11 +805,12 @@ TEST_P(AllocatorSegments, MemorySummaryAndSnapshot) {
 }
 
 // === AllocatorExpandable: expandable segments, in pages of the device's granularity =============
-// Every page gets a handle of its own, so that an idle page pins nothing but itself: `pg` below is
-// the device's page.
+// The tests that count handles ask for one handle per page (coarse_handles:0), where an idle page
+// pins nothing but itself; the others run the default (coarse handles). `pg` below is the
+// device's page.
 
 TEST_P(AllocatorExpandable, MapsOnlyTheMissingPagesOneHandlePerPage) {
-  auto& a = make();
+  auto& a = make("coarse_handles:0");
   const std::size_t pg = page();
   void* p = a.allocate(pg + pg / 2);  // pages 0-1 of the large range
   device_stats s = stats();
@@ -869,10 +870,10 @@ TEST_P(AllocatorExpandable, SplitsFreelyAndIgnoresTheSplitCap) {
 
 TEST_P(AllocatorExpandable, UnderALimitStitchesIdlePagesInsteadOfCreatingMemory) {
   const std::size_t pg = [&] {
-    make();
+    make("coarse_handles:0");
     return page();
   }();
-  auto& a = make(fmt::format("memory_limit:{}MiB", 12 * pg / MiB));
+  auto& a = make(fmt::format("coarse_handles:0,memory_limit:{}MiB", 12 * pg / MiB));
   void* x = a.allocate(4 * pg);  // pages 0-3
   void* y = a.allocate(4 * pg);  // pages 4-7
   a.deallocate(x);               // pages 0-3 idle
@@ -981,7 +982,7 @@ TEST_P(AllocatorExpandable, AGrowingBufferFitsInTwoBuffersUnderALimit) {
 }
 
 TEST_P(AllocatorExpandable, ExactStatsAfterAKnownSequence) {
-  auto& a = make();
+  auto& a = make("coarse_handles:0");
   const std::size_t pg = page();
   void* s1 = a.allocate(1000);               // small range: 1024 B on its first page
   void* l1 = a.allocate(3 * pg / 2);         // large range: pages 0-1

@@ -17,8 +17,10 @@
 namespace cucache::test {
 namespace {
 
+// One handle per page: the mechanics this file counts exactly. Coarse handles (the default in
+// expandable mode) have their own tests below and in pager_test.cpp.
 config expandable() {
-  return parse_config("expandable_segments:True");
+  return parse_config("expandable_segments:True,coarse_handles:0");
 }
 
 TEST(Expandable, MapsOnlyTheMissingPagesOneHandlePerPage) {
@@ -358,8 +360,7 @@ TEST(Expandable, ASteadyLoopMakesNoVmCallInItsSecondIteration) {
 TEST(Expandable, ALimitReachedMidLoopMovesIdleSinglePages) {
   for (const bool limited : {false, true}) {
     SCOPED_TRACE(limited ? "limit 24 MiB" : "no limit");
-    sim_allocator a(parse_config(limited ? "expandable_segments:True,memory_limit:24MiB"
-                                         : "expandable_segments:True"));
+    sim_allocator a(limited ? parse_config("memory_limit:24MiB", expandable()) : expandable());
     auto step = [&] {
       void* p = a.alloc.allocate(8 * MiB);   // pages 0-3
       void* q = a.alloc.allocate(8 * MiB);   // pages 4-7
@@ -642,8 +643,7 @@ TEST(Expandable, AGrowingBufferKeepsItsPagesMappedAndMovesThemOnlyUnderALimit) {
   // hole (a few VM calls per step) and reserved memory stays at two buffers.
   for (const bool limited : {false, true}) {
     SCOPED_TRACE(limited ? "limit 56 MiB" : "no limit");
-    sim_allocator a(parse_config(limited ? "expandable_segments:True,memory_limit:56MiB"
-                                         : "expandable_segments:True"));
+    sim_allocator a(limited ? parse_config("memory_limit:56MiB", expandable()) : expandable());
     void* pin = a.alloc.allocate(MiB + 512);  // something live below, as in a real program
     void* cache = a.alloc.allocate(20 * MiB);
     for (int step = 1; step <= 64; ++step) {

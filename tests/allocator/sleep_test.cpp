@@ -497,7 +497,7 @@ TEST(Sleep, AFailedMapDuringWakeUndoesEverythingItMapped) {
   for (std::size_t i = 0; i < mine.size(); ++i) fill(*a.sim, mine[i], 6 * MiB, static_cast<std::uint8_t>(i));
   a.alloc.sleep(4, true);
   const std::size_t used_asleep = a.sim->used_bytes();
-  a.sim->fail_nth(sim_call::map, 5);  // part way through the third block
+  a.sim->fail_nth(sim_call::map, 3);  // the third block (coarse handles: one chunk per block)
   EXPECT_THROW(a.alloc.wake(4), cuda_error);
   EXPECT_TRUE(a.alloc.is_asleep(4));
   EXPECT_EQ(a.sim->used_bytes(), used_asleep);

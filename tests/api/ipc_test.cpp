@@ -226,7 +226,8 @@ TEST_F(Ipc, ExpandableSegmentsAreRefusedWithoutIpcHandles) {
 }
 
 TEST_F(Ipc, ExpandableBlocksTravelAsFileDescriptorsOverAUnixSocket) {
-  fresh("expandable_segments:True,ipc_handles:True");
+  // One handle per page (coarse_handles:0), so that b travels as two pieces; chunks below.
+  fresh("expandable_segments:True,ipc_handles:True,coarse_handles:0");
   char* a = static_cast<char*>(alloc(4 * MiB));
   char* b = static_cast<char*>(alloc(4 * MiB));
   cucacheIpcHandle h{};

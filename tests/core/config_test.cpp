@@ -176,19 +176,25 @@ TEST(ConfigParse, ExpandableSegments) {
 }
 
 TEST(ConfigParse, CoarseHandles) {
-  EXPECT_EQ(config{}.coarse_handle_pages, 0u);
-  EXPECT_EQ(parse_config("coarse_handles:8").coarse_handle_pages, 8u);
+  // On by default (8 pages; it matters only with expandable_segments); 0 turns it off.
+  EXPECT_EQ(config{}.coarse_handle_pages, 8u);
+  EXPECT_EQ(parse_config("expandable_segments:True").coarse_handle_pages, 8u);
+  EXPECT_EQ(parse_config("coarse_handles:0").coarse_handle_pages, 0u);
   EXPECT_EQ(parse_config("coarse_handles:2").coarse_handle_pages, 2u);
   EXPECT_EQ(parse_config("coarse_handles:32").coarse_handle_pages, 32u);
-  config on;
-  on.coarse_handle_pages = 8;
-  EXPECT_EQ(parse_config("coarse_handles:0", on).coarse_handle_pages, 0u);
+  config off;
+  off.coarse_handle_pages = 0;
+  EXPECT_EQ(parse_config("coarse_handles:8", off).coarse_handle_pages, 8u);
   expect_error("coarse_handles:1", "coarse_handles", "must be 0 (off) or 2 to 32 pages");
   expect_error("coarse_handles:33", "coarse_handles", "must be 0 (off) or 2 to 32 pages");
   expect_error("coarse_handles:-4", "coarse_handles", "");
   expect_error("coarse_handles:True", "coarse_handles", "");
-  EXPECT_EQ(to_string(on), "coarse_handles:8");
-  EXPECT_EQ(parse_config(to_string(on)), on);
+  EXPECT_EQ(to_string(config{}), "");
+  EXPECT_EQ(to_string(off), "coarse_handles:0");
+  EXPECT_EQ(parse_config(to_string(off)), off);
+  config wide;
+  wide.coarse_handle_pages = 32;
+  EXPECT_EQ(to_string(wide), "coarse_handles:32");
 }
 
 TEST(ConfigParse, MemoryFractionAndAlias) {

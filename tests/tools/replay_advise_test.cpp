@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "advisor.hpp"
+#include "peers.hpp"
 #include "progress.hpp"
 #include "replay_engine.hpp"
 #include "tools/replay_test_support.hpp"
@@ -31,12 +32,13 @@ const std::filesystem::path k_resnet =
     std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "resnet50_train.csv.gz";
 
 
-TEST(replay_advise, ranks_the_candidates_and_recommends_coarse_expandable_segments_for_resnet50) {
+TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_resnet50) {
   const cli_run r = run({"--advise", "--backend", "sim", k_resnet.string()});
   ASSERT_EQ(r.status, 0) << r.err;
-  // Coarse handles tie plain expandable segments on minimum capacity and peak reserved bytes
-  // here, and make a quarter of their device calls (399 against 1,533).
-  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True,coarse_handles:8\n"),
+  // Expandable segments with coarse handles (their default) tie one handle per page on minimum
+  // capacity and peak reserved bytes here, and make a quarter of its device calls (399 against
+  // 1,533).
+  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"),
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF: not measured"),
@@ -60,7 +62,7 @@ TEST(replay_advise, every_row_matches_fit_and_replay_of_its_setting) {
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["trace"], "resnet50_train");
-  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True,coarse_handles:8");
+  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
   EXPECT_TRUE(j["pytorch_cuda_alloc_conf"].is_null());
   EXPECT_TRUE(j["pytorch_alloc_conf"].is_null());
   ASSERT_EQ(j["rows"].size(), 14u);
@@ -93,14 +95,13 @@ TEST(replay_advise, capacity_ranks_what_fits_by_device_calls) {
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["capacity_bytes"].get<std::size_t>(), 3274912563u);  // round(3.05 GiB)
   // Four settings fit 3.05 GiB: expandable segments (three times) and reserve_mb, which makes
-  // the fewest device calls; coarse handles fewer than plain expandable segments.
+  // the fewest device calls; coarse handles (the default) fewer than one handle per page.
   std::vector<std::string> fitting;
   for (const nlohmann::json& row : j["rows"]) {
     if (row["fits"].get<bool>()) fitting.push_back(row["conf"]);
   }
-  EXPECT_EQ(fitting, (std::vector<std::string>{"reserve_mb:2740",
-                                               "expandable_segments:True,coarse_handles:8",
-                                               "expandable_segments:True",
+  EXPECT_EQ(fitting, (std::vector<std::string>{"reserve_mb:2740", "expandable_segments:True",
+                                               "expandable_segments:True,coarse_handles:0",
                                                "expandable_segments:True,reserve_mb:2740"}));
   EXPECT_EQ(j["recommended_conf"], "reserve_mb:2740");
 
@@ -112,25 +113,48 @@ TEST(replay_advise, capacity_ranks_what_fits_by_device_calls) {
 }
 
 // Coarse handles are chosen per trace: on gpt2_train_ckpt they need a larger card (1.0081 of the
-// peak requested bytes against 1.0026), so plain expandable segments rank first there.
+// peak requested bytes against 1.0026), so one handle per page (coarse_handles:0) ranks first
+// there; it is cucache's own key, not a PyTorch option.
 TEST(replay_advise, coarse_handles_are_chosen_per_trace) {
   const std::filesystem::path ckpt =
       std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "gpt2_train_ckpt.csv.gz";
   const cli_run r = run({"--advise", "--json", "--backend", "sim", ckpt.string()});
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
+  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True,coarse_handles:0");
   std::size_t plain = 0;
   std::size_t coarse = 0;
   for (const nlohmann::json& row : j["rows"]) {
-    if (row["conf"] == "expandable_segments:True") plain = row["min_capacity_bytes"];
-    if (row["conf"] == "expandable_segments:True,coarse_handles:8") {
+    if (row["conf"] == "expandable_segments:True") {
       coarse = row["min_capacity_bytes"];
+      EXPECT_TRUE(row["pytorch_option"].get<bool>());
+    }
+    if (row["conf"] == "expandable_segments:True,coarse_handles:0") {
+      plain = row["min_capacity_bytes"];
       EXPECT_FALSE(row["pytorch_option"].get<bool>());
     }
   }
   ASSERT_NE(plain, 0u);
   EXPECT_GT(coarse, plain);
+}
+
+// One rule says which keys PyTorch's allocator has: c10_settings keeps exactly those, and a
+// candidate is a PyTorch option when it drops nothing else.
+TEST(replay_advise, c10_settings_keeps_only_the_keys_pytorch_has) {
+  EXPECT_EQ(c10_settings(parse_config("")), "");
+  EXPECT_EQ(c10_settings(parse_config("expandable_segments:True,coarse_handles:0,reserve_mb:64,"
+                                      "nvtx:True,history:100,memory_limit:1GiB")),
+            "expandable_segments:True");
+  const std::string shared =
+      "max_split_size_mb:256,garbage_collection_threshold:0.7,roundup_power2_divisions:4";
+  EXPECT_EQ(parse_config(c10_settings(parse_config(shared))), parse_config(shared));
+  EXPECT_TRUE(c10_has_every_key(parse_config(shared)));
+  EXPECT_TRUE(c10_has_every_key(parse_config("expandable_segments:True,memory_fraction:0.5")));
+  for (const char* own : {"coarse_handles:0", "coarse_handles:16", "reserve_mb:64", "nvtx:True",
+                          "history:100", "leak_steps:3", "ipc_handles:True"}) {
+    SCOPED_TRACE(own);
+    EXPECT_FALSE(c10_has_every_key(parse_config(own)));
+  }
 }
 
 TEST(replay_advise, bad_input_is_a_clear_error_naming_the_file_or_flag) {
@@ -224,7 +248,7 @@ TEST(replay_advise, pytorch_settings_are_fitted_in_pytorchs_spelling_and_ranked)
   ASSERT_TRUE(a.pytorch_conf.has_value());
   EXPECT_EQ(*a.pytorch_conf, "expandable_segments:True");
   // cucache's own ranking is untouched by PyTorch's.
-  EXPECT_EQ(a.recommended_conf, "expandable_segments:True,coarse_handles:8");
+  EXPECT_EQ(a.recommended_conf, "expandable_segments:True");
   EXPECT_EQ(a.rows.size(), 14u);
 
   const nlohmann::json j = to_json(a);
@@ -293,7 +317,7 @@ TEST(replay_advise, peers_c10_without_the_shim_is_a_clear_note_from_the_child) {
   }
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True,coarse_handles:8");
+  EXPECT_EQ(j["recommended_conf"], "expandable_segments:True");
   EXPECT_TRUE(j["pytorch_cuda_alloc_conf"].is_null());
   EXPECT_TRUE(j["pytorch_alloc_conf"].is_null());
   ASSERT_EQ(j["pytorch_rows"].size(), 11u);
@@ -358,7 +382,7 @@ TEST(replay_advise, says_that_it_ignores_cucache_conf) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("--advise ignores CUCACHE_CONF in the environment"), std::string::npos)
       << r.err;
-  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True,coarse_handles:8\n"),
+  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"),
             std::string::npos)
       << r.out;
 }

@@ -282,8 +282,10 @@ TEST(replay_cli, expandable_warm_pass_makes_no_vm_call_on_the_worst_traces) {
 
 INSTANTIATE_TEST_SUITE_P(modes, replay_warm,
                          ::testing::Values(warm_case{"", 117, 3592421376u},
-                                           warm_case{"expandable_segments:True", 1533,
-                                                     3214934016u}));
+                                           warm_case{"expandable_segments:True", 399,
+                                                     3214934016u},
+                                           warm_case{"expandable_segments:True,coarse_handles:0",
+                                                     1533, 3214934016u}));
 
 TEST(replay_cli, without_warm_there_is_no_warm_object) {
   const cli_run r = run({"--backend", "sim", "--json", k_resnet.string()});

@@ -56,11 +56,10 @@ void rank(std::vector<advice_row>& rows, bool with_capacity) {
   });
 }
 
-/// Whether PyTorch's allocator has every key of candidate `conf` (reserve_mb and coarse_handles
-/// are cucache's own).
+/// Whether PyTorch's allocator has every key of candidate `conf` (c10_has_every_key: reserve_mb
+/// and coarse_handles are cucache's own).
 bool pytorch_shares(const std::string& conf) {
-  return conf.find("reserve_mb") == std::string::npos &&
-         conf.find("coarse_handles") == std::string::npos;
+  return c10_has_every_key(parse_config(conf));
 }
 
 }  // namespace
@@ -68,11 +67,12 @@ bool pytorch_shares(const std::string& conf) {
 std::vector<std::string> advice_candidates(const prepared_trace& trace) {
   std::vector<std::string> c = {
       "",
+      // Coarse handles (the default in expandable mode, docs/decisions/0022): fewer, larger
+      // handles while half the capacity is to spare; under a limit near the minimum capacity it
+      // behaves as one handle per page. One handle per page (coarse_handles:0) wins where its
+      // minimum capacity is lower (a program that grows from plenty into pressure).
       "expandable_segments:True",
-      // Coarse handles (docs/decisions/0022): fewer, larger handles while half the capacity is
-      // to spare; under a limit near the minimum capacity it behaves as plain expandable
-      // segments. It wins where its minimum capacity equals theirs, on its fewer device calls.
-      "expandable_segments:True,coarse_handles:8",
+      "expandable_segments:True,coarse_handles:0",
       "max_split_size_mb:64",
       "max_split_size_mb:128",
       "max_split_size_mb:256",

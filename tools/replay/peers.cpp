@@ -308,12 +308,22 @@ cuda_stream_table::~cuda_stream_table() {
 }
 
 std::string c10_settings(const config& cfg) {
-  config shared = cfg;
-  shared.memory_limit_bytes = 0;
-  shared.memory_fraction = 0.0;
-  shared.trace_path.clear();
-  shared.coarse_handle_pages = 0;  // cucache's own (docs/config.md)
+  // The keys PyTorch's allocator has, copied onto the defaults: every other key is cucache's own
+  // (docs/config.md) and stays at its default, which to_string leaves out.
+  config shared;
+  shared.max_split_size = cfg.max_split_size;
+  shared.max_non_split_rounding = cfg.max_non_split_rounding;
+  shared.roundup_power2_divisions = cfg.roundup_power2_divisions;
+  shared.garbage_collection_threshold = cfg.garbage_collection_threshold;
+  shared.expandable_segments = cfg.expandable_segments;
   return to_string(shared);
+}
+
+bool c10_has_every_key(const config& cfg) {
+  config mine = cfg;
+  mine.memory_limit_bytes = 0;  // c10 takes these through a call (set_memory_fraction)
+  mine.memory_fraction = 0.0;
+  return c10_settings(cfg) == to_string(mine);
 }
 
 }  // namespace cucache::replay

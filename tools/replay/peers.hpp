@@ -71,8 +71,13 @@ class cuda_stream_table {
   std::vector<stream_handle> handles_;
 };
 
-/// The PYTORCH_CUDA_ALLOC_CONF string with the same meaning as `cfg` for the keys both share
-/// (cucache-only keys and the memory fraction, which c10 takes through a call, left out).
+/// The PYTORCH_CUDA_ALLOC_CONF string with the same meaning as `cfg` for the keys both share:
+/// max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions,
+/// garbage_collection_threshold and expandable_segments. cucache-only keys, the memory limit and
+/// the memory fraction (which c10 takes through a call) are left out.
 [[nodiscard]] std::string c10_settings(const config& cfg);
+/// Whether c10_settings(cfg) drops nothing but the memory limit and fraction: PyTorch's allocator
+/// has every other key that cfg sets.
+[[nodiscard]] bool c10_has_every_key(const config& cfg);
 
 }  // namespace cucache::replay
