@@ -26,9 +26,9 @@ namespace {
 /// the page table, the idle runs are disjoint and hold exactly the mapped pages no block touches,
 /// and a page without access is idle (back() grants access before a block is handed out). A chunk
 /// (a handle of several pages) is recorded consistently on consecutive pages, and is either idle
-/// as a whole or lies within the pages that one live block covers whole -- unless a carve
-/// straddled a chunk (pager::straddled_chunks, `straddles`); no chunk is larger than the pager
-/// makes them (`max_chunk_pages`: pager::largest_chunk_pages).
+/// as a whole or lies within the pages that one live block covers whole -- unless a carve of the
+/// pool straddled a chunk (pool_pages::straddles, `straddles`); no chunk is larger than the
+/// pager makes them (`max_chunk_pages`: pager::largest_chunk_pages).
 /// (The pool's idle list against these tables: pager::check_invariants.) In a sleeping pool
 /// (`asleep`) no page is mapped at all, and the pages its blocks touch are counted in
 /// `sleeping_pages` instead.
@@ -250,7 +250,7 @@ void device_allocator::check_invariants() const {
         std::int64_t mappings = 0;
         const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
         check_range(p, *s, reserved[k], mappings, mapped_total,
-                    asleep, sleeping_pages[p.domain], m.pager->straddled_chunks(),
+                    asleep, sleeping_pages[p.domain], p.pages.straddles(),
                     m.pager->largest_chunk_pages());
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {

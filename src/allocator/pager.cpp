@@ -269,9 +269,19 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
   if (delta > 0) {
-    // A chunk is touched as a whole by one block: one that b would touch in part goes first.
-    if (r.chunks != 0 && r.cuts_chunk(b->addr, b->size, first, last)) [[unlikely]]
-      convert_cut_chunks(p, r, b, first, last);
+    // A chunk is touched as a whole by one block: one that b would touch in part goes first --
+    // unless coarse handles are plentiful: then every such chunk stays as it is (straddled),
+    // counted only. That test is one load (a warm pass carves into straddled chunks at every
+    // step).
+    if (r.chunks != 0) {
+      if (const std::size_t cut = r.cut_chunks(b->addr, b->size, first, last); cut != 0) {
+        if (coarse_now_.load(std::memory_order_relaxed)) {
+          p.pages.add_straddles(cut);
+        } else {
+          convert_cut_chunks(p, r, b, first, last);
+        }
+      }
+    }
     const std::uint32_t first_use = r.edge(first);
     r.edge_use.set(first, first_use + 1);
     std::uint32_t last_use = first_use;
@@ -442,11 +452,7 @@ void pager::convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std:
     // Touched by no block unless a carve straddled it before: then it stays as it is.
     bool converted = false;
     try {
-      // While coarse handles are plentiful the chunk stays, straddled: releasing it would only
-      // make its pages be created again one by one. That test comes first: it is one load,
-      // where all_idle looks up every page of the chunk in the idle runs (a warm pass carves
-      // into straddled chunks at every step).
-      if (!coarse_now_.load(std::memory_order_relaxed) && may_synchronize_() && r.all_idle(m)) {
+      if (may_synchronize_() && r.all_idle(m)) {
         wait_until_unmappable(r.idle_epoch(m));
         const piece pc = unmap(p, r, m.first);
         counters.splits.fetch_add(1, std::memory_order_relaxed);
@@ -455,7 +461,7 @@ void pager::convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std:
       }
     } catch (...) {
     }
-    if (!converted) straddles_.fetch_add(1, std::memory_order_relaxed);
+    if (!converted) p.pages.add_straddles(1);
   }
 }
 

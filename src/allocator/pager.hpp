@@ -129,11 +129,20 @@ class pager {
   [[nodiscard]] std::size_t largest_chunk_pages() const noexcept {
     return std::max(max_chunk_pages_, coarse_pages_);
   }
-  /// Carves that touched part of an idle chunk and left it mapped, touched in part: while it
-  /// could not be unmapped (the gate closed, or an unmap that failed), or while coarse handles
-  /// were plentiful (set_coarse_handles). Never reset.
-  [[nodiscard]] std::uint64_t straddled_chunks() const noexcept {
-    return straddles_.load(std::memory_order_relaxed);
+  /// Chunks that carves touched in part and left mapped (straddled), one per chunk per carve:
+  /// while coarse handles were plentiful (set_coarse_handles), or while a chunk could not be
+  /// unmapped (the gate closed, or an unmap that failed). The sum of every pool's count
+  /// (pool_pages::straddles), read without their locks. Never reset.
+  [[nodiscard]] std::uint64_t straddled_chunks() const EXCLUDES(pools_mu_) {
+    detail::shared_lock list(pools_mu_);
+    return straddled_chunks_locked();
+  }
+  /// The same. REQUIRES: the caller holds the pool table's list lock (as
+  /// idle_bytes_of_every_pool_locked).
+  [[nodiscard]] std::uint64_t straddled_chunks_locked() const noexcept NO_THREAD_SAFETY_ANALYSIS {
+    std::uint64_t n = 0;
+    for (const auto& q : pools_) n += q->pages.straddles();
+    return n;
   }
   /// `gate` answers whether the device may be synchronized now (false while a CUDA graph capture
   /// is underway). While it says no, nothing is unmapped: idle pages are neither moved, split
@@ -380,7 +389,8 @@ class pager {
   /// The same, most recently idle first (the last page of the head run).
   std::optional<idle_page> newest_unmappable(const stream_pool& q) const REQUIRES(q.mu);
   /// The idle chunks holding b's first or last page that b does not cover whole are unmapped and
-  /// released (touch, before b's span leaves the idle runs).
+  /// released (touch, before b's span leaves the idle runs, while coarse handles are not
+  /// plentiful); one that cannot be is counted as straddled.
   void convert_cut_chunks(stream_pool& p, vm_range& r, const block* b, std::size_t first,
                           std::size_t last) noexcept REQUIRES(p.mu);
   struct span_state {
@@ -483,7 +493,6 @@ class pager {
   std::atomic<std::size_t> address_bytes_{0};
   std::size_t max_chunk_pages_ = k_max_chunk_pages;
   std::size_t min_chunked_pages_ = k_min_chunked_pages;
-  std::atomic<std::uint64_t> straddles_{0};
   std::size_t coarse_pages_ = 0;  // set_coarse_handles; 0: off
   /// The last back() that lacked pages found coarse_room (and no reclaim ran since): a carve that
   /// cuts an idle chunk then straddles it instead of releasing it (no device call to decide).

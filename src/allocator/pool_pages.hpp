@@ -16,7 +16,7 @@
 
 namespace cucache::detail {
 
-/// A byte count written by one thread at a time (under its pool's mutex) and read by others
+/// A count (bytes, or events) written by one thread at a time (under its pool's mutex) and read by others
 /// without that mutex: relaxed loads and stores, plain moves on x86 -- no read-modify-write of a
 /// line that other pools' threads write (a device-wide atomic sum did that on every expandable
 /// cache hit).
@@ -66,6 +66,10 @@ class pool_pages {
   [[nodiscard]] bool has_idle() const noexcept {
     return idle_head_ != nullptr || parked_ != nullptr;
   }
+  /// Chunks of this pool's ranges that carves touched in part and left mapped (straddled), one
+  /// per chunk per carve; never reset. Written under the pool's mutex; read without it by
+  /// pager::straddled_chunks.
+  [[nodiscard]] std::uint64_t straddles() const noexcept { return straddles_; }
 
   // --- the pager's steps ----------------------------------------------------------------------
   /// Room for one more range, so that add_range cannot fail. May throw.
@@ -81,6 +85,7 @@ class pool_pages {
     range_bytes_[static_cast<int>(s->kind)] -= s->size;
   }
   void add_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ += bytes; }
+  void add_straddles(std::size_t n) noexcept { straddles_ += n; }
   void sub_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ -= bytes; }
   void set_parked(vm_range* r) noexcept { parked_ = r; }
   /// u leaves the idle list (its own links are left as they were).
@@ -112,6 +117,7 @@ class pool_pages {
   idle_run* idle_head_ = nullptr;
   idle_run* idle_tail_ = nullptr;
   owned_bytes idle_bytes_;
+  owned_bytes straddles_;
   vm_range* parked_ = nullptr;
   object_arena<idle_run> runs_;
 };

@@ -202,19 +202,28 @@ struct vm_range {
     const std::size_t end = hi / page_bytes;
     return {first, end > first ? end : first};
   }
-  /// A block of span [addr, addr + bytes) with pages [first, last] would touch part of a chunk,
-  /// or a chunk's page that a neighbour may share: a chunk holding its first or last page does
-  /// not lie within the pages it covers whole. (A chunk is contiguous, so one that meets the
-  /// span but does not lie within its whole pages holds the span's first or last page.) O(1).
-  [[nodiscard]] bool cuts_chunk(std::uintptr_t addr, std::size_t bytes, std::size_t first,
-                                std::size_t last) const noexcept {
-    if (pages.get(first).chunk_pages == 0 && pages.get(last).chunk_pages == 0) return false;
+  /// The chunks a block of span [addr, addr + bytes) with pages [first, last] would touch in part
+  /// (0, 1 or 2), counting a chunk's page that a neighbour may share: a chunk holding its first or
+  /// last page that does not lie within the pages it covers whole. (A chunk is contiguous, so one
+  /// that meets the span but does not lie within its whole pages holds the span's first or last
+  /// page.) O(1).
+  [[nodiscard]] std::size_t cut_chunks(std::uintptr_t addr, std::size_t bytes, std::size_t first,
+                                       std::size_t last) const noexcept {
+    const vm_page a = pages.get(first);
+    const vm_page z = last == first ? a : pages.get(last);
+    if (a.chunk_pages == 0 && z.chunk_pages == 0) return 0;
     const page_span whole = whole_pages(addr, bytes);
-    for (const std::size_t pg : {first, last}) {
-      const page_span m = mapping_of(pg);
-      if (m.pages() > 1 && (m.first < whole.first || m.end > whole.end)) return true;
-    }
-    return false;
+    const auto cut = [&](std::size_t pg, const vm_page& e) {
+      if (e.chunk_pages <= 1) return false;
+      const std::size_t lo = pg - e.chunk_index;
+      return lo < whole.first || lo + e.chunk_pages > whole.end;
+    };
+    const bool cut_a = cut(first, a);
+    // The last page's chunk counts apart from the first's unless it is the same chunk.
+    const bool same = z.chunk_pages > 1 && a.chunk_pages > 1 &&
+                      last - z.chunk_index == first - a.chunk_index;
+    const bool cut_z = !same && last != first && cut(last, z);
+    return (cut_a ? 1 : 0) + (cut_z ? 1 : 0);
   }
   /// Every page of [first, end) is idle. O(pages x log runs).
   [[nodiscard]] bool all_idle(page_span s) const {
