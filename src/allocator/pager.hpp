@@ -135,14 +135,7 @@ class pager {
   /// (pool_pages::straddles), read without their locks. Never reset.
   [[nodiscard]] std::uint64_t straddled_chunks() const EXCLUDES(pools_mu_) {
     detail::shared_lock list(pools_mu_);
-    return straddled_chunks_locked();
-  }
-  /// The same. REQUIRES: the caller holds the pool table's list lock (as
-  /// idle_bytes_of_every_pool_locked).
-  [[nodiscard]] std::uint64_t straddled_chunks_locked() const noexcept NO_THREAD_SAFETY_ANALYSIS {
-    std::uint64_t n = 0;
-    for (const auto& q : pools_) n += q->pages.straddles();
-    return n;
+    return straddles_of_every_pool();
   }
   /// `gate` answers whether the device may be synchronized now (false while a CUDA graph capture
   /// is underway). While it says no, nothing is unmapped: idle pages are neither moved, split
@@ -494,6 +487,13 @@ class pager {
   std::size_t max_chunk_pages_ = k_max_chunk_pages;
   std::size_t min_chunked_pages_ = k_min_chunked_pages;
   std::size_t coarse_pages_ = 0;  // set_coarse_handles; 0: off
+  /// straddled_chunks' sum. REQUIRES: the list lock. Not analysed: it reads each pool's owned
+  /// counter without the pool's lock, by design (as idle_bytes_of_every_pool_locked).
+  [[nodiscard]] std::uint64_t straddles_of_every_pool() const noexcept NO_THREAD_SAFETY_ANALYSIS {
+    std::uint64_t n = 0;
+    for (const auto& q : pools_) n += q->pages.straddles();
+    return n;
+  }
   /// The last back() that lacked pages found coarse_room (and no reclaim ran since): a carve that
   /// cuts an idle chunk then straddles it instead of releasing it (no device call to decide).
   std::atomic<bool> coarse_now_{false};

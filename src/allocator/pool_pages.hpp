@@ -16,10 +16,10 @@
 
 namespace cucache::detail {
 
-/// A count (bytes, or events) written by one thread at a time (under its pool's mutex) and read by others
-/// without that mutex: relaxed loads and stores, plain moves on x86 -- no read-modify-write of a
-/// line that other pools' threads write (a device-wide atomic sum did that on every expandable
-/// cache hit).
+/// A count (bytes, or events) written by one thread at a time (under its pool's mutex) and read
+/// by others without that mutex: relaxed loads and stores, plain moves on x86 -- no
+/// read-modify-write of a line that other pools' threads write (a device-wide atomic sum did
+/// that on every expandable cache hit).
 class owned_bytes {
  public:
   owned_bytes& operator+=(std::size_t n) noexcept {
@@ -85,8 +85,8 @@ class pool_pages {
     range_bytes_[static_cast<int>(s->kind)] -= s->size;
   }
   void add_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ += bytes; }
-  void add_straddles(std::size_t n) noexcept { straddles_ += n; }
   void sub_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ -= bytes; }
+  void add_straddles(std::size_t n) noexcept { straddles_ += n; }
   void set_parked(vm_range* r) noexcept { parked_ = r; }
   /// u leaves the idle list (its own links are left as they were).
   void unlink(idle_run* u) noexcept {
