@@ -103,5 +103,39 @@ TEST(VmRange, StraddledIdlePagesAreThoseOfAChunkThatIsNotIdleAsAWhole) {
   EXPECT_EQ(g.r.straddled_idle_pages(g.r.mapping_of(12), 0, 64), 0u);
 }
 
+// The page table's chunks of 512 entries: an emptied chunk stays in place as the one spare (a
+// block carved and freed alone in its chunk allocates nothing); another chunk that needs storage
+// takes it; a second emptied chunk frees the earlier spare.
+TEST(SparsePageTable, AnEmptiedChunkIsTheOneSpare) {
+  sparse_page_table<std::uint32_t> t(4 * 512);
+  EXPECT_EQ(t.chunks(), 0u);
+  t.set(10, 1);
+  EXPECT_EQ(t.chunks(), 1u);
+  t.set(10, 0);  // emptied: kept as the spare
+  EXPECT_EQ(t.chunks(), 1u);
+  EXPECT_EQ(t.get(10), 0u);
+  t.set(11, 2);  // the same chunk again
+  EXPECT_EQ(t.chunks(), 1u);
+  t.set(11, 0);
+  t.set(600, 3);  // another chunk takes the spare
+  EXPECT_EQ(t.chunks(), 1u);
+  EXPECT_EQ(t.get(600), 3u);
+  EXPECT_EQ(t.get(11), 0u);
+  t.set(1100, 4);  // a third chunk: new storage
+  EXPECT_EQ(t.chunks(), 2u);
+  t.set(600, 0);   // emptied: the spare
+  t.set(1100, 0);  // emptied too: the earlier spare is freed
+  EXPECT_EQ(t.chunks(), 1u);
+  std::size_t seen = 0;
+  t.for_each([&](std::size_t, std::uint32_t) { ++seen; });
+  EXPECT_EQ(seen, 0u);
+  t.set(5, 7);  // the spare moves to chunk 0
+  EXPECT_EQ(t.chunks(), 1u);
+  t.for_each([&](std::size_t pg, std::uint32_t v) {
+    EXPECT_EQ(pg, 5u);
+    EXPECT_EQ(v, 7u);
+  });
+}
+
 }  // namespace
 }  // namespace cucache::detail
