@@ -16,7 +16,6 @@
 // (1 GiB of a 2 MiB-page range) on first use and free it when it empties.
 #pragma once
 
-#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstddef>
@@ -240,10 +239,11 @@ struct vm_range {
       return lo < whole.first || lo + e.chunk_pages > whole.end;
     };
     const bool cut_a = cut(first, a);
-    // The last page's chunk counts apart from the first's unless it is the same chunk.
+    // The last page's chunk counts apart from the first's unless it is the same chunk (always so
+    // when last == first and that page is a chunk's).
     const bool same = z.chunk_pages > 1 && a.chunk_pages > 1 &&
                       last - z.chunk_index == first - a.chunk_index;
-    const bool cut_z = !same && last != first && cut(last, z);
+    const bool cut_z = !same && cut(last, z);
     return (cut_a ? 1 : 0) + (cut_z ? 1 : 0);
   }
   /// Every page of [first, end) is idle. O(pages x log runs).
@@ -259,14 +259,14 @@ struct vm_range {
   [[nodiscard]] std::size_t straddled_idle_pages(page_span m, std::size_t first,
                                                  std::size_t end) const {
     if (m.pages() == 1) return 0;
-    std::size_t idle_n = 0;
-    for (std::size_t pg = m.first; pg < m.end; ++pg) idle_n += idle(pg) ? 1 : 0;
-    if (idle_n == m.pages()) return 0;
-    std::size_t n = 0;
-    for (std::size_t pg = std::max(m.first, first); pg < std::min(m.end, end); ++pg) {
-      n += idle(pg) ? 1 : 0;
+    std::size_t idle_n = 0;  // of the chunk
+    std::size_t n = 0;       // of the chunk within [first, end)
+    for (std::size_t pg = m.first; pg < m.end; ++pg) {
+      if (!idle(pg)) continue;
+      ++idle_n;
+      n += pg >= first && pg < end ? 1 : 0;
     }
-    return n;
+    return idle_n == m.pages() ? 0 : n;
   }
   /// The latest epoch of the idle pages of [first, end) (their idle runs and the parked span):
   /// the epoch after which a synchronization covers all of them. O(log runs + runs met).

@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cucache/errors.hpp"
@@ -488,26 +489,34 @@ TEST(Sleep, WakeWithoutRoomLeavesTheDomainAsleepAndSaysWhatIsMissing) {
 }
 
 TEST(Sleep, AFailedMapDuringWakeUndoesEverythingItMapped) {
-  sim_allocator a(expandable(), host_backed(4 * GiB));
-  std::vector<void*> mine;
-  {
-    in_domain d(4);
-    for (int i = 0; i < 4; ++i) mine.push_back(a.alloc.allocate(6 * MiB));
+  // Blocks of 6 MiB (3 pages each). With one handle per page the 5th map fails part way through a
+  // block; with coarse handles (one chunk per block) the 3rd map, the third block's.
+  for (const auto& [extra, failing_map] :
+       {std::pair<std::string, int>{"coarse_handles:0", 5}, {"coarse_handles:8", 3}}) {
+    SCOPED_TRACE(extra);
+    sim_allocator a(expandable(extra), host_backed(4 * GiB));
+    std::vector<void*> mine;
+    {
+      in_domain d(4);
+      for (int i = 0; i < 4; ++i) mine.push_back(a.alloc.allocate(6 * MiB));
+    }
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      fill(*a.sim, mine[i], 6 * MiB, static_cast<std::uint8_t>(i));
+    }
+    a.alloc.sleep(4, true);
+    const std::size_t used_asleep = a.sim->used_bytes();
+    a.sim->fail_nth(sim_call::map, failing_map);
+    EXPECT_THROW(a.alloc.wake(4), cuda_error);
+    EXPECT_TRUE(a.alloc.is_asleep(4));
+    EXPECT_EQ(a.sim->used_bytes(), used_asleep);
+    EXPECT_EQ(a.sim->live_mappings(), 0u);
+    a.alloc.check_invariants();
+    a.alloc.wake(4);
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      EXPECT_TRUE(holds(*a.sim, mine[i], 6 * MiB, static_cast<std::uint8_t>(i)));
+    }
+    a.alloc.check_invariants();
   }
-  for (std::size_t i = 0; i < mine.size(); ++i) fill(*a.sim, mine[i], 6 * MiB, static_cast<std::uint8_t>(i));
-  a.alloc.sleep(4, true);
-  const std::size_t used_asleep = a.sim->used_bytes();
-  a.sim->fail_nth(sim_call::map, 3);  // the third block (coarse handles: one chunk per block)
-  EXPECT_THROW(a.alloc.wake(4), cuda_error);
-  EXPECT_TRUE(a.alloc.is_asleep(4));
-  EXPECT_EQ(a.sim->used_bytes(), used_asleep);
-  EXPECT_EQ(a.sim->live_mappings(), 0u);
-  a.alloc.check_invariants();
-  a.alloc.wake(4);
-  for (std::size_t i = 0; i < mine.size(); ++i) {
-    EXPECT_TRUE(holds(*a.sim, mine[i], 6 * MiB, static_cast<std::uint8_t>(i)));
-  }
-  a.alloc.check_invariants();
 }
 
 TEST(Sleep, HostMemoryThatCannotBePinnedChangesNothing) {

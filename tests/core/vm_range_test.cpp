@@ -132,9 +132,11 @@ TEST(SparsePageTable, AnEmptiedChunkIsTheOneSpare) {
   t.set(5, 7);  // the spare moves to chunk 0
   EXPECT_EQ(t.chunks(), 1u);
   t.for_each([&](std::size_t pg, std::uint32_t v) {
+    ++seen;
     EXPECT_EQ(pg, 5u);
     EXPECT_EQ(v, 7u);
   });
+  EXPECT_EQ(seen, 1u);
 }
 
 }  // namespace

@@ -67,7 +67,7 @@ bool pytorch_shares(const std::string& conf) {
 std::vector<std::string> advice_candidates(const prepared_trace& trace) {
   std::vector<std::string> c = {
       "",
-      // Coarse handles (the default in expandable mode, docs/decisions/0022): fewer, larger
+      // Coarse handles (the default in expandable mode, docs/decisions/0022 and 0023): fewer, larger
       // handles while half the capacity is to spare; under a limit near the minimum capacity it
       // behaves as one handle per page. One handle per page (coarse_handles:0) wins where its
       // minimum capacity is lower (a program that grows from plenty into pressure).

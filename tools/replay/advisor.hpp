@@ -67,8 +67,8 @@ using pytorch_fitter = std::function<advice_row(
 [[nodiscard]] advice_row fit_c10_in_child(const prepared_trace& trace,
                                           const std::string& pytorch_conf, const fit_options& fit);
 
-/// The candidate settings for a trace: the defaults, expandable segments (alone and with
-/// coarse_handles:8), max_split_size_mb 64, 128, 256 and 512, garbage_collection_threshold 0.6 and
+/// The candidate settings for a trace: the defaults, expandable segments (coarse handles, their
+/// default, and coarse_handles:0), max_split_size_mb 64, 128, 256 and 512, garbage_collection_threshold 0.6 and
 /// 0.8, roundup_power2_divisions 2, 4 and 8, and reserve_mb (90% of the trace's peak requested
 /// bytes) in both modes.
 [[nodiscard]] std::vector<std::string> advice_candidates(const prepared_trace& trace);
