@@ -109,6 +109,14 @@ struct sim_options {
 /// The simulated device. Thread-safe: every call takes one internal mutex.
 class sim_backend final : public device_backend {
  public:
+  /// Device 0's first address; device d's window of 64 TiB starts d * 2^46 above it. It lies
+  /// where Linux places nothing of the process (above the low binaries, below the PIE and mmap
+  /// areas at 0x55... and 0x7f...) and clear of every ASan and TSan shadow layout: the real driver
+  /// reserves its device ranges in the process's address space, so no host buffer shares an
+  /// address with device memory, and the sim keeps that true without reserving anything.
+  static constexpr std::uintptr_t k_first_address = 0x400000000000ULL;
+  static constexpr std::size_t k_window_bytes = std::size_t{1} << 46;
+
   explicit sim_backend(sim_options options = {});
   ~sim_backend() override;
   sim_backend(const sim_backend&) = delete;
@@ -323,7 +331,8 @@ class sim_backend final : public device_backend {
   [[nodiscard]] static bool is_pending(const event_rec& ev) noexcept {
     return ev.recorded && !ev.captured && !ev.complete;
   }
-  /// Removes event `id`, whose record is `ev`, from pending_by_stream_ if there. REQUIRES: mu_ held.
+  /// Removes event `id`, whose record is `ev`, from pending_by_stream_ if there. REQUIRES: mu_
+  /// held.
   void forget_pending(std::uintptr_t id, const event_rec& ev) noexcept;
   /// Completes the pending events of `ids` and forgets them. REQUIRES: mu_ held.
   void complete_pending(std::unordered_set<std::uintptr_t>& ids) noexcept;
@@ -348,8 +357,8 @@ class sim_backend final : public device_backend {
   std::unordered_map<phys_handle, handle_rec> handles_;
   std::map<std::uintptr_t, import_rec> imports_;
   std::map<std::uintptr_t, std::size_t> pinned_;  // host_alloc_pinned's blocks: addr -> bytes
-  std::size_t pinned_bytes_ = 0;                   // their sum
-  std::vector<int> access_devices_;  // set_access's devices; empty = this device alone
+  std::size_t pinned_bytes_ = 0;                  // their sum
+  std::vector<int> access_devices_;               // set_access's devices; empty = this device alone
   bool phys_export_ = false;
   phys_handle next_handle_ = 1;
   std::unordered_map<std::uintptr_t, event_rec> events_;
@@ -358,7 +367,7 @@ class sim_backend final : public device_backend {
   // were recorded on: what a synchronization completes, so that its cost is what it completes
   // (a segment_free visited every event that exists: issue 30 item 9).
   std::unordered_map<std::uint64_t, std::unordered_set<std::uintptr_t>> pending_by_stream_;
-  std::uint64_t event_visits_ = 0;  // event_visits()
+  std::uint64_t event_visits_ = 0;                                      // event_visits()
   std::unordered_map<stream_handle, std::uint64_t> live_streams_;       // created, alive: id
   std::unordered_map<stream_handle, std::uint64_t> destroyed_streams_;  // destroyed, not reused
   std::vector<stream_handle> reusable_handles_;  // destroyed handles, most recent last

@@ -1,6 +1,6 @@
 // The simulated device. Addresses come from a first-fit allocator over a fixed 64 TiB window, so
 // the same sequence of calls always yields the same addresses. Each device ordinal has a window of
-// its own (device 0's starts at 0x7f0000000000): as on real GPUs, which share one virtual address
+// its own (device 0's starts at sim_backend::k_first_address): as on real GPUs, which share one virtual address
 // space, a pointer belongs to one device only, so a free can find its owner. Driver rules that the
 // allocator must respect (whole-mapping unmap, no release of mapped handles, no free of unknown
 // pointers) are enforced as errors, so a bug in the allocator shows up as a failed test.
@@ -23,9 +23,9 @@
 namespace cucache {
 namespace {
 
-constexpr std::uintptr_t k_address_base = 0x7f0000000000ULL;
-constexpr std::size_t k_address_window = std::size_t{1} << 46;
-constexpr int k_max_devices = 64;  // windows up to 0x7f0000000000 + 64 * 64 TiB, far below 2^64
+constexpr std::uintptr_t k_address_base = sim_backend::k_first_address;
+constexpr std::size_t k_address_window = sim_backend::k_window_bytes;
+constexpr int k_max_devices = 64;  // windows up to 0x400000000000 + 64 * 64 TiB, far below 2^64
 constexpr int k_sim_invalid_value = 1;  // cudaErrorInvalidValue's number
 // Streams from create_stream live far from the sim's device addresses and from the small fake
 // handles tests use (1, 2, 0x5000 + 0x100 * i, n << 8), 64 bytes apart like real CUstream_st.

@@ -23,7 +23,7 @@ inline constexpr std::size_t KiB = std::size_t{1} << 10;
 inline constexpr std::size_t MiB = std::size_t{1} << 20;
 inline constexpr std::size_t GiB = std::size_t{1} << 30;
 /// The sim backend's first address: every scenario starts here.
-inline constexpr std::uintptr_t k_base = 0x7f0000000000ULL;
+inline constexpr std::uintptr_t k_base = sim_backend::k_first_address;
 
 /// A stream handle the sim did not create. stream(1) and stream(2) are the runtime's special
 /// handles -- cudaStreamLegacy (the legacy stream, as nullptr: never captured, one pool with
