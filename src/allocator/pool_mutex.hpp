@@ -21,9 +21,10 @@ namespace cucache::detail {
 /// synchronizations) for milliseconds. Meets Lockable; a capability for clang's thread-safety
 /// analysis, held through pool_lock (or lock_guard) so that the analysis sees it.
 ///
-/// Unlock is an atomic exchange, so a sleeper that announced itself (2) is always woken. A
-/// plain-store unlock would save ~15 ns per pair but can miss a sleeper that announces itself
-/// between the unlock's read and its store; we keep wake-ups exact instead.
+/// Unlock is an atomic exchange, so a sleeper that announced itself (2) is always woken. An
+/// unlock without one (a plain store with an asymmetric membarrier fence, wake-ups still exact)
+/// was measured on the H200's host: no gain on a cache-hit pair within the spread, contention on
+/// one stream 13-18% slower (docs/decisions/0024-pool-lock-keeps-its-exchange.md).
 class CAPABILITY("mutex") pool_mutex {
  public:
   void lock() noexcept ACQUIRE() {
