@@ -68,9 +68,7 @@ class device_budget {
   }
   /// Would `bytes` more pass the memory limit or the garbage-collection threshold?
   [[nodiscard]] bool over_caps(std::size_t bytes) const {
-    const std::size_t gc = gc_bytes.load(std::memory_order_relaxed);
-    detail::lock_guard lock(mu);
-    return over_limit_locked(bytes) || (gc != 0 && reserved + bytes > gc);
+    return room_for(bytes, 0) == room::over_caps;
   }
   /// The bytes the memory limit still lets reserved grow by (SIZE_MAX when there is none).
   [[nodiscard]] std::size_t room_under_limit_locked() const noexcept REQUIRES(mu) {
@@ -136,15 +134,26 @@ class device_budget {
     peak = reserved;
     ++changes_;
   }
-  /// The device's free bytes without asking the device: the last read (note_device_free) less
-  /// what was charged since, plus what was refunded. Exact while nothing outside this allocator
-  /// allocates on the device; none before a read or after forget_device_free (a creation the
-  /// device refused). The pager trusts it only with room to spare (pager::fits).
-  [[nodiscard]] std::optional<std::size_t> device_free_estimate() const {
+  /// What room_for finds for `bytes` more.
+  enum class room {
+    over_caps,  // the memory limit or the garbage-collection threshold refuses them
+    fits,       // the device's estimated free bytes hold them with `spare` to spare
+    unknown,    // no estimate, or too little to spare by it: the device must be asked
+  };
+  /// The pager's question before it creates `bytes` (pager::fits), answered under one lock: the
+  /// caps (as over_caps), then the device's free bytes without asking the device -- the last
+  /// read (note_device_free) less what was charged since, plus what was refunded. That estimate
+  /// is exact while nothing outside this allocator allocates on the device; there is none before
+  /// a read or after forget_device_free (a creation the device refused), and it is trusted only
+  /// with `spare` bytes left beyond `bytes`.
+  [[nodiscard]] room room_for(std::size_t bytes, std::size_t spare) const {
+    const std::size_t gc = gc_bytes.load(std::memory_order_relaxed);
     detail::lock_guard lock(mu);
-    if (!free_known_) return std::nullopt;
+    if (over_limit_locked(bytes) || (gc != 0 && reserved + bytes > gc)) return room::over_caps;
+    if (!free_known_) return room::unknown;
     const std::size_t base = free_at_read_ + reserved_at_read_;
-    return base > reserved ? base - reserved : 0;
+    const std::size_t estimate = base > reserved ? base - reserved : 0;
+    return estimate >= bytes && estimate - bytes >= spare ? room::fits : room::unknown;
   }
   /// Records a read of the device's free bytes (cudaMemGetInfo), against reserved now.
   void note_device_free(std::size_t free_bytes) {
@@ -188,7 +197,7 @@ class device_budget {
   std::size_t peak GUARDED_BY(mu) = 0;
   std::size_t above_limit_ GUARDED_BY(mu) = 0;  // reserved when the cap was lowered under it
   std::uint64_t changes_ GUARDED_BY(mu) = 0;    // (changes_locked)
-  // device_free_estimate: the last read of the device's free bytes and reserved at that read.
+  // room_for's estimate: the last read of the device's free bytes and reserved at that read.
   std::size_t free_at_read_ GUARDED_BY(mu) = 0;
   std::size_t reserved_at_read_ GUARDED_BY(mu) = 0;
   bool free_known_ GUARDED_BY(mu) = false;

@@ -650,18 +650,19 @@ bool pager::coarse_room(std::size_t extra) {
   return fits(extra + capacity / 2);
 }
 
-bool pager::over_caps(std::size_t bytes) { return budget_.over_caps(bytes); }
-
 bool pager::fits(std::size_t bytes) {
-  if (over_caps(bytes)) return false;
   // The device is asked (cudaMemGetInfo, microseconds) only when the estimate from its last
   // answer and this allocator's own creations since leaves less than a sixteenth of the device
   // beyond `bytes`: what other allocators took meanwhile is unknown, and a creation the device
   // refuses forgets the estimate (create), so a wrong "fits" costs one refused creation, never
-  // a reclaim skipped twice.
-  if (const std::optional<std::size_t> known = budget_.device_free_estimate();
-      known && *known >= bytes && *known - bytes >= device_total_ / 16) {
-    return true;
+  // a reclaim skipped twice. The caps and the estimate: one look under the budget's lock.
+  switch (budget_.room_for(bytes, device_total_ / 16)) {
+    case device_budget::room::over_caps:
+      return false;
+    case device_budget::room::fits:
+      return true;
+    case device_budget::room::unknown:
+      break;
   }
   const std::size_t free_bytes = backend_.mem_get_info().free_bytes;
   budget_.note_device_free(free_bytes);

@@ -459,8 +459,6 @@ class pager {
   [[nodiscard]] std::size_t page_handle_bytes_locked() const REQUIRES(budget_.mu) {
     return free_handles.count(page_bytes_) * page_bytes_;
   }
-  /// Would `bytes` more pass the memory limit or the garbage-collection threshold?
-  bool over_caps(std::size_t bytes);
   /// Room for `bytes` more under the caps and on the device.
   bool fits(std::size_t bytes);
 

@@ -164,6 +164,37 @@ TEST(DeviceBudget, GarbageCollectionThresholdAndCaps) {
   EXPECT_TRUE(b.over_caps(4 * MiB + 1));
 }
 
+TEST(DeviceBudget, RoomForAnswersTheCapsThenTheEstimateInOneLook) {
+  using room = device_budget::room;
+  device_budget b(GiB, 0, 0);
+  fake_device dev;
+  (void)b.charge(40 * MiB, [&] { return dev.create(); });
+  EXPECT_EQ(b.room_for(MiB, 0), room::unknown);  // the device was never read
+  b.note_device_free(100 * MiB);                 // read with 40 MiB reserved
+  EXPECT_EQ(b.room_for(90 * MiB, 10 * MiB), room::fits);
+  EXPECT_EQ(b.room_for(90 * MiB, 10 * MiB + 1), room::unknown);  // too little to spare
+  EXPECT_EQ(b.room_for(100 * MiB + 1, 0), room::unknown);
+  // The allocator's own creations and releases since the read move the estimate exactly.
+  (void)b.charge(30 * MiB, [&] { return dev.create(); });
+  EXPECT_EQ(b.room_for(70 * MiB, 0), room::fits);
+  EXPECT_EQ(b.room_for(70 * MiB + 1, 0), room::unknown);
+  b.refund(20 * MiB, [] {});
+  EXPECT_EQ(b.room_for(90 * MiB, 0), room::fits);
+  EXPECT_EQ(b.room_for(90 * MiB + 1, 0), room::unknown);
+  // The caps come first, whatever the device has.
+  b.gc_bytes.store(60 * MiB);
+  EXPECT_EQ(b.room_for(10 * MiB, 0), room::fits);
+  EXPECT_EQ(b.room_for(10 * MiB + 1, 0), room::over_caps);
+  b.gc_bytes.store(0);
+  b.set_limit(64 * MiB);
+  EXPECT_EQ(b.room_for(14 * MiB, 0), room::fits);
+  EXPECT_EQ(b.room_for(14 * MiB + 1, 0), room::over_caps);
+  EXPECT_TRUE(b.over_caps(14 * MiB + 1));
+  // A creation the device refused forgets the estimate.
+  b.forget_device_free();
+  EXPECT_EQ(b.room_for(MiB, 0), room::unknown);
+}
+
 TEST(DeviceBudget, ALimitLoweredUnderReservedIsAllowedUntilSetAgain) {
   device_budget b(GiB, 0, 0);
   fake_device dev;
