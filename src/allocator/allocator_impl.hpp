@@ -11,10 +11,11 @@
 //
 // and each pool (stream_pool) owns its segments, free indices, pending frees, statistics and the
 // pager's per-pool state under its own mutex. impl itself holds no lock: it is the allocation
-// story (device_allocator.cpp), headroom (headroom.cpp), statistics (stats.cpp), errors
-// (oom_report.cpp) and the invariant check (check_invariants.cpp), written in terms of the parts.
+// story (device_allocator.cpp), headroom (headroom.cpp), errors (oom_report.cpp) and the
+// invariant check (check_invariants.cpp), written in terms of the parts; the statistics are the
+// ledger's (stats_ledger.cpp).
 //
-// Lock order: stats_mu (statistics readers) -> the pool list (shared) -> stream_pool::mu in index
+// Lock order: ledger.readers (statistics readers) -> the pool list (shared) -> stream_pool::mu in index
 // order -> device_budget::mu -> event_cache. block_map shard locks and the graph pools' lock are
 // leaves (the graph pools' is never held while another lock is taken; stream filters run under it
 // and must not call the allocator). The rules are clang thread-safety annotations (REQUIRES,
@@ -241,43 +242,15 @@ struct device_allocator::impl {
   [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
   [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
 
-  // --- statistics (stats.cpp; the ledger: stats_ledger.hpp) ---
-  /// The statistics, exact. stats_mu held, then every pool locked.
-  device_stats stats_locked() const REQUIRES(stats_mu, detail::every_pool);
-  /// The statistics as one consistent view (a validated read, else stats_locked). No pool lock
-  /// held, nor stats_mu.
-  device_stats stats_unlocked() const EXCLUDES(stats_mu, detail::every_pool);
-  /// The summaries of the pools marked stale since the last call taken again (every pool's
-  /// when lock_all ran meanwhile or the unmapped one-page handles differ from `handles`, the
-  /// caller's read of them), each under its pool's lock -- the caller's when `all_locked`.
-  /// Returns the count of marks when the queue was taken (pool_table::changed_since).
-  std::uint64_t refresh_stats(bool all_locked, std::size_t handles) const REQUIRES(stats_mu);
-  /// p's share of the statistics.
-  detail::pool_summary summarize(const detail::stream_pool& p) const REQUIRES(p.mu);
-  /// summarize(p) into the ledger and p.
-  void resummarize(detail::stream_pool& p) const REQUIRES(p.mu);
-  /// The ledger's totals and the device-wide figures (budget, pager, sleeper) as device_stats;
-  /// `budget_changes`, when given, receives the budget's count of changes read with them.
-  /// `all_locked`: the caller holds every pool lock.
-  device_stats compose_stats(bool all_locked, std::uint64_t* budget_changes) const
-      REQUIRES(stats_mu);
-  /// compose_stats from given sums of pool summaries instead of the ledger's (the invariant
-  /// check's recount). REQUIRES: stats_mu held, or every pool locked.
-  device_stats compose_stats_from(const device_stats& totals, std::size_t largest,
-                                  std::size_t asleep_active, bool all_locked,
-                                  std::uint64_t* budget_changes) const;
+  // --- statistics (the ledger: stats_ledger.hpp / .cpp) ---
+  /// What the ledger reads of the other parts (stats_ledger::parts).
+  [[nodiscard]] detail::stats_ledger::parts ledger_parts() const;
   /// The largest request p serves from cached memory alone -- no device allocation -- on its
   /// stream (device_stats::largest_free_block is the largest over the pools; docs/design.md,
-  /// "Free memory").
+  /// "Free memory"). The placement rules' answer, for the ledger (headroom.cpp).
   std::size_t largest_cached_request(const detail::stream_pool& p) const REQUIRES(p.mu);
-  /// The ledger's invariants (check_invariants composes it): its totals are the sum of the
-  /// pools' summaries; a pool not marked stale holds the summary it would get now; the
-  /// statistics recounted now keep the field table's relations. Throws std::logic_error.
-  void check_ledger() const REQUIRES(detail::every_pool);
+  /// The statistics ledger; its `readers` mutex is first in the lock order.
   mutable detail::stats_ledger ledger;
-  /// Serializes the statistics' readers (stats_unlocked, and the callers of stats_locked, who
-  /// take it before lock_all): one refresh of the ledger at a time. First in the lock order.
-  mutable detail::mutex stats_mu;
 
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called

@@ -412,8 +412,8 @@ void device_allocator::check_invariants() const {
   // The budget's own invariants, against the bytes counted here: segments, mapped pages and
   // unmapped handles.
   m.budget.check_invariants(reserved_total);
-  // The statistics ledger's own check (stats.cpp).
-  m.check_ledger();
+  // The statistics ledger's own check (stats_ledger.cpp).
+  m.ledger.check(m.ledger_parts());
 }
 
 }  // namespace cucache

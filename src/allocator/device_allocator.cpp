@@ -1061,6 +1061,20 @@ namespace {
 
 }  // namespace
 
+detail::stats_ledger::parts device_allocator::impl::ledger_parts() const {
+  return detail::stats_ledger::parts{
+      pools,
+      budget,
+      pager.get(),
+      sleeper,
+      cfg.expandable_segments,
+      page_bytes,
+      [this](const stream_pool& q) {
+        q.mu.assert_held();  // the ledger summarizes q under its lock
+        return largest_cached_request(q);
+      }};
+}
+
 void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {
   allocation_observer* const o = impl_->observer.load(std::memory_order_acquire);
   if (o == nullptr) [[likely]]

@@ -167,7 +167,7 @@ class device_budget {
     free_known_ = false;
   }
   /// Counts the changes of what `mu` guards -- reserved, peak, the pager's unmapped handles --
-  /// for the statistics' validated read (impl::stats_unlocked): equal counts read under `mu`
+  /// for the statistics' validated read (stats_ledger::read): equal counts read under `mu`
   /// mean nothing of it changed between the two reads. Bumped on the paths that change them,
   /// all slow paths under `mu` (a device call, a handle list change), never on a cache hit.
   [[nodiscard]] std::uint64_t changes_locked() const noexcept REQUIRES(mu) { return changes_; }

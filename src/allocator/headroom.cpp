@@ -1,5 +1,6 @@
-// Headroom and reserve: max_allocatable, the largest request allocate would serve now, and
-// reserve, which fills the cache ahead of the first requests. Both sit beside the paths that serve
+// Headroom and reserve: max_allocatable, the largest request allocate would serve now,
+// largest_cached_request, the largest one a pool serves from its cache alone (the statistics'
+// largest free block), and reserve, which fills the cache ahead of the first requests. Both sit beside the paths that serve
 // requests and are written in their terms -- find_free (best fit and the max_split_size rules),
 // the size policy's rounding and segment sizes, the ladder's own release rule
 // (ladder_may_release), new_segment, and the pager's backing -- so that the answer cannot drift
@@ -283,6 +284,29 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
 
 std::size_t device_allocator::max_allocatable(stream_handle stream) {
   return impl_->max_allocatable(stream);
+}
+
+std::size_t device_allocator::impl::largest_cached_request(const stream_pool& p) const {
+  // The largest request p serves with no device allocation (docs/design.md, "Free memory").
+  // Default mode, and graph pools in every mode: the block find_free() picks, under the
+  // max_split_size rules; small requests stop at 1 MiB. Expandable mode: the pager's dry run of
+  // its placement.
+  std::size_t best = 0;
+  for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
+    if (cfg.expandable_segments && p.graph == nullptr) {
+      best = std::max(best, pager->largest_cached_request(p, kind, policy));
+      continue;
+    }
+    const bool small = kind == pool_kind::small;
+    p.index_of(kind).for_each([&](const detail::block* b) {
+      p.mu.assert_held();  // a lambda: the analysis does not carry the caller's locks into it
+      const std::size_t r = policy.largest_rounded_within(
+          small ? std::min(b->size, detail::k_small_request_max_bytes) : b->size);
+      if (r <= best || (!small && r <= detail::k_small_request_max_bytes)) return;
+      if (find_free_outline(p, kind, r) != nullptr) best = r;
+    });
+  }
+  return best;
 }
 
 void device_allocator::reserve(std::size_t bytes, stream_handle stream) {

@@ -15,9 +15,9 @@ void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
   budget.oom_count.fetch_add(1, std::memory_order_relaxed);
   device_stats s;
   {
-    detail::lock_guard reader(stats_mu);
+    detail::lock_guard reader(ledger.readers);
     detail::pool_table::all_locked all(pools);
-    s = stats_locked();
+    s = ledger.read_locked(ledger_parts());
   }
   std::string device_free = "unknown";
   try {

@@ -267,7 +267,7 @@ class pool_table {
   std::deque<stream_pool*> quiet_ GUARDED_BY(quiet_mu_);
   std::deque<stream_pool*> empty_ GUARDED_BY(quiet_mu_);
   std::atomic<std::uint64_t> adoptions_{0};
-  // The ledger's queue of stale pools (stats_ledger.hpp; its steps in stats.cpp).
+  // The ledger's queue of stale pools (stats_ledger.hpp; its steps in stats_ledger.cpp).
   mutable pool_ledger::stale_queue stale_;
 };
 

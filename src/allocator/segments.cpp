@@ -57,10 +57,10 @@ std::vector<segment_view> walk(const device_allocator::impl& m) REQUIRES(detail:
 }  // namespace
 
 memory_snapshot device_allocator::take_snapshot() const {
-  detail::lock_guard reader(impl_->stats_mu);
+  detail::lock_guard reader(impl_->ledger.readers);
   detail::pool_table::all_locked all(impl_->pools);
   memory_snapshot s;
-  s.stats = impl_->stats_locked();
+  s.stats = impl_->ledger.read_locked(impl_->ledger_parts());
   s.segments = walk(*impl_);
   return s;
 }

@@ -13,14 +13,21 @@
 // taken again for every pool when that count differs from `handles_seen`.
 //
 // Locking: `mu` guards totals, largest and handles_seen, and is taken inside a pool's mutex (a
-// summary is replaced under both) and never around one, so stats_locked, called with every pool
+// summary is replaced under both) and never around one, so read_locked, called with every pool
 // locked, keeps the pool-table lock order.
 //
 // Ownership. A pool's part of the ledger -- its summary, its stale flag and its link in the stale
 // queue -- is its pool_ledger (stream_pool::ledger): private, read through stale() and summary(),
 // changed only by pool_ledger::settle (a new summary into the totals, under both mutexes) and by
 // the stale queue (pool_ledger::stale_queue, a member of the pool table: every path that locks a
-// pool to change it marks it there). The queue's steps are in stats.cpp.
+// pool to change it marks it there).
+//
+// Behaviour (stats_ledger.cpp). The ledger summarizes a pool (walking its blocks and counters),
+// refreshes the stale pools' summaries, composes its totals with the device-wide figures (the
+// budget, the pager's handles and counters, the sleeping domains) into device_stats, serves the
+// validated read of docs/design.md "Statistics under concurrent readers", and checks its own
+// invariants. What it reads of the allocator's other parts comes as `parts`; the one rule it
+// asks of the allocator is the largest request a pool's cached memory serves (placement).
 #pragma once
 
 #include <cstddef>
@@ -30,13 +37,20 @@
 #include <mutex>
 #include <vector>
 
+#include <functional>
+
+#include "allocator/pool_mutex.hpp"
 #include "backend/thread_annotations.hpp"
 #include "cucache/stats.hpp"
 
 namespace cucache::detail {
 class stream_pool;
+class pool_table;
+class device_budget;
+class pager;
+class tag_sleeper;
 
-/// One pool's share of the device-wide statistics (impl::summarize).
+/// One pool's share of the device-wide statistics (stats_ledger::summarize).
 struct pool_summary {
   device_stats part;               // per-pool fields only; largest_free_block unused (0)
   std::size_t asleep_active = 0;   // active bytes of a sleeping pool (no page backs them)
@@ -95,7 +109,7 @@ class pool_ledger {
   [[nodiscard]] bool stale() const noexcept { return stale_; }
   /// The pool's share of the device-wide statistics, as last summarized.
   [[nodiscard]] const pool_summary& summary() const noexcept { return summary_; }
-  /// The pool summarized again as `now` (stats.cpp): `now` replaces its summary in the ledger's
+  /// The pool summarized again as `now` (stats_ledger.cpp): `now` replaces its summary in the ledger's
   /// totals and here, and the pool is no longer stale. REQUIRES: the pool's mutex.
   /// Throws only before it changes anything.
   void settle(stats_ledger& ledger, pool_summary now);
@@ -138,6 +152,53 @@ class pool_ledger {
 
 class stats_ledger {
  public:
+  /// What the ledger reads of the allocator's other parts.
+  struct parts {
+    const pool_table& pools;
+    const device_budget& budget;
+    const pager* pg;  // null in default mode
+    const tag_sleeper& sleeper;
+    bool expandable = false;
+    std::size_t page_bytes = 0;
+    /// The largest request a pool's cached memory serves with no device allocation (the
+    /// allocator's placement rules; docs/design.md, "Free memory"). REQUIRES: the pool's lock.
+    std::function<std::size_t(const stream_pool&)> largest_cached_request;
+  };
+
+  // --- reads (the allocator's stats()) ---
+  /// The statistics as one consistent view: a validated read -- the stale pools summarized
+  /// again, composed with the device-wide figures, valid when nothing was marked and the budget
+  /// did not change meanwhile -- tried k_optimistic_reads times, else read_locked under lock_all.
+  /// No pool lock held, nor `readers`.
+  [[nodiscard]] device_stats read(const parts& ps) EXCLUDES(readers, every_pool);
+  /// The statistics, exact. `readers` held, then every pool locked.
+  [[nodiscard]] device_stats read_locked(const parts& ps) REQUIRES(readers, every_pool);
+  /// The invariants (check_invariants composes it): the totals are the sum of the pools'
+  /// summaries; a pool not marked stale holds the summary it would get now; the statistics
+  /// recounted now keep the field table's relations (violated_stats_relation). Throws
+  /// std::logic_error naming the violation.
+  void check(const parts& ps) const REQUIRES(every_pool);
+
+  // --- steps (exposed for tests) ---
+  /// p's share of the statistics, from its counters, free indexes and segments. REQUIRES: p's
+  /// lock (asserted inside: stream_pool is incomplete here, so the annotation cannot be).
+  [[nodiscard]] static pool_summary summarize(const parts& ps, const stream_pool& p);
+  /// The summaries of the pools marked stale since the last call taken again (every pool's when
+  /// lock_all ran meanwhile or the pager's largest-request key differs from `handles`, the
+  /// caller's read of it), each under its pool's lock -- the caller's when `all_locked`. Returns
+  /// the count of marks when the queue was taken (pool_table::changed_since).
+  std::uint64_t refresh(const parts& ps, bool all_locked, std::size_t handles) REQUIRES(readers);
+  /// The totals given (the ledger's, or a recount) with the device-wide figures as device_stats;
+  /// `budget_changes`, when given, receives the budget's count of changes read with them.
+  /// `all_locked`: the caller holds every pool lock. REQUIRES: `readers`, or every pool locked.
+  [[nodiscard]] static device_stats compose(const parts& ps, const device_stats& totals,
+                                            std::size_t largest, std::size_t asleep_active,
+                                            bool all_locked, std::uint64_t* budget_changes);
+
+  /// Serializes the readers (read, and the callers of read_locked, who take it before lock_all):
+  /// one refresh at a time. First in the allocator's lock order.
+  mutable mutex readers;
+
   /// Replaces the summary `old` of a pool by `now` in the totals.
   /// Throws only before it changes anything (no memory for a new entry of `largest`).
   void replace(const pool_summary& old, const pool_summary& now) REQUIRES(mu) {

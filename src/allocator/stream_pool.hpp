@@ -127,7 +127,7 @@ class stream_pool {
   /// The pool's part of the ledger: its summary and stale flag (under mu), its link in the pool
   /// table's stale queue (under the queue's mutex). Private to the ledger: read here, changed by
   /// pool_ledger::settle and the stale queue only. Not annotated as a whole: its queue link is
-  /// not under mu (its readers and writers are in stats.cpp; note_change holds mu).
+  /// not under mu (its readers and writers are in stats_ledger.cpp; note_change holds mu).
   pool_ledger ledger;
 
   // --- retirement (pool_table, docs/design.md "What a stream costs"), under mu ---------------

@@ -1,6 +1,9 @@
-// Device-wide statistics: the per-stream pools' figures summed, plus what only a walk of the
-// blocks can tell (inactive split blocks, free blocks) and the largest request cached memory
-// serves.
+// The statistics ledger's behaviour (stats_ledger.hpp): device-wide statistics as the per-stream
+// pools' figures summed, plus what only a walk of the blocks can tell (inactive split blocks, free
+// blocks) and the largest request cached memory serves; the stale queue's steps; the validated
+// read; the ledger's invariants. And the allocator's statistics front doors.
+#include "allocator/stats_ledger.hpp"
+
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -12,6 +15,11 @@
 #include <fmt/format.h>
 
 #include "allocator/allocator_impl.hpp"
+#include "allocator/device_budget.hpp"
+#include "allocator/pager.hpp"
+#include "allocator/pool_table.hpp"
+#include "allocator/stream_pool.hpp"
+#include "allocator/tag_sleeper.hpp"
 
 using cucache::detail::pool_kind;
 using cucache::detail::stream_pool;
@@ -87,114 +95,98 @@ stat_array copy_of(const detail::counter_array& from) {
 
 }  // namespace
 
-detail::pool_summary device_allocator::impl::summarize(const stream_pool& p) const {
-  detail::pool_summary out;
+namespace detail {
+
+pool_summary stats_ledger::summarize(const parts& ps, const stream_pool& p) {
+  p.mu.assert_held();  // the caller's (stats_ledger.hpp)
+  pool_summary out;
   device_stats& s = out.part;
-  const auto& ps = p.stats;
-  const bool asleep = p.domain != 0 && sleeper.asleep(p.domain);
-  if (asleep) out.asleep_active = static_cast<std::size_t>(ps.active_bytes(0).current);
-  s.allocated_bytes = copy_of(ps.allocated_bytes);
-  s.reserved_bytes = copy_of(ps.reserved_bytes);
-  s.requested_bytes = copy_of(ps.requested_bytes);
-  s.allocation_count = copy_of(ps.allocation_count);
-  s.segment_count = copy_of(ps.segment_count);
+  const auto& st = p.stats;
+  const bool asleep = p.domain != 0 && ps.sleeper.asleep(p.domain);
+  if (asleep) out.asleep_active = static_cast<std::size_t>(st.active_bytes(0).current);
+  s.allocated_bytes = copy_of(st.allocated_bytes);
+  s.reserved_bytes = copy_of(st.reserved_bytes);
+  s.requested_bytes = copy_of(st.requested_bytes);
+  s.allocation_count = copy_of(st.allocation_count);
+  s.segment_count = copy_of(st.segment_count);
   for (std::size_t i = 0; i < k_stat_pools; ++i) {
-    s.active_bytes[i] = ps.active_bytes(i);
-    s.active_count[i] = ps.active_count(i);
+    s.active_bytes[i] = st.active_bytes(i);
+    s.active_count[i] = st.active_count(i);
   }
-  s.oversize_allocations = ps.oversize_allocations;
-  s.oversize_segments = ps.oversize_segments;
+  s.oversize_allocations = st.oversize_allocations;
+  s.oversize_segments = st.oversize_segments;
   s.events_pending = p.pending.size();
   for (const auto& idx : p.free) {
     s.free_block_count += idx.count();
-    if (!cfg.expandable_segments) s.free_bytes += idx.bytes();
+    if (!ps.expandable) s.free_bytes += idx.bytes();
   }
-  for (const detail::segment* seg = p.segments; seg != nullptr; seg = seg->next) {
+  for (const segment* seg = p.segments; seg != nullptr; seg = seg->next) {
     if (seg->vm != nullptr) {
-      s.mapped_bytes += seg->vm->mapped_pages * page_bytes;
+      s.mapped_bytes += seg->vm->mapped_pages * ps.page_bytes;
       continue;
     }
     // Inactive split: free blocks inside segments that are not wholly free (a sleeping graph
     // segment, graph_sleep.cpp, holds no memory: nothing of it is inactive).
     if (seg->whole_free() || seg->unmapped) continue;
-    const std::size_t slot = seg->kind == detail::pool_kind::small ? 1 : 2;
-    for (const detail::block* b = seg->first; b != nullptr; b = b->next) {
-      if (b->state != detail::block_state::free) continue;
+    const std::size_t slot = seg->kind == pool_kind::small ? 1 : 2;
+    for (const block* b = seg->first; b != nullptr; b = b->next) {
+      if (b->state != block_state::free) continue;
       for (std::size_t i : {std::size_t{0}, slot}) {
         s.inactive_split_bytes[i].current += static_cast<std::int64_t>(b->size);
         s.inactive_split_count[i].current += 1;
       }
     }
   }
-  if (!asleep) out.largest = largest_cached_request(p);  // a sleeping pool refuses every request
+  // A sleeping pool refuses every request.
+  if (!asleep) out.largest = ps.largest_cached_request(p);
   return out;
 }
 
-void device_allocator::impl::resummarize(stream_pool& p) const {
-  p.ledger.settle(ledger, summarize(p));
-}
-
-std::uint64_t device_allocator::impl::refresh_stats(bool all_locked, std::size_t handles) const {
-  // The pools marked stale since the last refresh are summarized again,
-  // each under its own lock (or the caller's lock_all); every pool when lock_all ran meanwhile
-  // or, in expandable mode, the unmapped one-page handles and whether coarse handles are
-  // plentiful (`handles`: pager::largest_request_key, read by the caller) differ from those the
-  // ledger last saw (every expandable pool's largest request depends on them).
-  detail::pool_table::stale_pools stale = pools.take_stale();
+std::uint64_t stats_ledger::refresh(const parts& ps, bool all_locked, std::size_t handles) {
+  // The pools marked stale since the last refresh are summarized again, each under its own lock
+  // (or the caller's lock_all); every pool when lock_all ran meanwhile or, in expandable mode,
+  // the unmapped one-page handles and whether coarse handles are plentiful (`handles`:
+  // pager::largest_request_key, read by the caller) differ from those the ledger last saw (every
+  // expandable pool's largest request depends on them).
+  pool_table::stale_pools stale = ps.pools.take_stale();
   bool every = stale.all;
   {
-    detail::lock_guard lock(ledger.mu);
-    if (ledger.handles_seen != handles) {
+    lock_guard lock(mu);
+    if (handles_seen != handles) {
       every = true;
-      ledger.handles_seen = handles;
+      handles_seen = handles;
     }
   }
   const auto one = [&](stream_pool& p) {
     if (all_locked) {
-      detail::pool_table::assert_locked(p);
-      resummarize(p);
+      pool_table::assert_locked(p);
+      p.ledger.settle(*this, summarize(ps, p));
     } else {
-      detail::lock_guard lk(p.mu);
-      resummarize(p);
+      lock_guard lk(p.mu);
+      p.ledger.settle(*this, summarize(ps, p));
     }
   };
   try {
     if (every) {
       // Taken on one branch: a std lock, which the analysis does not follow.
-      std::shared_lock<detail::shared_mutex> list;
-      if (!all_locked) list = std::shared_lock(pools.list_mutex());
-      for (const auto& p : pools.list()) one(*p);
+      std::shared_lock<shared_mutex> list;
+      if (!all_locked) list = std::shared_lock(ps.pools.list_mutex());
+      for (const auto& p : ps.pools.list()) one(*p);
     } else {
       for (stream_pool* p : stale.pools) one(*p);
     }
   } catch (...) {
     // Out of memory part way: the pools taken from the queue and not summarized again would be
     // forgotten (still stale, no longer queued). Every pool counts as stale instead.
-    pools.mark_all_stale();
+    ps.pools.mark_all_stale();
     throw;
   }
   return stale.changes;
 }
 
-device_stats device_allocator::impl::compose_stats(bool all_locked,
-                                                   std::uint64_t* budget_changes) const {
-  device_stats totals;
-  std::size_t largest = 0;
-  std::size_t asleep_active = 0;
-  {
-    detail::lock_guard lock(ledger.mu);
-    totals = ledger.totals;
-    largest = ledger.largest_request();
-    asleep_active = ledger.asleep_active;
-  }
-  return compose_stats_from(totals, largest, asleep_active, all_locked, budget_changes);
-}
-
-device_stats device_allocator::impl::compose_stats_from(const device_stats& totals,
-                                                        std::size_t largest,
-                                                        std::size_t asleep_active,
-                                                        bool all_locked,
-                                                        std::uint64_t* budget_changes) const {
+device_stats stats_ledger::compose(const parts& ps, const device_stats& totals,
+                                   std::size_t largest, std::size_t asleep_active,
+                                   bool all_locked, std::uint64_t* budget_changes) {
   device_stats s = totals;
   s.largest_free_block = largest;
   for (auto* arr : {&s.inactive_split_bytes, &s.inactive_split_count}) {
@@ -202,25 +194,25 @@ device_stats device_allocator::impl::compose_stats_from(const device_stats& tota
   }
   std::size_t reserved = 0;
   {
-    detail::lock_guard lock(budget.mu);
+    lock_guard lock(ps.budget.mu);
     // The device-wide reservation is exact, peak included: it changes only under the budget's
     // lock.
-    reserved = budget.reserved_bytes_locked();
+    reserved = ps.budget.reserved_bytes_locked();
     s.reserved_bytes[0].current = static_cast<std::int64_t>(reserved);
-    s.reserved_bytes[0].peak = static_cast<std::int64_t>(budget.peak_bytes_locked());
-    if (pager) s.unmapped_handle_bytes = pager->free_handle_bytes;
-    if (budget_changes != nullptr) *budget_changes = budget.changes_locked();
+    s.reserved_bytes[0].peak = static_cast<std::int64_t>(ps.budget.peak_bytes_locked());
+    if (ps.pg != nullptr) s.unmapped_handle_bytes = ps.pg->free_handle_bytes;
+    if (budget_changes != nullptr) *budget_changes = ps.budget.changes_locked();
   }
-  if (cfg.expandable_segments) {
+  if (ps.expandable) {
     // Free memory is physical: mapped pages no block uses (idle or partly used) and unmapped
-    // handles.
-    // (A sleeping tag's blocks stay active while no page backs them: only awake blocks count.)
+    // handles. (A sleeping tag's blocks stay active while no page backs them: only awake blocks
+    // count.)
     const std::size_t active =
         static_cast<std::size_t>(s.active_bytes[0].current) - asleep_active;
     s.free_bytes = reserved > active ? reserved - active : 0;
   }
-  if (pager) {
-    const auto& c = pager->counters;
+  if (ps.pg != nullptr) {
+    const auto& c = ps.pg->counters;
     constexpr auto relaxed = std::memory_order_relaxed;
     s.vm_map_count = c.map.load(relaxed);
     s.vm_unmap_count = c.unmap.load(relaxed);
@@ -232,18 +224,18 @@ device_stats device_allocator::impl::compose_stats_from(const device_stats& tota
     s.vm_host_ns = c.vm_ns.load(relaxed);
     s.sync_host_ns = c.sync_ns.load(relaxed);
   }
-  s.device_alloc_count = budget.device_allocs.load(std::memory_order_relaxed);
-  s.device_free_count = budget.device_frees.load(std::memory_order_relaxed);
-  s.oom_count = budget.oom_count.load(std::memory_order_relaxed);
-  s.alloc_retry_count = budget.retry_count.load(std::memory_order_relaxed);
-  s.memory_limit = budget.limit;
-  s.device_total_bytes = budget.device_total;
-  if (sleeper.any() || all_locked) {
+  s.device_alloc_count = ps.budget.device_allocs.load(std::memory_order_relaxed);
+  s.device_free_count = ps.budget.device_frees.load(std::memory_order_relaxed);
+  s.oom_count = ps.budget.oom_count.load(std::memory_order_relaxed);
+  s.alloc_retry_count = ps.budget.retry_count.load(std::memory_order_relaxed);
+  s.memory_limit = ps.budget.limit;
+  s.device_total_bytes = ps.budget.device_total;
+  if (ps.sleeper.any() || all_locked) {
     // The records change only under every pool lock, which lock_all takes with the pool list
     // shared: the list held exclusively keeps them still as well (and never waits for a pool).
-    std::unique_lock<detail::shared_mutex> list;  // on one branch: not followed by the analysis
-    if (!all_locked) list = std::unique_lock(pools.list_mutex());
-    for (const auto& [domain, r] : sleeper.records()) {
+    std::unique_lock<shared_mutex> list;  // on one branch: not followed by the analysis
+    if (!all_locked) list = std::unique_lock(ps.pools.list_mutex());
+    for (const auto& [domain, r] : ps.sleeper.records()) {
       s.sleeping_bytes += r.sleeping_bytes;
       s.sleeping_host_bytes += r.host_bytes;
     }
@@ -251,15 +243,23 @@ device_stats device_allocator::impl::compose_stats_from(const device_stats& tota
   return s;
 }
 
-device_stats device_allocator::impl::stats_locked() const {
-  const std::size_t handles = pager ? pager->largest_request_key() : 0;
-  refresh_stats(/*all_locked=*/true, handles);
-  return compose_stats(/*all_locked=*/true, nullptr);
+device_stats stats_ledger::read_locked(const parts& ps) {
+  refresh(ps, /*all_locked=*/true, ps.pg != nullptr ? ps.pg->largest_request_key() : 0);
+  device_stats totals_now;
+  std::size_t largest_now = 0;
+  std::size_t asleep_now = 0;
+  {
+    lock_guard lock(mu);
+    totals_now = totals;
+    largest_now = largest_request();
+    asleep_now = asleep_active;
+  }
+  return compose(ps, totals_now, largest_now, asleep_now, /*all_locked=*/true, nullptr);
 }
 
-device_stats device_allocator::impl::stats_unlocked() const {
+device_stats stats_ledger::read(const parts& ps) {
   // A validated read (docs/design.md, "Statistics under concurrent readers"). Readers are
-  // serialized (stats_mu): one refreshes the ledger at a time, and none sees another's refresh
+  // serialized (`readers`): one refreshes the ledger at a time, and none sees another's refresh
   // half done. Each try takes the queue of stale pools (`changes`, the count of marks, with it),
   // summarizes those pools again, and composes the ledger's totals with the device-wide figures
   // (the budget, the pager's handles, the sleeping domains). The result is the state at one
@@ -280,48 +280,37 @@ device_stats device_allocator::impl::stats_unlocked() const {
   // this read. A try that fails (a writer marked a pool meanwhile) is repeated; after
   // k_optimistic_reads the read is taken with every pool locked, which is exact.
   constexpr int k_optimistic_reads = 3;
-  detail::lock_guard reader(stats_mu);
+  lock_guard reader(readers);
   for (int attempt = 0; attempt < k_optimistic_reads; ++attempt) {
     std::uint64_t budget_before = 0;
     {
-      detail::lock_guard lock(budget.mu);
-      budget_before = budget.changes_locked();
+      lock_guard lock(ps.budget.mu);
+      budget_before = ps.budget.changes_locked();
     }
-    const std::size_t handles = pager ? pager->largest_request_key() : 0;
-    const std::uint64_t marks = refresh_stats(/*all_locked=*/false, handles);
+    const std::size_t handles = ps.pg != nullptr ? ps.pg->largest_request_key() : 0;
+    const std::uint64_t marks = refresh(ps, /*all_locked=*/false, handles);
+    device_stats totals_now;
+    std::size_t largest_now = 0;
+    std::size_t asleep_now = 0;
+    {
+      lock_guard lock(mu);
+      totals_now = totals;
+      largest_now = largest_request();
+      asleep_now = asleep_active;
+    }
     std::uint64_t budget_after = 0;
-    device_stats s = compose_stats(/*all_locked=*/false, &budget_after);
-    if (budget_after == budget_before && !pools.changed_since(marks)) return s;
+    device_stats s = compose(ps, totals_now, largest_now, asleep_now, /*all_locked=*/false,
+                             &budget_after);
+    if (budget_after == budget_before && !ps.pools.changed_since(marks)) return s;
   }
   // Nothing changes while every pool is locked.
-  detail::pool_table::all_locked all(pools, detail::pool_table::purpose::read);
-  return stats_locked();
+  pool_table::all_locked all(ps.pools, pool_table::purpose::read);
+  return read_locked(ps);
 }
 
-std::size_t device_allocator::impl::largest_cached_request(const stream_pool& p) const {
-  // The largest request p serves with no device allocation (docs/design.md, "Free memory").
-  // Default mode, and graph pools in every mode: the block find_free() picks, under the
-  // max_split_size rules; small requests stop at 1 MiB. Expandable mode: the pager's dry run of
-  // its placement.
-  std::size_t best = 0;
-  for (const pool_kind kind : {pool_kind::small, pool_kind::large}) {
-    if (cfg.expandable_segments && p.graph == nullptr) {
-      best = std::max(best, pager->largest_cached_request(p, kind, policy));
-      continue;
-    }
-    const bool small = kind == pool_kind::small;
-    p.index_of(kind).for_each([&](const detail::block* b) {
-      p.mu.assert_held();  // a lambda: the analysis does not carry the caller's locks into it
-      const std::size_t r = policy.largest_rounded_within(
-          small ? std::min(b->size, detail::k_small_request_max_bytes) : b->size);
-      if (r <= best || (!small && r <= detail::k_small_request_max_bytes)) return;
-      if (find_free_outline(p, kind, r) != nullptr) best = r;
-    });
-  }
-  return best;
-}
+}  // namespace detail
 
-device_stats device_allocator::stats() const { return impl_->stats_unlocked(); }
+device_stats device_allocator::stats() const { return impl_->ledger.read(impl_->ledger_parts()); }
 
 std::string violated_stats_relation(const device_stats& s, bool expandable_segments) {
   using i64 = std::int64_t;
@@ -470,7 +459,9 @@ void device_allocator::reset_accumulated_stats() {
   if (impl_->pager) impl_->pager->counters.reset();
 }
 
-void device_allocator::impl::check_ledger() const {
+namespace detail {
+
+void stats_ledger::check(const parts& ps) const {
   const auto violated = [](const std::string& what) {
     throw std::logic_error("cucache invariant violated: " + what);
   };
@@ -480,49 +471,49 @@ void device_allocator::impl::check_ledger() const {
   // last refresh (every pool then counts as stale).
   device_stats sum;
   std::size_t asleep_sum = 0;
-  std::map<std::size_t, std::size_t> largest;
-  for (const auto& p : pools) {
-    detail::pool_table::assert_locked(*p);
-    detail::add_fields(sum, p->ledger.summary().part, +1);
+  std::map<std::size_t, std::size_t> largest_sum;
+  for (const auto& p : ps.pools) {
+    pool_table::assert_locked(*p);
+    add_fields(sum, p->ledger.summary().part, +1);
     asleep_sum += p->ledger.summary().asleep_active;
-    if (p->ledger.summary().largest != 0) ++largest[p->ledger.summary().largest];
+    if (p->ledger.summary().largest != 0) ++largest_sum[p->ledger.summary().largest];
   }
-  bool handles_seen = false;
+  bool same_handles = false;
   {
-    detail::lock_guard lock(ledger.mu);
-    if (!detail::same_fields(sum, ledger.totals) || asleep_sum != ledger.asleep_active ||
-        largest != ledger.largest) {
+    lock_guard lock(mu);
+    if (!same_fields(sum, totals) || asleep_sum != asleep_active || largest_sum != largest) {
       violated("the statistics ledger's totals are not the sum of the pools' summaries");
     }
-    handles_seen = ledger.handles_seen == (pager ? pager->largest_request_key() : 0);
+    same_handles = handles_seen == (ps.pg != nullptr ? ps.pg->largest_request_key() : 0);
   }
   // The relations of the field table (violated_stats_relation) on the statistics recounted now:
   // every pool summarized again, composed with the device-wide figures as stats() composes them.
-  const bool all_stale = pools.all_stale();
+  const bool all_stale = ps.pools.all_stale();
   device_stats now_sum;
   std::size_t now_largest = 0;
   std::size_t now_asleep = 0;
-  for (const auto& p : pools) {
-    detail::pool_table::assert_locked(*p);
-    const detail::pool_summary now = summarize(*p);
-    detail::add_fields(now_sum, now.part, +1);
+  for (const auto& p : ps.pools) {
+    pool_table::assert_locked(*p);
+    const pool_summary now = summarize(ps, *p);
+    add_fields(now_sum, now.part, +1);
     now_largest = std::max(now_largest, now.largest);
     now_asleep += now.asleep_active;
     if (all_stale || p->ledger.stale()) continue;
-    if (!detail::same_fields(now.part, p->ledger.summary().part) ||
+    if (!same_fields(now.part, p->ledger.summary().part) ||
         now.asleep_active != p->ledger.summary().asleep_active ||
-        (handles_seen && now.largest != p->ledger.summary().largest)) {
+        (same_handles && now.largest != p->ledger.summary().largest)) {
       violated(fmt::format("pool {} changed since its statistics were summarized, and is not "
                            "marked stale",
                            p->index));
     }
   }
-  const device_stats now = compose_stats_from(now_sum, now_largest, now_asleep,
-                                                /*all_locked=*/true, nullptr);
-  if (const std::string why = violated_stats_relation(now, cfg.expandable_segments);
+  const device_stats now =
+      compose(ps, now_sum, now_largest, now_asleep, /*all_locked=*/true, nullptr);
+  if (const std::string why = violated_stats_relation(now, ps.expandable);
       !why.empty()) {
     violated("statistics: " + why);
   }
 }
 
+}  // namespace detail
 }  // namespace cucache
