@@ -212,27 +212,10 @@ struct device_allocator::impl {
   /// stays mapped); other failures throw.
   bool map_graph_segments(const std::vector<detail::segment*>& segs) REQUIRES(detail::every_pool);
 
-  // --- sleep and wake (sleep.cpp: checks and locks around tag_sleeper's walk) ---
-  /// device_allocator::sleep over several domains (one: the single-domain sleep).
-  void sleep(std::span<const device_allocator::sleep_request> requests);
-  void wake(std::span<const device_allocator::wake_request> requests);
-  /// device_allocator::prepare_sleep. Takes every pool lock twice, not while pinning.
-  std::size_t prepare_sleep(std::uint32_t domain, std::size_t bytes, const std::string& label)
-      EXCLUDES(detail::every_pool);
-  /// The bytes of domain's spare pinned buffer (0: none). Takes every pool lock.
-  std::size_t spare_bytes(std::uint32_t domain) EXCLUDES(detail::every_pool);
-  /// The parts the sleeper's walk works with (tag_sleeper::parts), for a caller that holds
-  /// every pool lock.
-  detail::tag_sleeper::parts sleeper_parts() REQUIRES(detail::every_pool);
-  /// Frees the spare pinned host buffers of woken domains (~impl).
-  void free_spare_host_buffers() noexcept REQUIRES(detail::every_pool);
-  /// Throws invalid_argument naming the block's domain when p's domain sleeps (allocate, free).
-  void refuse_if_asleep(const detail::stream_pool& p, const void* ptr, const char* what) const
-      REQUIRES(p.mu);
-  /// invalid_argument: `what`(ptr) on a block of sleeping domain d. Takes every pool lock (to
-  /// read the domain's label). No pool lock held.
-  [[noreturn]] void refuse_asleep_block(std::uint32_t d, const void* ptr, const char* what)
-      EXCLUDES(detail::every_pool);
+  // --- sleep and wake (the sleeper: tag_sleeper.hpp; sleep.cpp builds its parts) ---
+  /// The parts the sleeper works with (tag_sleeper::parts). Its walk calls the steps of the
+  /// allocation story in it under every pool lock.
+  detail::tag_sleeper::parts sleeper_parts();
 
   // --- errors (oom_report.cpp) ---
   /// What an out-of-memory error reports as its cause.

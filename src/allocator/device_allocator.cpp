@@ -103,7 +103,8 @@ device_allocator::impl::impl(std::shared_ptr<device_backend> b, config c,
       budget(make_budget(*backend, cfg)),
       pools(*raw),
       graphs(*raw, pools),
-      events(*backend) {
+      events(*backend),
+      sleeper(raw->device()) {
   pools.set_event_backend(backend.get());
   auto first_rules = std::make_unique<detail::rule_set>(detail::rule_set{policy, cfg});
   rules.store(first_rules.get(), std::memory_order_release);
@@ -135,7 +136,7 @@ device_allocator::impl::~impl() {
     } catch (...) {
     }
   }
-  free_spare_host_buffers();
+  sleeper.free_spares(*backend);
   for (auto& p : pools) {
     if (const event_handle e = p->retirement.quiet_event(); e != nullptr) {
       try {
@@ -636,7 +637,7 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     // Still under p's lock, so that the domain cannot wake between the check and the refusal
     // (which throws; the caller's lock is released as the exception leaves).
     if (attempt > 0 && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
-      refuse_if_asleep(p, nullptr, "allocate");
+      sleeper.refuse_if_asleep(p, nullptr, "allocate");
     block* b = place_or_grow(p, kind, rounded);
     no_address_space = b == nullptr;
     if (b == nullptr) {  // the process's address space has no room for a range that holds it
@@ -712,14 +713,15 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
     pools.note_change(p);  // (lock_pool_for notes the stream pools)
   if (!p.pending.empty()) poll_pending(p);
   if (graph_part != nullptr && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
-    refuse_if_asleep(p, nullptr, "allocate");  // a capture into graph memory of a sleeping tag
+    // A capture into graph memory of a sleeping tag.
+    sleeper.refuse_if_asleep(p, nullptr, "allocate");
   if (graph_part != nullptr && graph_part->graph->no_split) [[unlikely]]
     return allocate_unsplit(p, kind, rounded, bytes, stream, lk);
   if (cfg.expandable_segments && p.graph == nullptr) {
     // (Graph pools use segments in every mode: nothing of theirs may be unmapped or moved while
     // a graph may replay on it.)
     if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
-      refuse_if_asleep(p, nullptr, "allocate");
+      sleeper.refuse_if_asleep(p, nullptr, "allocate");
     bool no_address_space = false;
     void* ptr = allocate_expandable(p, kind, rounded, bytes, lk, no_address_space);
     if (ptr == nullptr) {
@@ -783,7 +785,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   pools.note_change(p);
   if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
     blocks.insert(addr, b);  // nothing changed
-    refuse_if_asleep(p, ptr, "free");
+    sleeper.refuse_if_asleep(p, ptr, "free");
   }
   // The common free: no capture known, nobody observing, the block used on its own stream only.
   // It is deallocate_locked's path for that case, step for step, without its tests.
@@ -917,7 +919,7 @@ bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
     if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
   });
   if (asleep != 0) [[unlikely]]
-    refuse_asleep_block(asleep, ptr, "record_stream");
+    sleeper.refuse_asleep_block(pools, asleep, ptr, "record_stream");
   return found;
 }
 

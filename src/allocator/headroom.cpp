@@ -208,7 +208,7 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   stream_pool& p = *lp.pool;
   detail::pool_lock& lk = lp.lock;
   p.mu.assert_held();  // lp.lock holds it (the analysis cannot follow a lock out of a call)
-  refuse_if_asleep(p, nullptr, "reserve");
+  sleeper.refuse_if_asleep(p, nullptr, "reserve");
   if (!cfg.expandable_segments) {
     // One large-pool segment, through the path a request that misses the cache takes.
     const std::size_t seg = bytes > detail::k_max_request_bytes

@@ -27,7 +27,7 @@ std::optional<device_allocator::ipc_block> device_allocator::ipc_describe(const 
       }
       // A sleeping domain's block has no physical memory to export: say so (invalid_argument).
       detail::pool_table::assert_locked(*p);
-      impl_->refuse_if_asleep(*p, ptr, "ipc_get_handle");
+      impl_->sleeper.refuse_if_asleep(*p, ptr, "ipc_get_handle");
       ipc_block out;
       out.size = b->size;
       if (s->vm == nullptr) {
@@ -70,7 +70,7 @@ void device_allocator::note_ipc_export(const void* ptr) {
       if (b == nullptr || b->addr != addr || b->state != detail::block_state::allocated) break;
       // A sleep between ipc_describe and here released the exported handles: refused.
       detail::pool_table::assert_locked(*p);
-      impl_->refuse_if_asleep(*p, ptr, "ipc_get_handle");
+      impl_->sleeper.refuse_if_asleep(*p, ptr, "ipc_get_handle");
       b->exported = true;
       return;
     }

@@ -1,5 +1,5 @@
-// tag_sleeper's walk (tag_sleeper.hpp; docs/design.md, "Sleep and wake"): the walk over a
-// domain's pools, the host copies, and the pager's two operations -- evict (unmap and release
+// tag_sleeper's front doors and walk (tag_sleeper.hpp; docs/design.md, "Sleep and wake"): the
+// argument checks and refusals of sleep, wake and prepare_sleep, the walk over a domain's pools, the host copies, and the pager's two operations -- evict (unmap and release
 // every page of a pool, keeping the virtual range and the page-use counts) and back (map the
 // pages a live block touches). Everything runs under every pool lock, taken by the caller
 // (device_allocator::impl, sleep.cpp): no block of the domain can be allocated or freed
@@ -190,6 +190,150 @@ std::string names_text(const std::vector<std::string>& names) {
 }
 
 }  // namespace
+
+// --- the front doors ---
+
+namespace {
+
+/// cudaErrorNotSupported's number: sleep outside expandable mode.
+constexpr int k_not_supported = 801;
+
+std::string asleep_block_text(const std::string& name, int device, const void* ptr,
+                              const char* what) {
+  const bool free = std::string_view(what) == "free";
+  return fmt::format(
+      "cucache: {}({}) on device {}: the block belongs to {}, which is asleep; wake it before {} "
+      "(nothing changed)",
+      what, ptr, device, name, free ? "freeing its blocks" : "using its blocks");
+}
+
+/// "the domain named twice" refusal, shared by sleep and wake.
+template <class Request>
+void refuse_duplicates(std::span<const Request> requests, const char* what, int device) {
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (requests[j].domain == requests[i].domain) {
+        throw invalid_argument(fmt::format(
+            "cucache: {}: {} on device {} is named twice in the list (entries {} and {}); "
+            "nothing changed",
+            what, tag_sleeper::name_of(requests[i].domain, std::string(requests[i].label)),
+            device, j, i));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void tag_sleeper::check_domain(std::uint32_t domain, const char* what) {
+  if (domain == 0 || domain > k_max_sleep_domain) {
+    throw invalid_argument(fmt::format("cucache: {}: sleep domain {} is not in [1, {}]; nothing "
+                                       "changed",
+                                       what, domain, k_max_sleep_domain));
+  }
+}
+
+void tag_sleeper::sleep_requested(const parts& ps, bool expandable,
+                                  std::span<const device_allocator::sleep_request> requests) {
+  if (requests.empty()) {
+    throw invalid_argument("cucache: sleep: the list of tags to put to sleep is empty");
+  }
+  if (!expandable) {
+    throw cuda_error("cucache sleep", k_not_supported,
+                     fmt::format("{} on device {}: sleep needs expandable segments "
+                                 "(CUCACHE_CONF=expandable_segments:True): in the default mode a "
+                                 "block is part of a cudaMalloc'd segment, whose memory cannot be "
+                                 "released while its addresses stay reserved; nothing changed",
+                                 name_of(requests[0].domain, std::string(requests[0].label)),
+                                 ps.device));
+  }
+  for (const auto& r : requests) check_domain(r.domain, "sleep");
+  refuse_duplicates(requests, "sleep", ps.device);
+  pool_table::all_locked all(ps.pools);
+  sleep(ps, requests);
+}
+
+void tag_sleeper::wake_requested(const parts& ps,
+                                 std::span<const device_allocator::wake_request> requests) {
+  if (requests.empty()) {
+    throw invalid_argument("cucache: wake: the list of tags to wake is empty");
+  }
+  for (const auto& r : requests) check_domain(r.domain, "wake");
+  refuse_duplicates(requests, "wake", ps.device);
+  pool_table::all_locked all(ps.pools);
+  wake(ps, requests);
+}
+
+std::size_t tag_sleeper::prepare_sleep(const parts& ps, bool expandable, std::uint32_t domain,
+                                       std::size_t bytes, const std::string& label) {
+  const std::string name = name_of(domain, label);
+  if (!expandable) {
+    throw cuda_error("cucache prepare_sleep", k_not_supported,
+                     fmt::format("{} on device {}: sleep needs expandable segments "
+                                 "(CUCACHE_CONF=expandable_segments:True); nothing pinned",
+                                 name, ps.device));
+  }
+  check_domain(domain, "prepare_sleep");
+  std::size_t want = 0;
+  {
+    pool_table::all_locked all(ps.pools);
+    if (asleep(domain)) {
+      throw invalid_argument(fmt::format(
+          "cucache: prepare_sleep: {} on device {} is asleep (its contents already hold a pinned "
+          "buffer, kept after wake); nothing changed",
+          name, ps.device));
+    }
+    // What a kept sleep would copy now: the bytes of the domain's allocated blocks.
+    want = std::max(bytes, copy_bytes(ps.pools, domain));
+    if (const std::size_t have = spare_bytes(domain); have >= want && have != 0) return have;
+    if (want == 0) return 0;
+  }
+  // Pinned outside the pool locks: cudaHostAlloc of gigabytes takes seconds (docs/benchmarks.md,
+  // "Sleep and wake"), and allocations and frees of every pool go on meanwhile.
+  auto* host = static_cast<std::byte*>(ps.backend.host_alloc_pinned(want));
+  if (host == nullptr) {
+    throw out_of_memory(fmt::format(
+        "cucache: prepare_sleep: {} on device {}: cannot pin {} of host memory for the contents "
+        "of its next sleep (keep_contents); nothing changed, the sleep would pin it itself",
+        name, ps.device, bytes_text(want)));
+  }
+  pool_table::all_locked all(ps.pools);
+  // Another thread may have prepared (or slept and woken) meanwhile: the larger buffer stays.
+  keep_spare(ps.backend, domain, host, want);
+  return spare_bytes(domain);
+}
+
+std::size_t tag_sleeper::spare_bytes_locking(const pool_table& pools, std::uint32_t domain) {
+  pool_table::all_locked all(pools);
+  return spare_bytes(domain);
+}
+
+void tag_sleeper::refuse_if_asleep(const stream_pool& p, const void* ptr,
+                                   const char* what) const {
+  // The records are read under a pool lock (p's, the caller's); sleep and wake change them under
+  // every pool lock.
+  if (p.domain == 0 || !asleep(p.domain)) return;
+  const auto& recs = records();
+  const auto it = recs.find(p.domain);
+  const std::string name = name_of(p.domain, it != recs.end() ? it->second.label : std::string());
+  if (ptr != nullptr) throw invalid_argument(asleep_block_text(name, device_, ptr, what));
+  throw invalid_argument(
+      fmt::format("cucache: {} on device {}: {} is asleep; wake it before allocating under it "
+                  "(nothing changed)",
+                  what, device_, name));
+}
+
+void tag_sleeper::refuse_asleep_block(const pool_table& pools, std::uint32_t d, const void* ptr,
+                                      const char* what) const {
+  std::string label;
+  {
+    pool_table::all_locked all(pools);
+    if (const auto it = records_.find(d); it != records_.end()) label = it->second.label;
+  }
+  throw invalid_argument(asleep_block_text(name_of(d, label), device_, ptr, what));
+}
+
+// --- the walk ---
 
 void tag_sleeper::sleep(const parts& ps,
                         std::span<const device_allocator::sleep_request> requests) {

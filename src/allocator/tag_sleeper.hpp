@@ -82,9 +82,12 @@ inline thread_local std::uint32_t t_sleep_domain = 0;
 
 class tag_sleeper {
  public:
+  /// `device`: the device named in the refusals' messages.
+  explicit tag_sleeper(int device = 0) noexcept : device_(device) {}
+
   /// What the walk works with: the allocator's parts, and the two steps of the allocation story
-  /// it needs (impl::sync_pending, impl::settle_graph_pools). Built by the caller, who holds
-  /// every pool lock while the walk runs.
+  /// it needs (impl::sync_pending, impl::settle_graph_pools). Built by the caller; the walk runs
+  /// under every pool lock (the front doors take it).
   struct parts {
     pool_table& pools;
     pager* pg;  // null in default mode, where nothing sleeps (wake then refuses: not asleep)
@@ -129,9 +132,39 @@ class tag_sleeper {
     std::size_t bytes = 0;
   };
 
+  // --- the front doors (tag_sleeper.cpp): the argument checks, then every pool lock ---
+  /// device_allocator::sleep. Refuses, before locking anything and changing nothing: an empty
+  /// list, the default mode (cuda_error 801, cudaErrorNotSupported: a segment's memory cannot be
+  /// released while its addresses stay reserved), a domain outside [1, k_max_sleep_domain] or
+  /// named twice. Then the walk (sleep) under every pool lock.
+  void sleep_requested(const parts& ps, bool expandable,
+                       std::span<const device_allocator::sleep_request> requests)
+      EXCLUDES(every_pool);
+  /// device_allocator::wake: the same refusals (but the mode's), then the walk (wake).
+  void wake_requested(const parts& ps, std::span<const device_allocator::wake_request> requests)
+      EXCLUDES(every_pool);
+  /// device_allocator::prepare_sleep: pins a buffer for the domain's next kept sleep -- `bytes`,
+  /// or what its allocated blocks hold now if more -- unless its spare holds that already;
+  /// returns the spare's bytes. Refuses the default mode, a domain out of range or asleep. The
+  /// pinning runs outside the pool locks (cudaHostAlloc of gigabytes takes seconds).
+  std::size_t prepare_sleep(const parts& ps, bool expandable, std::uint32_t domain,
+                            std::size_t bytes, const std::string& label) EXCLUDES(every_pool);
+  /// The bytes of domain's spare buffer, read under every pool lock.
+  [[nodiscard]] std::size_t spare_bytes_locking(const pool_table& pools, std::uint32_t domain)
+      EXCLUDES(every_pool);
+  /// Throws invalid_argument when p's domain sleeps: `what`(ptr) on one of its blocks, or (ptr
+  /// null) an allocation under it. REQUIRES: p's lock (the records are read under a pool lock).
+  void refuse_if_asleep(const stream_pool& p, const void* ptr, const char* what) const;
+  /// invalid_argument: `what`(ptr) on a block of sleeping domain d. Takes every pool lock (to
+  /// read the domain's label).
+  [[noreturn]] void refuse_asleep_block(const pool_table& pools, std::uint32_t d, const void* ptr,
+                                        const char* what) const EXCLUDES(every_pool);
+  /// invalid_argument naming `what` when domain is outside [1, k_max_sleep_domain].
+  static void check_domain(std::uint32_t domain, const char* what);
+
   // --- the walk (tag_sleeper.cpp; the contract above) ---
   /// Puts the domains of `requests` to sleep. REQUIRES: the requests' domains in [1,
-  /// k_max_sleep_domain], each named once, expandable mode (the caller checks).
+  /// k_max_sleep_domain], each named once, expandable mode (sleep_requested checks).
   void sleep(const parts& ps, std::span<const device_allocator::sleep_request> requests)
       REQUIRES(every_pool);
   /// Wakes the domains of `requests`. REQUIRES: as sleep.
@@ -217,6 +250,7 @@ class tag_sleeper {
                                     const std::string& name, const std::string& why, int code,
                                     const std::string& others) REQUIRES(every_pool);
 
+  int device_ = 0;
   std::array<std::atomic<std::uint64_t>, (k_max_sleep_domain + 1) / 64> bits_{};
   std::atomic<std::size_t> count_{0};
   std::map<std::uint32_t, record> records_ GUARDED_BY(every_pool);  // (see above)
