@@ -84,11 +84,12 @@ struct device_allocator::impl {
   /// `segment_bytes`: the new segment's size (0: the size policy's for `rounded`).
   detail::block* grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
                       detail::pool_lock& lk, std::size_t segment_bytes = 0) REQUIRES(p.mu);
-  /// The allocation path of a graph pool that never splits (PyTorch's MemPool(no_split=True),
-  /// graph_checkpoint.cpp): a free block that holds the request is taken whole, else a segment
-  /// of the request's size in 2 MiB granules is made for it. lk holds p.mu.
-  void* allocate_unsplit(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded,
-                         std::size_t bytes, stream_handle stream, detail::pool_lock& lk)
+  /// The allocation path of a graph pool that never splits (PyTorch's MemPool(no_split=True)):
+  /// a free block that holds the request is taken whole, else a segment of the request's size
+  /// in 2 MiB granules is made for it. lk holds p.mu. Never inlined into allocate.
+  [[gnu::noinline]] void* allocate_unsplit(detail::stream_pool& p, detail::pool_kind kind,
+                                           std::size_t rounded, std::size_t bytes,
+                                           stream_handle stream, detail::pool_lock& lk)
       REQUIRES(p.mu);
   /// The expandable path: place in p's ranges (a new range if none holds it), back the pages,
   /// the ladder once if that fails. nullptr when nothing could serve the request; then

@@ -27,6 +27,10 @@ using detail::vm_range;
 
 namespace {
 
+/// For the analysis, inside a lambda the sleeper's walk calls under every pool lock (lambdas
+/// are analysed on their own).
+void every_pool_held() noexcept ASSERT_CAPABILITY(detail::every_pool) {}
+
 /// `fraction` of `base` bytes, rounded down, for config key `key`; throws invalid_argument naming
 /// the key and value when that is 0 bytes, which would mean `zero_means`.
 std::size_t bytes_of_fraction(const device_backend& backend, const char* key, double fraction,
@@ -742,6 +746,31 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   return reinterpret_cast<void*>(b->addr);
 }
 
+// An allocation into a graph pool that takes whole blocks (set_graph_pool_no_split: cudagraph
+// trees' checkpoints need every block at its segment's size). Out of line: allocate's rare path.
+void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind kind,
+                                               std::size_t rounded, std::size_t bytes,
+                                               stream_handle stream, detail::pool_lock& lk) {
+  block* b = find_free_outline(p, kind, rounded);
+  if (b == nullptr) {
+    const std::size_t granule = detail::k_large_segment_round_bytes;
+    b = grow(p, kind, rounded, lk, (rounded + granule - 1) / granule * granule);
+  }
+  if (b == nullptr) {
+    lk.unlock(p.mu);
+    throw_oom(bytes, rounded, stream);
+  }
+  // Taken whole: the block keeps its segment's size (or the free block's), unsplit.
+  p.index_of(kind).erase(b);
+  b->state = block_state::allocated;
+  b->requested = bytes;
+  b->uses = nullptr;
+  p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size), static_cast<std::int64_t>(bytes));
+  if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
+  blocks.insert(b->addr, b);
+  return reinterpret_cast<void*>(b->addr);
+}
+
 std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
   try {
     return raw->stream_id(stream);
@@ -1062,6 +1091,34 @@ namespace {
 }
 
 }  // namespace
+
+/// The parts the sleeper's walk works with, and the allocation story's steps it needs.
+detail::tag_sleeper::parts device_allocator::impl::sleeper_parts() {
+  return detail::tag_sleeper::parts{
+      pools,
+      pager.get(),
+      budget,
+      *backend,
+      graphs,
+      raw->device(),
+      page_bytes,
+      [this](stream_pool& q) {
+        detail::pool_table::assert_locked(q);  // the walk holds every pool lock
+        sync_pending(q);
+      },
+      [this] {
+        every_pool_held();
+        settle_graph_pools();
+      },
+      [this](const std::vector<detail::segment*>& segs, bool& synchronize) {
+        every_pool_held();
+        return release_graph_segments(segs, synchronize);
+      },
+      [this](const std::vector<detail::segment*>& segs) {
+        every_pool_held();
+        return map_graph_segments(segs);
+      }};
+}
 
 detail::stats_ledger::parts device_allocator::impl::ledger_parts() const {
   return detail::stats_ledger::parts{

@@ -48,29 +48,6 @@ void device_allocator::set_graph_pool_no_split(graph_pool_id pool) {
   impl_->graphs.set_no_split(pool);
 }
 
-void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind kind,
-                                               std::size_t rounded, std::size_t bytes,
-                                               stream_handle stream, detail::pool_lock& lk) {
-  block* b = find_free_outline(p, kind, rounded);
-  if (b == nullptr) {
-    const std::size_t granule = detail::k_large_segment_round_bytes;
-    b = grow(p, kind, rounded, lk, (rounded + granule - 1) / granule * granule);
-  }
-  if (b == nullptr) {
-    lk.unlock(p.mu);
-    throw_oom(bytes, rounded, stream);
-  }
-  // Taken whole: the block keeps its segment's size (or the free block's), unsplit.
-  p.index_of(kind).erase(b);
-  b->state = block_state::allocated;
-  b->requested = bytes;
-  b->uses = nullptr;
-  p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size), static_cast<std::int64_t>(bytes));
-  if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
-  blocks.insert(b->addr, b);
-  return reinterpret_cast<void*>(b->addr);
-}
-
 std::vector<void*> device_allocator::graph_pool_live_allocations(graph_pool_id pool) const {
   detail::pool_table::all_locked all(impl_->pools, detail::pool_table::purpose::read);
   std::vector<void*> out;

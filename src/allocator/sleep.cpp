@@ -1,6 +1,6 @@
-// Sleep and wake of a sleep domain: the allocator's public calls, and the parts the sleeper
-// works with (tag_sleeper.hpp / tag_sleeper.cpp -- the argument checks, every pool lock and the
-// walk; docs/design.md, "Sleep and wake").
+// Sleep and wake of a sleep domain: the allocator's public calls, each handing the sleeper its
+// parts (impl::sleeper_parts) -- tag_sleeper.hpp / tag_sleeper.cpp hold the argument checks,
+// every pool lock and the walk (docs/design.md, "Sleep and wake").
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -17,41 +17,6 @@ namespace cucache {
 
 using detail::stream_pool;
 
-namespace {
-
-/// For the analysis, inside a lambda the sleeper's walk calls under every pool lock (lambdas
-/// are analysed on their own).
-void every_pool_held() noexcept ASSERT_CAPABILITY(detail::every_pool) {}
-
-}  // namespace
-
-/// The parts the sleeper's walk works with, and the allocation story's steps it needs.
-detail::tag_sleeper::parts device_allocator::impl::sleeper_parts() {
-  return detail::tag_sleeper::parts{
-      pools,
-      pager.get(),
-      budget,
-      *backend,
-      graphs,
-      raw->device(),
-      page_bytes,
-      [this](stream_pool& q) {
-        detail::pool_table::assert_locked(q);  // the walk holds every pool lock
-        sync_pending(q);
-      },
-      [this] {
-        every_pool_held();
-        settle_graph_pools();
-      },
-      [this](const std::vector<detail::segment*>& segs, bool& synchronize) {
-        every_pool_held();
-        return release_graph_segments(segs, synchronize);
-      },
-      [this](const std::vector<detail::segment*>& segs) {
-        every_pool_held();
-        return map_graph_segments(segs);
-      }};
-}
 
 // --- public shell -------------------------------------------------------------------------------
 
