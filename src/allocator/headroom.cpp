@@ -1,10 +1,11 @@
-// Headroom and reserve: max_allocatable, the largest request allocate would serve now,
+// Headroom and reserve: max_allocatable, the largest request allocate would serve now;
 // largest_cached_request, the largest one a pool serves from its cache alone (the statistics'
-// largest free block), and reserve, which fills the cache ahead of the first requests. Both sit beside the paths that serve
-// requests and are written in their terms -- find_free (best fit and the max_split_size rules),
-// the size policy's rounding and segment sizes, the ladder's own release rule
-// (ladder_may_release), new_segment, and the pager's backing -- so that the answer cannot drift
-// from what allocate does. See docs/api.md ("Headroom and reserve") and docs/design.md.
+// largest free block); and reserve, which fills the cache ahead of the first requests. They sit
+// beside the paths that serve requests and are written in their terms -- find_free (best fit and
+// the max_split_size rules), the size policy's rounding and segment sizes, the ladder's own
+// release rule (ladder_may_release), new_segment, and the pager's backing -- so that the answer
+// cannot drift from what allocate does. See docs/api.md ("Headroom and reserve") and
+// docs/design.md.
 #include <fmt/format.h>
 
 #include <algorithm>

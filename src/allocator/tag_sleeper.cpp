@@ -1,9 +1,10 @@
 // tag_sleeper's front doors and walk (tag_sleeper.hpp; docs/design.md, "Sleep and wake"): the
-// argument checks and refusals of sleep, wake and prepare_sleep, the walk over a domain's pools, the host copies, and the pager's two operations -- evict (unmap and release
-// every page of a pool, keeping the virtual range and the page-use counts) and back (map the
-// pages a live block touches). Everything runs under every pool lock, taken by the caller
-// (device_allocator::impl, sleep.cpp): no block of the domain can be allocated or freed
-// meanwhile, and allocate / free see the asleep bit under their pool's lock.
+// argument checks and refusals of sleep, wake and prepare_sleep, then the walk over a domain's
+// pools, the host copies, and the pager's two operations -- evict (unmap and release every page
+// of a pool, keeping the virtual range and the page-use counts) and back (map the pages a live
+// block touches). The walk runs under every pool lock, taken by the front doors after their
+// checks: no block of the domain can be allocated or freed meanwhile, and allocate / free see the
+// asleep bit under their pool's lock.
 #include "allocator/tag_sleeper.hpp"
 
 #include <fmt/format.h>
