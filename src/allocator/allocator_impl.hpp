@@ -18,8 +18,9 @@
 // Lock order: ledger.readers (statistics readers) -> the pool list (shared) -> stream_pool::mu in
 // index order -> device_budget::mu -> event_cache. block_map shard locks and the graph pools'
 // lock are leaves (the graph pools' is never held while another lock is taken; stream filters run
-// under it and must not call the allocator). The rules are clang thread-safety annotations (REQUIRES,
-// GUARDED_BY; "every pool locked" is detail::every_pool), checked by tools/check_thread_safety.sh.
+// under it and must not call the allocator). The rules are clang thread-safety annotations
+// (REQUIRES, GUARDED_BY; "every pool locked" is detail::every_pool), checked by
+// tools/check_thread_safety.sh.
 #pragma once
 
 #include <atomic>
