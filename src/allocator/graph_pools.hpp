@@ -93,7 +93,7 @@ class graph_pools {
   // --- the allocation and free paths ---
   /// True while a capture cucache knows of may be underway (a route, or a capture not seen
   /// ended): nothing may synchronize the device.
-  [[nodiscard]] bool sync_blocked() const noexcept {
+  [[nodiscard, gnu::always_inline]] bool sync_blocked() const noexcept {
     return routes_n_.load(std::memory_order_acquire) != 0 ||
            captures_n_.load(std::memory_order_acquire) != 0;
   }

@@ -14,7 +14,7 @@ namespace cucache::detail {
 template <class T>
 class object_arena {
  public:
-  T* make() {
+  [[gnu::always_inline]] T* make() {
     if (free_ == nullptr) refill();
     T* t = free_;
     free_ = *reinterpret_cast<T**>(t);

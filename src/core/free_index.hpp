@@ -138,7 +138,7 @@ inline void free_index::erase(block* b) noexcept {
   bytes_ -= b->size;
 }
 
-inline void free_index::replace(block* out, block* in) noexcept {
+[[gnu::always_inline]] inline void free_index::replace(block* out, block* in) noexcept {
   const std::uint32_t bin = bin_of(in->size);
   block* p = out->free_prev;
   block* n = out->free_next;
@@ -191,7 +191,7 @@ inline void free_index::resize(block* b, std::size_t size) noexcept {
   place(b, bin);
 }
 
-inline block* free_index::first_above(std::uint32_t bin) const noexcept {
+[[gnu::always_inline]] inline block* free_index::first_above(std::uint32_t bin) const noexcept {
   // The head of the first non-empty bin above `bin`: its smallest block, larger than any in `bin`.
   const unsigned level = bin / k_sub_bins;
   const unsigned sub = bin % k_sub_bins;
