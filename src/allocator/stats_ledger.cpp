@@ -243,8 +243,12 @@ device_stats stats_ledger::compose(const parts& ps, const device_stats& totals,
   return s;
 }
 
-device_stats stats_ledger::read_locked(const parts& ps) {
-  refresh(ps, /*all_locked=*/true, ps.pg != nullptr ? ps.pg->largest_request_key() : 0);
+std::size_t stats_ledger::handles_key(const parts& ps) {
+  return ps.pg != nullptr ? ps.pg->largest_request_key() : 0;
+}
+
+device_stats stats_ledger::compose_totals(const parts& ps, bool all_locked,
+                                          std::uint64_t* budget_changes) {
   device_stats totals_now;
   std::size_t largest_now = 0;
   std::size_t asleep_now = 0;
@@ -254,7 +258,12 @@ device_stats stats_ledger::read_locked(const parts& ps) {
     largest_now = largest_request();
     asleep_now = asleep_active;
   }
-  return compose(ps, totals_now, largest_now, asleep_now, /*all_locked=*/true, nullptr);
+  return compose(ps, totals_now, largest_now, asleep_now, all_locked, budget_changes);
+}
+
+device_stats stats_ledger::read_locked(const parts& ps) {
+  refresh(ps, /*all_locked=*/true, handles_key(ps));
+  return compose_totals(ps, /*all_locked=*/true, nullptr);
 }
 
 device_stats stats_ledger::read(const parts& ps) {
@@ -287,20 +296,9 @@ device_stats stats_ledger::read(const parts& ps) {
       lock_guard lock(ps.budget.mu);
       budget_before = ps.budget.changes_locked();
     }
-    const std::size_t handles = ps.pg != nullptr ? ps.pg->largest_request_key() : 0;
-    const std::uint64_t marks = refresh(ps, /*all_locked=*/false, handles);
-    device_stats totals_now;
-    std::size_t largest_now = 0;
-    std::size_t asleep_now = 0;
-    {
-      lock_guard lock(mu);
-      totals_now = totals;
-      largest_now = largest_request();
-      asleep_now = asleep_active;
-    }
+    const std::uint64_t marks = refresh(ps, /*all_locked=*/false, handles_key(ps));
     std::uint64_t budget_after = 0;
-    device_stats s = compose(ps, totals_now, largest_now, asleep_now, /*all_locked=*/false,
-                             &budget_after);
+    device_stats s = compose_totals(ps, /*all_locked=*/false, &budget_after);
     if (budget_after == budget_before && !ps.pools.changed_since(marks)) return s;
   }
   // Nothing changes while every pool is locked.
@@ -484,7 +482,7 @@ void stats_ledger::check(const parts& ps) const {
     if (!same_fields(sum, totals) || asleep_sum != asleep_active || largest_sum != largest) {
       violated("the statistics ledger's totals are not the sum of the pools' summaries");
     }
-    same_handles = handles_seen == (ps.pg != nullptr ? ps.pg->largest_request_key() : 0);
+    same_handles = handles_seen == handles_key(ps);
   }
   // The relations of the field table (violated_stats_relation) on the statistics recounted now:
   // every pool summarized again, composed with the device-wide figures as stats() composes them.

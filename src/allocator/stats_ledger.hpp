@@ -195,6 +195,13 @@ class stats_ledger {
                                             std::size_t largest, std::size_t asleep_active,
                                             bool all_locked, std::uint64_t* budget_changes);
 
+  /// The ledger's totals, taken under its mutex, composed as above.
+  [[nodiscard]] device_stats compose_totals(const parts& ps, bool all_locked,
+                                            std::uint64_t* budget_changes) EXCLUDES(mu);
+  /// What every expandable pool's largest request depends on besides the pool
+  /// (pager::largest_request_key; 0 in default mode).
+  [[nodiscard]] static std::size_t handles_key(const parts& ps);
+
   /// Serializes the readers (read, and the callers of read_locked, who take it before lock_all):
   /// one refresh at a time. First in the allocator's lock order.
   mutable mutex readers;
