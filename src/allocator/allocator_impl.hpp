@@ -7,13 +7,14 @@
 //   pager   pager          expandable mode: physical memory behind the pools' virtual ranges
 //   events  event_cache    CUDA events kept for reuse
 //   sleeper tag_sleeper    sleeping domains, what they keep to wake, and the walk of sleep/wake
+//   graph_vm whole_vm_segments  a sleepable tag's graph memory: whole-VM segments' device steps
 //   blocks  block_map      the pointer map (allocated blocks by address; sharded locks)
 //
 // and each pool (stream_pool) owns its segments, free indices, pending frees, statistics and the
 // pager's per-pool state under its own mutex. impl itself holds no lock: it is the allocation
-// story (device_allocator.cpp), headroom (headroom.cpp), errors (oom_report.cpp) and the
-// invariant check (check_invariants.cpp), written in terms of the parts; the statistics are the
-// ledger's (stats_ledger.cpp).
+// story (device_allocator.cpp) and what asks its rules without allocating (headroom.cpp),
+// written in terms of the parts; the error reports (error_report.hpp), the statistics
+// (stats_ledger.hpp) and sleep (tag_sleeper.hpp) are their parts' own.
 //
 // Lock order: ledger.readers (statistics readers) -> the pool list (shared) -> stream_pool::mu in
 // index order -> device_budget::mu -> event_cache. block_map shard locks and the graph pools'
@@ -41,6 +42,7 @@
 #include "allocator/stats_ledger.hpp"
 #include "allocator/stream_pool.hpp"
 #include "allocator/tag_sleeper.hpp"
+#include "allocator/whole_vm_segments.hpp"
 #include "core/block_map.hpp"
 #include "core/size_policy.hpp"
 #include "cucache/config.hpp"
@@ -190,42 +192,25 @@ struct device_allocator::impl {
     return (p.graph == nullptr || p.graph->released) && s.whole_free();
   }
 
-  // --- graph memory of a sleepable tag (graph_sleep.cpp) ---
+  // --- graph memory of a sleepable tag (the part: whole_vm_segments.hpp) ---
   /// Whether p's new segments are whole-VM segments (segment::whole_vm): p is a part of a graph
   /// pool created under a sleep domain, in expandable mode.
   [[nodiscard]] bool graph_sleeps(const detail::stream_pool& p) const noexcept {
     return p.graph != nullptr && p.domain != 0 && cfg.expandable_segments;
   }
-  /// A whole-VM segment of `bytes` (a multiple of the VM granularity): reserved, one handle
-  /// created and mapped over it, made accessible. nullptr when the device refuses the memory
-  /// or the address space; nothing is left behind on any failure.
-  void* whole_vm_create(std::size_t bytes, std::uint64_t& phys);
-  /// Unmaps and releases s's handle (unless s->unmapped) and frees its range. Throws on a
-  /// device failure before anything changed.
-  void whole_vm_destroy(detail::segment& s);
-  /// Sleep: unmaps and releases the handles of `segs` (whole-VM segments of a domain's graph
-  /// parts), refunding the budget; returns the bytes released. A device synchronization comes
-  /// first when `synchronize` (then cleared). On a failure part way the segments done stay
-  /// unmapped (segment::unmapped) and the error propagates.
-  std::size_t release_graph_segments(const std::vector<detail::segment*>& segs, bool& synchronize)
-      REQUIRES(detail::every_pool);
-  /// Wake (and sleep's rollback): a new handle mapped over every unmapped segment of `segs`,
-  /// charged to the budget. False when the device or the limit has no room (what was mapped
-  /// stays mapped); other failures throw.
-  bool map_graph_segments(const std::vector<detail::segment*>& segs) REQUIRES(detail::every_pool);
 
   // --- sleep and wake (the sleeper: tag_sleeper.hpp; sleep.cpp builds its parts) ---
   /// The parts the sleeper works with (tag_sleeper::parts). Its walk calls the steps of the
   /// allocation story in it under every pool lock.
   detail::tag_sleeper::parts sleeper_parts();
 
-  // --- errors (oom_report.cpp) ---
+  // --- errors (the report: error_report.hpp) ---
   /// What an out-of-memory error reports as its cause.
   enum class oom_cause : bool { memory, address_space };
+  /// Gathers the facts (statistics, device, limit, capture) and throws out_of_memory with
+  /// error_report's message.
   [[noreturn]] void throw_oom(std::size_t bytes, std::size_t rounded, stream_handle stream,
                               oom_cause cause = oom_cause::memory);
-  [[noreturn]] void throw_bad_pointer(const void* ptr, const char* what);
-  [[nodiscard]] std::string explain_bad_pointer(const void* ptr, const char* what) const;
 
   // --- statistics (the ledger: stats_ledger.hpp / .cpp) ---
   /// What the ledger reads of the other parts (stats_ledger::parts).
@@ -264,6 +249,8 @@ struct device_allocator::impl {
   std::size_t page_bytes = 0;
 
   detail::device_budget budget;
+  /// Whole-VM segments: a sleepable tag's graph memory (after backend and budget, which it uses).
+  detail::whole_vm_segments graph_vm{*backend, budget};
   /// The memory fraction in force (set_memory_fraction, else the config's; negative: none set).
   std::atomic<double> memory_fraction{-1.0};
   detail::block_map blocks;  // the pointer map: allocated blocks by address

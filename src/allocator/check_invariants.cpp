@@ -254,7 +254,7 @@ void device_allocator::check_invariants() const {
                     m.pager->largest_chunk_pages());
         seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
       } else {
-        // A whole-VM segment (graph memory of a sleepable tag, graph_sleep.cpp) holds no memory
+        // A whole-VM segment (graph memory of a sleepable tag, whole_vm_segments.hpp) holds no memory
         // while unmapped, which only its domain's sleep does.
         const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
         if (s->whole_vm && (p.graph == nullptr || p.domain == 0 || !m.cfg.expandable_segments)) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "allocator/allocator_impl.hpp"
+#include "allocator/error_report.hpp"
 #include "allocator/nvtx.hpp"
 #include "allocator/placement.hpp"
 #include "cucache/errors.hpp"
@@ -163,7 +164,7 @@ device_allocator::impl::~impl() {
       } else {
         try {
           if (s->whole_vm) {
-            whole_vm_destroy(*s);
+            graph_vm.destroy(*s);
           } else {
             backend->segment_free(reinterpret_cast<void*>(s->base));
           }
@@ -242,20 +243,16 @@ block* device_allocator::impl::find_free(const stream_pool& p, pool_kind kind,
 
 segment* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std::size_t bytes) {
   if (graph_sleeps(p)) [[unlikely]] {
-    // Graph memory of a sleepable tag: a whole-VM segment (graph_sleep.cpp), whole pages.
+    // Graph memory of a sleepable tag: a whole-VM segment (whole_vm_segments.hpp), whole pages.
     bytes = (bytes + page_bytes - 1) / page_bytes * page_bytes;
     std::uint64_t phys = 0;
-    void* va = budget.charge(bytes, [&] { return whole_vm_create(bytes, phys); });
+    void* va = graph_vm.create(bytes, phys);
     if (va == nullptr) return nullptr;
     segment* s = nullptr;
     try {
       s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(va), bytes, nullptr);
     } catch (...) {
-      budget.refund(bytes, [&] {
-        backend->unmap(va, bytes);
-        backend->phys_release(phys);
-        backend->va_free(va, bytes);
-      });
+      graph_vm.undo_create(va, bytes, phys);
       throw;
     }
     s->whole_vm = true;
@@ -330,7 +327,7 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   budget.refund(s->size, [&] {
     const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
     if (s->whole_vm) {
-      whole_vm_destroy(*s);  // (never asleep here: whole_free is false while unmapped)
+      graph_vm.destroy(*s);  // (never asleep here: whole_free is false while unmapped)
     } else {
       backend->segment_free(reinterpret_cast<void*>(s->base));
     }
@@ -552,6 +549,39 @@ block* device_allocator::impl::grow(stream_pool& p, pool_kind kind, std::size_t 
   if (block* b = find_free(p, kind, rounded)) return b;
   segment* s = new_segment(p, kind, seg_bytes);
   return s != nullptr ? s->first : nullptr;
+}
+
+void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
+                                       stream_handle stream, oom_cause cause) {
+  budget.oom_count.fetch_add(1, std::memory_order_relaxed);
+  device_stats s;
+  {
+    detail::lock_guard reader(ledger.readers);
+    detail::pool_table::all_locked all(pools);
+    s = ledger.read_locked(ledger_parts());
+  }
+  detail::oom_facts f;
+  f.device = backend->device();
+  f.device_name = backend->name();
+  f.bytes = bytes;
+  f.rounded = rounded;
+  f.stream = stream;
+  f.device_total = budget.device_total;
+  try {
+    f.device_free = backend->mem_get_info().free_bytes;
+  } catch (...) {
+  }
+  f.reserved = static_cast<std::size_t>(s.reserved_bytes[0].current);
+  f.allocated = static_cast<std::size_t>(s.allocated_bytes[0].current);
+  f.free_blocks = static_cast<std::size_t>(s.free_block_count);
+  f.largest_free_block = static_cast<std::size_t>(s.largest_free_block);
+  f.external_fragmentation = s.external_fragmentation();
+  f.overhead_fragmentation = s.overhead_fragmentation();
+  f.limit = budget.limit.load(std::memory_order_relaxed);
+  f.address_space = cause == oom_cause::address_space;
+  if (f.address_space) f.address_bytes = pager->reserved_address_bytes();
+  f.capture_underway = sync_blocked();
+  throw out_of_memory(detail::oom_message(f));
 }
 
 void device_allocator::impl::run_ladder(stream_pool& p, detail::pool_lock& lk,
@@ -1100,7 +1130,6 @@ detail::tag_sleeper::parts device_allocator::impl::sleeper_parts() {
       budget,
       *backend,
       graphs,
-      raw->device(),
       page_bytes,
       [this](stream_pool& q) {
         detail::pool_table::assert_locked(q);  // the walk holds every pool lock
@@ -1110,14 +1139,7 @@ detail::tag_sleeper::parts device_allocator::impl::sleeper_parts() {
         every_pool_held();
         settle_graph_pools();
       },
-      [this](const std::vector<detail::segment*>& segs, bool& synchronize) {
-        every_pool_held();
-        return release_graph_segments(segs, synchronize);
-      },
-      [this](const std::vector<detail::segment*>& segs) {
-        every_pool_held();
-        return map_graph_segments(segs);
-      }};
+      graph_vm};
 }
 
 detail::stats_ledger::parts device_allocator::impl::ledger_parts() const {
@@ -1141,14 +1163,21 @@ void* device_allocator::allocate(std::size_t bytes, stream_handle stream) {
   return allocate_observed(*impl_, o, bytes, stream);
 }
 
+/// invalid_argument with error_report's diagnosis of ptr: out of line, off the free path.
+[[noreturn, gnu::noinline, gnu::cold]] static void throw_bad_pointer(const device_allocator& a,
+                                                                    const void* ptr,
+                                                                    const char* what) {
+  throw invalid_argument(a.explain_bad_pointer(ptr, what));
+}
+
 void device_allocator::deallocate(void* ptr) {
-  if (!impl_->deallocate(ptr, nullptr, false)) impl_->throw_bad_pointer(ptr, "free");
+  if (!impl_->deallocate(ptr, nullptr, false)) throw_bad_pointer(*this, ptr, "free");
 }
 void device_allocator::deallocate(void* ptr, stream_handle stream) {
-  if (!impl_->deallocate(ptr, stream, true)) impl_->throw_bad_pointer(ptr, "free");
+  if (!impl_->deallocate(ptr, stream, true)) throw_bad_pointer(*this, ptr, "free");
 }
 void device_allocator::record_stream(void* ptr, stream_handle stream) {
-  if (!impl_->record_stream(ptr, stream)) impl_->throw_bad_pointer(ptr, "record_stream");
+  if (!impl_->record_stream(ptr, stream)) throw_bad_pointer(*this, ptr, "record_stream");
 }
 bool device_allocator::try_deallocate(void* ptr, stream_handle stream, bool ordered) {
   return impl_->deallocate(ptr, stream, ordered);

@@ -126,7 +126,7 @@ pool_summary stats_ledger::summarize(const parts& ps, const stream_pool& p) {
       continue;
     }
     // Inactive split: free blocks inside segments that are not wholly free (a sleeping graph
-    // segment, graph_sleep.cpp, holds no memory: nothing of it is inactive).
+    // segment, whole_vm_segments.hpp, holds no memory: nothing of it is inactive).
     if (seg->whole_free() || seg->unmapped) continue;
     const std::size_t slot = seg->kind == pool_kind::small ? 1 : 2;
     for (const block* b = seg->first; b != nullptr; b = b->next) {

@@ -23,6 +23,7 @@
 #include "allocator/pager.hpp"
 #include "allocator/pool_table.hpp"
 #include "allocator/stream_pool.hpp"
+#include "allocator/whole_vm_segments.hpp"
 #include "core/format_bytes.hpp"
 #include "cucache/errors.hpp"
 
@@ -41,7 +42,7 @@ struct domain_walk {
   std::size_t live_blocks = 0;
   std::vector<tag_sleeper::copy_run> runs;
   std::size_t run_bytes = 0;
-  // Graph memory captured under the domain (graph_sleep.cpp): whole segments, copied whole.
+  // Graph memory captured under the domain (whole_vm_segments.hpp): whole segments, copied whole.
   std::vector<segment*> graph_segments;
   std::size_t graph_bytes = 0;
 };
@@ -50,7 +51,7 @@ std::string bytes_text(std::size_t n) {
   return format_bytes(static_cast<double>(n));
 }
 
-/// The whole-VM segments of the domain's graph parts (graph_sleep.cpp) join walk w: each one a
+/// The whole-VM segments of the domain's graph parts (whole_vm_segments.hpp) join walk w: each one a
 /// run of its own (a replay uses every byte of it, free blocks included).
 void add_graph_segments(const pool_table& pools, std::uint32_t domain, domain_walk& w)
     REQUIRES(every_pool) {
@@ -67,14 +68,15 @@ void add_graph_segments(const pool_table& pools, std::uint32_t domain, domain_wa
   }
 }
 
-/// ps.release_graph_segments / ps.map_graph_segments, for a domain with graph memory only (a
-/// walk without it needs neither step; a rig may leave them empty).
+/// The domain's graph memory released (sleep) and mapped again (wake, rollback): ps.graph_vm's
+/// steps, for a domain with graph memory only.
 std::size_t release_graph(const tag_sleeper::parts& ps, const std::vector<segment*>& segs,
-                          bool& synchronize) {
-  return segs.empty() ? 0 : ps.release_graph_segments(segs, synchronize);
+                          bool& synchronize) REQUIRES(every_pool) {
+  return segs.empty() ? 0 : ps.graph_vm.release(segs, synchronize);
 }
-bool map_graph(const tag_sleeper::parts& ps, const std::vector<segment*>& segs) {
-  return segs.empty() || ps.map_graph_segments(segs);
+bool map_graph(const tag_sleeper::parts& ps, const std::vector<segment*>& segs)
+    REQUIRES(every_pool) {
+  return segs.empty() || ps.graph_vm.map(segs);
 }
 
 /// The bytes of the unmapped segments of `segs`.
@@ -246,10 +248,10 @@ void tag_sleeper::sleep_requested(const parts& ps, bool expandable,
                                  "block is part of a cudaMalloc'd segment, whose memory cannot be "
                                  "released while its addresses stay reserved; nothing changed",
                                  name_of(requests[0].domain, std::string(requests[0].label)),
-                                 ps.device));
+                                 device_));
   }
   for (const auto& r : requests) check_domain(r.domain, "sleep");
-  refuse_duplicates(requests, "sleep", ps.device);
+  refuse_duplicates(requests, "sleep", device_);
   pool_table::all_locked all(ps.pools);
   sleep(ps, requests);
 }
@@ -260,7 +262,7 @@ void tag_sleeper::wake_requested(const parts& ps,
     throw invalid_argument("cucache: wake: the list of tags to wake is empty");
   }
   for (const auto& r : requests) check_domain(r.domain, "wake");
-  refuse_duplicates(requests, "wake", ps.device);
+  refuse_duplicates(requests, "wake", device_);
   pool_table::all_locked all(ps.pools);
   wake(ps, requests);
 }
@@ -272,7 +274,7 @@ std::size_t tag_sleeper::prepare_sleep(const parts& ps, bool expandable, std::ui
     throw cuda_error("cucache prepare_sleep", k_not_supported,
                      fmt::format("{} on device {}: sleep needs expandable segments "
                                  "(CUCACHE_CONF=expandable_segments:True); nothing pinned",
-                                 name, ps.device));
+                                 name, device_));
   }
   check_domain(domain, "prepare_sleep");
   std::size_t want = 0;
@@ -282,7 +284,7 @@ std::size_t tag_sleeper::prepare_sleep(const parts& ps, bool expandable, std::ui
       throw invalid_argument(fmt::format(
           "cucache: prepare_sleep: {} on device {} is asleep (its contents already hold a pinned "
           "buffer, kept after wake); nothing changed",
-          name, ps.device));
+          name, device_));
     }
     // What a kept sleep would copy now: the bytes of the domain's allocated blocks.
     want = std::max(bytes, copy_bytes(ps.pools, domain));
@@ -296,7 +298,7 @@ std::size_t tag_sleeper::prepare_sleep(const parts& ps, bool expandable, std::ui
     throw out_of_memory(fmt::format(
         "cucache: prepare_sleep: {} on device {}: cannot pin {} of host memory for the contents "
         "of its next sleep (keep_contents); nothing changed, the sleep would pin it itself",
-        name, ps.device, bytes_text(want)));
+        name, device_, bytes_text(want)));
   }
   pool_table::all_locked all(ps.pools);
   // Another thread may have prepared (or slept and woken) meanwhile: the larger buffer stays.
@@ -352,7 +354,7 @@ void tag_sleeper::sleep(const parts& ps,
     if (asleep(p.domain)) {
       throw invalid_argument(fmt::format(
           "cucache: sleep: {} on device {} is asleep already (wake it first); nothing changed",
-          p.name, ps.device));
+          p.name, device_));
     }
   }
   if (ps.graphs.sync_blocked()) ps.graphs.throw_capture_blocks("sleep");
@@ -377,7 +379,7 @@ void tag_sleeper::sleep(const parts& ps,
           "processes by ipc_get_handle (cucacheIpcGetHandle); its importers map its physical "
           "memory, which sleep would release from under them. Free the block once every "
           "importer has closed it, then sleep; nothing changed",
-          p.name, ps.device, b->addr, bytes_text(b->size)));
+          p.name, device_, b->addr, bytes_text(b->size)));
     }
   }
   // Work still queued on the domains' memory is waited for, not refused: unmapping must wait for
@@ -396,7 +398,7 @@ void tag_sleeper::sleep(const parts& ps,
         throw invalid_argument(fmt::format(
             "cucache: sleep: {} on device {} has {} freed block(s) held for a CUDA graph that may "
             "still replay on them; release the graph's pool first (nothing changed)",
-            p.name, ps.device, q->retained + q->pending.size()));
+            p.name, device_, q->retained + q->pending.size()));
       }
     }
     p.w = walk_domain(ps.pools, p.domain);  // pending blocks became free
@@ -455,7 +457,7 @@ void tag_sleeper::sleep(const parts& ps,
       throw out_of_memory(fmt::format(
           "cucache: sleep: {} on device {}: cannot pin {} of host memory for the contents of "
           "its live blocks (keep_contents); it stays awake with every byte in place{}{}",
-          p.name, ps.device, bytes_text(p.w.run_bytes),
+          p.name, device_, bytes_text(p.w.run_bytes),
           freed.empty() ? "; nothing changed" : freed,
           plans.size() > 1 ? " (and no tag of the call sleeps)" : ""));
     }
@@ -604,7 +606,7 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
         "cucache sleep", code,
         fmt::format("{} on device {}: releasing its pages failed part way ({}); rolled back: it "
                     "stays awake, every page of its live blocks mapped again{}{}",
-                    name, ps.device, why,
+                    name, device_, why,
                     rec.keep_contents ? " with their contents"
                                       : ", but the contents of the pages released before the "
                                         "failure are lost (keep_contents was off)",
@@ -632,7 +634,7 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
       "cucache sleep", code,
       fmt::format("{} on device {}: releasing its pages failed part way ({}), and mapping them "
                   "again failed too ({}); {}: wake it (wake maps what is missing){}",
-                  name, ps.device, why, rollback_failure,
+                  name, device_, why, rollback_failure,
                   finish_failure.empty()
                       ? "the rest was released instead, so it is asleep"
                       : "it is asleep with some pages still mapped (" + finish_failure + ")",
@@ -654,7 +656,7 @@ void tag_sleeper::wake(const parts& ps,
     if (!asleep(domain)) {
       throw invalid_argument(fmt::format("cucache: wake: {} on device {} is not asleep; nothing "
                                          "changed",
-                                         name_of(domain, label), ps.device));
+                                         name_of(domain, label), device_));
     }
     wake_plan& p = plans[i];
     p.domain = domain;
@@ -723,7 +725,7 @@ void tag_sleeper::wake(const parts& ps,
         "cucache: wake: {} on device {} need{} {} of device memory to map {} {} page(s) again; "
         "the device and the memory limit have room for {}: {} missing. {} asleep and "
         "nothing of {} is mapped; free memory (or put another tag to sleep) and wake {} again",
-        name, ps.device, one ? "s" : "", bytes_text(needed), one ? "its" : "their",
+        name, device_, one ? "s" : "", bytes_text(needed), one ? "its" : "their",
         missing_pages, bytes_text(have), bytes_text(needed > have ? needed - have : 0),
         one ? "It stays" : "They stay", one ? "it" : "them", one ? "it" : "them"));
   };

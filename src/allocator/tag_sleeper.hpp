@@ -72,6 +72,7 @@ class pager;
 class pool_table;
 class stream_pool;
 struct segment;
+class whole_vm_segments;
 
 /// The largest sleep domain: pool keys carry the domain in bits 48..61 (pool_table::domain_key).
 inline constexpr std::uint32_t k_max_sleep_domain = (std::uint32_t{1} << 14) - 1;
@@ -94,15 +95,12 @@ class tag_sleeper {
     const device_budget& budget;
     device_backend& backend;
     const graph_pools& graphs;
-    int device = 0;               // for messages
     std::size_t page_bytes = 0;   // the pager's page
     std::function<void(stream_pool&)> sync_pending;  // REQUIRES: the pool's lock (held)
     std::function<void()> settle_graph_pools;        // REQUIRES: every pool lock (held)
-    // Graph memory of the domain (impl's graph_sleep.cpp): whole-VM segments released (sleep;
-    // returns the bytes; a synchronization first when the flag is set, then cleared) and mapped
-    // again (wake, rollback; false when the device or the limit lacks room).
-    std::function<std::size_t(const std::vector<segment*>&, bool&)> release_graph_segments;
-    std::function<bool(const std::vector<segment*>&)> map_graph_segments;
+    /// The domain's graph memory: its whole-VM segments, released by sleep and mapped again by
+    /// wake and sleep's rollback.
+    whole_vm_segments& graph_vm;
   };
 
   /// One run of live blocks whose bytes sleep copied to host memory (keep_contents).

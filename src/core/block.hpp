@@ -64,7 +64,7 @@ struct segment {
                                 // wholly free segment, when it became so (garbage collection age)
   // A segment of a graph pool captured under a sleepable tag (expandable mode) is not
   // cudaMalloc'd: one reserved range wholly mapped to one physical handle, so that sleep can
-  // release the memory and wake map it again at the same addresses (graph_sleep.cpp).
+  // release the memory and wake map it again at the same addresses (whole_vm_segments.hpp).
   bool whole_vm = false;
   bool unmapped = false;  // whole_vm: asleep, its handle released (phys is stale)
   std::uint64_t phys = 0;  // whole_vm: the physical handle mapped over the whole segment

@@ -17,6 +17,7 @@
 #include "allocator/pager.hpp"
 #include "allocator/pool_table.hpp"
 #include "allocator/tag_sleeper.hpp"
+#include "allocator/whole_vm_segments.hpp"
 #include "cucache/errors.hpp"
 #include "support/sim_device.hpp"
 
@@ -117,22 +118,13 @@ struct sleeper_rig {
                                       budget,
                                       *sim,
                                       graphs,
-                                      0,
                                       k_page,
                                       [this](detail::stream_pool& q) {
                                         EXPECT_EQ(&q, &pool);
                                         ++syncs;
                                       },
                                       [this] { ++settles; },
-                                      // No graph memory on this rig: the walk never asks.
-                                      [](const std::vector<detail::segment*>&, bool&) -> std::size_t {
-                                        ADD_FAILURE() << "graph segments released";
-                                        return 0;
-                                      },
-                                      [](const std::vector<detail::segment*>&) {
-                                        ADD_FAILURE() << "graph segments mapped";
-                                        return true;
-                                      }};
+                                      graph_vm};  // no graph memory on this rig
   }
   void sleep(bool keep, const std::function<void(std::size_t)>& check = {}) {
     const device_allocator::sleep_request r{k_domain, keep, "weights", check};
@@ -178,6 +170,7 @@ struct sleeper_rig {
   detail::pool_table pools;
   detail::pager pg;
   detail::graph_pools graphs;
+  detail::whole_vm_segments graph_vm{*sim, budget};
   detail::stream_pool& pool;
   std::unique_ptr<detail::vm_range> range;
   detail::segment seg;

@@ -1,5 +1,7 @@
-// The errors a caller sees when the allocator cannot help: the out-of-memory report, and the
-// diagnosis of a pointer that is not a live allocation.
+// error_report (error_report.hpp): the out-of-memory report and the bad-pointer diagnosis; and
+// device_allocator::locate, the same walk for callers that diagnose on their own.
+#include "allocator/error_report.hpp"
+
 #include <fmt/format.h>
 
 #include "allocator/allocator_impl.hpp"
@@ -10,69 +12,61 @@ namespace cucache {
 
 using detail::format_bytes;
 
-void device_allocator::impl::throw_oom(std::size_t bytes, std::size_t rounded,
-                                       stream_handle stream, oom_cause cause) {
-  budget.oom_count.fetch_add(1, std::memory_order_relaxed);
-  device_stats s;
-  {
-    detail::lock_guard reader(ledger.readers);
-    detail::pool_table::all_locked all(pools);
-    s = ledger.read_locked(ledger_parts());
-  }
-  std::string device_free = "unknown";
-  try {
-    device_free = format_bytes(static_cast<double>(backend->mem_get_info().free_bytes));
-  } catch (...) {
-  }
-  const auto held = static_cast<double>(s.reserved_bytes[0].current);
-  const auto allocated = static_cast<double>(s.allocated_bytes[0].current);
+namespace detail {
+
+std::string oom_message(const oom_facts& f) {
+  const auto held = static_cast<double>(f.reserved);
+  const auto allocated = static_cast<double>(f.allocated);
   std::string msg = fmt::format(
       "cucache: out of memory on device {} ({}): tried to allocate {} ({} bytes{}) on stream {}. "
       "Device capacity {}, of which {} is free. cucache holds {} reserved: {} allocated, {} "
       "reserved but unallocated in {} free blocks (largest {}). Fragmentation: external {:.1f}%, "
       "overhead {:.1f}%.",
-      backend->device(), backend->name(), format_bytes(static_cast<double>(bytes)), bytes,
-      rounded == 0 ? std::string(", beyond any device") : fmt::format(", rounded to {}", rounded),
-      fmt::ptr(stream), format_bytes(static_cast<double>(budget.device_total)), device_free,
-      format_bytes(held), format_bytes(allocated), format_bytes(held - allocated),
-      s.free_block_count, format_bytes(static_cast<double>(s.largest_free_block)),
-      100.0 * s.external_fragmentation(), 100.0 * s.overhead_fragmentation());
-  if (const std::size_t limit = budget.limit.load(std::memory_order_relaxed); limit != 0) {
-    msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(limit)));
+      f.device, f.device_name, format_bytes(static_cast<double>(f.bytes)), f.bytes,
+      f.rounded == 0 ? std::string(", beyond any device")
+                     : fmt::format(", rounded to {}", f.rounded),
+      fmt::ptr(f.stream), format_bytes(static_cast<double>(f.device_total)),
+      f.device_free ? format_bytes(static_cast<double>(*f.device_free)) : std::string("unknown"),
+      format_bytes(held), format_bytes(allocated), format_bytes(held - allocated), f.free_blocks,
+      format_bytes(static_cast<double>(f.largest_free_block)), 100.0 * f.external_fragmentation,
+      100.0 * f.overhead_fragmentation);
+  if (f.limit != 0) {
+    msg += fmt::format(" The memory limit is {}.", format_bytes(static_cast<double>(f.limit)));
   }
-  if (cause == oom_cause::address_space) {
+  if (f.address_space) {
     msg += fmt::format(
         " The process's virtual address space has no room for a new range of expandable "
         "segments (cuMemAddressReserve refused it; cucache's ranges on this device span {}): "
         "fewer streams holding cached memory at once, or empty_cache, give address space back.",
-        format_bytes(static_cast<double>(pager->reserved_address_bytes())));
+        format_bytes(static_cast<double>(f.address_bytes)));
   }
-  if (sync_blocked()) {
+  if (f.capture_underway) {
     msg +=
         " A CUDA graph capture is underway: cached memory cannot be given back to the device "
         "meanwhile (cudaFree and unmapping synchronize the device, which is illegal during a "
         "capture).";
   }
-  if (s.external_fragmentation() > 0.5 && held - allocated > static_cast<double>(bytes)) {
+  if (f.external_fragmentation > 0.5 && held - allocated > static_cast<double>(f.bytes)) {
     msg += " Much reserved memory is free but fragmented: expandable_segments:True avoids this.";
   }
-  throw out_of_memory(std::move(msg));
+  return msg;
 }
 
-std::string device_allocator::impl::explain_bad_pointer(const void* ptr, const char* what) const {
+std::string explain_pointer(const pool_table& pools, int device, const void* ptr,
+                            const char* what) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::string why = "it was not allocated by cucache on this device";
   {
-    detail::pool_table::all_locked all(pools);
+    pool_table::all_locked all(pools);
     for (const auto& p : pools) {
-      detail::pool_table::assert_locked(*p);
-      for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
+      pool_table::assert_locked(*p);
+      for (const segment* s = p->segments; s != nullptr; s = s->next) {
         if (addr < s->base || addr >= s->base + s->size) continue;
-        for (const detail::block* b = s->first; b != nullptr; b = b->next) {
+        for (const block* b = s->first; b != nullptr; b = b->next) {
           if (addr < b->addr || addr >= b->addr + b->size) continue;
           if (b->addr == addr) {
             why = "it was already freed";
-          } else if (b->state == detail::block_state::allocated) {
+          } else if (b->state == block_state::allocated) {
             why = fmt::format(
                 "it points {} bytes into the live allocation at {:#x}: pass the "
                 "allocation's start",
@@ -87,12 +81,10 @@ std::string device_allocator::impl::explain_bad_pointer(const void* ptr, const c
       }
     }
   }
-  return fmt::format("cucache: {}({}) on device {}: {}", what, ptr, backend->device(), why);
+  return fmt::format("cucache: {}({}) on device {}: {}", what, ptr, device, why);
 }
 
-void device_allocator::impl::throw_bad_pointer(const void* ptr, const char* what) {
-  throw invalid_argument(explain_bad_pointer(ptr, what));
-}
+}  // namespace detail
 
 device_allocator::address_info device_allocator::locate(const void* ptr) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
@@ -119,7 +111,7 @@ device_allocator::address_info device_allocator::locate(const void* ptr) const {
 }
 
 std::string device_allocator::explain_bad_pointer(const void* ptr, const char* what) const {
-  return impl_->explain_bad_pointer(ptr, what);
+  return detail::explain_pointer(impl_->pools, impl_->backend->device(), ptr, what);
 }
 
 }  // namespace cucache
