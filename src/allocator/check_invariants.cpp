@@ -1,7 +1,8 @@
-// The invariant checker of device_allocator: walks every pool, segment and block and compares the
-// structures and the statistics against a recount. Used by the tests after every operation.
-#include <algorithm>
+// The invariant check of device_allocator: walks every pool, segment and block, compares the
+// structures and the statistics against a recount, and composes the parts' own checks with the
+// sums it counted (docs/design.md, "Invariants"). The tests call it after every operation.
 #include <fmt/format.h>
+#include <algorithm>
 
 #include <map>
 #include <stdexcept>
@@ -33,7 +34,7 @@ namespace {
 /// (`asleep`) no page is mapped at all, and the pages its blocks touch are counted in
 /// `sleeping_pages` instead.
 void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& reserved,
-                 std::int64_t& mappings, std::size_t& mapped_total, bool asleep, std::size_t& sleeping_pages,
+                 std::int64_t& mappings, bool asleep, std::size_t& sleeping_pages,
                  std::uint64_t straddles, std::size_t max_chunk_pages) REQUIRES(p.mu) {
   const detail::vm_range& r = *s.vm;
   if (r.page_count != r.size / r.page_bytes) {
@@ -89,7 +90,8 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     if (e.chunk_pages != 0 && e.chunk_index == 0) {  // a chunk's first page: check it whole
       ++chunks;
       bool idle_all = true, one_owner = whole_owner[pg] != nullptr;
-      if (e.chunk_pages < 2 || e.chunk_pages > max_chunk_pages || pg + e.chunk_pages > r.page_count) {
+      if (e.chunk_pages < 2 || e.chunk_pages > max_chunk_pages ||
+          pg + e.chunk_pages > r.page_count) {
         violated(fmt::format("range {:#x}: chunk at page {} of {} pages is malformed", r.base, pg,
                              e.chunk_pages));
       }
@@ -104,9 +106,10 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
         one_owner = one_owner && whole_owner[q] == whole_owner[pg];
       }
       if (!idle_all && !one_owner && straddles == 0) {
-        violated(fmt::format("range {:#x}: the chunk at page {} is touched, but not as a whole by "
-                             "one block",
-                             r.base, pg));
+        violated(
+            fmt::format("range {:#x}: the chunk at page {} is touched, but not as a whole by "
+                        "one block",
+                        r.base, pg));
       }
     } else if (e.chunk_pages != 0 && (pg < e.chunk_index || !r.mapped(pg - e.chunk_index) ||
                                       r.pages.get(pg - e.chunk_index).chunk_index != 0)) {
@@ -133,8 +136,8 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
     mappings += 1;
   });
   if (chunks != r.chunks) {
-    violated(fmt::format("range {:#x}: {} chunks mapped, counter says {}", r.base, chunks,
-                         r.chunks));
+    violated(
+        fmt::format("range {:#x}: {} chunks mapped, counter says {}", r.base, chunks, r.chunks));
   }
   if (run_end != 0) runs.emplace(run_first, run_end);
   if (runs != r.mapped_runs) {
@@ -149,12 +152,12 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
   for (const auto& [first, u] : r.idle_runs) {
     if (u->range != &r || u->first != first || u->end <= u->first || u->first < prev_end ||
         u->end > r.page_count) {
-      violated(fmt::format("range {:#x}: idle run at page {} is malformed or overlaps", r.base,
-                           first));
+      violated(
+          fmt::format("range {:#x}: idle run at page {} is malformed or overlaps", r.base, first));
     }
     if (!r.all_mapped(u->first, u->end - 1)) {
-      violated(fmt::format("range {:#x}: idle run at page {} holds an unmapped page", r.base,
-                           first));
+      violated(
+          fmt::format("range {:#x}: idle run at page {} holds an unmapped page", r.base, first));
     }
     if (r.idle_owner != &p.pages) {
       violated(fmt::format("range {:#x}: idle runs not owned by pool {}", r.base, p.index));
@@ -172,9 +175,10 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
   if (parked) {
     if (r.parked_end < r.parked_first || r.parked_end > r.page_count ||
         !r.all_mapped(r.parked_first, r.parked_end - 1) || r.idle_owner != &p.pages) {
-      violated(fmt::format("range {:#x}: parked span [{}, {}) is malformed, unmapped or not "
-                           "owned by pool {}",
-                           r.base, r.parked_first, r.parked_end, p.index));
+      violated(
+          fmt::format("range {:#x}: parked span [{}, {}) is malformed, unmapped or not "
+                      "owned by pool {}",
+                      r.base, r.parked_first, r.parked_end, p.index));
     }
     auto it = r.idle_runs.lower_bound(r.parked_first);
     const bool overlaps_next = it != r.idle_runs.end() && it->first < r.parked_end;
@@ -185,7 +189,6 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
                            r.parked_first, r.parked_end));
     }
   }
-  mapped_total += mapped_pages * r.page_bytes;
 }
 
 /// The pending queues: one per stream, entries of this pool's pending blocks, counted right, and
@@ -216,203 +219,218 @@ void check_pending_queues(const detail::stream_pool& p) REQUIRES(p.mu) {
     }
   });
 }
+
+/// What the walk of one pool's segments counts, per pool kind, against its free index and its
+/// statistics; and the device-wide sums the parts' own checks are given.
+struct pool_recount {
+  std::size_t free_count[2] = {0, 0};
+  std::size_t free_bytes[2] = {0, 0};
+  std::int64_t alloc_bytes[2] = {0, 0}, alloc_count[2] = {0, 0};
+  std::int64_t active_bytes[2] = {0, 0}, active_count[2] = {0, 0};
+  std::int64_t reserved[2] = {0, 0}, seg_count[2] = {0, 0}, requested[2] = {0, 0};
+  std::size_t pending_events = 0;  // the events the pool's pending blocks wait on
+};
+struct device_recount {
+  std::size_t allocated_blocks = 0;
+  std::size_t reserved = 0;       // segments' memory and mapped pages, every pool
+  std::size_t address_bytes = 0;  // the address space of every range
+  std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain: pages its blocks touch
+  std::map<std::uint32_t, std::size_t> sleeping_graph;  // by domain: whole-VM graph bytes
+};
+
+/// The memory behind segment s of p: an expandable range's pages (check_range), or a segment
+/// that is wholly memory -- cudaMalloc'd, or whole-VM graph memory of a sleepable tag, which
+/// holds none while unmapped (and only its domain's sleep unmaps it).
+void check_segment_memory(const detail::stream_pool& p, const segment& s,
+                          const detail::tag_sleeper& sleeper, const detail::pager* pg,
+                          bool expandable, pool_recount& rc, device_recount& dev) REQUIRES(p.mu) {
+  const int k = static_cast<int>(s.kind);
+  const bool asleep = p.domain != 0 && sleeper.asleep(p.domain);
+  if (s.vm != nullptr) {
+    std::int64_t mappings = 0;
+    check_range(p, s, rc.reserved[k], mappings, asleep, dev.sleeping_pages[p.domain],
+                p.pages.straddles(), pg->largest_chunk_pages());
+    rc.seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
+    return;
+  }
+  if (s.whole_vm && (p.graph == nullptr || p.domain == 0 || !expandable)) {
+    violated(
+        fmt::format("segment {:#x}: whole-VM, but pool {} is no graph part of a sleep "
+                    "domain in expandable mode",
+                    s.base, p.index));
+  }
+  if (s.unmapped && (!s.whole_vm || !asleep)) {
+    violated(fmt::format("segment {:#x}: unmapped, but {}", s.base,
+                         s.whole_vm ? "its sleep domain is awake" : "not whole-VM"));
+  }
+  if (s.whole_vm && asleep) dev.sleeping_graph[p.domain] += s.size;
+  if (!s.unmapped) {
+    rc.reserved[k] += static_cast<std::int64_t>(s.size);
+    rc.seg_count[k] += 1;
+  }
+}
+
+/// Segment s's blocks tile it in address order, linked both ways, in multiples of 512 B; no two
+/// free blocks are adjacent; a free block is in its free index, an allocated one in the pointer
+/// map with a requested size within its own, a pending one waits on an event. Counted into rc.
+void check_blocks(const detail::stream_pool& p, const segment& s, const detail::block_map& blocks,
+                  pool_recount& rc, device_recount& dev) REQUIRES(p.mu) {
+  const int k = static_cast<int>(s.kind);
+  std::uintptr_t cursor = s.base;
+  const block* prev = nullptr;
+  for (const block* b = s.first; b != nullptr; b = b->next) {
+    if (b->prev != prev) violated(fmt::format("block {:#x}: prev link broken", b->addr));
+    if (b->seg != &s) violated(fmt::format("block {:#x}: wrong segment", b->addr));
+    if (b->addr != cursor) {
+      violated(fmt::format("segment {:#x}: gap or overlap at {:#x} (block at {:#x})", s.base,
+                           cursor, b->addr));
+    }
+    if (b->size == 0 || b->size % detail::k_min_block_bytes != 0) {
+      violated(
+          fmt::format("block {:#x}: size {} not a positive multiple of 512", b->addr, b->size));
+    }
+    switch (b->state) {
+      case block_state::free:
+        if (prev != nullptr && prev->state == block_state::free) {
+          violated(fmt::format("blocks {:#x} and {:#x} are adjacent and both free", prev->addr,
+                               b->addr));
+        }
+        if (!p.free[k].contains(b)) {
+          violated(fmt::format("free block {:#x} is not in its free index", b->addr));
+        }
+        ++rc.free_count[k];
+        rc.free_bytes[k] += b->size;
+        break;
+      case block_state::allocated:
+        if (blocks.find(b->addr) != b) {
+          violated(fmt::format("allocated block {:#x} is not in the pointer map", b->addr));
+        }
+        if (b->requested == 0 || b->requested > b->size) {
+          violated(
+              fmt::format("block {:#x}: requested {} vs size {}", b->addr, b->requested, b->size));
+        }
+        ++dev.allocated_blocks;
+        rc.alloc_bytes[k] += static_cast<std::int64_t>(b->size);
+        rc.alloc_count[k] += 1;
+        rc.requested[k] += static_cast<std::int64_t>(b->requested);
+        rc.active_bytes[k] += static_cast<std::int64_t>(b->size);
+        rc.active_count[k] += 1;
+        break;
+      case block_state::pending:
+        if (b->uses == nullptr || b->uses->pending_events == 0) {
+          violated(fmt::format("pending block {:#x} waits on no event", b->addr));
+        }
+        rc.pending_events += b->uses->pending_events;
+        rc.active_bytes[k] += static_cast<std::int64_t>(b->size);
+        rc.active_count[k] += 1;
+        break;
+    }
+    cursor += b->size;
+    prev = b;
+  }
+  if (cursor != s.base + s.size) {
+    violated(
+        fmt::format("segment {:#x}: blocks cover {} of {} bytes", s.base, cursor - s.base, s.size));
+  }
+}
+
+/// p's free indices hold exactly the free blocks counted, each bin in strict (size, address)
+/// order (best fit relies on it, and splits and merges re-link blocks in place); p's statistics
+/// equal the recount, kind by kind.
+void check_index_and_stats(const detail::stream_pool& p, const pool_recount& rc) REQUIRES(p.mu) {
+  for (int k = 0; k < 2; ++k) {
+    const block* last = nullptr;
+    p.free[k].for_each([&](const block* b) {
+      if (b->bin != detail::free_index::bin_of(b->size)) {
+        violated(
+            fmt::format("free block {:#x} of {} bytes is in bin {}", b->addr, b->size, b->bin));
+      }
+      if (last != nullptr && last->bin == b->bin &&
+          !(last->size < b->size || (last->size == b->size && last->addr < b->addr))) {
+        violated(
+            fmt::format("bin {}: block {:#x} is listed before {:#x}", b->bin, last->addr, b->addr));
+      }
+      last = b;
+    });
+    if (p.free[k].count() != rc.free_count[k] || p.free[k].bytes() != rc.free_bytes[k]) {
+      violated(fmt::format("pool {} {}: free index holds {} blocks / {} bytes, segments {} / {}",
+                           p.index, k == 0 ? "small" : "large", p.free[k].count(),
+                           p.free[k].bytes(), rc.free_count[k], rc.free_bytes[k]));
+    }
+    const std::size_t slot = k == 0 ? 1 : 2;
+    auto check = [&](const char* name, std::int64_t current, std::int64_t expect) {
+      if (current != expect) {
+        violated(fmt::format("pool {} {} {}: stat says {}, recount {}", p.index,
+                             k == 0 ? "small" : "large", name, current, expect));
+      }
+    };
+    const auto& st = p.stats;
+    check("allocated_bytes", st.allocated_bytes[slot].current, rc.alloc_bytes[k]);
+    check("allocation_count", st.allocation_count[slot].current, rc.alloc_count[k]);
+    check("active_bytes", st.active_bytes(slot).current, rc.active_bytes[k]);
+    check("active_count", st.active_count(slot).current, rc.active_count[k]);
+    check("reserved_bytes", st.reserved_bytes[slot].current, rc.reserved[k]);
+    check("segment_count", st.segment_count[slot].current, rc.seg_count[k]);
+    check("requested_bytes", st.requested_bytes[slot].current, rc.requested[k]);
+  }
+}
+
 }  // namespace
 
+// The composition: every pool walked under its lock (its pages by the pager, its segments' memory,
+// blocks, pending queues, free indices, statistics and oversize counts here), then each part's
+// own check against the sums the walk counted.
 void device_allocator::check_invariants() const {
   const impl& m = *impl_;
-  // Marks nothing stale: a missed mark shows below.
+  // Marks nothing stale: a missed mark shows in the ledger's check.
   detail::pool_table::all_locked all(m.pools, detail::pool_table::purpose::read);
-  std::size_t allocated_blocks = 0;
-  std::size_t reserved_total = 0;
-  std::size_t mapped_total = 0;
-  std::size_t address_total = 0;  // the address space of every range
-  std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain, recounted
-  std::map<std::uint32_t, std::size_t> sleeping_graph;  // whole-VM graph bytes, by domain
+  device_recount dev;
   for (const auto& pp : m.pools) {
     const detail::stream_pool& p = *pp;
     detail::pool_table::assert_locked(p);
-    // The pool's pages (its range list and idle list): the pager's own check.
-    if (m.pager) m.pager->check_invariants(p);
-    address_total += p.pages.range_bytes(detail::pool_kind::small) + p.pages.range_bytes(detail::pool_kind::large);
-    std::size_t free_count[2] = {0, 0};
-    std::size_t free_bytes[2] = {0, 0};
-    std::int64_t alloc_bytes[2] = {0, 0}, alloc_count[2] = {0, 0};
-    std::int64_t active_bytes[2] = {0, 0}, active_count[2] = {0, 0};
-    std::int64_t reserved[2] = {0, 0}, seg_count[2] = {0, 0}, requested[2] = {0, 0};
-    std::size_t pending_blocks_events = 0;
+    if (m.pager) m.pager->check_invariants(p);  // the pool's range list and idle list
+    dev.address_bytes +=
+        p.pages.range_bytes(pool_kind::small) + p.pages.range_bytes(pool_kind::large);
+    pool_recount rc;
     const segment* prev_seg = nullptr;
     for (const segment* s = p.segments; s != nullptr; s = s->next) {
-      const int k = static_cast<int>(s->kind);
       if (s->prev != prev_seg) violated(fmt::format("segment {:#x}: broken segment list", s->base));
       prev_seg = s;
       if (s->owner != &p) violated(fmt::format("segment {:#x}: wrong owner", s->base));
-      if (s->vm != nullptr) {
-        std::int64_t mappings = 0;
-        const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
-        check_range(p, *s, reserved[k], mappings, mapped_total,
-                    asleep, sleeping_pages[p.domain], p.pages.straddles(),
-                    m.pager->largest_chunk_pages());
-        seg_count[k] += mappings != 0;  // segment_count: ranges holding memory, not mappings
-      } else {
-        // A whole-VM segment (graph memory of a sleepable tag, whole_vm_segments.hpp) holds no memory
-        // while unmapped, which only its domain's sleep does.
-        const bool asleep = p.domain != 0 && m.sleeper.asleep(p.domain);
-        if (s->whole_vm && (p.graph == nullptr || p.domain == 0 || !m.cfg.expandable_segments)) {
-          violated(fmt::format("segment {:#x}: whole-VM, but pool {} is no graph part of a sleep "
-                               "domain in expandable mode",
-                               s->base, p.index));
-        }
-        if (s->unmapped && (!s->whole_vm || !asleep)) {
-          violated(fmt::format("segment {:#x}: unmapped, but {}", s->base,
-                               s->whole_vm ? "its sleep domain is awake" : "not whole-VM"));
-        }
-        if (s->whole_vm && asleep) sleeping_graph[p.domain] += s->size;
-        if (!s->unmapped) {
-          reserved[k] += static_cast<std::int64_t>(s->size);
-          seg_count[k] += 1;
-        }
-      }
-      std::uintptr_t cursor = s->base;
-      const block* prev = nullptr;
-      for (const block* b = s->first; b != nullptr; b = b->next) {
-        if (b->prev != prev) violated(fmt::format("block {:#x}: prev link broken", b->addr));
-        if (b->seg != s) violated(fmt::format("block {:#x}: wrong segment", b->addr));
-        if (b->addr != cursor) {
-          violated(fmt::format("segment {:#x}: gap or overlap at {:#x} (block at {:#x})", s->base,
-                               cursor, b->addr));
-        }
-        if (b->size == 0 || b->size % detail::k_min_block_bytes != 0) {
-          violated(
-              fmt::format("block {:#x}: size {} not a positive multiple of 512", b->addr, b->size));
-        }
-        switch (b->state) {
-          case block_state::free:
-            if (prev != nullptr && prev->state == block_state::free) {
-              violated(fmt::format("blocks {:#x} and {:#x} are adjacent and both free", prev->addr,
-                                   b->addr));
-            }
-            if (!p.free[k].contains(b)) {
-              violated(fmt::format("free block {:#x} is not in its free index", b->addr));
-            }
-            ++free_count[k];
-            free_bytes[k] += b->size;
-            break;
-          case block_state::allocated:
-            if (m.blocks.find(b->addr) != b) {
-              violated(fmt::format("allocated block {:#x} is not in the pointer map", b->addr));
-            }
-            if (b->requested == 0 || b->requested > b->size) {
-              violated(fmt::format("block {:#x}: requested {} vs size {}", b->addr, b->requested,
-                                   b->size));
-            }
-            ++allocated_blocks;
-            alloc_bytes[k] += static_cast<std::int64_t>(b->size);
-            alloc_count[k] += 1;
-            requested[k] += static_cast<std::int64_t>(b->requested);
-            active_bytes[k] += static_cast<std::int64_t>(b->size);
-            active_count[k] += 1;
-            break;
-          case block_state::pending:
-            if (b->uses == nullptr || b->uses->pending_events == 0) {
-              violated(fmt::format("pending block {:#x} waits on no event", b->addr));
-            }
-            pending_blocks_events += b->uses->pending_events;
-            active_bytes[k] += static_cast<std::int64_t>(b->size);
-            active_count[k] += 1;
-            break;
-        }
-        cursor += b->size;
-        prev = b;
-      }
-      if (cursor != s->base + s->size) {
-        violated(fmt::format("segment {:#x}: blocks cover {} of {} bytes", s->base,
-                             cursor - s->base, s->size));
-      }
+      check_segment_memory(p, *s, m.sleeper, m.pager.get(), m.cfg.expandable_segments, rc, dev);
+      check_blocks(p, *s, m.blocks, rc, dev);
     }
-    if (pending_blocks_events != p.pending.size() + p.retained) {
+    if (rc.pending_events != p.pending.size() + p.retained) {
       violated(
           fmt::format("pool {}: {} pending events recorded and {} retentions, blocks wait "
                       "on {}",
-                      p.index, p.pending.size(), p.retained, pending_blocks_events));
+                      p.index, p.pending.size(), p.retained, rc.pending_events));
     }
     check_pending_queues(p);
-    for (int k = 0; k < 2; ++k) {
-      // Bins hold blocks of their size class in strict (size, address) order: best fit relies on
-      // it, and splits and merges re-link blocks in place.
-      const block* last = nullptr;
-      p.free[k].for_each([&](const block* b) {
-        if (b->bin != detail::free_index::bin_of(b->size)) {
-          violated(
-              fmt::format("free block {:#x} of {} bytes is in bin {}", b->addr, b->size, b->bin));
-        }
-        if (last != nullptr && last->bin == b->bin &&
-            !(last->size < b->size || (last->size == b->size && last->addr < b->addr))) {
-          violated(fmt::format("bin {}: block {:#x} is listed before {:#x}", b->bin, last->addr,
-                               b->addr));
-        }
-        last = b;
-      });
-      if (p.free[k].count() != free_count[k] || p.free[k].bytes() != free_bytes[k]) {
-        violated(fmt::format("pool {} {}: free index holds {} blocks / {} bytes, segments {} / {}",
-                             p.index, k == 0 ? "small" : "large", p.free[k].count(),
-                             p.free[k].bytes(), free_count[k], free_bytes[k]));
-      }
-      const std::size_t slot = k == 0 ? 1 : 2;
-      auto check = [&](const char* name, std::int64_t current, std::int64_t expect) {
-        if (current != expect) {
-          violated(fmt::format("pool {} {} {}: stat says {}, recount {}", p.index,
-                               k == 0 ? "small" : "large", name, current, expect));
-        }
-      };
-      const auto& st = p.stats;
-      check("allocated_bytes", st.allocated_bytes[slot].current, alloc_bytes[k]);
-      check("allocation_count", st.allocation_count[slot].current, alloc_count[k]);
-      check("active_bytes", st.active_bytes(slot).current, active_bytes[k]);
-      check("active_count", st.active_count(slot).current, active_count[k]);
-      check("reserved_bytes", st.reserved_bytes[slot].current, reserved[k]);
-      check("segment_count", st.segment_count[slot].current, seg_count[k]);
-      check("requested_bytes", st.requested_bytes[slot].current, requested[k]);
-    }
+    check_index_and_stats(p, rc);
     // The oversize counts follow the rules in force (set_size_rules recounts them).
     if (const auto [os_segments, os_allocations] = m.recount_oversize(p);
         p.stats.oversize_segments != os_segments ||
         p.stats.oversize_allocations != os_allocations) {
-      violated(fmt::format("pool {}: oversize segments / allocations: stats say {} / {}, recount "
-                           "{} / {} (max_split_size {})",
-                           p.index, p.stats.oversize_segments, p.stats.oversize_allocations,
-                           os_segments, os_allocations, m.policy.max_split_size()));
+      violated(
+          fmt::format("pool {}: oversize segments / allocations: stats say {} / {}, recount "
+                      "{} / {} (max_split_size {})",
+                      p.index, p.stats.oversize_segments, p.stats.oversize_allocations, os_segments,
+                      os_allocations, m.policy.max_split_size()));
     }
-    reserved_total += static_cast<std::size_t>(reserved[0] + reserved[1]);
+    dev.reserved += static_cast<std::size_t>(rc.reserved[0] + rc.reserved[1]);
   }
-  // Sleeping domains: the sleeper's own check, against the pages and graph bytes recounted here.
-  m.sleeper.check_invariants(sleeping_pages, sleeping_graph, m.page_bytes);
-  // Graph pools: retained blocks are pending blocks of the pool they name, and each pool's
-  // retention count is right; parts belong to their graph pool.
+  if (m.blocks.size() != dev.allocated_blocks) {
+    violated(fmt::format("pointer map holds {} blocks, {} are allocated", m.blocks.size(),
+                         dev.allocated_blocks));
+  }
+  // Each part's own check, against what the walk counted.
+  m.sleeper.check_invariants(dev.sleeping_pages, dev.sleeping_graph, m.page_bytes);
   m.graphs.check_invariants();
   if (const std::string why = m.pools.check_map(); !why.empty()) violated(why);
   std::size_t handle_bytes = 0;
-  if (m.pager && m.pager->reserved_address_bytes() != address_total) {
-    violated(fmt::format("the pager counts {} bytes of address space, the ranges span {}",
-                         m.pager->reserved_address_bytes(), address_total));
-  }
-  if (m.pager) {
-    detail::lock_guard lock(m.budget.mu);
-    for (const auto& [bytes, h] : m.pager->free_handles) handle_bytes += bytes;
-    if (handle_bytes != m.pager->free_handle_bytes) {
-      violated(fmt::format("unmapped handle list holds {} bytes, counter says {}", handle_bytes,
-                           m.pager->free_handle_bytes));
-    }
-  }
-  reserved_total += handle_bytes;
-  (void)mapped_total;
-  if (m.blocks.size() != allocated_blocks) {
-    violated(fmt::format("pointer map holds {} blocks, {} are allocated", m.blocks.size(),
-                         allocated_blocks));
-  }
-  // The budget's own invariants, against the bytes counted here: segments, mapped pages and
-  // unmapped handles.
-  m.budget.check_invariants(reserved_total);
-  // The statistics ledger's own check (stats_ledger.cpp).
+  if (m.pager) handle_bytes = m.pager->check_device_wide(dev.address_bytes);
+  m.budget.check_invariants(dev.reserved + handle_bytes);
   m.ledger.check(m.ledger_parts());
 }
 

@@ -1072,4 +1072,23 @@ void pager::check_invariants(const stream_pool& p) const {
   }
 }
 
+std::size_t pager::check_device_wide(std::size_t ranges_bytes) const {
+  if (reserved_address_bytes() != ranges_bytes) {
+    throw std::logic_error(
+        fmt::format("cucache invariant violated: the pager counts {} bytes of address space, the "
+                    "ranges span {}",
+                    reserved_address_bytes(), ranges_bytes));
+  }
+  detail::lock_guard lock(budget_.mu);
+  std::size_t handle_bytes = 0;
+  for (const auto& [bytes, h] : free_handles) handle_bytes += bytes;
+  if (handle_bytes != free_handle_bytes) {
+    throw std::logic_error(
+        fmt::format("cucache invariant violated: unmapped handle list holds {} bytes, counter "
+                    "says {}",
+                    handle_bytes, free_handle_bytes));
+  }
+  return handle_bytes;
+}
+
 }  // namespace cucache::detail

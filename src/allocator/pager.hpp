@@ -187,6 +187,11 @@ class pager {
   /// list's head; idle_bytes counts the listed and parked pages. Throws std::logic_error naming
   /// the first violation (check_invariants composes it).
   void check_invariants(const stream_pool& p) const REQUIRES(p.mu);
+  /// The device-wide half: the address space counted equals `ranges_bytes`, what every pool's
+  /// ranges span (the caller's walk), and the unmapped handle list sums to its counter. Returns
+  /// the list's bytes (memory the budget holds besides the pools'). Takes the budget's mutex;
+  /// throws std::logic_error naming the first violation.
+  std::size_t check_device_wide(std::size_t ranges_bytes) const;
   /// The address space every range of the device spans now.
   [[nodiscard]] std::size_t reserved_address_bytes() const noexcept {
     return address_bytes_.load(std::memory_order_relaxed);

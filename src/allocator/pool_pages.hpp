@@ -22,11 +22,11 @@ namespace cucache::detail {
 /// that on every expandable cache hit).
 class owned_bytes {
  public:
-  owned_bytes& operator+=(std::size_t n) noexcept {
+  [[gnu::always_inline]] owned_bytes& operator+=(std::size_t n) noexcept {
     v_.store(v_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
     return *this;
   }
-  owned_bytes& operator-=(std::size_t n) noexcept {
+  [[gnu::always_inline]] owned_bytes& operator-=(std::size_t n) noexcept {
     v_.store(v_.load(std::memory_order_relaxed) - n, std::memory_order_relaxed);
     return *this;
   }
@@ -84,8 +84,8 @@ class pool_pages {
     ranges_.erase(std::find(ranges_.begin(), ranges_.end(), s));
     range_bytes_[static_cast<int>(s->kind)] -= s->size;
   }
-  void add_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ += bytes; }
-  void sub_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ -= bytes; }
+  [[gnu::always_inline]] void add_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ += bytes; }
+  [[gnu::always_inline]] void sub_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ -= bytes; }
   void add_straddles(std::size_t n) noexcept { straddles_ += n; }
   void set_parked(vm_range* r) noexcept { parked_ = r; }
   /// u leaves the idle list (its own links are left as they were).

@@ -454,6 +454,26 @@ TEST(Pager, UnmappedHandlesAreKeptReusedAndReleased) {
   EXPECT_EQ(r.budget.device_frees.load(), 2u);
 }
 
+// The device-wide half of the pager's check: the address space it counts against what the
+// ranges span, and its unmapped handle list against its counter; it returns the list's bytes.
+TEST(Pager, TheDeviceWideCheckHoldsTheAddressSpaceAndTheHandleListToTheirCounts) {
+  pager_rig r;
+  const std::size_t span = r.pg.reserved_address_bytes();
+  ASSERT_EQ(span, r.range->size);
+  EXPECT_EQ(r.pg.check_device_wide(span), 0u);
+  EXPECT_THROW((void)r.pg.check_device_wide(span + 2 * MiB), std::logic_error);
+  block* a = nullptr;
+  ASSERT_TRUE(r.carve_and_back(0, 4 * MiB, &a));
+  r.free(a);
+  r.pg.unmap_idle(r.pool, /*release_handles=*/false);
+  EXPECT_EQ(r.pg.check_device_wide(span), 4 * MiB);
+  r.pg.free_handle_bytes += 2 * MiB;  // the counter drifts from the list
+  EXPECT_THROW((void)r.pg.check_device_wide(span), std::logic_error);
+  r.pg.free_handle_bytes -= 2 * MiB;
+  EXPECT_EQ(r.pg.check_device_wide(span), 4 * MiB);
+  r.pg.release_unmapped(0);
+}
+
 TEST(Pager, MapIdlePagesMapsOnePageHandlesNoBlockTouches) {
   pager_rig r;
   ASSERT_TRUE(r.pg.map_idle_pages(r.pool, *r.range, r.range->base, 6 * MiB));
