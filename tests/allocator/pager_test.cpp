@@ -44,9 +44,7 @@ struct pager_rig {
   ~pager_rig() { pg.destroy_range(*range); }
 
   static std::shared_ptr<sim_backend> make_sim(std::size_t capacity) {
-    sim_options o;
-    o.capacity_bytes = capacity;
-    return std::make_shared<sim_backend>(o);
+    return std::make_shared<sim_backend>(sized(capacity));
   }
 
   /// A block carved at [offset, offset + bytes) of the range, its pages touched (as carve does).

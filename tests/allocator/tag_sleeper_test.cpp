@@ -32,8 +32,7 @@ constexpr std::uint32_t k_domain = 7;
 constexpr std::size_t k_page = 2 * MiB;
 
 sim_options rig_options(std::size_t capacity, bool host_memory = false) {
-  sim_options o;
-  o.capacity_bytes = capacity;
+  sim_options o = sized(capacity);
   o.host_memory = host_memory;
   return o;
 }

@@ -27,16 +27,10 @@ constexpr std::uint32_t k_domain = 3;
 
 struct whole_vm_rig {
   explicit whole_vm_rig(std::size_t capacity = 64 * MiB, std::size_t limit = 0)
-      : sim(std::make_shared<sim_backend>(options(capacity))),
+      : sim(std::make_shared<sim_backend>(sized(capacity))),
         budget(capacity, limit, 0),
         pools(*sim),
         pool(pools.pool_for(nullptr, pools.stream_key(nullptr), k_domain)) {}
-
-  static sim_options options(std::size_t capacity) {
-    sim_options o;
-    o.capacity_bytes = capacity;
-    return o;
-  }
 
   /// A segment of `bytes` made by create and entered in the pool's statistics, as new_segment
   /// does.

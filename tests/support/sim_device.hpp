@@ -42,6 +42,13 @@ inline std::uintptr_t addr(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p);
 }
 
+/// A simulated device of `capacity` bytes, every other option at its default.
+inline sim_options sized(std::size_t capacity) {
+  sim_options o;
+  o.capacity_bytes = capacity;
+  return o;
+}
+
 /// A simulated device of `capacity` bytes whose memory holds contents (host-backed, so copies
 /// and sleep's kept bytes can be checked) and whose events complete only when synchronized.
 inline sim_options host_backed(std::size_t capacity) {
