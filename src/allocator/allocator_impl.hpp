@@ -199,7 +199,8 @@ struct device_allocator::impl {
     return p.graph != nullptr && p.domain != 0 && cfg.expandable_segments;
   }
 
-  // --- sleep and wake (the sleeper: tag_sleeper.hpp; sleep.cpp builds its parts) ---
+  // --- sleep and wake (the sleeper: tag_sleeper.hpp; its parts are built here, in
+  //     device_allocator.cpp; sleep.cpp holds the public calls) ---
   /// The parts the sleeper works with (tag_sleeper::parts). Its walk calls the steps of the
   /// allocation story in it under every pool lock.
   detail::tag_sleeper::parts sleeper_parts();

@@ -1,5 +1,5 @@
-// error_report (error_report.hpp): the out-of-memory report and the bad-pointer diagnosis; and
-// device_allocator::locate, the same walk for callers that diagnose on their own.
+// error_report (error_report.hpp): the out-of-memory report, and the pointer walk behind both the
+// bad-pointer diagnosis and device_allocator::locate.
 #include "allocator/error_report.hpp"
 
 #include <fmt/format.h>
@@ -52,34 +52,47 @@ std::string oom_message(const oom_facts& f) {
   return msg;
 }
 
+device_allocator::address_info locate_pointer(const pool_table& pools, const void* ptr) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  device_allocator::address_info info;
+  pool_table::all_locked all(pools, pool_table::purpose::read);
+  for (const auto& p : pools) {
+    pool_table::assert_locked(*p);
+    for (const segment* s = p->segments; s != nullptr; s = s->next) {
+      if (addr < s->base || addr >= s->base + s->size) continue;
+      info.in_segment = true;
+      info.segment = s->base;
+      info.segment_size = s->size;
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        if (addr < b->addr || addr >= b->addr + b->size) continue;
+        info.block = b->addr;
+        info.block_size = b->size;
+        info.live = b->state == block_state::allocated;
+        return info;
+      }
+      return info;
+    }
+  }
+  return info;
+}
+
 std::string explain_pointer(const pool_table& pools, int device, const void* ptr,
                             const char* what) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  std::string why = "it was not allocated by cucache on this device";
-  {
-    pool_table::all_locked all(pools);
-    for (const auto& p : pools) {
-      pool_table::assert_locked(*p);
-      for (const segment* s = p->segments; s != nullptr; s = s->next) {
-        if (addr < s->base || addr >= s->base + s->size) continue;
-        for (const block* b = s->first; b != nullptr; b = b->next) {
-          if (addr < b->addr || addr >= b->addr + b->size) continue;
-          if (b->addr == addr) {
-            why = "it was already freed";
-          } else if (b->state == block_state::allocated) {
-            why = fmt::format(
-                "it points {} bytes into the live allocation at {:#x}: pass the "
-                "allocation's start",
-                addr - b->addr, b->addr);
-          } else {
-            why = fmt::format(
-                "it points into free memory (inside the block at {:#x}, already "
-                "freed)",
-                b->addr);
-          }
-        }
-      }
-    }
+  const device_allocator::address_info at = locate_pointer(pools, ptr);
+  std::string why;
+  if (at.block == 0) {
+    why = "it was not allocated by cucache on this device";
+  } else if (at.block == addr) {
+    why = "it was already freed";
+  } else if (at.live) {
+    why = fmt::format(
+        "it points {} bytes into the live allocation at {:#x}: pass the "
+        "allocation's start",
+        addr - at.block, at.block);
+  } else {
+    why = fmt::format("it points into free memory (inside the block at {:#x}, already freed)",
+                      at.block);
   }
   return fmt::format("cucache: {}({}) on device {}: {}", what, ptr, device, why);
 }
@@ -87,27 +100,7 @@ std::string explain_pointer(const pool_table& pools, int device, const void* ptr
 }  // namespace detail
 
 device_allocator::address_info device_allocator::locate(const void* ptr) const {
-  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  address_info info;
-  detail::pool_table::all_locked all(impl_->pools, detail::pool_table::purpose::read);
-  for (const auto& p : impl_->pools) {
-    detail::pool_table::assert_locked(*p);
-    for (const detail::segment* s = p->segments; s != nullptr; s = s->next) {
-      if (addr < s->base || addr >= s->base + s->size) continue;
-      info.in_segment = true;
-      info.segment = s->base;
-      info.segment_size = s->size;
-      for (const detail::block* b = s->first; b != nullptr; b = b->next) {
-        if (addr < b->addr || addr >= b->addr + b->size) continue;
-        info.block = b->addr;
-        info.block_size = b->size;
-        info.live = b->state == detail::block_state::allocated;
-        return info;
-      }
-      return info;
-    }
-  }
-  return info;
+  return detail::locate_pointer(impl_->pools, ptr);
 }
 
 std::string device_allocator::explain_bad_pointer(const void* ptr, const char* what) const {

@@ -10,10 +10,13 @@
 //    capture that forbids giving memory back, and the expandable_segments hint when more than
 //    half of the reserved free memory is fragmented and the free bytes would have held the
 //    request.
+//  - locate_pointer(pools, ptr): the segment and the block of `pools` that hold ptr, and whether
+//    that block is allocated (device_allocator::locate). Takes every pool lock to read; changes
+//    nothing.
 //  - explain_pointer(pools, device, ptr, what): "cucache: what(ptr) on device N: <why>", where
-//    why is: already freed (ptr starts a free block), an interior pointer of a live allocation
-//    (its offset and start), a pointer into free memory, or not cucache's on this device. Takes
-//    every pool lock; changes nothing.
+//    why, from locate_pointer's answer, is: already freed (ptr starts a block), an interior
+//    pointer of a live allocation (its offset and start), a pointer into free memory, or not
+//    cucache's on this device.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +25,7 @@
 
 #include "allocator/pool_mutex.hpp"
 #include "cucache/backend.hpp"
+#include "cucache/device_allocator.hpp"
 
 namespace cucache::detail {
 
@@ -51,6 +55,9 @@ struct oom_facts {
 };
 
 [[nodiscard]] std::string oom_message(const oom_facts& f);
+
+[[nodiscard]] device_allocator::address_info locate_pointer(const pool_table& pools,
+                                                            const void* ptr) EXCLUDES(every_pool);
 
 [[nodiscard]] std::string explain_pointer(const pool_table& pools, int device, const void* ptr,
                                           const char* what) EXCLUDES(every_pool);

@@ -68,17 +68,6 @@ void add_graph_segments(const pool_table& pools, std::uint32_t domain, domain_wa
   }
 }
 
-/// The domain's graph memory released (sleep) and mapped again (wake, rollback): ps.graph_vm's
-/// steps, for a domain with graph memory only.
-std::size_t release_graph(const tag_sleeper::parts& ps, const std::vector<segment*>& segs,
-                          bool& synchronize) REQUIRES(every_pool) {
-  return segs.empty() ? 0 : ps.graph_vm.release(segs, synchronize);
-}
-bool map_graph(const tag_sleeper::parts& ps, const std::vector<segment*>& segs)
-    REQUIRES(every_pool) {
-  return segs.empty() || ps.graph_vm.map(segs);
-}
-
 /// The bytes of the unmapped segments of `segs`.
 std::size_t unmapped_bytes(const std::vector<segment*>& segs) noexcept {
   std::size_t n = 0;
@@ -523,7 +512,7 @@ void tag_sleeper::sleep(const parts& ps,
         released += ps.pg->evict(*q, synchronize);
         synchronize = false;
       }
-      released += release_graph(ps, p.w.graph_segments, synchronize);
+      released += ps.graph_vm.release(p.w.graph_segments, synchronize);
     } catch (...) {
       // A device failure part way: this domain rolled back to awake (roll_back_sleep), the ones
       // before it asleep, the ones after untouched (their copies kept as spare buffers).
@@ -587,7 +576,7 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
         }
       }
     }
-    if (!map_graph(ps, graph_segments)) {
+    if (!ps.graph_vm.map(graph_segments)) {
       throw out_of_memory(fmt::format("no room to map {} of graph memory again",
                                       bytes_text(unmapped_bytes(graph_segments))));
     }
@@ -625,7 +614,7 @@ void tag_sleeper::roll_back_sleep(const parts& ps, std::uint32_t domain,
     first = false;
   }
   try {
-    rec.released_bytes += release_graph(ps, graph_segments, first);
+    rec.released_bytes += ps.graph_vm.release(graph_segments, first);
   } catch (...) {
     if (finish_failure.empty()) finish_failure = current_error().first;
   }
@@ -747,7 +736,7 @@ void tag_sleeper::wake(const parts& ps,
         first = false;
       }
       try {
-        release_graph(ps, p.w.graph_segments, first);
+        ps.graph_vm.release(p.w.graph_segments, first);
       } catch (...) {
       }
     }
@@ -767,7 +756,7 @@ void tag_sleeper::wake(const parts& ps,
           }
         }
       }
-      if (!map_graph(ps, p.w.graph_segments)) throw no_room(ps.pg->room_bytes());
+      if (!ps.graph_vm.map(p.w.graph_segments)) throw no_room(ps.pg->room_bytes());
     }
   } catch (...) {
     undo(false);  // nothing has used the new pages: no synchronization needed

@@ -15,6 +15,7 @@ void* whole_vm_segments::make(std::size_t bytes, std::uint64_t& phys) {
   void* va = backend_.va_reserve(bytes);
   if (va == nullptr) return nullptr;
   std::optional<phys_handle> h;
+  bool mapped = false;
   try {
     h = backend_.phys_create(bytes);
     if (!h) {
@@ -22,20 +23,13 @@ void* whole_vm_segments::make(std::size_t bytes, std::uint64_t& phys) {
       return nullptr;
     }
     backend_.map(va, bytes, *h);
-  } catch (...) {
-    try {
-      if (h) backend_.phys_release(*h);
-      backend_.va_free(va, bytes);
-    } catch (...) {
-    }
-    throw;
-  }
-  try {
+    mapped = true;
     backend_.set_access(va, bytes);
   } catch (...) {
+    // Undo what was done, in reverse; the first failure's error is the one that propagates.
     try {
-      backend_.unmap(va, bytes);
-      backend_.phys_release(*h);
+      if (mapped) backend_.unmap(va, bytes);
+      if (h) backend_.phys_release(*h);
       backend_.va_free(va, bytes);
     } catch (...) {
     }
@@ -43,6 +37,18 @@ void* whole_vm_segments::make(std::size_t bytes, std::uint64_t& phys) {
   }
   phys = *h;
   return va;
+}
+
+void whole_vm_segments::count_in_pool(segment& s, int sign) {
+  pool_table::assert_locked(*s.owner);  // every pool is (release's and map's callers)
+  const auto bytes = static_cast<std::int64_t>(s.size);
+  if (sign > 0) {
+    s.owner->stats.reserved_bytes.inc(s.kind, bytes);
+    s.owner->stats.segment_count.inc(s.kind, 1);
+  } else {
+    s.owner->stats.reserved_bytes.dec(s.kind, bytes);
+    s.owner->stats.segment_count.dec(s.kind, 1);
+  }
 }
 
 void* whole_vm_segments::create(std::size_t bytes, std::uint64_t& phys) {
@@ -91,16 +97,13 @@ std::size_t whole_vm_segments::release(const std::vector<segment*>& segs, bool& 
           backend_.set_access(va, s->size);
         } catch (...) {
           s->unmapped = true;
-          s->owner->stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
-          s->owner->stats.segment_count.dec(s->kind, 1);
+          count_in_pool(*s, -1);
         }
         throw;
       }
       s->unmapped = true;
     });
-    // The segment holds no memory while asleep: out of the pool's reserved bytes and segments.
-    s->owner->stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
-    s->owner->stats.segment_count.dec(s->kind, 1);
+    count_in_pool(*s, -1);  // no memory while asleep: out of its pool's reserved bytes
     released += s->size;
   }
   return released;
@@ -128,8 +131,7 @@ bool whole_vm_segments::map(const std::vector<segment*>& segs) {
     }
     s->phys = *h;
     s->unmapped = false;
-    s->owner->stats.reserved_bytes.inc(s->kind, static_cast<std::int64_t>(s->size));
-    s->owner->stats.segment_count.inc(s->kind, 1);
+    count_in_pool(*s, +1);
   }
   return true;
 }

@@ -64,6 +64,9 @@ class whole_vm_segments {
  private:
   /// create's device steps, uncharged: nullptr when the device or the address space refuses.
   void* make(std::size_t bytes, std::uint64_t& phys);
+  /// s's bytes and one segment into (+1) or out of (-1) its pool's statistics. REQUIRES: s's
+  /// pool locked (every pool is, in release and map).
+  static void count_in_pool(segment& s, int sign);
 
   device_backend& backend_;
   device_budget& budget_;

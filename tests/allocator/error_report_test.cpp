@@ -167,6 +167,19 @@ TEST(ErrorReport, ABadPointerIsToldApartByWhereItPoints) {
   EXPECT_EQ(r.why(k_base + MiB),
             text(k_base + MiB, "free", "it was not allocated by cucache on this device"));
   EXPECT_EQ(r.why(0x1000), text(0x1000, "free", "it was not allocated by cucache on this device"));
+
+  // The walk both answers are made from (device_allocator::locate's).
+  const auto at =
+      detail::locate_pointer(r.pools, reinterpret_cast<const void*>(k_base + 600 * KiB));
+  EXPECT_TRUE(at.in_segment);
+  EXPECT_EQ(at.segment, k_base);
+  EXPECT_EQ(at.segment_size, MiB);
+  EXPECT_EQ(at.block, k_base + 512 * KiB);
+  EXPECT_EQ(at.block_size, 512 * KiB);
+  EXPECT_TRUE(at.live);
+  EXPECT_FALSE(
+      detail::locate_pointer(r.pools, reinterpret_cast<const void*>(k_base + 300 * KiB)).live);
+  EXPECT_FALSE(detail::locate_pointer(r.pools, reinterpret_cast<const void*>(0x1000)).in_segment);
 }
 
 }  // namespace
