@@ -112,9 +112,13 @@ def write_fakes(root: Path) -> None:
 
 
 def main() -> int:
-    fakes = Path(tempfile.mkdtemp(prefix="cucache-fakes-"))
-    write_fakes(fakes)
-    sys.path.insert(0, str(fakes))
+    with tempfile.TemporaryDirectory(prefix="cucache-fakes-") as fakes:
+        write_fakes(Path(fakes))
+        sys.path.insert(0, fakes)
+        return check()
+
+
+def check() -> int:
 
     import cucache
 
