@@ -3,14 +3,20 @@
 # expandable mode with coarse_handles at its default (8) and off (0), the two settings
 # alternating round by round (which goes first alternates too), alone and beside the c10 peer.
 #   tools/gpu_coarse_warm_ab.sh BIN_DIR [TRACE...]   (default: llama1b_train gpt2_generate)
-# Environment: ROUNDS (default 6). Prints one line per trace, setting and arrangement per round.
+# Environment: ROUNDS (default 6); BACKEND (default cuda; sim for a dry run of the script here,
+# without the peer). Prints one line per trace, setting and arrangement per round.
 set -uo pipefail
 bin=${1:?bin dir}; shift
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 rounds=${ROUNDS:-6}
+backend=${BACKEND:-cuda}
+arrangements=(none c10)
+[[ $backend == sim ]] && arrangements=(none)
 traces=("$@")
 [[ ${#traces[@]} -eq 0 ]] && traces=("$repo/traces/llama1b_train.csv.gz" "$repo/traces/gpt2_generate.csv.gz")
-[[ -f $bin/libcucache_c10_peer.so ]] || bash "$repo/tools/build_c10_peer.sh" "$bin" > /dev/null
+if [[ $backend != sim && ! -f $bin/libcucache_c10_peer.so ]]; then
+  bash "$repo/tools/build_c10_peer.sh" "$bin" > /dev/null
+fi
 show() {
   python3 -c '
 import json, sys
@@ -30,8 +36,8 @@ for ((r = 1; r <= rounds; r++)); do
   (( r % 2 == 0 )) && order=("0" "8")
   for ch in "${order[@]}"; do
     conf="expandable_segments:True,coarse_handles:$ch"
-    for peers in none c10; do
-      "$bin/cucache-replay" --backend cuda --json --warm --config "$conf" --peers "$peers" \
+    for peers in "${arrangements[@]}"; do
+      "$bin/cucache-replay" --backend "$backend" --json --warm --config "$conf" --peers "$peers" \
         "${traces[@]}" 2> /dev/null | show "r$r" "coarse:$ch" | sed "s/\$/ [$peers]/"
     done
   done
