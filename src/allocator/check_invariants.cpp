@@ -352,10 +352,11 @@ void check_index_and_stats(const detail::stream_pool& p, const pool_recount& rc)
       }
       last = b;
     });
-    if (p.free[k].count() != rc.free_count[k] || p.free[k].bytes() != rc.free_bytes[k]) {
+    if (const detail::free_index::totals_t t = p.free[k].totals();
+        t.count != rc.free_count[k] || t.bytes != rc.free_bytes[k]) {
       violated(fmt::format("pool {} {}: free index holds {} blocks / {} bytes, segments {} / {}",
-                           p.index, k == 0 ? "small" : "large", p.free[k].count(),
-                           p.free[k].bytes(), rc.free_count[k], rc.free_bytes[k]));
+                           p.index, k == 0 ? "small" : "large", t.count, t.bytes,
+                           rc.free_count[k], rc.free_bytes[k]));
     }
     const std::size_t slot = k == 0 ? 1 : 2;
     auto check = [&](const char* name, std::int64_t current, std::int64_t expect) {

@@ -117,8 +117,9 @@ pool_summary stats_ledger::summarize(const parts& ps, const stream_pool& p) {
   s.oversize_segments = st.oversize_segments;
   s.events_pending = p.pending.size();
   for (const auto& idx : p.free) {
-    s.free_block_count += idx.count();
-    if (!ps.expandable) s.free_bytes += idx.bytes();
+    const free_index::totals_t t = idx.totals();
+    s.free_block_count += t.count;
+    if (!ps.expandable) s.free_bytes += t.bytes;
   }
   for (const segment* seg = p.segments; seg != nullptr; seg = seg->next) {
     if (seg->vm != nullptr) {

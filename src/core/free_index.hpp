@@ -32,7 +32,7 @@ class free_index {
   }
 
   /// REQUIRES: b is free and not indexed.
-  void insert(block* b) noexcept { link(b, bin_of(b->size)); }
+  void insert(block* b) noexcept { place(b, bin_of(b->size)); }
   /// REQUIRES: b is indexed here.
   void erase(block* b) noexcept;
   /// Indexes `in` (free, not indexed, its size set) instead of `out` (indexed). When `in` belongs
@@ -48,27 +48,46 @@ class free_index {
   /// The largest indexed block, or nullptr.
   [[nodiscard]] block* largest() const noexcept;
 
-  [[nodiscard]] std::size_t count() const noexcept { return count_; }
-  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
-  [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
-  /// Calls f(block*) for every indexed block, in bin order.
+  /// The indexed blocks and their bytes (totals() below) are counted by a walk when asked -- by
+  /// the statistics' summaries and the invariant check -- not kept as running totals: those cost
+  /// every insert, erase and re-link a load and a store (about 1.5% of the allocator's
+  /// instructions on the bundled traces).
+  [[nodiscard]] bool empty() const noexcept { return level_map_ == 0; }
+  /// Calls f(block*) for every indexed block, in bin order; only the non-empty bins are visited
+  /// (the bitmaps name them).
   template <class F>
   void for_each(F&& f) const {
-    for (unsigned i = 0; i < k_bins; ++i) {
-      for (block* b = heads_[i]; b != nullptr;) {
-        block* n = b->free_next;  // f may erase b
-        f(b);
-        b = n;
+    for (std::uint64_t levels = level_map_; levels != 0; levels &= levels - 1) {
+      const unsigned l = static_cast<unsigned>(std::countr_zero(levels));
+      for (std::uint32_t subs = sub_map_[l]; subs != 0; subs &= subs - 1) {
+        const unsigned bin = l * k_sub_bins + static_cast<unsigned>(std::countr_zero(subs));
+        for (block* b = heads_[bin]; b != nullptr;) {
+          block* n = b->free_next;  // f may erase b (the bitmaps were read before)
+          f(b);
+          b = n;
+        }
       }
     }
+  }
+  /// The indexed blocks and their bytes, counted in one walk (for_each).
+  struct totals_t {
+    std::size_t count = 0;
+    std::size_t bytes = 0;
+  };
+  [[nodiscard]] totals_t totals() const noexcept {
+    totals_t t;
+    for_each([&](const block* b) {
+      ++t.count;
+      t.bytes += b->size;
+    });
+    return t;
   }
   /// True when b is linked in this index (walks its bin; for invariant checks).
   [[nodiscard]] bool contains(const block* b) const noexcept;
 
  private:
   [[nodiscard]] block* first_above(std::uint32_t bin) const noexcept;
-  void link(block* b, std::uint32_t bin) noexcept;  // insert into a known bin
-  /// link / erase without the count and byte totals (replace and resize keep the count).
+  /// Links b into `bin` at its place in best-fit order; unlinks b.
   void place(block* b, std::uint32_t bin) noexcept;
   void unplace(block* b) noexcept;
   /// Best-fit order: size, then address.
@@ -82,8 +101,6 @@ class free_index {
   std::array<block*, k_bins> heads_{};
   std::uint64_t level_map_ = 0;                    // bit l: some bin of level l is non-empty
   std::array<std::uint32_t, k_levels> sub_map_{};  // bit s of level l: bin l*16+s is non-empty
-  std::size_t count_ = 0;
-  std::size_t bytes_ = 0;
 };
 
 // The fast paths, inline: every allocation and free runs several of them.
@@ -126,23 +143,14 @@ inline void free_index::unplace(block* b) noexcept {
   b->free_prev = b->free_next = nullptr;
 }
 
-inline void free_index::link(block* b, std::uint32_t bin) noexcept {
-  place(b, bin);
-  ++count_;
-  bytes_ += b->size;
-}
-
 inline void free_index::erase(block* b) noexcept {
   unplace(b);
-  --count_;
-  bytes_ -= b->size;
 }
 
 [[gnu::always_inline]] inline void free_index::replace(block* out, block* in) noexcept {
   const std::uint32_t bin = bin_of(in->size);
   block* p = out->free_prev;
   block* n = out->free_next;
-  bytes_ = bytes_ - out->size + in->size;  // the count stays
   if (bin == out->bin && (p == nullptr || before(p, in->size, in->addr)) &&
       (n == nullptr || before(in->size, in->addr, n))) {
     in->bin = bin;
@@ -180,7 +188,6 @@ inline void free_index::resize(block* b, std::size_t size) noexcept {
   block* p = b->free_prev;
   block* n = b->free_next;
   const std::uint32_t bin = bin_of(size);
-  bytes_ = bytes_ - b->size + size;
   if (bin == b->bin && (p == nullptr || before(p, size, b->addr)) &&
       (n == nullptr || before(size, b->addr, n))) {
     b->size = size;

@@ -67,7 +67,7 @@ TEST(FreeIndex, BestFitMatchesBruteForceModel) {
     } else {
       ASSERT_NO_FATAL_FAILURE(expect_best_fit(idx, model, 512 * (1 + rng() % 120'000)));
     }
-    ASSERT_EQ(idx.count(), model.size());
+    ASSERT_EQ(idx.totals().count, model.size());
     if (!model.empty()) {
       ASSERT_EQ(idx.largest()->size, model.rbegin()->first);
     }
@@ -112,15 +112,15 @@ TEST(FreeIndex, ReplaceMatchesBruteForceModel) {
         size = rng() % 2 == 0 ? out->size + delta : std::max<std::size_t>(512, out->size - delta);
       }
       block* b = fresh(size);
-      const std::size_t bytes = idx.bytes();
+      const std::size_t bytes = idx.totals().bytes;
       idx.replace(out, b);
       model.erase({out->size, out->addr});
       model.emplace(b->size, b->addr);
       in[i] = b;
       ASSERT_FALSE(idx.contains(out));
       ASSERT_TRUE(idx.contains(b));
-      ASSERT_EQ(idx.count(), model.size());
-      ASSERT_EQ(idx.bytes(), bytes - out->size + b->size);
+      ASSERT_EQ(idx.totals().count, model.size());
+      ASSERT_EQ(idx.totals().bytes, bytes - out->size + b->size);
       ASSERT_NO_FATAL_FAILURE(expect_best_fit(idx, model, random_size()));
       ASSERT_EQ(idx.largest()->size, model.rbegin()->first);
     }
@@ -140,7 +140,7 @@ TEST(FreeIndex, ContainsAndBytes) {
   idx.insert(&a);
   idx.insert(&b);
   EXPECT_TRUE(idx.contains(&a));
-  EXPECT_EQ(idx.bytes(), 2048u);
+  EXPECT_EQ(idx.totals().bytes, 2048u);
   EXPECT_EQ(idx.best_fit(1024), &b);  // lower address first
   idx.erase(&b);
   EXPECT_FALSE(idx.contains(&b));
