@@ -48,11 +48,6 @@ class free_index {
   /// The largest indexed block, or nullptr.
   [[nodiscard]] block* largest() const noexcept;
 
-  /// The indexed blocks and their bytes (totals() below) are counted by a walk when asked -- by
-  /// the statistics' summaries and the invariant check -- not kept as running totals: those cost
-  /// every insert, erase and re-link a load and a store (about 1.5% of the allocator's
-  /// instructions on the bundled traces).
-  [[nodiscard]] bool empty() const noexcept { return level_map_ == 0; }
   /// Calls f(block*) for every indexed block, in bin order; only the non-empty bins are visited
   /// (the bitmaps name them).
   template <class F>
@@ -69,7 +64,10 @@ class free_index {
       }
     }
   }
-  /// The indexed blocks and their bytes, counted in one walk (for_each).
+  /// The indexed blocks and their bytes, counted in one walk (for_each) when asked -- by the
+  /// statistics' summaries and the invariant check. Not kept as running totals: those cost every
+  /// insert, erase and re-link a load and a store (about 1.5% of the allocator's instructions on
+  /// the bundled traces).
   struct totals_t {
     std::size_t count = 0;
     std::size_t bytes = 0;
@@ -87,9 +85,8 @@ class free_index {
 
  private:
   [[nodiscard]] block* first_above(std::uint32_t bin) const noexcept;
-  /// Links b into `bin` at its place in best-fit order; unlinks b.
+  /// Links b into `bin` at its place in best-fit order (insert into a known bin).
   void place(block* b, std::uint32_t bin) noexcept;
-  void unplace(block* b) noexcept;
   /// Best-fit order: size, then address.
   static bool before(std::size_t size_a, std::uintptr_t addr_a, const block* b) noexcept {
     return size_a < b->size || (size_a == b->size && addr_a < b->addr);
@@ -125,7 +122,7 @@ inline void free_index::place(block* b, std::uint32_t bin) noexcept {
   }
 }
 
-inline void free_index::unplace(block* b) noexcept {
+inline void free_index::erase(block* b) noexcept {
   const std::uint32_t bin = b->bin;
   block* const p = b->free_prev;
   block* const n = b->free_next;
@@ -141,10 +138,6 @@ inline void free_index::unplace(block* b) noexcept {
   }
   if (n != nullptr) n->free_prev = p;
   b->free_prev = b->free_next = nullptr;
-}
-
-inline void free_index::erase(block* b) noexcept {
-  unplace(b);
 }
 
 [[gnu::always_inline]] inline void free_index::replace(block* out, block* in) noexcept {
@@ -180,7 +173,7 @@ inline void free_index::erase(block* b) noexcept {
     sub_map_[bin / k_sub_bins] |= 1u << (bin % k_sub_bins);
     return;
   }
-  unplace(out);
+  erase(out);
   place(in, bin);
 }
 
@@ -193,7 +186,7 @@ inline void free_index::resize(block* b, std::size_t size) noexcept {
     b->size = size;
     return;
   }
-  unplace(b);
+  erase(b);
   b->size = size;
   place(b, bin);
 }

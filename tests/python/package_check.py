@@ -119,7 +119,6 @@ def main() -> int:
 
 
 def check() -> int:
-
     import cucache
 
     assert cucache.backend() == "sim", cucache.backend()
