@@ -105,6 +105,8 @@ void make_gpu_streams() {
 
 void destroy_gpu_streams() noexcept {
   for (auto& s : g_gpu_streams) {
+    // The bench is the front end of its allocators: it announces its stream destructions.
+    device_allocator::announce_stream_destruction();
     if (s != nullptr) static_cast<void>(cudaStreamDestroy(s));
     s = nullptr;
   }
@@ -128,19 +130,28 @@ void set_memory_counters(benchmark::State& state, double reserved, double reserv
 
 /// cucache over a device backend: on the simulated device (host cost only) or on GPU 0, in
 /// default mode or with expandable segments; `announced`: in the captures-announced mode (no
-/// capture query per allocation; docs/design.md, "Announced captures"), the torch extension's.
-template <bool gpu, bool expandable = false, bool announced = false>
+/// capture query per allocation; docs/design.md, "Announced captures"), the torch extension's;
+/// `streams`: with stream destructions announced too (the thread's cached stream id, no id query;
+/// "Announced stream destructions"), what the LD_PRELOAD shim offers with
+/// CUCACHE_PRELOAD_STREAMS=announced. The bench announces its own destructions.
+template <bool gpu, bool expandable = false, bool announced = false, bool streams = false>
 class cucache_alloc {
  public:
   static constexpr const char* k_name =
-      announced ? (gpu ? (expandable ? "cucache_cuda_expandable_announced" : "cucache_cuda_announced")
-                       : (expandable ? "cucache_sim_expandable_announced" : "cucache_sim_announced"))
-      : gpu     ? (expandable ? "cucache_cuda_expandable" : "cucache_cuda")
-                : (expandable ? "cucache_sim_expandable" : "cucache_sim");
+      streams ? (gpu ? (expandable ? "cucache_cuda_expandable_streams_announced"
+                                   : "cucache_cuda_streams_announced")
+                     : (expandable ? "cucache_sim_expandable_streams_announced"
+                                   : "cucache_sim_streams_announced"))
+      : announced
+          ? (gpu ? (expandable ? "cucache_cuda_expandable_announced" : "cucache_cuda_announced")
+                 : (expandable ? "cucache_sim_expandable_announced" : "cucache_sim_announced"))
+      : gpu ? (expandable ? "cucache_cuda_expandable" : "cucache_cuda")
+            : (expandable ? "cucache_sim_expandable" : "cucache_sim");
 
   cucache_alloc()
       : alloc_(make_backend(gpu ? backend_kind::cuda : backend_kind::sim, 0), make_config()) {
-    alloc_.set_captures_announced(announced);
+    alloc_.set_captures_announced(announced || streams);
+    alloc_.set_stream_destructions_announced(streams);
   }
   static config make_config() {
     config c;
@@ -802,6 +813,8 @@ int run(int argc, char** argv) {
       // The captures-announced mode changes the allocation's stream queries only: pairs.
       allocators.push_back({register_pairs<cucache_alloc<true, false, true>>, [] {}, [] {}});
       allocators.push_back({register_pairs<cucache_alloc<true, true, true>>, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, false, true, true>>, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, true, true, true>>, [] {}, [] {}});
       register_stream_queries();
       allocators.push_back(entry_of<cuda_malloc_alloc>());
       allocators.push_back(entry_of<cuda_malloc_async_alloc>());

@@ -13,7 +13,9 @@
 //   threads T N          T threads, each on its own stream, N 64 KiB pairs each
 //   threads_one T N      T threads all on one stream, N 64 KiB pairs each
 // Options (before the case): --expandable (expandable_segments:True), --conf CUCACHE_CONF,
-// --announced (the captures-announced mode: no capture query while no capture is announced).
+// --announced (the captures-announced mode: no capture query while no capture is announced),
+// --streams-announced (with --announced: stream destructions announced too, the thread's cached
+// stream id instead of the id query; the probe destroys no stream).
 // Prints the wall ns per pair or operation (indicative only on a shared machine).
 #include <chrono>
 #include <cstdio>
@@ -59,7 +61,8 @@ void* volatile g_sink = nullptr;
   }
 }
 
-[[gnu::noinline]] void measured_loop_churn(device_allocator& a, const cucache::bench::churn_plan& plan,
+[[gnu::noinline]] void measured_loop_churn(device_allocator& a,
+                                           const cucache::bench::churn_plan& plan,
                                            std::vector<void*>& live, std::size_t& pos, long n,
                                            stream_handle s) {
   const std::size_t mask = plan.ops.size() - 1;
@@ -72,9 +75,10 @@ void* volatile g_sink = nullptr;
 }
 
 int usage() {
-  std::fprintf(stderr,
-               "usage: cucache-fastpath [--expandable] [--announced] [--conf CONF] "
-               "(pair BYTES N | churn_small N | churn_large N | threads T N | threads_one T N)\n");
+  std::fprintf(
+      stderr,
+      "usage: cucache-fastpath [--expandable] [--announced [--streams-announced]] [--conf CONF] "
+      "(pair BYTES N | churn_small N | churn_large N | threads T N | threads_one T N)\n");
   return 2;
 }
 
@@ -85,11 +89,14 @@ int main(int argc, char** argv) {
     int i = 1;
     cucache::config cfg;
     bool announced = false;
+    bool streams_announced = false;
     for (; i < argc && std::strncmp(argv[i], "--", 2) == 0; ++i) {
       if (std::strcmp(argv[i], "--expandable") == 0) {
         cfg.expandable_segments = true;
       } else if (std::strcmp(argv[i], "--announced") == 0) {
         announced = true;
+      } else if (std::strcmp(argv[i], "--streams-announced") == 0) {
+        streams_announced = true;
       } else if (std::strcmp(argv[i], "--conf") == 0 && i + 1 < argc) {
         cfg = cucache::parse_config(argv[++i], cfg);
       } else {
@@ -101,6 +108,7 @@ int main(int argc, char** argv) {
     auto num = [&](long fallback) { return i < argc ? std::atol(argv[i++]) : fallback; };
     device_allocator a(std::make_shared<cucache::sim_backend>(), cfg);
     a.set_captures_announced(announced);
+    a.set_stream_destructions_announced(streams_announced);
     const stream_handle s = sim_stream(0);
     double per = 0;
     long n = 0;

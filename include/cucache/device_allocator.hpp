@@ -281,6 +281,26 @@ class device_allocator {
   [[nodiscard]] std::uint64_t announced_captures() const noexcept;
   /// Allocations refused because their stream was in a capture nobody announced (failure rule).
   [[nodiscard]] std::uint64_t unannounced_captures() const noexcept;
+  //
+  // Announced stream destructions (docs/design.md, "Announced stream destructions"). In the
+  // captures-announced mode an allocation on a created stream still asks the driver for the
+  // stream's id (cuStreamGetId, ~16 ns on the H200): the runtime hands a destroyed stream's handle
+  // to the next stream it creates, and the id tells them apart. A front end that sees every
+  // stream destruction of the process -- the LD_PRELOAD shim with CUCACHE_PRELOAD_STREAMS=announced
+  // -- turns this mode on and announces each destruction before the driver performs it; each
+  // thread then keeps the id of the stream it last allocated on, and a cache hit asks the driver
+  // nothing. Only where the captures-announced mode is on and nothing may be capturing.
+  // Contract: the front end must see every capture as well as every destruction. A cached id is
+  // not asked again, so a capture nobody announced on that stream is not found (the failure rule
+  // above rests on the id query), and a destruction nobody announced lets the next stream with
+  // the dead one's handle allocate from the dead stream's pool, while its work may still run.
+  /// Turns the stream-destructions-announced mode on or off. Turning it on trusts no id cached
+  /// before.
+  void set_stream_destructions_announced(bool on) noexcept;
+  [[nodiscard]] bool stream_destructions_announced() const noexcept;
+  /// A stream of the process is about to be destroyed: call before the driver destroys it. Every
+  /// thread's cached id misses once, for every allocator of the process (one atomic increment).
+  static void announce_stream_destruction() noexcept;
   /// Routes allocations on streams for which `filter` answers true to graph pool `pool`, creating
   /// the pool or adding an owner to it (PyTorch's beginAllocateToPool). Throws invalid_argument
   /// for {0, 0}, a null filter or a pool routed already.

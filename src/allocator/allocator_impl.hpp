@@ -40,6 +40,7 @@
 #include "allocator/pager.hpp"
 #include "allocator/pool_table.hpp"
 #include "allocator/stats_ledger.hpp"
+#include "allocator/stream_id_cache.hpp"
 #include "allocator/stream_pool.hpp"
 #include "allocator/tag_sleeper.hpp"
 #include "allocator/whole_vm_segments.hpp"
@@ -171,13 +172,19 @@ struct device_allocator::impl {
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
   [[nodiscard]] bool sync_blocked() const noexcept { return graphs.sync_blocked(); }
   /// The pool key of created stream `stream` in the captures-announced mode while nothing may be
-  /// capturing: its id, with no capture query. Where the id is refused because the stream is
+  /// capturing: its id, with no capture query (cached in stream_ids where its mode is on). Where the id is refused because the stream is
   /// being captured after all (a capture nobody announced), throw_if_unannounced's error.
   std::uint64_t announced_stream_key(stream_handle stream);
+  /// announced_stream_key where stream destructions are announced too: the thread's cached id
+  /// (stream_ids), else the id asked and cached.
+  [[gnu::noinline]] std::uint64_t cached_stream_key(stream_handle stream);
   /// Throws cuda_error 901 naming the capture when `stream` is being captured; else returns.
   [[gnu::noinline]] void throw_if_unannounced(stream_handle stream);
   /// Allocations refused by throw_if_unannounced.
   std::atomic<std::uint64_t> unannounced_captures{0};
+  /// The thread's cached stream id where stream destructions are announced
+  /// (stream_id_cache.hpp): consulted only where announced_stream_key would be asked.
+  detail::stream_id_cache stream_ids;
 
   // --- headroom and reserve (headroom.cpp) ---
   /// The largest request on `stream` that allocate would serve now (docs/api.md).

@@ -802,12 +802,29 @@ void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind
 }
 
 std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
+  if (stream_ids.on()) [[unlikely]]
+    return cached_stream_key(stream);
   try {
     return raw->stream_id(stream);
   } catch (...) {
     throw_if_unannounced(stream);
     throw;
   }
+}
+
+std::uint64_t device_allocator::impl::cached_stream_key(stream_handle stream) {
+  std::uint64_t id = 0;
+  if (stream_ids.find(stream, id)) return id;
+  // The count before the question: a destruction announced meanwhile leaves the entry stale.
+  const std::uint64_t count_before = detail::stream_id_cache::destructions();
+  try {
+    id = raw->stream_id(stream);
+  } catch (...) {
+    throw_if_unannounced(stream);
+    throw;
+  }
+  stream_ids.fill(stream, id, count_before);
+  return id;
 }
 
 void device_allocator::impl::throw_if_unannounced(stream_handle stream) {
@@ -1199,6 +1216,15 @@ void device_allocator::announce_capture_begin() noexcept {
 }
 void device_allocator::announce_capture_end() {
   impl_->graphs.announce_end();
+}
+void device_allocator::set_stream_destructions_announced(bool on) noexcept {
+  impl_->stream_ids.set_on(on);
+}
+bool device_allocator::stream_destructions_announced() const noexcept {
+  return impl_->stream_ids.on();
+}
+void device_allocator::announce_stream_destruction() noexcept {
+  detail::stream_id_cache::announce_destruction();
 }
 std::uint64_t device_allocator::announced_captures() const noexcept {
   return impl_->graphs.announced_active();

@@ -310,6 +310,7 @@ device_allocator& registry::create(int device) {
   // A fraction of 0 is no config value (0 there means none): the allocator takes it as a cap.
   if (fraction == 0.0) a->set_memory_fraction(0.0);
   a->set_captures_announced(captures_announced_);
+  a->set_stream_destructions_announced(stream_destructions_announced_);
   for (std::uint64_t i = 0; i < announced_captures_; ++i) a->announce_capture_begin();
   slot.store(a, std::memory_order_release);
   return *a;
@@ -338,6 +339,12 @@ void registry::set_captures_announced(bool on) {
   detail::lock_guard lock(create_mu_);
   captures_announced_ = on;
   for_each_created([&](device_allocator& a) { a.set_captures_announced(on); });
+}
+
+void registry::set_stream_destructions_announced(bool on) {
+  detail::lock_guard lock(create_mu_);
+  stream_destructions_announced_ = on;
+  for_each_created([&](device_allocator& a) { a.set_stream_destructions_announced(on); });
 }
 
 void registry::announce_capture_begin() {

@@ -122,6 +122,11 @@ class registry {
   /// announced capture is active.
   void announce_capture_begin();
   void announce_capture_end();
+  /// The stream-destructions-announced mode (device_allocator::set_stream_destructions_announced)
+  /// for every device's allocator, those created later included: a front end that sees every
+  /// capture and every stream destruction turns it on, and announces each destruction with
+  /// device_allocator::announce_stream_destruction (process-wide) before the driver performs it.
+  void set_stream_destructions_announced(bool on);
   /// Prints one line when CUCACHE_CONF is unset and PyTorch's PYTORCH_ALLOC_CONF or
   /// PYTORCH_CUDA_ALLOC_CONF is set: those do not configure cucache (the registry's constructor).
   static void note_pytorch_settings();
@@ -177,6 +182,7 @@ class registry {
   /// The size rules set by set_size_rules (nullopt: CUCACHE_CONF's), for allocators created later.
   std::optional<config> size_rules_ GUARDED_BY(create_mu_);
   bool captures_announced_ GUARDED_BY(create_mu_) = false;
+  bool stream_destructions_announced_ GUARDED_BY(create_mu_) = false;
   std::uint64_t announced_captures_ GUARDED_BY(create_mu_) = 0;  // begun and not ended
   std::shared_ptr<ipc_imports> imports_;  // under create_mu_ until set
 };
