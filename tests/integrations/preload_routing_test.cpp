@@ -2,8 +2,9 @@
 // device, with a fake real driver that counts what it is given: cucache answers allocations,
 // foreign pointers reach the driver unchanged, a pointer inside cucache memory that is not a live
 // allocation never does, IPC handles and VMM handles of cucache memory are refused, address ranges
-// are the allocation's own, a forked child's frees fail instead of reaching the driver, and
-// cuMemGetInfo answers with cucache's view. The exported symbols (dlsym, cuGetProcAddress) are
+// are the allocation's own, a forked child's frees fail instead of reaching the driver,
+// cuMemGetInfo answers with cucache's view, captures are announced, and stream destructions are
+// announced before the driver's destroy, so a cached stream id is asked again after one. The exported symbols (dlsym, cuGetProcAddress) are
 // exercised end to end by preload_e2e (tests/integrations/preload_e2e.sh) over a fake libcuda.
 #include "preload.hpp"
 
@@ -16,11 +17,14 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "allocator/stream_id_cache.hpp"
 #include "api/registry.hpp"
 #include "cucache/cucache.h"
 #include "cucache/cucache.hpp"
 #include "cucache/errors.hpp"
+#include "cucache/sim_backend.hpp"
 #include "support/sim_registry.hpp"
 
 namespace {
@@ -51,6 +55,11 @@ struct fake_calls {
   int begins = 0;
   int ends = 0;
   std::uint64_t announced_at_begin = 0;
+  // The stream destructions: calls of cuStreamDestroy and _v2, and the process's count of
+  // announced destructions when the driver's destroy ran.
+  int destroys = 0;
+  int destroys_v2 = 0;
+  std::uint64_t destructions_at_destroy = 0;
 };
 fake_calls g_calls;
 
@@ -71,6 +80,21 @@ cu_result fake_end() {
   ++g_calls.ends;
   if (g_calls.end_rc == k_success || g_calls.end_rc == 901) g_calls.capturing = 0;
   return g_calls.end_rc;
+}
+
+cucache::sim_backend& sim0() {
+  return dynamic_cast<cucache::sim_backend&>(
+      cucache::detail::registry::instance().allocator(0).backend());
+}
+// The driver's destroy: the simulated device's stream goes (its handle is the next stream's).
+cu_result fake_destroy(cu_stream stream) {
+  g_calls.destructions_at_destroy = cucache::detail::stream_id_cache::destructions();
+  try {
+    sim0().destroy_stream(stream);
+  } catch (...) {
+    return 400;  // CUDA_ERROR_INVALID_HANDLE
+  }
+  return k_success;
 }
 
 real_driver fake_driver() {
@@ -151,6 +175,14 @@ real_driver fake_driver() {
     return k_success;
   };
   d.stream_is_capturing_ptsz = d.stream_is_capturing;
+  d.stream_destroy = [](cu_stream s) -> cu_result {
+    ++g_calls.destroys;
+    return fake_destroy(s);
+  };
+  d.stream_destroy_v2 = [](cu_stream s) -> cu_result {
+    ++g_calls.destroys_v2;
+    return fake_destroy(s);
+  };
   return d;
 }
 
@@ -165,6 +197,7 @@ class PreloadRouting : public ::testing::Test {
   static void restore() {
     ::unsetenv("CUCACHE_PRELOAD_FREE");
     set_captures_mode(captures_mode::announced);
+    set_streams_mode(streams_mode::query);
     cucache::test::use_sim_registry();
     g_calls = {};
   }
@@ -599,4 +632,148 @@ TEST_F(PreloadRouting, CapturesModeFromEnvironment) {
         << e.what();
   }
   ::unsetenv("CUCACHE_PRELOAD_CAPTURES");
+}
+
+// The stream destructions (docs/preload.md, "Stream destructions"): with
+// CUCACHE_PRELOAD_STREAMS=announced each thread caches the id of the stream it last allocated on,
+// and the shim's cuStreamDestroy announces each destruction before the driver performs it, so the
+// stream that next gets the dead one's handle asks its own id.
+namespace {
+
+using cucache::sim_call;
+
+cu_stream created_stream() {
+  return static_cast<cu_stream>(sim0().create_stream());
+}
+
+// Allocates `n` blocks on `stream`, then frees them there; the stream id calls the allocations
+// made (and in `capture_queries`, when given, their capture status calls).
+std::uint64_t id_queries_of_allocations(const real_driver& real, cu_stream stream, int n,
+                                        std::uint64_t* capture_queries = nullptr) {
+  const std::uint64_t ids = sim0().calls(sim_call::stream_id);
+  const std::uint64_t queries = sim0().calls(sim_call::capture_status);
+  std::vector<cu_deviceptr> blocks(static_cast<std::size_t>(n));
+  for (cu_deviceptr& p : blocks) {
+    EXPECT_EQ(mem_alloc(real, &p, 4096, stream), k_success);
+  }
+  const std::uint64_t asked = sim0().calls(sim_call::stream_id) - ids;
+  if (capture_queries != nullptr) {
+    *capture_queries = sim0().calls(sim_call::capture_status) - queries;
+  }
+  for (const cu_deviceptr p : blocks) EXPECT_EQ(mem_free_async(real, p, stream, false), k_success);
+  return asked;
+}
+
+}  // namespace
+
+TEST_F(PreloadRouting, AnnouncedStreamsAskTheIdOnceUntilTheShimDestroysAStream) {
+  set_streams_mode(streams_mode::announced);
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, k_mib, nullptr), k_success);  // builds and arms the registry
+  const cucache::device_allocator& a = cucache::detail::registry::instance().allocator(0);
+  EXPECT_TRUE(a.captures_announced());
+  EXPECT_TRUE(a.stream_destructions_announced());
+  const cu_stream s = created_stream();
+  std::uint64_t queries = 1;
+  EXPECT_EQ(id_queries_of_allocations(real, s, 6, &queries), 1U)
+      << "asked once, then the thread's cache";
+  EXPECT_EQ(queries, 0U) << "no capture is underway";
+  EXPECT_EQ(id_queries_of_allocations(real, s, 4), 0U);
+
+  // The shim's cuStreamDestroy_v2: announced, then the driver's destroy.
+  const std::uint64_t destructions = cucache::detail::stream_id_cache::destructions();
+  const std::uint64_t announced = stats().stream_destructions.load();
+  ASSERT_EQ(stream_destroy(real, s, true), k_success);
+  EXPECT_EQ(g_calls.destroys_v2, 1);
+  EXPECT_EQ(g_calls.destroys, 0);
+  EXPECT_EQ(g_calls.destructions_at_destroy, destructions + 1) << "announced before the driver's";
+  EXPECT_EQ(stats().stream_destructions.load(), announced + 1);
+  EXPECT_TRUE(sim0().stream_destroyed(s));
+
+  // The next stream gets the dead one's handle, as from the runtime: its first allocation asks
+  // its own id (a cached one would be the dead stream's, and serve from the dead stream's pool).
+  const cu_stream t = created_stream();
+  ASSERT_EQ(t, s) << "the sim hands the destroyed stream's handle to the next stream";
+  EXPECT_EQ(id_queries_of_allocations(real, t, 5), 1U);
+  EXPECT_EQ(id_queries_of_allocations(real, t, 5), 0U);
+
+  // The CUDA 2.0 cuStreamDestroy the same way.
+  ASSERT_EQ(stream_destroy(real, t, false), k_success);
+  EXPECT_EQ(g_calls.destroys, 1);
+  EXPECT_EQ(g_calls.destructions_at_destroy, destructions + 2);
+  EXPECT_EQ(stats().stream_destructions.load(), announced + 2);
+  const cu_stream u = created_stream();
+  EXPECT_EQ(id_queries_of_allocations(real, u, 3), 1U);
+  ASSERT_EQ(stream_destroy(real, u, true), k_success);
+  EXPECT_EQ(mem_free(real, p, free_mode::stream), k_success);
+
+  const std::string report = report_text();
+  EXPECT_NE(report.find("streams: announced (CUCACHE_PRELOAD_STREAMS), "), std::string::npos)
+      << report;
+}
+
+TEST_F(PreloadRouting, QueriedStreamsAskTheIdAtEveryAllocationAndDestructionsAreStillAnnounced) {
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, k_mib, nullptr), k_success);
+  EXPECT_TRUE(cucache::detail::registry::instance().allocator(0).captures_announced());
+  EXPECT_FALSE(cucache::detail::registry::instance().allocator(0).stream_destructions_announced());
+  const cu_stream s = created_stream();
+  EXPECT_EQ(id_queries_of_allocations(real, s, 6), 6U);
+  const std::uint64_t destructions = cucache::detail::stream_id_cache::destructions();
+  const std::uint64_t announced = stats().stream_destructions.load();
+  ASSERT_EQ(stream_destroy(real, s, true), k_success);
+  EXPECT_EQ(g_calls.destructions_at_destroy, destructions + 1);
+  EXPECT_EQ(stats().stream_destructions.load(), announced + 1);
+  // The driver's refusal is its answer (a destroyed stream, say).
+  EXPECT_EQ(stream_destroy(real, s, true), 400);
+  EXPECT_EQ(g_calls.destroys_v2, 2);
+  // A driver without the entry point: nothing destroyed, nothing announced.
+  real_driver none = fake_driver();
+  none.stream_destroy_v2 = nullptr;
+  EXPECT_EQ(stream_destroy(none, s, true), k_not_found);
+  EXPECT_EQ(stats().stream_destructions.load(), announced + 2);
+  EXPECT_EQ(mem_free(real, p, free_mode::stream), k_success);
+  const std::string report = report_text();
+  EXPECT_NE(report.find("streams: query (CUCACHE_PRELOAD_STREAMS), "), std::string::npos) << report;
+}
+
+TEST_F(PreloadRouting, AnnouncedStreamsNeedAnnouncedCaptures) {
+  set_captures_mode(captures_mode::query);
+  set_streams_mode(streams_mode::announced);
+  cu_deviceptr p = 0;
+  ASSERT_EQ(mem_alloc(real, &p, k_mib, nullptr), k_success);
+  const cucache::device_allocator& a = cucache::detail::registry::instance().allocator(0);
+  EXPECT_FALSE(a.captures_announced());
+  EXPECT_FALSE(a.stream_destructions_announced());
+  const cu_stream s = created_stream();
+  std::uint64_t queries = 0;
+  EXPECT_EQ(id_queries_of_allocations(real, s, 4, &queries), 4U);
+  EXPECT_EQ(queries, 4U) << "every allocation asks the capture status, then the id";
+  ASSERT_EQ(stream_destroy(real, s, true), k_success);
+  EXPECT_EQ(mem_free(real, p, free_mode::stream), k_success);
+  const std::string report = report_text();
+  EXPECT_NE(report.find("streams: announced (CUCACHE_PRELOAD_STREAMS), without effect: "
+                        "CUCACHE_PRELOAD_CAPTURES=query, "),
+            std::string::npos)
+      << report;
+}
+
+TEST_F(PreloadRouting, StreamsModeFromEnvironment) {
+  ::unsetenv("CUCACHE_PRELOAD_STREAMS");
+  EXPECT_EQ(streams_mode_from_env(), streams_mode::query);
+  ::setenv("CUCACHE_PRELOAD_STREAMS", "", 1);
+  EXPECT_EQ(streams_mode_from_env(), streams_mode::query);
+  ::setenv("CUCACHE_PRELOAD_STREAMS", "announced", 1);
+  EXPECT_EQ(streams_mode_from_env(), streams_mode::announced);
+  ::setenv("CUCACHE_PRELOAD_STREAMS", "query", 1);
+  EXPECT_EQ(streams_mode_from_env(), streams_mode::query);
+  ::setenv("CUCACHE_PRELOAD_STREAMS", "cached", 1);
+  try {
+    static_cast<void>(streams_mode_from_env());
+    ADD_FAILURE() << "no error for CUCACHE_PRELOAD_STREAMS=cached";
+  } catch (const cucache::environment_error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUCACHE_PRELOAD_STREAMS: 'cached'"), std::string::npos)
+        << e.what();
+  }
+  ::unsetenv("CUCACHE_PRELOAD_STREAMS");
 }

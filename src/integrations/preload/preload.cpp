@@ -102,15 +102,44 @@ captures_mode routing_captures_mode() noexcept {
   return m == 1 ? captures_mode::announced : captures_mode::query;
 }
 
-// The registry whose allocators were told the captures mode (the registry is rebuilt by tests).
+// CUCACHE_PRELOAD_STREAMS as the routing uses it: 0 not read yet, 1 announced, 2 query.
+std::atomic<int> g_streams_mode{0};
+
+streams_mode routing_streams_mode() noexcept {
+  int m = g_streams_mode.load(std::memory_order_acquire);
+  if (m == 0) {
+    streams_mode read = streams_mode::query;
+    try {
+      read = streams_mode_from_env();
+    } catch (const std::exception& e) {
+      say(fmt::format("{}; using query (every allocation on a created stream asks its id)",
+                      e.what()));
+    }
+    int expected = 0;
+    const int want = read == streams_mode::announced ? 1 : 2;
+    g_streams_mode.compare_exchange_strong(expected, want, std::memory_order_acq_rel);
+    m = g_streams_mode.load(std::memory_order_acquire);
+  }
+  return m == 1 ? streams_mode::announced : streams_mode::query;
+}
+
+// The registry whose allocators were told the captures and streams modes (the registry is
+// rebuilt by tests).
 std::atomic<const registry*> g_armed_registry{nullptr};
 
-// Tells `r` the captures mode once: in the announced mode every capture of the process passes
-// through this shim's begin and end (both the runtime's and a direct caller's reach the driver's
-// entry points that the shim replaces), so the allocators may skip the capture query.
+// Tells `r` the captures and streams modes once: in the announced mode every capture of the
+// process passes through this shim's begin and end (both the runtime's and a direct caller's
+// reach the driver's entry points that the shim replaces), so the allocators may skip the capture
+// query; every stream destruction passes through this shim's cuStreamDestroy the same way, so
+// with CUCACHE_PRELOAD_STREAMS=announced they may also cache a stream's id. The id cache rests on
+// the captures-announced mode (a cached id is not asked again, and the id query is that mode's
+// failure rule), so it is never turned on without it.
 void arm_captures(registry& r) {
   if (g_armed_registry.load(std::memory_order_acquire) == &r) return;
-  r.set_captures_announced(routing_captures_mode() == captures_mode::announced);
+  const bool captures = routing_captures_mode() == captures_mode::announced;
+  r.set_captures_announced(captures);
+  r.set_stream_destructions_announced(captures &&
+                                      routing_streams_mode() == streams_mode::announced);
   g_armed_registry.store(&r, std::memory_order_release);
 }
 
@@ -188,6 +217,21 @@ captures_mode captures_mode_from_env() {
 
 void set_captures_mode(captures_mode mode) noexcept {
   g_captures_mode.store(mode == captures_mode::announced ? 1 : 2, std::memory_order_release);
+  g_armed_registry.store(nullptr, std::memory_order_release);
+}
+
+streams_mode streams_mode_from_env() {
+  const char* env = std::getenv("CUCACHE_PRELOAD_STREAMS");
+  if (env == nullptr || *env == '\0' || std::string_view(env) == "query") {
+    return streams_mode::query;
+  }
+  if (std::string_view(env) == "announced") return streams_mode::announced;
+  throw environment_error(fmt::format(
+      "environment variable CUCACHE_PRELOAD_STREAMS: '{}' is neither announced nor query", env));
+}
+
+void set_streams_mode(streams_mode mode) noexcept {
+  g_streams_mode.store(mode == streams_mode::announced ? 1 : 2, std::memory_order_release);
   g_armed_registry.store(nullptr, std::memory_order_release);
 }
 
@@ -424,6 +468,13 @@ std::string report_text() {
       "in captures nobody announced\n",
       routing_captures_mode() == captures_mode::announced ? "announced" : "query",
       c.captures.load(), unannounced);
+  const bool streams_announced = routing_streams_mode() == streams_mode::announced;
+  out += fmt::format("streams: {} (CUCACHE_PRELOAD_STREAMS){}, {} destructions announced\n",
+                     streams_announced ? "announced" : "query",
+                     streams_announced && routing_captures_mode() != captures_mode::announced
+                         ? ", without effect: CUCACHE_PRELOAD_CAPTURES=query"
+                         : "",
+                     c.stream_destructions.load());
   for (int d = 0; d < r->device_count(); ++d) {
     if (device_allocator* a = r->find(d)) {
       out += fmt::format("--- device {} ---\n", d);
@@ -582,6 +633,18 @@ cu_result stream_end_capture(const real_driver& real, cu_stream stream, cu_graph
     // as above: an announcement left in place only keeps the capture query on
   }
   return rc;
+}
+
+cu_result stream_destroy(const real_driver& real, cu_stream stream, bool v2) noexcept {
+  auto fn = v2 ? real.stream_destroy_v2 : real.stream_destroy;
+  if (fn == nullptr) return k_not_found;
+  // Before the driver destroys it: the runtime may hand this handle to the next stream it creates
+  // the moment the driver returns, and that stream's first allocation must ask its id. Announced
+  // in either mode (an atomic increment; only the allocators' mode makes anyone rely on it), and
+  // also for a call the driver refuses (a missed cache hit costs one id query, nothing else).
+  device_allocator::announce_stream_destruction();
+  stats().stream_destructions.fetch_add(1, std::memory_order_relaxed);
+  return fn(stream);
 }
 
 std::uint64_t announced_capture_count() noexcept {

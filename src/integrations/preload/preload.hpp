@@ -68,6 +68,10 @@ struct real_driver {
   cu_result (*stream_end_capture_ptsz)(cu_stream, cu_graph*) = nullptr;
   cu_result (*stream_is_capturing)(cu_stream, int*) = nullptr;
   cu_result (*stream_is_capturing_ptsz)(cu_stream, int*) = nullptr;
+  // The stream destructions: cuStreamDestroy_v2 (CUDA 4.0's, what cuStreamDestroy names in cuda.h
+  // and what cuGetProcAddress answers from ABI 4000) and the older cuStreamDestroy it replaced.
+  cu_result (*stream_destroy)(cu_stream) = nullptr;
+  cu_result (*stream_destroy_v2)(cu_stream) = nullptr;
 };
 
 /// What a plain free (cuMemFree, so cudaFree) does before the block is reused.
@@ -89,6 +93,16 @@ enum class captures_mode : std::uint8_t {
               ///< stream asks the driver whether the stream is capturing
 };
 
+/// Whether the allocators trust the stream destructions the shim announces (docs/preload.md,
+/// "Stream destructions"). CUCACHE_PRELOAD_STREAMS. The shim announces every cuStreamDestroy
+/// either way; the mode says whether the allocators may rely on it.
+enum class streams_mode : std::uint8_t {
+  query,      ///< default: every allocation on a created stream asks the driver its id
+  announced,  ///< CUCACHE_PRELOAD_STREAMS=announced, with CUCACHE_PRELOAD_CAPTURES=announced only:
+              ///< each thread caches the id of the stream it last allocated on, valid until
+              ///< the shim announces a destruction (set_stream_destructions_announced)
+};
+
 /// Counters of what the routing did, for the exit report and the tests.
 struct counters {
   std::atomic<std::uint64_t> allocations{0};      ///< answered by cucache
@@ -100,6 +114,7 @@ struct counters {
   std::atomic<std::uint64_t> refused{0};          ///< IPC handles of cucache memory
   std::atomic<std::uint64_t> address_ranges{0};   ///< cuMemGetAddressRange on cucache memory
   std::atomic<std::uint64_t> captures{0};         ///< captures begun and announced by the shim
+  std::atomic<std::uint64_t> stream_destructions{0};  ///< cuStreamDestroy calls announced
 };
 [[nodiscard]] counters& stats() noexcept;
 
@@ -109,6 +124,14 @@ struct counters {
 /// The mode the routing uses, read once from the environment (a bad value is named on stderr and
 /// query used: the safe side). Tests may set it before the first allocation.
 void set_captures_mode(captures_mode mode) noexcept;
+
+/// CUCACHE_PRELOAD_STREAMS (announced | query; unset or empty: query). Throws environment_error
+/// naming the value otherwise.
+[[nodiscard]] streams_mode streams_mode_from_env();
+/// The mode the routing uses, read once from the environment (a bad value is named on stderr and
+/// query used). It takes effect only with the captures-announced mode: the allocators are told
+/// announced && captures announced. Tests may set it before the first allocation.
+void set_streams_mode(streams_mode mode) noexcept;
 
 /// CUCACHE_PRELOAD_FREE, read once. Throws environment_error on a value that is not sync/stream.
 [[nodiscard]] free_mode free_mode_from_env();
@@ -153,6 +176,10 @@ cu_result stream_begin_capture_to_graph(const real_driver& real, cu_stream strea
 /// refused -- from the wrong thread, say -- leaves the capture, and its announcement, in place).
 cu_result stream_end_capture(const real_driver& real, cu_stream stream, cu_graph* graph,
                              bool ptsz) noexcept;
+/// cuStreamDestroy (`v2`: cuStreamDestroy_v2). The destruction is announced to cucache first
+/// (device_allocator::announce_stream_destruction: one atomic increment, whatever the mode), then
+/// the driver's function destroys the stream; its answer is returned.
+cu_result stream_destroy(const real_driver& real, cu_stream stream, bool v2) noexcept;
 /// Captures announced by this shim and not yet ended (for the tests and the exit report).
 [[nodiscard]] std::uint64_t announced_capture_count() noexcept;
 cu_result ipc_get_mem_handle(const real_driver& real, void* handle, cu_deviceptr dptr) noexcept;

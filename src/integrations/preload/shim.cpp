@@ -110,6 +110,8 @@ const real_entry_points& real() noexcept {
     resolve(e.drv.stream_end_capture_ptsz, "cuStreamEndCapture_ptsz");
     resolve(e.drv.stream_is_capturing, "cuStreamIsCapturing");
     resolve(e.drv.stream_is_capturing_ptsz, "cuStreamIsCapturing_ptsz");
+    resolve(e.drv.stream_destroy, "cuStreamDestroy");
+    resolve(e.drv.stream_destroy_v2, "cuStreamDestroy_v2");
     resolve(e.get_proc_address, "cuGetProcAddress");
     resolve(e.get_proc_address_v2, "cuGetProcAddress_v2");
     return e;
@@ -361,6 +363,18 @@ CUCACHE_PRELOAD_API cu_result cuStreamEndCapture_ptsz(cu_stream stream, cu_graph
   return stream_end_capture(r, stream, graph, true);
 }
 
+// The stream destructions: announced to cucache before the driver performs them (preload.hpp,
+// stream_destroy), so that an allocator caching a stream's id (CUCACHE_PRELOAD_STREAMS=announced)
+// asks the id again once the runtime may have handed the handle to a new stream. Announced on
+// cucache's own threads too: an atomic increment, and no call into cucache that could recurse.
+CUCACHE_PRELOAD_API cu_result cuStreamDestroy(cu_stream stream) {
+  return stream_destroy(real().drv, stream, false);
+}
+
+CUCACHE_PRELOAD_API cu_result cuStreamDestroy_v2(cu_stream stream) {
+  return stream_destroy(real().drv, stream, true);
+}
+
 CUCACHE_PRELOAD_API cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version,
                                                   std::uint64_t flags, int* status);
 CUCACHE_PRELOAD_API cu_result cuGetProcAddress(const char* symbol, void** pfn, int version,
@@ -410,6 +424,12 @@ void* replacement(const char* symbol, int version, std::uint64_t flags) noexcept
     return version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
                             : reinterpret_cast<void*>(&cuGetProcAddress);
   }
+  // Both ABIs of cuStreamDestroy destroy a stream (the driver answers cuStreamDestroy_v2 from
+  // 4000 and the CUDA 2.0 one before): each is replaced by the shim's of the same ABI.
+  if (std::strcmp(symbol, "cuStreamDestroy") == 0) {
+    return version >= 4000 ? reinterpret_cast<void*>(&cuStreamDestroy_v2)
+                           : reinterpret_cast<void*>(&cuStreamDestroy);
+  }
   for (const entry& e : table) {
     if (std::strcmp(symbol, e.name) != 0) continue;
     if (version < e.since) return nullptr;
@@ -447,6 +467,8 @@ void* exported(const char* name) noexcept {
        reinterpret_cast<void*>(&cuStreamBeginCaptureToGraph_ptsz)},
       {"cuStreamEndCapture", reinterpret_cast<void*>(&cuStreamEndCapture)},
       {"cuStreamEndCapture_ptsz", reinterpret_cast<void*>(&cuStreamEndCapture_ptsz)},
+      {"cuStreamDestroy", reinterpret_cast<void*>(&cuStreamDestroy)},
+      {"cuStreamDestroy_v2", reinterpret_cast<void*>(&cuStreamDestroy_v2)},
   };
   if (name == nullptr || name[0] != 'c' || name[1] != 'u') return nullptr;
   for (const entry& e : table) {

@@ -13,7 +13,7 @@ using cu_stream = struct CUstream_st*;
 using cu_mem_pool = struct CUmemPoolHandle_st*;
 
 namespace {
-int g_counts[16];
+int g_counts[32];
 enum counter {
   alloc,
   free_,
@@ -30,7 +30,9 @@ enum counter {
   retain,
   pool_alloc,
   begin_capture,
-  end_capture
+  end_capture,
+  stream_destroy_v1,
+  stream_destroy_v2
 };
 int g_capturing = 0;  // what cuStreamIsCapturing answers
 cu_deviceptr host_alloc(std::size_t n) {
@@ -155,6 +157,15 @@ __attribute__((visibility("default"))) cu_result cuStreamIsCapturing(cu_stream, 
   *status = g_capturing;
   return 0;
 }
+// CUDA 2.0's cuStreamDestroy and CUDA 4.0's cuStreamDestroy_v2 (what cuda.h's name means).
+__attribute__((visibility("default"))) cu_result cuStreamDestroy(cu_stream) {
+  ++g_counts[stream_destroy_v1];
+  return 0;
+}
+__attribute__((visibility("default"))) cu_result cuStreamDestroy_v2(cu_stream) {
+  ++g_counts[stream_destroy_v2];
+  return 0;
+}
 __attribute__((visibility("default"))) cu_result cuGetProcAddress_v2(const char* symbol, void** pfn,
                                                                      int version,
                                                                      std::uint64_t flags,
@@ -190,6 +201,8 @@ cu_result cuGetProcAddress_v2(const char* symbol, void** pfn, int version, std::
       {"cuStreamBeginCapture", reinterpret_cast<void*>(&cuStreamBeginCapture_v2)},
       {"cuStreamEndCapture", reinterpret_cast<void*>(&cuStreamEndCapture)},
       {"cuStreamIsCapturing", reinterpret_cast<void*>(&cuStreamIsCapturing)},
+      {"cuStreamDestroy", version >= 4000 ? reinterpret_cast<void*>(&cuStreamDestroy_v2)
+                                          : reinterpret_cast<void*>(&cuStreamDestroy)},
       {"cuGetProcAddress", version >= 12000 ? reinterpret_cast<void*>(&cuGetProcAddress_v2)
                                             : reinterpret_cast<void*>(&cuGetProcAddress)},
   };

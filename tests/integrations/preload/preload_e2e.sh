@@ -16,6 +16,19 @@ grep -q "cucache preload report: 5 allocations and 5 frees by cucache, 3 foreign
   || { echo "preload_e2e: unexpected report:"; cat "$report"; exit 1; }
 grep -q -- "--- device 0 ---" "$report" || { echo "preload_e2e: no summary in report"; exit 1; }
 grep -q "1 address ranges answered" "$report" || { echo "preload_e2e: no address range:"; cat "$report"; exit 1; }
+grep -q "^streams: query (CUCACHE_PRELOAD_STREAMS), 4 destructions announced" "$report" \
+  || { echo "preload_e2e: no stream destructions in the report:"; cat "$report"; exit 1; }
+# CUCACHE_PRELOAD_STREAMS: announced in the report; a bad value named on stderr, query used.
+LD_LIBRARY_PATH="$fake_dir" LD_PRELOAD="$shim" CUCACHE_BACKEND=sim CUCACHE_REPORT="$report" \
+  CUCACHE_PRELOAD_STREAMS=announced "$check" preloaded > /dev/null
+grep -q "^streams: announced (CUCACHE_PRELOAD_STREAMS), 4 destructions announced" "$report" \
+  || { echo "preload_e2e: CUCACHE_PRELOAD_STREAMS=announced not in the report:"; cat "$report"; exit 1; }
+err=$(LD_LIBRARY_PATH="$fake_dir" LD_PRELOAD="$shim" CUCACHE_BACKEND=sim CUCACHE_REPORT="$report" \
+  CUCACHE_PRELOAD_STREAMS=cached "$check" preloaded 2>&1 > /dev/null)
+grep -q "CUCACHE_PRELOAD_STREAMS: 'cached' is neither announced nor query; using query" <<< "$err" \
+  || { echo "preload_e2e: CUCACHE_PRELOAD_STREAMS=cached not named on stderr: $err"; exit 1; }
+grep -q "^streams: query (CUCACHE_PRELOAD_STREAMS)" "$report" \
+  || { echo "preload_e2e: CUCACHE_PRELOAD_STREAMS=cached did not fall back to query:"; cat "$report"; exit 1; }
 # A forked child that exits after its parent: its free of the parent's pointer fails without
 # reaching the driver, and it writes no report over the parent's. fd 9 is locked before the program
 # starts and the child inherits it, so the second flock returns only once the child has exited
@@ -48,7 +61,7 @@ out=$(LD_PRELOAD="$shim" CUCACHE_REPORT=stderr /bin/echo unaffected 2>&1)
 [[ $out == *unaffected* ]] || { echo "preload_e2e: /bin/echo under the shim: $out"; exit 1; }
 # Only the interposed symbols are exported.
 if command -v nm > /dev/null; then
-  extra=$(nm -D --defined-only "$shim" | awk '{print $3}' | grep -v -E '^(dlsym|cuGetProcAddress(_v2)?|cuMemAlloc_v2|cuMemAllocAsync(_ptsz)?|cuMemAllocFromPoolAsync(_ptsz)?|cuMemAllocPitch_v2|cuMemFree_v2|cuMemFreeAsync(_ptsz)?|cuMemGetInfo_v2|cuIpcGetMemHandle|cuMemGetAddressRange_v2|cuMemRetainAllocationHandle|cuStreamBeginCapture(_v2|ToGraph)(_ptsz)?|cuStreamEndCapture(_ptsz)?|cuda(Malloc|MallocAsync|MallocPitch|Free|FreeAsync|MemGetInfo)@libcudart\.so\.1[23]|libcudart\.so\.1[23])$' || true)
+  extra=$(nm -D --defined-only "$shim" | awk '{print $3}' | grep -v -E '^(dlsym|cuGetProcAddress(_v2)?|cuMemAlloc_v2|cuMemAllocAsync(_ptsz)?|cuMemAllocFromPoolAsync(_ptsz)?|cuMemAllocPitch_v2|cuMemFree_v2|cuMemFreeAsync(_ptsz)?|cuMemGetInfo_v2|cuIpcGetMemHandle|cuMemGetAddressRange_v2|cuMemRetainAllocationHandle|cuStreamBeginCapture(_v2|ToGraph)(_ptsz)?|cuStreamEndCapture(_ptsz)?|cuStreamDestroy(_v2)?|cuda(Malloc|MallocAsync|MallocPitch|Free|FreeAsync|MemGetInfo)@libcudart\.so\.1[23]|libcudart\.so\.1[23])$' || true)
   [[ -z $extra ]] || { echo "preload_e2e: unexpected exports: $extra"; exit 1; }
 fi
 echo "preload_e2e: OK"

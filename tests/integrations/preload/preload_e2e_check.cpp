@@ -30,6 +30,7 @@ using pool_alloc_fn = cu_result (*)(cu_deviceptr*, std::size_t, cu_mem_pool, cu_
 using count_fn = int (*)(int);
 using begin_capture_fn = cu_result (*)(cu_stream, int);
 using end_capture_fn = cu_result (*)(cu_stream, void**);
+using stream_destroy_fn = cu_result (*)(cu_stream);
 using raw_alloc_fn = cu_deviceptr (*)(std::size_t);
 
 namespace {
@@ -57,7 +58,9 @@ enum counter {
   c_retain,
   c_pool_alloc,
   c_begin_capture,
-  c_end_capture
+  c_end_capture,
+  c_stream_destroy_v1,
+  c_stream_destroy_v2
 };
 }  // namespace
 
@@ -128,6 +131,8 @@ int main(int argc, char** argv) {
   auto pool_alloc = reinterpret_cast<pool_alloc_fn>(get("cuMemAllocFromPoolAsync", 12000, 0));
   auto begin_capture = reinterpret_cast<begin_capture_fn>(get("cuStreamBeginCapture", 12000, 0));
   auto end_capture = reinterpret_cast<end_capture_fn>(get("cuStreamEndCapture", 12000, 0));
+  auto stream_destroy = reinterpret_cast<stream_destroy_fn>(get("cuStreamDestroy", 12000, 0));
+  auto stream_destroy_v1 = reinterpret_cast<stream_destroy_fn>(get("cuStreamDestroy", 3000, 0));
   auto old_alloc = get("cuMemAlloc", 3000, 0);
   if (failures != 0) return 1;
   if (argc > 2 && std::strcmp(argv[1], "fork") == 0)
@@ -202,6 +207,34 @@ int main(int argc, char** argv) {
                info.dli_fname != nullptr &&
                (std::strstr(info.dli_fname, "cucache_preload") != nullptr) == preloaded,
            preloaded ? "cuStreamBeginCapture is the shim's" : "cuStreamBeginCapture is the fake's");
+  }
+  // cuStreamDestroy reaches the driver either way; preloaded, through the shim (which announces
+  // each destruction to cucache first: preload_routing_test checks what the announcement does).
+  // Both ABIs, through cuGetProcAddress and through dlsym. Preloaded, the report counts the four.
+  {
+    const auto stream = reinterpret_cast<cu_stream>(std::uintptr_t{0x6000});
+    auto shims = [&](void* fn) {
+      Dl_info info{};
+      return dladdr(fn, &info) != 0 && info.dli_fname != nullptr &&
+             std::strstr(info.dli_fname, "cucache_preload") != nullptr;
+    };
+    expect(stream_destroy(stream) == 0 && count(c_stream_destroy_v2) == 1,
+           "cuStreamDestroy (ABI 12000) is the driver's cuStreamDestroy_v2");
+    expect(shims(reinterpret_cast<void*>(stream_destroy)) == preloaded,
+           preloaded ? "cuStreamDestroy is the shim's" : "cuStreamDestroy is the fake's");
+    expect(stream_destroy_v1(stream) == 0 && count(c_stream_destroy_v1) == 1,
+           "cuStreamDestroy (ABI 3000) is the driver's cuStreamDestroy");
+    expect(shims(reinterpret_cast<void*>(stream_destroy_v1)) == preloaded,
+           preloaded ? "the CUDA 2.0 cuStreamDestroy is the shim's"
+                     : "the CUDA 2.0 cuStreamDestroy is the fake's");
+    auto direct_v2 = reinterpret_cast<stream_destroy_fn>(dlsym(h, "cuStreamDestroy_v2"));
+    auto direct_v1 = reinterpret_cast<stream_destroy_fn>(dlsym(h, "cuStreamDestroy"));
+    expect(direct_v2 == stream_destroy && direct_v1 == stream_destroy_v1,
+           "dlsym(cuStreamDestroy_v2, cuStreamDestroy) are cuGetProcAddress's");
+    expect(direct_v2 != nullptr && direct_v2(stream) == 0 && count(c_stream_destroy_v2) == 2,
+           "dlsym(cuStreamDestroy_v2) reaches the driver");
+    expect(direct_v1 != nullptr && direct_v1(stream) == 0 && count(c_stream_destroy_v1) == 2,
+           "dlsym(cuStreamDestroy) reaches the driver");
   }
   // An old ABI is not replaced: the fake's own 32-bit cuMemAlloc.
   expect(old_alloc == dlsym(h, "cuMemAlloc"), "cuMemAlloc at ABI 3000 is the driver's");
