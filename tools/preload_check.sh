@@ -61,6 +61,13 @@ run() {  # name, env..., -- args...
   [[ " ${envs[*]} " == *CUCACHE_PRELOAD_CAPTURES=query* ]] &&
     captures="captures: query (CUCACHE_PRELOAD_CAPTURES), 0 announced by the shim, 0 allocations"
   grep -q "$captures" "$report" || fail "$name: want '$captures' in the report: $(grep '^captures:' "$report")"
+  # Every run announces the program's cudaStreamDestroy (the shim interposes cuStreamDestroy_v2).
+  local streams=query
+  [[ " ${envs[*]} " == *CUCACHE_PRELOAD_STREAMS=announced* ]] && streams=announced
+  local destroyed
+  destroyed=$(sed -n "s/^streams: $streams (CUCACHE_PRELOAD_STREAMS), \([0-9]*\) destructions announced.*/\1/p" "$report")
+  [[ -n $destroyed && $destroyed -ge 1 ]] ||
+    fail "$name: want 'streams: $streams ..., N >= 1 destructions announced': $(grep '^streams:' "$report")"
 }
 for variant in static shared; do
   run "${variant}_default" -- "$variant"
@@ -69,6 +76,11 @@ for variant in static shared; do
   run "${variant}_reset" -- "$variant" --reset
 done
 run static_captures_query CUCACHE_PRELOAD_CAPTURES=query -- static
+# The stream id cached per thread, every destruction announced by the shim (docs/preload.md,
+# "Stream destructions").
+run static_streams_announced CUCACHE_PRELOAD_STREAMS=announced -- static
+run shared_streams_announced CUCACHE_PRELOAD_STREAMS=announced -- shared
+run expandable_streams_announced CUCACHE_PRELOAD_STREAMS=announced CUCACHE_CONF=expandable_segments:True -- static
 # A trace through CUCACHE_CONF, flushed at exit.
 run static_trace CUCACHE_CONF=trace:"$out/trace.csv" -- static
 [[ -s $out/trace.csv ]] || fail "static_trace: no trace written"
