@@ -175,8 +175,8 @@ struct device_allocator::impl {
   /// capturing: its id, with no capture query (cached in stream_ids where its mode is on). Where the id is refused because the stream is
   /// being captured after all (a capture nobody announced), throw_if_unannounced's error.
   std::uint64_t announced_stream_key(stream_handle stream);
-  /// announced_stream_key where stream destructions are announced too: the thread's cached id
-  /// (stream_ids), else the id asked and cached.
+  /// announced_stream_key where stream destructions are announced too and the thread's entry
+  /// (stream_ids) missed: the id asked and cached.
   [[gnu::noinline]] std::uint64_t cached_stream_key(stream_handle stream);
   /// Throws cuda_error 901 naming the capture when `stream` is being captured; else returns.
   [[gnu::noinline]] void throw_if_unannounced(stream_handle stream);

@@ -802,8 +802,11 @@ void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind
 }
 
 std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
-  if (stream_ids.on()) [[unlikely]]
+  if (stream_ids.on()) [[unlikely]] {
+    // Where stream destructions are announced too: the thread's cached id, no driver call.
+    if (std::uint64_t id = 0; stream_ids.find(stream, id)) return id;
     return cached_stream_key(stream);
+  }
   try {
     return raw->stream_id(stream);
   } catch (...) {
@@ -814,7 +817,6 @@ std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream)
 
 std::uint64_t device_allocator::impl::cached_stream_key(stream_handle stream) {
   std::uint64_t id = 0;
-  if (stream_ids.find(stream, id)) return id;
   // The count before the question: a destruction announced meanwhile leaves the entry stale.
   const std::uint64_t count_before = detail::stream_id_cache::destructions();
   try {
