@@ -172,8 +172,9 @@ struct device_allocator::impl {
   [[nodiscard]] graph_pool_info graph_pool_state(graph_pool_id pool) const;
   [[nodiscard]] bool sync_blocked() const noexcept { return graphs.sync_blocked(); }
   /// The pool key of created stream `stream` in the captures-announced mode while nothing may be
-  /// capturing: its id, with no capture query (cached in stream_ids where its mode is on). Where the id is refused because the stream is
-  /// being captured after all (a capture nobody announced), throw_if_unannounced's error.
+  /// capturing: its id, with no capture query (cached in stream_ids where its mode is on). Where
+  /// the id is refused because the stream is being captured after all (a capture nobody
+  /// announced), throw_if_unannounced's error.
   std::uint64_t announced_stream_key(stream_handle stream);
   /// announced_stream_key where stream destructions are announced too and the thread's entry
   /// (stream_ids) missed: the id asked and cached.
