@@ -4,8 +4,9 @@
 // allocation never does, IPC handles and VMM handles of cucache memory are refused, address ranges
 // are the allocation's own, a forked child's frees fail instead of reaching the driver,
 // cuMemGetInfo answers with cucache's view, captures are announced, and stream destructions are
-// announced before the driver's destroy, so a cached stream id is asked again after one. The exported symbols (dlsym, cuGetProcAddress) are
-// exercised end to end by preload_e2e (tests/integrations/preload_e2e.sh) over a fake libcuda.
+// announced before the driver's destroy, so a cached stream id is asked again after one. The
+// exported symbols (dlsym, cuGetProcAddress) are exercised end to end by preload_e2e
+// (tests/integrations/preload_e2e.sh) over a fake libcuda.
 #include "preload.hpp"
 
 #include <gtest/gtest.h>
