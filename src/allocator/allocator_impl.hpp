@@ -176,6 +176,8 @@ struct device_allocator::impl {
   /// the id is refused because the stream is being captured after all (a capture nobody
   /// announced), throw_if_unannounced's error.
   std::uint64_t announced_stream_key(stream_handle stream);
+  /// The stream's id asked of the backend; a refusal runs throw_if_unannounced first.
+  std::uint64_t asked_stream_id(stream_handle stream);
   /// announced_stream_key where stream destructions are announced too and the thread's entry
   /// (stream_ids) missed: the id asked and cached.
   [[gnu::noinline]] std::uint64_t cached_stream_key(stream_handle stream);

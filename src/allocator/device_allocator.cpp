@@ -801,12 +801,9 @@ void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind
   return reinterpret_cast<void*>(b->addr);
 }
 
-std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
-  if (stream_ids.on()) [[unlikely]] {
-    // Where stream destructions are announced too: the thread's cached id, no driver call.
-    if (std::uint64_t id = 0; stream_ids.find(stream, id)) return id;
-    return cached_stream_key(stream);
-  }
+// The id query of the captures-announced mode, with its failure rule: a refusal because the
+// stream is being captured after all becomes throw_if_unannounced's error.
+CUCACHE_HOT std::uint64_t device_allocator::impl::asked_stream_id(stream_handle stream) {
   try {
     return raw->stream_id(stream);
   } catch (...) {
@@ -815,16 +812,19 @@ std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream)
   }
 }
 
+std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
+  if (stream_ids.on()) [[unlikely]] {
+    // Where stream destructions are announced too: the thread's cached id, no driver call.
+    if (std::uint64_t id = 0; stream_ids.find(stream, id)) return id;
+    return cached_stream_key(stream);
+  }
+  return asked_stream_id(stream);
+}
+
 std::uint64_t device_allocator::impl::cached_stream_key(stream_handle stream) {
-  std::uint64_t id = 0;
   // The count before the question: a destruction announced meanwhile leaves the entry stale.
   const std::uint64_t count_before = detail::stream_id_cache::destructions();
-  try {
-    id = raw->stream_id(stream);
-  } catch (...) {
-    throw_if_unannounced(stream);
-    throw;
-  }
+  const std::uint64_t id = asked_stream_id(stream);
   stream_ids.fill(stream, id, count_before);
   return id;
 }

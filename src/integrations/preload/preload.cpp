@@ -82,45 +82,38 @@ bool is_live_start(const registry& r, const void* ptr) noexcept {
   return false;
 }
 
-// CUCACHE_PRELOAD_CAPTURES as the routing uses it: 0 not read yet, 1 announced, 2 query.
-std::atomic<int> g_captures_mode{0};
-
-captures_mode routing_captures_mode() noexcept {
-  int m = g_captures_mode.load(std::memory_order_acquire);
+// A two-valued environment setting as the routing uses it, read once: `slot` holds 0 (not read
+// yet), 1 (announced) or 2 (query). `read` parses the variable (environment_error for a bad
+// value, which is named on stderr with `fallback`, and query is used).
+template <class Mode, class Read>
+Mode routing_mode(std::atomic<int>& slot, Read read, const char* fallback) noexcept {
+  int m = slot.load(std::memory_order_acquire);
   if (m == 0) {
-    captures_mode read = captures_mode::query;
+    Mode got = Mode::query;
     try {
-      read = captures_mode_from_env();
+      got = read();
     } catch (const std::exception& e) {
-      say(fmt::format("{}; using query (every allocation asks the capture status)", e.what()));
+      say(fmt::format("{}; using query ({})", e.what(), fallback));
     }
     int expected = 0;
-    const int want = read == captures_mode::announced ? 1 : 2;
-    g_captures_mode.compare_exchange_strong(expected, want, std::memory_order_acq_rel);
-    m = g_captures_mode.load(std::memory_order_acquire);
+    slot.compare_exchange_strong(expected, got == Mode::announced ? 1 : 2,
+                                 std::memory_order_acq_rel);
+    m = slot.load(std::memory_order_acquire);
   }
-  return m == 1 ? captures_mode::announced : captures_mode::query;
+  return m == 1 ? Mode::announced : Mode::query;
 }
 
-// CUCACHE_PRELOAD_STREAMS as the routing uses it: 0 not read yet, 1 announced, 2 query.
-std::atomic<int> g_streams_mode{0};
+std::atomic<int> g_captures_mode{0};  // CUCACHE_PRELOAD_CAPTURES (routing_mode)
+std::atomic<int> g_streams_mode{0};   // CUCACHE_PRELOAD_STREAMS (routing_mode)
+
+captures_mode routing_captures_mode() noexcept {
+  return routing_mode<captures_mode>(g_captures_mode, captures_mode_from_env,
+                                     "every allocation asks the capture status");
+}
 
 streams_mode routing_streams_mode() noexcept {
-  int m = g_streams_mode.load(std::memory_order_acquire);
-  if (m == 0) {
-    streams_mode read = streams_mode::query;
-    try {
-      read = streams_mode_from_env();
-    } catch (const std::exception& e) {
-      say(fmt::format("{}; using query (every allocation on a created stream asks its id)",
-                      e.what()));
-    }
-    int expected = 0;
-    const int want = read == streams_mode::announced ? 1 : 2;
-    g_streams_mode.compare_exchange_strong(expected, want, std::memory_order_acq_rel);
-    m = g_streams_mode.load(std::memory_order_acquire);
-  }
-  return m == 1 ? streams_mode::announced : streams_mode::query;
+  return routing_mode<streams_mode>(g_streams_mode, streams_mode_from_env,
+                                    "every allocation on a created stream asks its id");
 }
 
 // The registry whose allocators were told the captures and streams modes (the registry is
