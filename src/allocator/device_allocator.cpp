@@ -706,10 +706,9 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   if (bytes == 0) return nullptr;
   // No pool lock yet: the published rules (one load). Rules changed between here and the pool
   // lock only mean this request was rounded as just before the change.
-  const std::optional<std::size_t> rounded_or =
-      rules.load(std::memory_order_acquire)->policy.round_size(bytes);
-  if (!rounded_or) throw_oom(bytes, 0, stream);  // its rounded size passes any device
-  const std::size_t rounded = *rounded_or;
+  const std::size_t rounded =
+      rules.load(std::memory_order_acquire)->policy.round_size(bytes).value_or(0);
+  if (rounded == 0) throw_oom(bytes, 0, stream);  // its rounded size passes any device
   const pool_kind kind = detail::size_policy::pool_for(rounded);
   // A stream that is being captured allocates from its capture's pool: the graph keeps using the
   // address at every replay, so nobody else may get it. (The legacy stream -- nullptr or
