@@ -39,16 +39,16 @@ void* whole_vm_segments::make(std::size_t bytes, std::uint64_t& phys) {
   return va;
 }
 
-void whole_vm_segments::count_in_pool(segment& s, int sign) {
-  pool_table::assert_locked(*s.owner);  // every pool is (release's and map's callers)
-  const auto bytes = static_cast<std::int64_t>(s.size);
-  if (sign > 0) {
-    s.owner->stats.reserved_bytes.inc(s.kind, bytes);
-    s.owner->stats.segment_count.inc(s.kind, 1);
-  } else {
-    s.owner->stats.reserved_bytes.dec(s.kind, bytes);
-    s.owner->stats.segment_count.dec(s.kind, 1);
-  }
+void whole_vm_segments::count_in_pool(segment& s) {
+  pool_table::assert_locked(*s.owner);  // every pool is (map's callers)
+  s.owner->stats.reserved_bytes.inc(s.kind, static_cast<std::int64_t>(s.size));
+  s.owner->stats.segment_count.inc(s.kind, 1);
+}
+
+void whole_vm_segments::count_out_of_pool(segment& s) {
+  pool_table::assert_locked(*s.owner);  // every pool is (release's callers)
+  s.owner->stats.reserved_bytes.dec(s.kind, static_cast<std::int64_t>(s.size));
+  s.owner->stats.segment_count.dec(s.kind, 1);
 }
 
 void* whole_vm_segments::create(std::size_t bytes, std::uint64_t& phys) {
@@ -97,13 +97,13 @@ std::size_t whole_vm_segments::release(const std::vector<segment*>& segs, bool& 
           backend_.set_access(va, s->size);
         } catch (...) {
           s->unmapped = true;
-          count_in_pool(*s, -1);
+          count_out_of_pool(*s);
         }
         throw;
       }
       s->unmapped = true;
     });
-    count_in_pool(*s, -1);  // no memory while asleep: out of its pool's reserved bytes
+    count_out_of_pool(*s);  // no memory while asleep: out of its pool's reserved bytes
     released += s->size;
   }
   return released;
@@ -131,7 +131,7 @@ bool whole_vm_segments::map(const std::vector<segment*>& segs) {
     }
     s->phys = *h;
     s->unmapped = false;
-    count_in_pool(*s, +1);
+    count_in_pool(*s);
   }
   return true;
 }

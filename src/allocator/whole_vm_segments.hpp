@@ -64,9 +64,12 @@ class whole_vm_segments {
  private:
   /// create's device steps, uncharged: nullptr when the device or the address space refuses.
   void* make(std::size_t bytes, std::uint64_t& phys);
-  /// s's bytes and one segment into (+1) or out of (-1) its pool's statistics. REQUIRES: s's
+  /// s's bytes and one segment back into its pool's statistics (mapped again). REQUIRES: s's
   /// pool locked (every pool is, in release and map).
-  static void count_in_pool(segment& s, int sign);
+  static void count_in_pool(segment& s);
+  /// s's bytes and one segment out of its pool's statistics (unmapped: no memory). REQUIRES: as
+  /// count_in_pool.
+  static void count_out_of_pool(segment& s);
 
   device_backend& backend_;
   device_budget& budget_;
