@@ -6,6 +6,9 @@
 // allocators, with and without the mode, gets the same address at every step.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <latch>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -203,6 +206,82 @@ TEST_P(StreamIdCache, EachThreadAndEachAllocatorKeepsItsOwnEntry) {
   // Back on a: this thread's one entry now names b, so a asks once again.
   for (int i = 0; i < 10; ++i) a.alloc.deallocate(a.alloc.allocate(64 * KiB, s));
   EXPECT_EQ(ids(a) - before, 2u);
+}
+
+// Threads that create, use and destroy streams at once, each destruction announced: a handle
+// comes back to another thread, every destruction anywhere makes each thread's entry miss once,
+// and no allocation gets memory that a block freed on a dead stream still lends to the kernel
+// left running there. (ThreadSanitizer runs it too: the entries are per thread, the count one
+// atomic.) In expandable mode the check is on the bytes behind the addresses (host memory).
+TEST_P(StreamIdCache, ThreadsDestroyAndCreateStreamsWhileOthersAllocate) {
+  const bool expandable = !std::string(GetParam()).empty();
+  sim_options o;
+  o.host_memory = expandable;
+  sim_allocator a(parse_config(GetParam()), o);
+  announce(a);
+  struct dead_block {
+    const std::byte* at;
+    std::size_t bytes;
+    event_handle kernel;
+  };
+  std::mutex mu;
+  std::vector<dead_block> dead;  // guarded by mu
+  std::vector<event_handle> kernels;  // guarded by mu
+  std::atomic<int> overlaps{0};
+  const auto where = [&](void* p) {
+    return expandable ? static_cast<const std::byte*>(a.sim->host_view(p, 512))
+                      : static_cast<const std::byte*>(p);
+  };
+  constexpr int k_threads = 4;
+  // Each round leaves its blocks cached in the dead stream's pool: fewer rounds where host
+  // memory backs every page.
+  const int k_rounds = expandable ? 40 : 400;
+  std::latch start(k_threads);
+  const std::size_t sizes[] = {512, 4 * KiB, 64 * KiB};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < k_threads; ++t) {
+    threads.emplace_back([&, t] {
+      std::minstd_rand rng(static_cast<std::uint32_t>(t + 1));
+      start.arrive_and_wait();
+      for (int round = 0; round < k_rounds; ++round) {
+        const stream_handle s = a.sim->create_stream();
+        std::vector<std::pair<void*, std::size_t>> mine;
+        for (int k = 0; k < 3; ++k) {
+          const std::size_t bytes = sizes[rng() % std::size(sizes)];
+          void* p = a.alloc.allocate(bytes, s);
+          const std::byte* at = where(p);
+          const std::lock_guard lock(mu);
+          for (const dead_block& d : dead) {
+            if (at < d.at + d.bytes && d.at < at + bytes && !a.sim->event_query(d.kernel)) {
+              overlaps.fetch_add(1);
+            }
+          }
+          mine.emplace_back(p, bytes);
+        }
+        const event_handle kernel = a.sim->event_create();  // left running on s
+        a.sim->event_record(kernel, s);
+        std::vector<dead_block> freed;
+        for (auto [p, bytes] : mine) {
+          freed.push_back({where(p), bytes, kernel});
+          a.alloc.deallocate(p);
+        }
+        {
+          const std::lock_guard lock(mu);
+          dead.insert(dead.end(), freed.begin(), freed.end());
+          kernels.push_back(kernel);
+        }
+        device_allocator::announce_stream_destruction();  // the front end, before the driver
+        a.sim->destroy_stream(s);
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(overlaps.load(), 0) << "an allocation got memory a dead stream's kernel still uses";
+  a.sim->complete_all();
+  for (event_handle k : kernels) a.sim->event_destroy(k);
+  a.alloc.check_invariants();
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.sim->used_bytes(), 0u);
 }
 
 // The twin test: one seeded program -- allocations and frees on 4 stream slots, streams destroyed
