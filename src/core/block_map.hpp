@@ -85,9 +85,10 @@ class block_map {
   };
   struct alignas(64) shard {
     spin_lock mu;
-    slot* slots GUARDED_BY(mu) = nullptr;
-    std::size_t mask GUARDED_BY(mu) = 0;  // capacity - 1 (capacity a power of two)
+    slot* slots GUARDED_BY(mu) = nullptr;  // allocated by the map's constructor: never null
+    std::size_t mask GUARDED_BY(mu) = 0;   // capacity - 1 (capacity a power of two)
     std::size_t used GUARDED_BY(mu) = 0;
+    std::size_t grow_at GUARDED_BY(mu) = 0;  // used count at which an insert doubles the table
     block* find(std::uintptr_t key) const noexcept REQUIRES(mu);
     void insert(std::uintptr_t key, block* value) REQUIRES(mu);
     block* take(std::uintptr_t key) noexcept REQUIRES(mu);
@@ -109,7 +110,6 @@ class block_map {
 // The free and allocation paths' lookups, inline.
 
 inline block* block_map::shard::find(std::uintptr_t key) const noexcept {
-  if (slots == nullptr) return nullptr;
   for (std::size_t i = block_map::slot_hash(key) & mask;; i = (i + 1) & mask) {
     if (slots[i].key == key) return slots[i].value;
     if (slots[i].key == 0) return nullptr;
@@ -118,7 +118,7 @@ inline block* block_map::shard::find(std::uintptr_t key) const noexcept {
 
 // always_inline (and insert below): a cache hit publishes its block here (cucache-pair-count).
 [[gnu::always_inline]] inline void block_map::shard::insert(std::uintptr_t key, block* value) {
-  if (slots == nullptr || (used + 1) * 2 > mask + 1) grow();
+  if (used >= grow_at) grow();  // (at most half full after the insert)
   std::size_t i = block_map::slot_hash(key) & mask;
   while (slots[i].key != 0) i = (i + 1) & mask;
   slots[i] = slot{key, value};
@@ -126,7 +126,6 @@ inline block* block_map::shard::find(std::uintptr_t key) const noexcept {
 }
 
 inline block* block_map::shard::take(std::uintptr_t key) noexcept {
-  if (slots == nullptr) return nullptr;
   std::size_t i = block_map::slot_hash(key) & mask;
   while (slots[i].key != key) {
     if (slots[i].key == 0) return nullptr;
