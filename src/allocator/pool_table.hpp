@@ -82,7 +82,8 @@ class pool_table {
   /// that p's stream was destroyed, and p's blocks are then reachable only through paths that
   /// synchronize the device, so treating them as p's own stream is safe.
   /// The legacy stream's two handles (nullptr, cudaStreamLegacy) name one stream.
-  [[nodiscard]] bool names_pool_stream(const stream_pool& p, stream_handle stream) const {
+  [[nodiscard]] CUCACHE_HOT bool names_pool_stream(const stream_pool& p,
+                                                 stream_handle stream) const {
     if (stream != p.stream) [[unlikely]]
       return is_legacy_stream(stream) && is_legacy_stream(p.stream);
     return stream != per_thread_stream() || any_stream_key(stream) == p.key;
