@@ -12,17 +12,23 @@
 //   churn_large N        N churn operations, 1000 live blocks of 512 B-32 MiB
 //   threads T N          T threads, each on its own stream, N 64 KiB pairs each
 //   threads_one T N      T threads all on one stream, N 64 KiB pairs each
+//   scatter BYTES N      2N blocks of BYTES live, then every other one freed in a seeded random
+//                        order (N frees, each between live blocks: N free blocks of one size in
+//                        one bin of the free index), then allocated again; prints ns per free
+//                        (the measured loop) and per allocation
 // Options (before the case): --expandable (expandable_segments:True), --conf CUCACHE_CONF,
 // --announced (the captures-announced mode: no capture query while no capture is announced),
 // --streams-announced (with --announced: stream destructions announced too, the thread's cached
 // stream id instead of the id query; the probe destroys no stream).
 // Prints the wall ns per pair or operation (indicative only on a shared machine).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,11 +80,16 @@ void* volatile g_sink = nullptr;
   }
 }
 
+[[gnu::noinline]] void measured_loop_scatter(device_allocator& a, const std::vector<void*>& ptrs) {
+  for (void* p : ptrs) a.deallocate(p);
+}
+
 int usage() {
   std::fprintf(
       stderr,
       "usage: cucache-fastpath [--expandable] [--announced [--streams-announced]] [--conf CONF] "
-      "(pair BYTES N | churn_small N | churn_large N | threads T N | threads_one T N)\n");
+      "(pair BYTES N | churn_small N | churn_large N | threads T N | threads_one T N | "
+      "scatter BYTES N)\n");
   return 2;
 }
 
@@ -139,6 +150,23 @@ int main(int argc, char** argv) {
       measured_loop_churn(a, plan, live, pos, n, s);
       per = static_cast<double>(now_ns() - t0) / static_cast<double>(n);
       for (void* p : live) a.deallocate(p);
+    } else if (what == "scatter") {
+      const auto bytes = static_cast<std::size_t>(num(512));
+      n = num(100000);
+      std::vector<void*> live(2 * static_cast<std::size_t>(n));
+      for (void*& p : live) p = a.allocate(bytes, s);
+      std::vector<void*> freed;
+      for (std::size_t k = 1; k < live.size(); k += 2) freed.push_back(live[k]);
+      std::shuffle(freed.begin(), freed.end(), std::mt19937_64(1));
+      const std::int64_t t0 = now_ns();
+      measured_loop_scatter(a, freed);
+      per = static_cast<double>(now_ns() - t0) / static_cast<double>(n);
+      const std::int64_t t1 = now_ns();
+      for (void*& p : freed) p = a.allocate(bytes, s);
+      std::printf("scatter: %.1f ns per allocation after the frees\n",
+                  static_cast<double>(now_ns() - t1) / static_cast<double>(n));
+      for (std::size_t k = 0; k < live.size(); k += 2) a.deallocate(live[k]);
+      for (void* p : freed) a.deallocate(p);
     } else if (what == "threads" || what == "threads_one") {
       const int t = static_cast<int>(num(8));
       n = num(100000);

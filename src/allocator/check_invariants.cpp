@@ -339,6 +339,10 @@ void check_blocks(const detail::stream_pool& p, const segment& s, const detail::
 /// equal the recount, kind by kind.
 void check_index_and_stats(const detail::stream_pool& p, const pool_recount& rc) REQUIRES(p.mu) {
   for (int k = 0; k < 2; ++k) {
+    if (!p.free[k].well_formed()) {
+      violated(fmt::format("pool {} {}: free index malformed (free_index::well_formed)", p.index,
+                           k == 0 ? "small" : "large"));
+    }
     const block* last = nullptr;
     p.free[k].for_each([&](const block* b) {
       if (b->bin != detail::free_index::bin_of(b->size)) {

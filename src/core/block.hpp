@@ -46,7 +46,8 @@ struct alignas(64) block {
   };
   block_state state = block_state::free;
   bool exported = false;  // allocated: handed to another process (note_ipc_export); cleared by carve
-  std::uint32_t bin = 0;  // free_index bin while free
+  std::uint16_t bin = 0;       // free: its free_index bin
+  std::uint32_t priority = 0;  // free, in a treap bin: its heap priority (free_index.hpp)
 };
 static_assert(sizeof(block) == 64);
 

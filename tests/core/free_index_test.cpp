@@ -68,6 +68,9 @@ TEST(FreeIndex, BestFitMatchesBruteForceModel) {
       ASSERT_NO_FATAL_FAILURE(expect_best_fit(idx, model, 512 * (1 + rng() % 120'000)));
     }
     ASSERT_EQ(idx.totals().count, model.size());
+    if (op % 256 == 0) {
+      ASSERT_TRUE(idx.well_formed()) << op;
+    }
     if (!model.empty()) {
       ASSERT_EQ(idx.largest()->size, model.rbegin()->first);
     }
@@ -128,6 +131,128 @@ TEST(FreeIndex, ReplaceMatchesBruteForceModel) {
     idx.for_each([&](const block*) { ++walked; });
     EXPECT_EQ(walked, model.size());
   }
+}
+
+// Bins that hold many blocks (thousands of one size, each between live ones, freed in any
+// order) become treaps: every operation on them is checked against the model -- best fit,
+// largest, contains, totals, and the whole best-fit order of for_each -- while blocks of a few
+// sizes come and go in random order, through insert, erase, replace and resize. The bins turn into
+// treaps and, emptied, into lists again.
+TEST(FreeIndex, LongBinsBecomeTreapsWithTheSameOrder) {
+  for (const bool one_size : {true, false}) {
+    SCOPED_TRACE(one_size);
+    std::mt19937_64 rng(one_size ? 11 : 12);
+    std::deque<block> storage;
+    free_index idx;
+    size_model model;
+    std::vector<block*> in;
+    std::vector<std::uintptr_t> free_addrs;  // addresses to hand out, in random order
+    for (std::uintptr_t i = 0; i < 60'000; ++i) free_addrs.push_back(0x100000000 + i * 0x20000);
+    std::shuffle(free_addrs.begin(), free_addrs.end(), rng);
+    // One exact-size bin (512 B), or a range bin (66,048-67,584 B all fall in one bin) and its
+    // neighbours.
+    const auto random_size = [&]() -> std::size_t {
+      if (one_size) return 512;
+      return 512 * (129 + rng() % 4);
+    };
+    const auto fresh = [&](std::size_t size) {
+      block& b = storage.emplace_back();
+      b.size = size;
+      b.addr = free_addrs.back();
+      free_addrs.pop_back();
+      return &b;
+    };
+    const std::uint32_t bin = free_index::bin_of(one_size ? 512 : 512 * 129);
+    bool was_tree = false;
+    bool tree_emptied = false;
+    const auto check = [&](int op) {
+      if (op % 64 == 0) {  // (walks of everything)
+        ASSERT_EQ(idx.totals().count, model.size()) << op;
+        ASSERT_TRUE(idx.well_formed()) << op;
+      }
+      if (model.empty()) return;
+      ASSERT_EQ(idx.largest()->size, model.rbegin()->first) << op;
+      ASSERT_EQ(idx.largest()->addr, model.rbegin()->second) << op;
+      ASSERT_NO_FATAL_FAILURE(expect_best_fit(idx, model, random_size() - 512 * (rng() % 2)));
+      ASSERT_NO_FATAL_FAILURE(expect_best_fit(idx, model, 512 * (1 + rng() % 200)));
+      const block* probe = in[rng() % in.size()];
+      ASSERT_TRUE(idx.contains(probe)) << op;
+    };
+    for (int phase = 0; phase < 2; ++phase) {
+      // Fill to 3,000 blocks, then drain to none, with random erases, replaces and resizes.
+      for (int op = 0; op < 12'000; ++op) {
+        const bool fill = phase == 0 ? op < 9'000 : op < 3'000;
+        const auto kind = rng() % 8;
+        if ((fill && kind < 5) || in.empty()) {
+          if (!fill && in.empty()) break;
+          block* b = fresh(random_size());
+          idx.insert(b);
+          model.emplace(b->size, b->addr);
+          in.push_back(b);
+        } else if (kind < 6 || !fill) {
+          const std::size_t i = rng() % in.size();
+          idx.erase(in[i]);
+          model.erase({in[i]->size, in[i]->addr});
+          ASSERT_FALSE(idx.contains(in[i]));
+          in[i] = in.back();
+          in.pop_back();
+        } else if (kind < 7) {
+          const std::size_t i = rng() % in.size();
+          block* b = fresh(random_size());
+          model.erase({in[i]->size, in[i]->addr});
+          idx.replace(in[i], b);
+          model.emplace(b->size, b->addr);
+          ASSERT_FALSE(idx.contains(in[i]));
+          in[i] = b;
+        } else {
+          const std::size_t i = rng() % in.size();
+          model.erase({in[i]->size, in[i]->addr});
+          idx.resize(in[i], random_size());
+          model.emplace(in[i]->size, in[i]->addr);
+        }
+        was_tree = was_tree || idx.is_tree_bin(bin);
+        if (was_tree && in.empty()) tree_emptied = !idx.is_tree_bin(bin);
+        ASSERT_NO_FATAL_FAILURE(check(op));
+        if (op % 1'000 == 0) {
+          std::vector<std::pair<std::size_t, std::uintptr_t>> order;
+          idx.for_each([&](const block* b) { order.emplace_back(b->size, b->addr); });
+          ASSERT_TRUE(std::equal(order.begin(), order.end(), model.begin(), model.end())) << op;
+        }
+      }
+    }
+    EXPECT_TRUE(was_tree) << "no bin grew into a treap";
+    EXPECT_TRUE(tree_emptied) << "the emptied treap bin is not a list again";
+    EXPECT_EQ(idx.totals().count, 0u);
+    EXPECT_EQ(idx.best_fit(512), nullptr);
+  }
+}
+
+// A long list that only best fit walks -- every block inserted at the head (lower addresses come
+// later), all smaller than the request -- becomes a treap at the first long best-fit walk.
+TEST(FreeIndex, ALongBestFitWalkMakesTheBinATreap) {
+  std::deque<block> storage;
+  free_index idx;
+  block& big = storage.emplace_back();  // the next bin up
+  big.size = 512 * 140;
+  big.addr = 0x100000;
+  idx.insert(&big);
+  const std::size_t n = 4 * free_index::k_list_walk_max;
+  for (std::size_t i = 0; i < n; ++i) {
+    block& b = storage.emplace_back();
+    b.size = 512 * 129;
+    b.addr = 0x100000000 + (n - i) * 0x20000;  // decreasing: each one becomes the head
+    idx.insert(&b);
+  }
+  const std::uint32_t bin = free_index::bin_of(512 * 129);
+  ASSERT_EQ(free_index::bin_of(512 * 130), bin);
+  ASSERT_NE(free_index::bin_of(512 * 140), bin);
+  EXPECT_FALSE(idx.is_tree_bin(bin));        // no insert walked
+  EXPECT_EQ(idx.best_fit(512 * 130), &big);  // walks every block of the bin
+  EXPECT_TRUE(idx.is_tree_bin(bin));
+  EXPECT_EQ(idx.best_fit(512 * 130), &big);
+  EXPECT_EQ(idx.best_fit(512 * 129)->addr, 0x100000000 + 0x20000);  // lowest address first
+  EXPECT_EQ(idx.totals().count, n + 1);
+  EXPECT_TRUE(idx.well_formed());
 }
 
 TEST(FreeIndex, ContainsAndBytes) {
