@@ -62,25 +62,21 @@ class free_index {
   /// The largest indexed block, or nullptr.
   [[nodiscard]] block* largest() const noexcept;
 
-  /// Calls f(block*) for every indexed block, in bin order; only the non-empty bins are visited
-  /// (the bitmaps name them).
+  /// Calls f(block*) for every indexed block, in best-fit order; only the non-empty bins are
+  /// visited (the bitmaps name them, read before). f may erase the block it is given, and may
+  /// call best_fit, which may turn the bin being walked into a treap: the walk goes on there.
   template <class F>
   void for_each(F&& f) const {
     for (std::uint64_t levels = level_map_; levels != 0; levels &= levels - 1) {
       const unsigned l = static_cast<unsigned>(std::countr_zero(levels));
       for (std::uint32_t subs = sub_map_[l]; subs != 0; subs &= subs - 1) {
         const unsigned bin = l * k_sub_bins + static_cast<unsigned>(std::countr_zero(subs));
-        if (tagged(heads_[bin])) [[unlikely]] {
-          for (block* b = leftmost(untag(heads_[bin])); b != nullptr;) {
-            block* n = tree_successor(untag(heads_[bin]), b);  // before f, which may erase b
-            f(b);
-            b = n;
-          }
-          continue;
-        }
-        for (block* b = heads_[bin]; b != nullptr;) {
-          block* n = b->free_next;  // f may erase b (the bitmaps were read before)
+        bool tree = tagged(heads_[bin]);
+        for (block* b = tree ? leftmost(untag(heads_[bin])) : heads_[bin]; b != nullptr;) {
+          // The next block before f, which may erase b.
+          block* n = tree ? tree_successor(untag(heads_[bin]), b) : b->free_next;
           f(b);
+          tree = tree || tagged(heads_[bin]);  // n is in the treap f's best fit made, if so
           b = n;
         }
       }

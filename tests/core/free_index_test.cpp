@@ -255,6 +255,34 @@ TEST(FreeIndex, ALongBestFitWalkMakesTheBinATreap) {
   EXPECT_TRUE(idx.well_formed());
 }
 
+// for_each's callback may call best_fit (headroom and the pager's dry run do), and a long walk
+// there turns the bin being walked into a treap: the walk goes on in it, every block once, in order.
+TEST(FreeIndex, ForEachGoesOnWhenItsCallbackMakesTheBinATreap) {
+  std::deque<block> storage;
+  free_index idx;
+  size_model model;
+  const std::size_t n = 3 * free_index::k_list_walk_max;
+  for (std::size_t i = 0; i < n; ++i) {
+    block& b = storage.emplace_back();
+    b.size = 512 * 129;
+    b.addr = 0x100000000 + (n - i) * 0x20000;  // decreasing: head inserts, no long walk
+    idx.insert(&b);
+    model.emplace(b.size, b.addr);
+  }
+  const std::uint32_t bin = free_index::bin_of(512 * 129);
+  ASSERT_FALSE(idx.is_tree_bin(bin));
+  std::vector<std::pair<std::size_t, std::uintptr_t>> order;
+  idx.for_each([&](const block* b) {
+    if (order.size() == 5) {
+      EXPECT_EQ(idx.best_fit(512 * 130), nullptr);  // walks the whole bin
+    }
+    order.emplace_back(b->size, b->addr);
+  });
+  EXPECT_TRUE(idx.is_tree_bin(bin));
+  EXPECT_TRUE(std::equal(order.begin(), order.end(), model.begin(), model.end()));
+  EXPECT_TRUE(idx.well_formed());
+}
+
 TEST(FreeIndex, ContainsAndBytes) {
   block a, b;
   a.size = 1024;
