@@ -31,25 +31,6 @@ bool free_index::contains(const block* b) const noexcept {
   return false;
 }
 
-namespace {
-
-// well_formed's check of one treap subtree: in strict order after *last (updated), each node's
-// priority at most `ceiling`, each node marked as in `bin`.
-bool treap_ok(const block* t, const block*& last, std::uint64_t ceiling, std::uint32_t bin,
-              std::uint32_t (*priority_of)(std::uintptr_t)) noexcept {
-  if (t == nullptr) return true;
-  if (t->priority > ceiling || t->bin != bin || t->priority != priority_of(t->addr)) return false;
-  if (!treap_ok(t->free_prev, last, t->priority, bin, priority_of)) return false;
-  if (last != nullptr &&
-      !(last->size < t->size || (last->size == t->size && last->addr < t->addr))) {
-    return false;
-  }
-  last = t;
-  return treap_ok(t->free_next, last, t->priority, bin, priority_of);
-}
-
-}  // namespace
-
 bool free_index::well_formed() const noexcept {
   for (std::uint32_t bin = 0; bin < k_bins; ++bin) {
     const bool marked = ((sub_map_[bin / k_sub_bins] >> (bin % k_sub_bins)) & 1u) != 0;
@@ -60,9 +41,7 @@ bool free_index::well_formed() const noexcept {
     if (heads_[bin] == nullptr) continue;
     if (tagged(heads_[bin])) {
       const block* last = nullptr;
-      if (!treap_ok(untag(heads_[bin]), last, ~std::uint64_t{0}, bin, &priority_of)) {
-        return false;
-      }
+      if (!treap_well_formed(untag(heads_[bin]), last, ~std::uint32_t{0}, bin)) return false;
       continue;
     }
     const block* prev = nullptr;
@@ -71,10 +50,20 @@ bool free_index::well_formed() const noexcept {
       if (prev != nullptr && !before(prev, b)) return false;
     }
   }
-  // Treap nodes in the right bin for their size (lists were checked above).
-  bool sizes_ok = true;
-  for_each([&](const block* b) { sizes_ok = sizes_ok && bin_of(b->size) == b->bin; });
-  return sizes_ok;
+  return true;
+}
+
+bool free_index::treap_well_formed(const block* t, const block*& last, std::uint32_t ceiling,
+                                   std::uint32_t bin) noexcept {
+  if (t == nullptr) return true;
+  if (t->priority > ceiling || t->priority != priority_of(t->addr) || t->bin != bin ||
+      bin_of(t->size) != bin) {
+    return false;
+  }
+  if (!treap_well_formed(t->free_prev, last, t->priority, bin)) return false;
+  if (last != nullptr && !before(last, t)) return false;
+  last = t;
+  return treap_well_formed(t->free_next, last, t->priority, bin);
 }
 
 // --- treap bins -------------------------------------------------------------------------------
@@ -182,6 +171,7 @@ void free_index::treap_erase(block*& root, const block* n) noexcept {
 }
 
 void free_index::to_tree(std::uint32_t bin) const noexcept {
+  if (tagged(heads_[bin])) return;
   block* root = nullptr;
   for (block* b = heads_[bin]; b != nullptr;) {
     block* const n = b->free_next;
@@ -193,17 +183,13 @@ void free_index::to_tree(std::uint32_t bin) const noexcept {
 }
 
 void free_index::tree_place(block* b, std::uint32_t bin) noexcept {
-  // REQUIRES: bin is a treap (non-empty, so its bits are set).
+  // REQUIRES: bin is non-empty (its bits are set).
+  to_tree(bin);
   b->bin = static_cast<std::uint16_t>(bin);
   b->priority = priority_of(b->addr);
   block* root = untag(heads_[bin]);
   treap_insert(root, b);
   heads_[bin] = tag(root);
-}
-
-void free_index::to_tree_and_place(block* b, std::uint32_t bin) noexcept {
-  to_tree(bin);
-  tree_place(b, bin);
 }
 
 void free_index::tree_erase(block* b) noexcept {
