@@ -17,6 +17,7 @@
 #include <exception>
 #include <memory>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -260,6 +261,56 @@ void bm_pair(benchmark::State& state, std::size_t bytes, bool legacy) {
     alloc.synchronize();
     state.counters["bytes"] = static_cast<double>(bytes);
     state.counters["ns_per_pair"] = per(stop - start, static_cast<double>(state.iterations()));
+    alloc.add_counters(state);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+// --- scatter: thousands of free blocks of one size, each between live ones ---------------------
+
+/// The free counts of the scatter cases (512 B blocks; twice as many allocated first).
+constexpr std::array<int, 3> k_scatter_counts{1'000, 10'000, 80'000};
+constexpr std::size_t k_scatter_bytes = 512;
+
+/// One iteration: 2N blocks of 512 B allocated (untimed), every other one freed in a seeded
+/// random order (timed: N free blocks of one size, none next to another, so nothing merges), the
+/// N allocated again (timed), then everything freed (untimed). An allocator that keeps one size's
+/// free blocks in a sorted list pays O(N) per free here (docs/decisions/0028-treap-bins.md).
+/// ns_per_free and ns_per_alloc: the two timed phases over all iterations.
+template <class A>
+void bm_scatter(benchmark::State& state, int count) {
+  try {
+    A alloc;
+    const stream_handle stream = A::stream(0);
+    const auto n = static_cast<std::size_t>(count);
+    std::vector<void*> live(2 * n);
+    std::vector<void*> freed(n);
+    std::vector<std::size_t> order(n);
+    for (std::size_t k = 0; k < n; ++k) order[k] = 2 * k + 1;
+    std::mt19937_64 rng(1);
+    std::int64_t free_ns = 0;
+    std::int64_t alloc_ns = 0;
+    for (auto _ : state) {
+      for (void*& p : live) p = require(alloc.allocate(k_scatter_bytes, stream), A::k_name, k_scatter_bytes);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (std::size_t k = 0; k < n; ++k) freed[k] = live[order[k]];
+      const std::int64_t t0 = now_ns();
+      for (void* p : freed) alloc.deallocate(p, stream);
+      const std::int64_t t1 = now_ns();
+      for (void*& p : freed) p = require(alloc.allocate(k_scatter_bytes, stream), A::k_name, k_scatter_bytes);
+      const std::int64_t t2 = now_ns();
+      free_ns += t1 - t0;
+      alloc_ns += t2 - t1;
+      state.SetIterationTime(static_cast<double>(t2 - t0) * 1e-9);
+      for (std::size_t k = 0; k < live.size(); k += 2) alloc.deallocate(live[k], stream);
+      for (void* p : freed) alloc.deallocate(p, stream);
+    }
+    alloc.synchronize();
+    const double ops = static_cast<double>(state.iterations()) * static_cast<double>(n);
+    state.counters["frees"] = static_cast<double>(n);
+    state.counters["ns_per_free"] = per(free_ns, ops);
+    state.counters["ns_per_alloc"] = per(alloc_ns, ops);
     alloc.add_counters(state);
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
@@ -762,6 +813,14 @@ void register_churn() {
 }
 
 template <class A>
+void register_scatter() {
+  for (int count : k_scatter_counts) {
+    const std::string name = std::string("scatter/") + A::k_name + "/" + std::to_string(count);
+    benchmark::RegisterBenchmark(name.c_str(), bm_scatter<A>, count)->UseManualTime();
+  }
+}
+
+template <class A>
 void register_threads() {
   for (const bool shared : {false, true}) {
     const std::string name = std::string(shared ? "threads_one_stream/" : "threads/") + A::k_name;
@@ -775,10 +834,11 @@ struct allocator_entry {
   void (*pairs)();
   void (*churn)();
   void (*threads)();
+  void (*scatter)();
 };
 template <class A>
 constexpr allocator_entry entry_of() {
-  return {register_pairs<A>, register_churn<A>, register_threads<A>};
+  return {register_pairs<A>, register_churn<A>, register_threads<A>, register_scatter<A>};
 }
 
 /// Loads the c10 peer shim with the PYTORCH_CUDA_ALLOC_CONF string of $CUCACHE_C10_CONF ("" =
@@ -811,12 +871,14 @@ int run(int argc, char** argv) {
       allocators.push_back(entry_of<cucache_alloc<true>>());
       allocators.push_back(entry_of<cucache_alloc<true, true>>());
       // The captures-announced mode changes the allocation's stream queries only: pairs.
-      allocators.push_back({register_pairs<cucache_alloc<true, false, true>>, [] {}, [] {}});
-      allocators.push_back({register_pairs<cucache_alloc<true, true, true>>, [] {}, [] {}});
-      allocators.push_back({register_pairs<cucache_alloc<true, false, true, true>>, [] {}, [] {}});
-      allocators.push_back({register_pairs<cucache_alloc<true, true, true, true>>, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, false, true>>, [] {}, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, true, true>>, [] {}, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, false, true, true>>, [] {}, [] {}, [] {}});
+      allocators.push_back({register_pairs<cucache_alloc<true, true, true, true>>, [] {}, [] {}, [] {}});
       register_stream_queries();
-      allocators.push_back(entry_of<cuda_malloc_alloc>());
+      // No scatter case for cudaMalloc: nothing cached, so nothing to index.
+      allocators.push_back({register_pairs<cuda_malloc_alloc>, register_churn<cuda_malloc_alloc>,
+                            register_threads<cuda_malloc_alloc>, [] {}});
       allocators.push_back(entry_of<cuda_malloc_async_alloc>());
       if (const std::string why = load_c10_peer(); why.empty()) {
         allocators.push_back(entry_of<c10_alloc>());
@@ -833,6 +895,7 @@ int run(int argc, char** argv) {
   for (const auto& a : allocators) a.pairs();
   for (const auto& a : allocators) a.churn();
   for (const auto& a : allocators) a.threads();
+  for (const auto& a : allocators) a.scatter();
   register_pending();
   register_stats();
   register_observe();
