@@ -672,14 +672,18 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     // (which throws; the caller's lock is released as the exception leaves).
     if (attempt > 0 && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
       sleeper.refuse_if_asleep(p, nullptr, "allocate");
-    block* b = place_or_grow(p, kind, rounded);
+    // place_or_grow's usual case inline (a call each for it and carve cost the expandable pair
+    // about 40 instructions of prologues).
+    block* b = detail::place_in_range(p.index_of(kind), rounded);
+    if (b == nullptr) [[unlikely]]
+      b = place_or_grow(p, kind, rounded);
     no_address_space = b == nullptr;
     if (b == nullptr) {  // the process's address space has no room for a range that holds it
       if (attempt == 1) break;
       run_ladder(p, lk, ladder_release::idle_pages);  // gives empty ranges back
       continue;
     }
-    b = carve(p, b, kind, rounded, bytes);
+    b = carve_inline(p, b, kind, rounded, bytes);
     bool mapped = false;
     try {
       mapped = pager->back(p, b);
