@@ -363,7 +363,7 @@ block* device_allocator::impl::carve_inline(stream_pool& p, block* b, pool_kind 
   b->exported = false;
   b->requested = requested;
   b->uses = nullptr;
-  if (b->seg->vm != nullptr) pager->touch(p, b, +1);
+  if (b->seg->vm != nullptr) pager->touch_carved(p, b);
   p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size),
                       static_cast<std::int64_t>(requested));
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
@@ -381,7 +381,7 @@ void device_allocator::impl::release_to_free_inline(stream_pool& p, block* b) {
     p.stats.pending_count.dec(kind, 1);
     p.stats.pending_bytes.dec(kind, static_cast<std::int64_t>(b->size));
   }
-  if (b->seg->vm != nullptr) pager->touch(p, b, -1);
+  if (b->seg->vm != nullptr) pager->touch_freed(p, b);
   if (b->uses != nullptr) [[unlikely]] {
     delete b->uses;
     b->uses = nullptr;

@@ -260,7 +260,7 @@ void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::siz
   }
 }
 
-void pager::touch(stream_pool& p, const block* b, int delta) {
+void pager::touch_carved(stream_pool& p, const block* b) {
   // Blocks are disjoint: only b's first and last pages can be shared with a neighbour (as that
   // neighbour's edge page), and a page is touched iff its edge count is nonzero or a live block
   // covers it strictly inside its span. So a carve makes all of b's span touched, and a free makes
@@ -268,36 +268,40 @@ void pager::touch(stream_pool& p, const block* b, int delta) {
   vm_range& r = *b->seg->vm;
   const std::size_t first = r.page_of(b->addr);
   const std::size_t last = r.page_of(b->addr + b->size - 1);
-  if (delta > 0) {
-    // A chunk is touched as a whole by one block: one that b would touch in part goes first --
-    // unless coarse handles are plentiful: then every such chunk stays as it is (straddled),
-    // counted only. That test is one load (a warm pass carves into straddled chunks at every
-    // step).
-    if (r.chunks != 0) {
-      if (const std::size_t cut = r.cut_chunks(b->addr, b->size, first, last); cut != 0) {
-        if (coarse_now_.load(std::memory_order_relaxed)) {
-          p.pages.add_straddles(cut);
-        } else {
-          convert_cut_chunks(p, r, b, first, last);
-        }
+  // A chunk is touched as a whole by one block: one that b would touch in part goes first --
+  // unless coarse handles are plentiful: then every such chunk stays as it is (straddled),
+  // counted only. That test is one load (a warm pass carves into straddled chunks at every
+  // step).
+  if (r.chunks != 0) {
+    if (const std::size_t cut = r.cut_chunks(b->addr, b->size, first, last); cut != 0) {
+      if (coarse_now_.load(std::memory_order_relaxed)) {
+        p.pages.add_straddles(cut);
+      } else {
+        convert_cut_chunks(p, r, b, first, last);
       }
     }
-    const std::uint32_t first_use = r.edge(first);
-    r.edge_use.set(first, first_use + 1);
-    std::uint32_t last_use = first_use;
-    if (last != first) {
-      last_use = r.edge(last);
-      r.edge_use.set(last, last_use + 1);
-    }
-    // An edge page with a nonzero count was touched already (not idle): when b touches no page
-    // anew (fresh_pages: a block of one or two pages with both edges touched), nothing leaves
-    // the idle runs (a small block carved beside live ones: no lookup).
-    if (fresh_pages(first, last, first_use != 0, last_use != 0) == 0) return;
-    if (take_parked(p, r, first, last)) [[likely]]
-      return;
-    idle_remove(p, r, first, last);
-    return;
   }
+  const std::uint32_t first_use = r.edge(first);
+  r.edge_use.set(first, first_use + 1);
+  std::uint32_t last_use = first_use;
+  if (last != first) {
+    last_use = r.edge(last);
+    r.edge_use.set(last, last_use + 1);
+  }
+  // An edge page with a nonzero count was touched already (not idle): when b touches no page
+  // anew (fresh_pages: a block of one or two pages with both edges touched), nothing leaves
+  // the idle runs (a small block carved beside live ones: no lookup).
+  if (fresh_pages(first, last, first_use != 0, last_use != 0) == 0) return;
+  if (take_parked(p, r, first, last)) [[likely]]
+    return;
+  idle_remove(p, r, first, last);
+}
+
+void pager::touch_freed(stream_pool& p, const block* b) {
+  // (touch_carved says which pages a block touches.)
+  vm_range& r = *b->seg->vm;
+  const std::size_t first = r.page_of(b->addr);
+  const std::size_t last = r.page_of(b->addr + b->size - 1);
   const std::uint32_t first_use = r.edge(first) - 1;
   r.edge_use.set(first, first_use);
   std::uint32_t last_use = first_use;

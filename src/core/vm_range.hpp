@@ -60,7 +60,7 @@ class sparse_page_table {
     return c != nullptr ? c->v[pg % k_chunk] : T{};
   }
   /// Sets the entry of pg to v (T{} erases it). Inline, with the allocation and the freeing of
-  /// a chunk out of line: touch() sets two edge counts at every carve and free
+  /// a chunk out of line: the pager sets two edge counts at every carve and free
   /// (cucache-pair-count). An emptied chunk stays where it is as the one spare, so that a block
   /// carved and freed alone in its chunk in a loop neither allocates nor calls anything; when
   /// another chunk empties or needs storage, the spare moves there or is freed.

@@ -57,7 +57,7 @@ struct pager_rig {
     b->uses = nullptr;
     pool.stats.on_allocate(pool_kind::large, static_cast<std::int64_t>(bytes),
                            static_cast<std::int64_t>(bytes));
-    pg.touch(pool, b.get(), +1);
+    pg.touch_carved(pool, b.get());
     blocks.push_back(std::move(b));
     return blocks.back().get();
   }
@@ -71,7 +71,7 @@ struct pager_rig {
   void free(block* b) {
     pool.stats.on_free(pool_kind::large, static_cast<std::int64_t>(b->size),
                        static_cast<std::int64_t>(b->size));
-    pg.touch(pool, b, -1);
+    pg.touch_freed(pool, b);
     b->state = block_state::free;
   }
 
@@ -899,7 +899,7 @@ TEST(Pager, CheckInvariantsHoldsTheIdleListToThePageTables) {
   r.pg.forget_range(r.pool, &r.seg);
 }
 
-// fresh_pages (the rule touch() and headroom share) against its definition, by brute force:
+// fresh_pages (the rule touch_carved and headroom share) against its definition, by brute force:
 // the pages of a span inside a free hole that no carved block's span touches. Seeded random
 // layouts of blocks at quarter-page offsets, so that holes share edge pages with their
 // neighbours; every span checked is inside a hole, at its front and elsewhere.

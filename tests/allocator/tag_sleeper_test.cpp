@@ -83,7 +83,7 @@ struct sleeper_rig {
     detail::pool_table::assert_locked(pool);
     pool.stats.on_allocate(pool_kind::large, static_cast<std::int64_t>(bytes),
                            static_cast<std::int64_t>(bytes));
-    pg.touch(pool, raw, +1);
+    pg.touch_carved(pool, raw);
     EXPECT_TRUE(pg.back(pool, raw));
     return raw;
   }
@@ -93,7 +93,7 @@ struct sleeper_rig {
     detail::pool_table::assert_locked(pool);
     pool.stats.on_free(pool_kind::large, static_cast<std::int64_t>(b->size),
                        static_cast<std::int64_t>(b->size));
-    pg.touch(pool, b, -1);
+    pg.touch_freed(pool, b);
     b->state = block_state::free;
   }
   void relink() {

@@ -1,6 +1,6 @@
 // vm_range: the page table's queries about chunks, with exact expectations on a hand-built range
 // of 2 MiB pages -- which pages a span covers whole, which chunks a carve would cut (cut_chunks,
-// the one-load test touch() runs at every carve), and which idle pages of a chunk no unmap can
+// the one-load test touch_carved runs at every carve), and which idle pages of a chunk no unmap can
 // give back while a block touches the rest of it (straddled_idle_pages, max_allocatable's rule).
 #include "core/vm_range.hpp"
 
