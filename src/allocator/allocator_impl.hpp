@@ -67,8 +67,10 @@ struct device_allocator::impl {
 
   // --- allocation paths (device_allocator.cpp) ---
   void* allocate(std::size_t bytes, stream_handle stream);
-  /// False (nothing changed) when ptr is not the start of a live block.
-  bool deallocate(void* ptr, stream_handle stream, bool ordered);
+  /// False (nothing changed) when ptr is not the start of a live block. Inline into the public
+  /// frees (a call less: 19 instructions a cache-hit pair, 1.5-1.9% of the traces' allocator
+  /// instructions in default mode).
+  CUCACHE_HOT bool deallocate(void* ptr, stream_handle stream, bool ordered);
   /// deallocate's general path (captures, observer, other streams). REQUIRES: b taken out of
   /// the block map.
   bool deallocate_locked(detail::stream_pool& p, detail::block* b, void* ptr, stream_handle stream,
