@@ -17,7 +17,6 @@
 #include <exception>
 #include <memory>
 #include <optional>
-#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -34,6 +33,7 @@
 #include "cucache/device_allocator.hpp"
 #include "cucache/observe.hpp"
 #include "cucache/stats.hpp"
+#include "scatter_plan.hpp"
 
 namespace cucache::bench {
 namespace {
@@ -269,46 +269,36 @@ void bm_pair(benchmark::State& state, std::size_t bytes, bool legacy) {
 
 // --- scatter: thousands of free blocks of one size, each between live ones ---------------------
 
-/// The free counts of the scatter cases (512 B blocks; twice as many allocated first).
-constexpr std::array<int, 3> k_scatter_counts{1'000, 10'000, 80'000};
-constexpr std::size_t k_scatter_bytes = 512;
-
-/// One iteration: 2N blocks of 512 B allocated (untimed), every other one freed in a seeded
-/// random order (timed: N free blocks of one size, none next to another, so nothing merges), the
-/// N allocated again (timed), then everything freed (untimed). An allocator that keeps one size's
-/// free blocks in a sorted list pays O(N) per free here (docs/decisions/0028-treap-bins.md).
-/// ns_per_free and ns_per_alloc: the two timed phases over all iterations.
+/// One iteration: 2N blocks of 512 B allocated (untimed), every other one freed in scatter_plan's
+/// order (timed: N free blocks of one size, none next to another, so nothing merges), the N
+/// allocated again (timed), then everything freed (untimed). ns_per_free and ns_per_alloc: the two
+/// timed phases over all iterations.
 template <class A>
 void bm_scatter(benchmark::State& state, int count) {
   try {
     A alloc;
     const stream_handle stream = A::stream(0);
-    const auto n = static_cast<std::size_t>(count);
-    std::vector<void*> live(2 * n);
-    std::vector<void*> freed(n);
-    std::vector<std::size_t> order(n);
-    for (std::size_t k = 0; k < n; ++k) order[k] = 2 * k + 1;
-    std::mt19937_64 rng(1);
+    const std::vector<std::size_t> order = scatter_free_order(static_cast<std::size_t>(count));
+    std::vector<void*> live(2 * order.size());
+    auto allocate = [&](void*& p) {
+      p = require(alloc.allocate(k_scatter_bytes, stream), A::k_name, k_scatter_bytes);
+    };
     std::int64_t free_ns = 0;
     std::int64_t alloc_ns = 0;
     for (auto _ : state) {
-      for (void*& p : live) p = require(alloc.allocate(k_scatter_bytes, stream), A::k_name, k_scatter_bytes);
-      std::shuffle(order.begin(), order.end(), rng);
-      for (std::size_t k = 0; k < n; ++k) freed[k] = live[order[k]];
+      for (void*& p : live) allocate(p);
       const std::int64_t t0 = now_ns();
-      for (void* p : freed) alloc.deallocate(p, stream);
+      for (std::size_t k : order) alloc.deallocate(live[k], stream);
       const std::int64_t t1 = now_ns();
-      for (void*& p : freed) p = require(alloc.allocate(k_scatter_bytes, stream), A::k_name, k_scatter_bytes);
+      for (std::size_t k : order) allocate(live[k]);
       const std::int64_t t2 = now_ns();
       free_ns += t1 - t0;
       alloc_ns += t2 - t1;
       state.SetIterationTime(static_cast<double>(t2 - t0) * 1e-9);
-      for (std::size_t k = 0; k < live.size(); k += 2) alloc.deallocate(live[k], stream);
-      for (void* p : freed) alloc.deallocate(p, stream);
+      for (void* p : live) alloc.deallocate(p, stream);
     }
     alloc.synchronize();
-    const double ops = static_cast<double>(state.iterations()) * static_cast<double>(n);
-    state.counters["frees"] = static_cast<double>(n);
+    const double ops = static_cast<double>(state.iterations()) * static_cast<double>(order.size());
     state.counters["ns_per_free"] = per(free_ns, ops);
     state.counters["ns_per_alloc"] = per(alloc_ns, ops);
     alloc.add_counters(state);
@@ -840,6 +830,10 @@ template <class A>
 constexpr allocator_entry entry_of() {
   return {register_pairs<A>, register_churn<A>, register_threads<A>, register_scatter<A>};
 }
+template <class A>
+constexpr allocator_entry pairs_only() {
+  return {register_pairs<A>, [] {}, [] {}, [] {}};
+}
 
 /// Loads the c10 peer shim with the PYTORCH_CUDA_ALLOC_CONF string of $CUCACHE_C10_CONF ("" =
 /// c10's defaults) and records where it came from in the JSON context. Returns "" on success,
@@ -871,14 +865,15 @@ int run(int argc, char** argv) {
       allocators.push_back(entry_of<cucache_alloc<true>>());
       allocators.push_back(entry_of<cucache_alloc<true, true>>());
       // The captures-announced mode changes the allocation's stream queries only: pairs.
-      allocators.push_back({register_pairs<cucache_alloc<true, false, true>>, [] {}, [] {}, [] {}});
-      allocators.push_back({register_pairs<cucache_alloc<true, true, true>>, [] {}, [] {}, [] {}});
-      allocators.push_back({register_pairs<cucache_alloc<true, false, true, true>>, [] {}, [] {}, [] {}});
-      allocators.push_back({register_pairs<cucache_alloc<true, true, true, true>>, [] {}, [] {}, [] {}});
+      allocators.push_back(pairs_only<cucache_alloc<true, false, true>>());
+      allocators.push_back(pairs_only<cucache_alloc<true, true, true>>());
+      allocators.push_back(pairs_only<cucache_alloc<true, false, true, true>>());
+      allocators.push_back(pairs_only<cucache_alloc<true, true, true, true>>());
       register_stream_queries();
       // No scatter case for cudaMalloc: nothing cached, so nothing to index.
-      allocators.push_back({register_pairs<cuda_malloc_alloc>, register_churn<cuda_malloc_alloc>,
-                            register_threads<cuda_malloc_alloc>, [] {}});
+      allocator_entry cuda_malloc = entry_of<cuda_malloc_alloc>();
+      cuda_malloc.scatter = [] {};
+      allocators.push_back(cuda_malloc);
       allocators.push_back(entry_of<cuda_malloc_async_alloc>());
       if (const std::string why = load_c10_peer(); why.empty()) {
         allocators.push_back(entry_of<c10_alloc>());

@@ -1,5 +1,5 @@
 // The churn sequences of cucache-bench and cucache-fastpath: precomputed, so that no random
-// numbers are drawn while timing, and the same on every platform (SplitMix64).
+// numbers are drawn while timing, and the same on every platform (splitmix64.hpp).
 #pragma once
 
 #include <algorithm>
@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "splitmix64.hpp"
 
 namespace cucache::bench {
 
@@ -19,22 +21,6 @@ struct churn_plan {
   };
   std::vector<std::uint32_t> initial;  // sizes of the first `live` blocks
   std::vector<op> ops;                 // a power-of-two count, replayed cyclically
-};
-
-/// SplitMix64: a tiny, well-mixed generator whose sequence is the same on every platform.
-class splitmix64 {
- public:
-  explicit splitmix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-  }
-  double uniform() noexcept { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
-
- private:
-  std::uint64_t state_;
 };
 
 inline churn_plan make_churn_plan(std::size_t live, std::size_t min_bytes, std::size_t max_bytes,

@@ -12,7 +12,7 @@
 //   churn_large N        N churn operations, 1000 live blocks of 512 B-32 MiB
 //   threads T N          T threads, each on its own stream, N 64 KiB pairs each
 //   threads_one T N      T threads all on one stream, N 64 KiB pairs each
-//   scatter BYTES N      2N blocks of BYTES live, then every other one freed in a seeded random
+//   scatter BYTES N      2N blocks of BYTES live, then every other one freed in scatter_plan.hpp's
 //                        order (N frees, each between live blocks: N free blocks of one size in
 //                        one bin of the free index), then allocated again; prints ns per free
 //                        (the measured loop) and per allocation
@@ -28,7 +28,6 @@
 #include <cstring>
 #include <exception>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,6 +37,7 @@
 #include "cucache/device_allocator.hpp"
 #include "cucache/sim_backend.hpp"
 #include "cucache/stats.hpp"
+#include "scatter_plan.hpp"
 
 namespace {
 
@@ -153,20 +153,20 @@ int main(int argc, char** argv) {
     } else if (what == "scatter") {
       const auto bytes = static_cast<std::size_t>(num(512));
       n = num(100000);
-      std::vector<void*> live(2 * static_cast<std::size_t>(n));
+      const std::vector<std::size_t> order =
+          cucache::bench::scatter_free_order(static_cast<std::size_t>(n));
+      std::vector<void*> live(2 * order.size());
       for (void*& p : live) p = a.allocate(bytes, s);
       std::vector<void*> freed;
-      for (std::size_t k = 1; k < live.size(); k += 2) freed.push_back(live[k]);
-      std::shuffle(freed.begin(), freed.end(), std::mt19937_64(1));
+      for (std::size_t k : order) freed.push_back(live[k]);
       const std::int64_t t0 = now_ns();
       measured_loop_scatter(a, freed);
       per = static_cast<double>(now_ns() - t0) / static_cast<double>(n);
       const std::int64_t t1 = now_ns();
-      for (void*& p : freed) p = a.allocate(bytes, s);
+      for (std::size_t k : order) live[k] = a.allocate(bytes, s);
       std::printf("scatter: %.1f ns per allocation after the frees\n",
                   static_cast<double>(now_ns() - t1) / static_cast<double>(n));
-      for (std::size_t k = 0; k < live.size(); k += 2) a.deallocate(live[k]);
-      for (void* p : freed) a.deallocate(p);
+      for (void* p : live) a.deallocate(p);
     } else if (what == "threads" || what == "threads_one") {
       const int t = static_cast<int>(num(8));
       n = num(100000);

@@ -38,6 +38,7 @@
 #include "allocator/graph_pools.hpp"
 #include "allocator/hot.hpp"
 #include "allocator/pager.hpp"
+#include "allocator/placement.hpp"
 #include "allocator/pool_table.hpp"
 #include "allocator/stats_ledger.hpp"
 #include "allocator/stream_id_cache.hpp"
@@ -105,9 +106,10 @@ struct device_allocator::impl {
       REQUIRES(p.mu);
   /// What the out-of-memory ladder gives back besides pending frees and settled graph pools.
   enum class ladder_release : bool { free_segments, idle_pages };
-  /// The out-of-memory ladder, one rung: unlocks p (held by lk; p keeps its stream meanwhile), waits for every pending free,
-  /// settles released graph pools and gives back what `what` names from every pool (unless a
-  /// capture forbids synchronizing the device), and locks p again. The caller retries once.
+  /// The out-of-memory ladder, one rung: unlocks p (held by lk; p keeps its stream meanwhile),
+  /// waits for every pending free, settles released graph pools and gives back what `what` names
+  /// from every pool (unless a capture forbids synchronizing the device), and locks p again. The
+  /// caller retries once.
   void run_ladder(detail::stream_pool& p, detail::pool_lock& lk, ladder_release what)
       REQUIRES(p.mu);
 
@@ -118,7 +120,17 @@ struct device_allocator::impl {
   /// Expandable mode: where a request of `rounded` bytes of `kind` goes in p -- the placement
   /// rule's free block of p's ranges, else the one free block of a new range of p that holds it
   /// (pager::next_range_bytes). nullptr when the address space has no room for that range.
-  detail::block* place_or_grow(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded)
+  /// Inline: the usual case is the allocation's fast path; the growth is out of line.
+  CUCACHE_HOT detail::block* place_or_grow(detail::stream_pool& p, detail::pool_kind kind,
+                                           std::size_t rounded) REQUIRES(p.mu) {
+    if (detail::block* b = detail::place_in_range(p.index_of(kind), rounded)) [[likely]]
+      return b;
+    return grow_and_place(p, kind, rounded);
+  }
+  /// place_or_grow's miss: a new range of p that holds `rounded` bytes of `kind`, and the
+  /// placement rule's block in it (its one free block). nullptr when the address space has no
+  /// room for that range. REQUIRES: no free block of p's ranges of `kind` holds the request.
+  detail::block* grow_and_place(detail::stream_pool& p, detail::pool_kind kind, std::size_t rounded)
       REQUIRES(p.mu);
   /// A new virtual range of p for `kind` that holds `need` bytes, its one block free and
   /// indexed; nullptr when the address space has no room.

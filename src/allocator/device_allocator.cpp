@@ -633,10 +633,7 @@ segment* device_allocator::impl::add_range(stream_pool& p, pool_kind kind, std::
   return s;
 }
 
-block* device_allocator::impl::place_or_grow(stream_pool& p, pool_kind kind,
-                                             std::size_t rounded) {
-  if (block* b = detail::place_in_range(p.index_of(kind), rounded)) [[likely]]
-    return b;
+block* device_allocator::impl::grow_and_place(stream_pool& p, pool_kind kind, std::size_t rounded) {
   // No free block of p's ranges holds it (no range yet, or holes too small): a new range, whose
   // one free block the placement rule then finds.
   if (add_range(p, kind, rounded) == nullptr) return nullptr;
@@ -672,11 +669,9 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
     // (which throws; the caller's lock is released as the exception leaves).
     if (attempt > 0 && p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]]
       sleeper.refuse_if_asleep(p, nullptr, "allocate");
-    // place_or_grow's usual case inline (a call each for it and carve cost the expandable pair
-    // about 40 instructions of prologues).
-    block* b = detail::place_in_range(p.index_of(kind), rounded);
-    if (b == nullptr) [[unlikely]]
-      b = place_or_grow(p, kind, rounded);
+    // place_or_grow and carve_inline are inline: a call each cost the expandable pair about 50
+    // instructions of prologues.
+    block* b = place_or_grow(p, kind, rounded);
     no_address_space = b == nullptr;
     if (b == nullptr) {  // the process's address space has no room for a range that holds it
       if (attempt == 1) break;

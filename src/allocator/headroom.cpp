@@ -133,10 +133,10 @@ std::size_t device_allocator::impl::max_allocatable(stream_handle stream) {
   const std::size_t cap_all = limit != 0 ? std::min(device_total, limit) : device_total;
   for (pool_kind kind : {pool_kind::small, pool_kind::large}) {
     // The pages a request of `bytes` placed at `addr` of hole h needs: those its carve touches
-    // anew, asked of the rule the carve (pager::touch_carved) uses, less the idle pages of straddled
-    // chunks among them, which it uses in place (such a chunk holds a page a block touches, so it
-    // meets a hole that starts at addr only at the request's first or last page); a new range's
-    // one block (h == nullptr) shares no page.
+    // anew, asked of the rule the carve (pager::touch_carved) uses, less the idle pages of
+    // straddled chunks among them, which it uses in place (such a chunk holds a page a block
+    // touches, so it meets a hole that starts at addr only at the request's first or last page); a
+    // new range's one block (h == nullptr) shares no page.
     auto needed = [&](const block* h, std::uintptr_t addr, std::size_t bytes) {
       if (h == nullptr) return detail::round_up(bytes, page_bytes);
       const detail::vm_range& r = *h->seg->vm;

@@ -215,8 +215,9 @@ class pager {
   /// The pages [first, last] of a span carved from a free block that the carve touches anew: all
   /// of them but an edge page that another block touches already (`first_touched`,
   /// `last_touched`: its edge count is nonzero; a page strictly inside a free block's span is
-  /// touched by no block). touch_carved asks it whether a carve may leave the idle runs alone (0 new
-  /// pages), and headroom (max_allocatable) counts with it what a request placed in a hole needs.
+  /// touched by no block). touch_carved asks it whether a carve may leave the idle runs alone
+  /// (0 new pages), and headroom (max_allocatable) counts with it what a request placed in a hole
+  /// needs.
   [[nodiscard]] static constexpr std::size_t fresh_pages(std::size_t first, std::size_t last,
                                                          bool first_touched,
                                                          bool last_touched) noexcept {
