@@ -6,7 +6,8 @@
 #   tools/gpu_pair_ab.sh OLD_BIN_DIR NEW_BIN_DIR
 # Each BIN_DIR holds cucache-bench and libbenchmark beside it (tools/gpu_stage.sh). Environment:
 # ROUNDS (default 6), CPU (default 5), FILTER (cucache-bench's --benchmark_filter; default the
-# pair and pair_legacy cases of cucache's four settings at 512 B, 64 KiB and 1 MiB).
+# pair and pair_legacy cases of cucache's four settings at 512 B, 64 KiB and 1 MiB). A case that
+# only one build has (a setting added since) is printed with that build's figures alone.
 set -euo pipefail
 old=${1:?OLD_BIN_DIR}; new=${2:?NEW_BIN_DIR}
 rounds=${ROUNDS:-6}; cpu=${CPU:-5}
@@ -31,8 +32,10 @@ for f in glob.glob(os.path.join(sys.argv[1], "*.json")):
             d[(b["run_name"], v)].append(b["real_time"])
 for name in sorted({k[0] for k in d}):
     o, n = d[(name, "old")], d[(name, "new")]
+    fig = lambda x: "%6.1f [%.0f-%.0f]" % (statistics.median(x), min(x), max(x))
     if o and n:
-        print("%-52s old %6.1f [%.0f-%.0f]  new %6.1f [%.0f-%.0f]  new/old %.2f" % (
-            name, statistics.median(o), min(o), max(o), statistics.median(n), min(n), max(n),
-            statistics.median(n) / statistics.median(o)))
+        print("%-52s old %s  new %s  new/old %.2f" % (
+            name, fig(o), fig(n), statistics.median(n) / statistics.median(o)))
+    else:
+        print("%-52s %s %s  (only this build has it)" % (name, "old" if o else "new", fig(o or n)))
 PY
