@@ -149,9 +149,12 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
                          r.base, mapped_pages, no_access, r.mapped_pages, r.no_access_pages));
   }
   std::size_t prev_end = 0;
-  for (const auto& [first, u] : r.idle_runs) {
-    if (u->range != &r || u->first != first || u->end <= u->first || u->first < prev_end ||
-        u->end > r.page_count) {
+  std::size_t idle_runs_seen = 0;
+  r.idle_runs.for_each([&](const detail::idle_run* u) {
+    ++idle_runs_seen;
+    const std::size_t first = u->first;
+    if (u->range != &r || u->end <= u->first || u->first < prev_end || u->end > r.page_count ||
+        r.idle_runs.holding(u->end - 1) != u) {
       violated(
           fmt::format("range {:#x}: idle run at page {} is malformed or overlaps", r.base, first));
     }
@@ -163,6 +166,10 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
       violated(fmt::format("range {:#x}: idle runs not owned by pool {}", r.base, p.index));
     }
     prev_end = u->end;
+  });
+  if (idle_runs_seen != r.idle_runs.size()) {
+    violated(fmt::format("range {:#x}: {} idle runs indexed, {} counted", r.base,
+                         r.idle_runs.size(), idle_runs_seen));
   }
   // The parked span (the pool's most recently idle pages, outside the runs): named by the pool
   // exactly when not empty, mapped, disjoint from every idle run.
@@ -180,11 +187,8 @@ void check_range(const detail::stream_pool& p, const segment& s, std::int64_t& r
                       "owned by pool {}",
                       r.base, r.parked_first, r.parked_end, p.index));
     }
-    auto it = r.idle_runs.lower_bound(r.parked_first);
-    const bool overlaps_next = it != r.idle_runs.end() && it->first < r.parked_end;
-    const bool overlaps_prev =
-        it != r.idle_runs.begin() && std::prev(it)->second->end > r.parked_first;
-    if (overlaps_next || overlaps_prev) {
+    const detail::idle_run* met = r.idle_runs.first_meeting(r.parked_first);
+    if (met != nullptr && met->first < r.parked_end) {
       violated(fmt::format("range {:#x}: parked span [{}, {}) overlaps an idle run", r.base,
                            r.parked_first, r.parked_end));
     }

@@ -78,12 +78,14 @@ void pager::destroy_range(vm_range& r) noexcept {
       owner->set_parked(nullptr);
       r.parked_first = r.parked_end = 0;
     }
-    for (auto& [first, u] : r.idle_runs) {
+    for (idle_run* u = r.idle_runs.front(); u != nullptr;) {
+      idle_run* n = r.idle_runs.next(u);
+      r.idle_runs.erase(u);
       owner->unlink(u);
       owner->sub_idle_bytes(u->pages() * page_bytes_);
       owner->recycle_run(u);
+      u = n;
     }
-    r.idle_runs.clear();
   }
   r.pages.for_each([&](std::size_t pg, const vm_page& e) {
     if (e.chunk_index != 0) return;  // a chunk is unmapped and released at its first page
@@ -164,7 +166,7 @@ void pager::link_run(stream_pool& p, vm_range& r, std::size_t first, std::size_t
   idle_run* u = p.pages.make_run();
   u->first = first;
   try {
-    r.insert_idle_run(u);
+    r.idle_runs.insert(u);
   } catch (...) {
     p.pages.recycle_run(u);
     throw;
@@ -212,23 +214,21 @@ void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::siz
     if (take_parked(p, r, first, last)) return;
     unpark(p);  // a split of the span, or pages beyond it: the runs' general path
   }
-  auto it = r.idle_runs.end();
-  if (const idle_run* h = p.pages.idle_head();
+  idle_run* u = nullptr;
+  if (idle_run* h = p.pages.idle_head();
       h != nullptr && h->range == &r && h->first <= first && h->end > last) {
-    it = h->pos;  // the most recently idle run holds the span (a loop's carve): the only one
+    u = h;  // the most recently idle run holds the span (a loop's carve): the only one
   } else {
-    it = r.idle_runs.upper_bound(first);
-    if (it != r.idle_runs.begin() && std::prev(it)->second->end > first) --it;
+    u = r.idle_runs.first_meeting(first);
   }
-  while (it != r.idle_runs.end() && it->first <= last) {
-    idle_run* u = it->second;
+  while (u != nullptr && u->first <= last) {
     if (u->first < first && u->end > last + 1) {
       // [first, last] inside u: u keeps its lower part, a run of the upper part goes just newer
       // than it (the upper pages went idle after the lower ones, before every newer run's).
       idle_run* hi = p.pages.make_run();
       hi->first = last + 1;
       try {
-        r.insert_idle_run(hi);
+        r.idle_runs.insert(hi);
       } catch (...) {
         p.pages.recycle_run(hi);
         throw;
@@ -244,19 +244,21 @@ void pager::idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::siz
     if (u->first < first) {  // u's upper part
       add_idle_bytes(p, u->end - first, false);
       u->end = first;
-      ++it;
+      u = r.idle_runs.next(u);
       continue;
     }
     if (u->end > last + 1) {  // u's lower part: u starts after last now
-      add_idle_bytes(p, last + 1 - u->first, false);
-      u->first = last + 1;
-      r.rekey_idle_run(u);
+      const std::size_t taken = last + 1 - u->first;
+      r.idle_runs.move_first(u, last + 1);  // may throw: nothing changed
+      add_idle_bytes(p, taken, false);
       return;
     }
     add_idle_bytes(p, u->pages(), false);  // all of u
     list_unlink(p, u);
-    it = r.erase_idle_run(it);
+    idle_run* n = r.idle_runs.next(u);
+    r.idle_runs.erase(u);
     p.pages.recycle_run(u);
+    u = n;
   }
 }
 
@@ -1028,7 +1030,7 @@ void pager::check_invariants(const stream_pool& p) const {
   for (const segment* s : pp.ranges()) {
     const vm_range& r = *s->vm;
     runs_seen += r.idle_runs.size();
-    for (const auto& [first, u] : r.idle_runs) pages_seen += u->pages();
+    r.idle_runs.for_each([&](const idle_run* u) { pages_seen += u->pages(); });
     pages_seen += r.parked_end - r.parked_first;
   }
   // The idle list: every idle run of the pool's ranges once, linked both ways, epochs never
@@ -1042,8 +1044,7 @@ void pager::check_invariants(const stream_pool& p) const {
     if (last != nullptr && u->epoch > last->epoch) {
       violated(fmt::format("pool {}: an older idle run has a later epoch", p.index));
     }
-    auto it = u->range->idle_runs.find(u->first);
-    if (it == u->range->idle_runs.end() || it->second != u || u->range->idle_owner != &pp) {
+    if (u->range->idle_runs.at(u->first) != u || u->range->idle_owner != &pp) {
       violated(fmt::format("pool {}: a listed idle run is not in its range's table", p.index));
     }
     last = u;

@@ -10,22 +10,23 @@
 // Nothing is per page of a block: blocks are disjoint, so a page strictly inside a block is
 // touched by that block alone, and only a block's first and last pages can be shared with a
 // neighbour. Carving a block takes its span out of the idle runs; freeing it makes the mapped
-// pages of its span idle, as one run (less an edge page a neighbour still touches). With the runs
-// in ordered maps, a cache hit (every page mapped) costs O(log runs), whatever the block's size.
+// pages of its span idle, as one run (less an edge page a neighbour still touches). The mapped
+// runs are in an ordered map (they change only when pages are mapped or unmapped), the idle runs
+// in a run_index (bit scans, core/run_index.hpp): a cache hit (every page mapped) costs a few
+// lookups, whatever the block's size.
 // Host memory follows what is mapped or used: the per-page tables allocate a chunk of 512 pages
 // (1 GiB of a 2 MiB-page range) on first use and free it when it empties.
 #pragma once
 
-#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <map>
-#include <memory>
-#include <vector>
 
+#include "core/run_index.hpp"
 #include "core/size_policy.hpp"
+#include "core/sparse_page_table.hpp"
 #include "cucache/backend.hpp"
 
 namespace cucache::detail {
@@ -44,88 +45,7 @@ struct idle_run {
   std::uint64_t epoch = 0;       // device synchronizations started when it went idle
   idle_run* newer = nullptr;     // toward the list's head (most recently idle)
   idle_run* older = nullptr;     // toward the list's tail (least recently idle)
-  std::map<std::size_t, idle_run*>::iterator pos;  // its entry in range->idle_runs
   [[nodiscard]] std::size_t pages() const noexcept { return end - first; }
-};
-
-/// A table indexed by page that holds storage only for the chunks of 512 pages in which some
-/// entry differs from T{}; an entry read where no chunk is allocated is T{}. O(1) access.
-template <class T>
-class sparse_page_table {
- public:
-  static constexpr std::size_t k_chunk = 512;
-  explicit sparse_page_table(std::size_t pages = 0) : dir_((pages + k_chunk - 1) / k_chunk) {}
-  [[nodiscard]] T get(std::size_t pg) const noexcept {
-    const chunk* c = dir_[pg / k_chunk].get();
-    return c != nullptr ? c->v[pg % k_chunk] : T{};
-  }
-  /// Sets the entry of pg to v (T{} erases it). Inline, with the allocation and the freeing of
-  /// a chunk out of line: the pager sets two edge counts at every carve and free
-  /// (cucache-pair-count). An emptied chunk stays where it is as the one spare, so that a block
-  /// carved and freed alone in its chunk in a loop neither allocates nor calls anything; when
-  /// another chunk empties or needs storage, the spare moves there or is freed.
-  [[gnu::always_inline]] void set(std::size_t pg, const T& v) {
-    const std::size_t i = pg / k_chunk;
-    chunk* c = dir_[i].get();
-    const bool empty = v == T{};
-    if (c == nullptr) [[unlikely]] {
-      if (empty) return;
-      c = make_chunk(i);
-    }
-    T& slot = c->v[pg % k_chunk];
-    const bool was_empty = slot == T{};
-    slot = v;
-    if (was_empty == empty) return;
-    if (!empty) {
-      ++c->used;
-    } else if (--c->used == 0 && i != spare_at_) [[unlikely]] {
-      keep_as_spare(i);
-    }
-  }
-  /// Chunks allocated now, the spare included (host memory: chunks x sizeof(T) x 512).
-  [[nodiscard]] std::size_t chunks() const noexcept {
-    std::size_t n = 0;
-    for (const auto& c : dir_) n += c != nullptr;
-    return n;
-  }
-  /// f(page, entry) for every entry that is not T{}, in page order.
-  template <class F>
-  void for_each(F&& f) const {
-    for (std::size_t i = 0; i < dir_.size(); ++i) {
-      if (dir_[i] == nullptr || dir_[i]->used == 0) continue;
-      for (std::size_t j = 0; j < k_chunk; ++j) {
-        if (!(dir_[i]->v[j] == T{})) f(i * k_chunk + j, dir_[i]->v[j]);
-      }
-    }
-  }
-
- private:
-  struct chunk {
-    std::array<T, k_chunk> v{};
-    std::size_t used = 0;  // entries that are not T{}
-  };
-  std::vector<std::unique_ptr<chunk>> dir_;
-  static constexpr std::size_t k_no_spare = ~std::size_t{0};
-  /// The chunk of dir_ that emptied last, left in place (the one spare), or k_no_spare. It may
-  /// have been filled again since: a spare is one whose `used` is 0.
-  std::size_t spare_at_ = k_no_spare;
-
-  [[nodiscard]] chunk* spare() const noexcept {
-    if (spare_at_ == k_no_spare) return nullptr;
-    chunk* c = dir_[spare_at_].get();
-    return c != nullptr && c->used == 0 ? c : nullptr;
-  }
-  /// dir_[i], empty until now, gets a chunk: the spare, moved, else a new one.
-  [[gnu::noinline]] chunk* make_chunk(std::size_t i) {
-    dir_[i] = spare() != nullptr ? std::move(dir_[spare_at_]) : std::make_unique<chunk>();
-    spare_at_ = k_no_spare;
-    return dir_[i].get();
-  }
-  /// dir_[i] emptied: it becomes the spare; an earlier spare still empty is freed.
-  [[gnu::noinline]] void keep_as_spare(std::size_t i) noexcept {
-    if (spare() != nullptr) dir_[spare_at_].reset();
-    spare_at_ = i;
-  }
 };
 
 /// A mapped page: its handle and whether cuMemSetAccess was done on it. A page of a chunk (a
@@ -162,11 +82,7 @@ struct vm_range {
   /// inside its span.
   sparse_page_table<std::uint32_t> edge_use;
   std::map<std::size_t, std::size_t> mapped_runs;  // maximal runs of mapped pages: first -> end
-  std::map<std::size_t, idle_run*> idle_runs;      // the idle runs of this range, by first page
-  /// Nodes of idle_runs erased and kept for the next insert (at most k_spare_nodes): a cache-hit
-  /// alloc+free pair takes a run out and puts one back, and allocates nothing.
-  std::vector<std::map<std::size_t, idle_run*>::node_type> spare_nodes;
-  static constexpr std::size_t k_spare_nodes = 8;
+  run_index<idle_run> idle_runs;                   // the idle runs of this range, by first page
   pool_pages* idle_owner = nullptr;  // the pool's pages whose idle list holds these idle runs
   /// The pool's parked span, when pool_pages::parked names this range: idle pages
   /// [parked_first, parked_end) that went idle after every run of the idle list, kept out of
@@ -190,9 +106,8 @@ struct vm_range {
         page_count(bytes / page),
         page_shift(std::has_single_bit(page) ? static_cast<unsigned>(std::countr_zero(page)) : 0),
         pages(bytes / page),
-        edge_use(bytes / page) {
-    spare_nodes.reserve(k_spare_nodes);
-  }
+        edge_use(bytes / page),
+        idle_runs(bytes / page) {}
 
   /// True when [addr, addr + bytes) is a non-empty span inside the range, computed without
   /// overflow: page_of(addr) and page_of(addr + bytes - 1) are then valid page table indices.
@@ -246,7 +161,7 @@ struct vm_range {
     const bool cut_z = !same && cut(last, z);
     return (cut_a ? 1 : 0) + (cut_z ? 1 : 0);
   }
-  /// Every page of [first, end) is idle. O(pages x log runs).
+  /// Every page of [first, end) is idle. O(pages).
   [[nodiscard]] bool all_idle(page_span s) const {
     for (std::size_t pg = s.first; pg < s.end; ++pg) {
       if (!idle(pg)) return false;
@@ -255,7 +170,7 @@ struct vm_range {
   }
   /// The idle pages of [first, end) of mapping m when m is a chunk that is not idle as a whole
   /// (straddled: a block touches part of it), else 0: mapped memory that no unmap gives back
-  /// until the whole chunk is idle. O(pages of m x log runs).
+  /// until the whole chunk is idle. O(pages of m).
   [[nodiscard]] std::size_t straddled_idle_pages(page_span m, std::size_t first,
                                                  std::size_t end) const {
     if (m.pages() == 1) return 0;
@@ -269,20 +184,19 @@ struct vm_range {
     return idle_n == m.pages() ? 0 : n;
   }
   /// The latest epoch of the idle pages of [first, end) (their idle runs and the parked span):
-  /// the epoch after which a synchronization covers all of them. O(log runs + runs met).
+  /// the epoch after which a synchronization covers all of them. O(runs met).
   [[nodiscard]] std::uint64_t idle_epoch(page_span s) const {
     std::uint64_t epoch = 0;
     if (parked_end > s.first && parked_first < s.end) epoch = parked_epoch;
-    auto it = idle_runs.upper_bound(s.first);
-    if (it != idle_runs.begin() && std::prev(it)->second->end > s.first) --it;
-    for (; it != idle_runs.end() && it->first < s.end; ++it) {
-      epoch = it->second->epoch > epoch ? it->second->epoch : epoch;
+    for (const idle_run* u = idle_runs.first_meeting(s.first); u != nullptr && u->first < s.end;
+         u = idle_runs.next(u)) {
+      epoch = u->epoch > epoch ? u->epoch : epoch;
     }
     return epoch;
   }
   [[nodiscard]] std::uint32_t edge(std::size_t pg) const noexcept { return edge_use.get(pg); }
 
-  /// The end of the run of mapped pages holding pg, or pg when pg is unmapped. O(log runs).
+  /// The end of the run of mapped pages holding pg, or pg when pg is unmapped. O(log mapped runs).
   [[nodiscard]] std::size_t mapped_run_end(std::size_t pg) const {
     if (hint_valid_ && hint_->first <= pg && hint_->second > pg) return hint_->second;
     auto it = mapped_runs.upper_bound(pg);
@@ -293,42 +207,12 @@ struct vm_range {
     hint_valid_ = true;
     return it->second;
   }
-  /// Inserts the idle run u keyed by its first page, in a spare node when there is one.
-  void insert_idle_run(idle_run* u) {
-    if (spare_nodes.empty()) {
-      u->pos = idle_runs.emplace(u->first, u).first;
-      return;
-    }
-    auto node = std::move(spare_nodes.back());
-    spare_nodes.pop_back();
-    node.key() = u->first;
-    node.mapped() = u;
-    u->pos = idle_runs.insert(std::move(node)).position;
-  }
-  /// Moves u's entry to its (changed) first page. Allocates nothing.
-  void rekey_idle_run(idle_run* u) {
-    auto node = idle_runs.extract(u->pos);
-    node.key() = u->first;
-    u->pos = idle_runs.insert(std::move(node)).position;
-  }
-  /// Erases the entry at it, keeping its node as a spare; returns the next entry.
-  std::map<std::size_t, idle_run*>::iterator erase_idle_run(
-      std::map<std::size_t, idle_run*>::iterator it) {
-    auto next = std::next(it);
-    if (spare_nodes.size() < k_spare_nodes && spare_nodes.size() < spare_nodes.capacity()) {
-      spare_nodes.push_back(idle_runs.extract(it));
-    } else {
-      idle_runs.erase(it);
-    }
-    return next;
-  }
-  /// pg is in an idle run or the parked span (mapped, touched by no block). O(log runs).
+  /// pg is in an idle run or the parked span (mapped, touched by no block). O(1) bit scans.
   [[nodiscard]] bool idle(std::size_t pg) const {
     if (pg >= parked_first && pg < parked_end) return true;
-    auto it = idle_runs.upper_bound(pg);
-    return it != idle_runs.begin() && std::prev(it)->second->end > pg;
+    return idle_runs.holding(pg) != nullptr;
   }
-  /// Every page of [first, last] is mapped. O(log runs).
+  /// Every page of [first, last] is mapped. O(log mapped runs).
   [[nodiscard]] bool all_mapped(std::size_t first, std::size_t last) const {
     return mapped_run_end(first) > last;
   }
@@ -343,7 +227,7 @@ struct vm_range {
       if (a < e) f(a, e);
     }
   }
-  /// Unmapped pages of [first, last]. O(log runs + runs crossed).
+  /// Unmapped pages of [first, last]. O(log mapped runs + runs crossed).
   [[nodiscard]] std::size_t unmapped_in(std::size_t first, std::size_t last) const {
     std::size_t mapped_n = 0;
     for_each_mapped_run(first, last, [&](std::size_t a, std::size_t e) { mapped_n += e - a; });

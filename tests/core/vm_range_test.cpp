@@ -35,7 +35,7 @@ struct range_rig {
     u->range = &r;
     u->first = first;
     u->end = end;
-    r.insert_idle_run(u.get());
+    r.idle_runs.insert(u.get());
     runs.push_back(std::move(u));
   }
   [[nodiscard]] std::uintptr_t at(std::size_t page, std::size_t offset = 0) const {
