@@ -34,6 +34,8 @@ namespace cucache::detail {
 template <class Run>
 class run_index {
  public:
+  /// An index of 0 pages (a default-constructed vm_range's): it holds no run, and nothing can
+  /// be inserted into it, since no page lies within [0, 0).
   run_index() = default;
   explicit run_index(std::size_t page_count) : pages_(page_count), at_(page_count) {}
 
@@ -99,14 +101,6 @@ class run_index {
   template <class F>
   void for_each(F&& f) const {
     for (Run* u = front(); u != nullptr; u = next(u)) f(u);
-  }
-  /// Removes every run (the runs themselves are the caller's).
-  void clear() noexcept {
-    for (Run* u = front(); u != nullptr;) {
-      Run* n = next(u);
-      erase(u);
-      u = n;
-    }
   }
 
  private:
