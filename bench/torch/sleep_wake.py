@@ -72,6 +72,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", help="the mode's JSON file")
     ap.add_argument("--compare", metavar="DIR", help="read DIR/{mode}.json and print the verdicts")
+    ap.add_argument("--ran", metavar="MODES",
+                    help="with --compare: the modes that were run, separated by spaces (default all); "
+                         "a mode run without a result fails the verdict, one not run is only reported")
     ap.add_argument("--no-prepare", action="store_true",
                     help="do not pin the trainer's sleep buffer ahead (cucache.prepare_sleep)")
     ap.add_argument("--no-empty-cache", action="store_true",
@@ -506,7 +509,7 @@ def run_mode(args: argparse.Namespace) -> int:
 # --- the verdicts ---------------------------------------------------------------------------------
 
 
-def compare(folder: str) -> int:
+def compare(folder: str, ran: set[str]) -> int:
     def load(mode: str) -> dict[str, Any] | None:
         try:
             with open(os.path.join(folder, f"{mode}.json")) as f:
@@ -523,8 +526,8 @@ def compare(folder: str) -> int:
 
     for m, d in r.items():
         if d is None:
-            lines.append(f"{m}: no result")
-            ok = ok and m == "tms"
+            lines.append(f"{m}: no result" if m in ran else f"{m}: not run")
+            ok = ok and (m == "tms" or m not in ran)
         elif not d.get("ok"):
             lines.append(f"{m}: FAILED: {d.get('error')}")
             ok = ok and m == "tms"
@@ -591,7 +594,8 @@ def compare(folder: str) -> int:
 def main() -> int:
     args = parse()
     if args.compare:
-        return compare(args.compare)
+        modes = ("sleep", "nosleep", "train_alone", "infer_alone", "tms")
+        return compare(args.compare, set(args.ran.split()) if args.ran else set(modes))
     if not args.mode:
         print("sleep_wake.py: --mode or --compare", file=sys.stderr)
         return 2
