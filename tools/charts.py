@@ -30,10 +30,10 @@ import sys
 from pathlib import Path
 
 # What each chart is drawn from: (file under docs/data/charts, the commit measured).
-FIT_EXPANDABLE = ("fit_expandable_1109f22.jsonl", "1109f22")  # cucache + c10, expandable
-FIT_PEERS = ("fit_default_1109f22.jsonl", "1109f22")  # c10 default, cudaMallocAsync
-TORCH_STEPS = ("torch_expandable_1109f22.jsonl", "1109f22")
-BENCH = ("pair_1109f22.json", "1109f22")
+FIT_EXPANDABLE = ("fit_expandable_4eb7b3c.jsonl", "4eb7b3c")  # cucache + c10, expandable
+FIT_PEERS = ("fit_default_4eb7b3c.jsonl", "4eb7b3c")  # c10 default, cudaMallocAsync
+TORCH_STEPS = ("torch_expandable_4eb7b3c.jsonl", "4eb7b3c")
+BENCH = ("pair_4eb7b3c.json", "4eb7b3c")
 GPU = "NVIDIA H200, driver 580.159.04"
 
 COLORS = {"cucache": "#1f77b4", "cucache (default)": "#9ecae1", "PyTorch (default)": "#ff7f0e",
@@ -153,9 +153,13 @@ def pair_time_chart(plt, data_dir, out):
             continue
         _, alloc, size = b["run_name"].split("/")
         stats.setdefault((alloc, size), {})[b["aggregate_name"]] = b["ns_per_pair"]
-    allocs = [("cucache_cuda", "cucache"), ("cucache_cuda_expandable", "cucache (expandable)"),
+    allocs = [("cucache_cuda", "cucache"),
+              ("cucache_cuda_streams_announced", "cucache (captures, destructions announced)"),
+              ("cucache_cuda_expandable", "cucache (expandable)"),
               ("c10", "PyTorch (c10)"), ("cudaMallocAsync", "cudaMallocAsync")]
-    colors = {"cucache": COLORS["cucache"], "cucache (expandable)": "#9ecae1",
+    colors = {"cucache": COLORS["cucache"],
+              "cucache (captures, destructions announced)": "#08519c",
+              "cucache (expandable)": "#9ecae1",
               "PyTorch (c10)": COLORS["PyTorch (default)"],
               "cudaMallocAsync": COLORS["cudaMallocAsync"]}
 
@@ -183,7 +187,7 @@ def pair_time_chart(plt, data_dir, out):
     ax.set_xlabel("request size (a cache hit: the block is reused every time)")
     ax.set_title(f"Cache-hit pair, one thread, {GPU}, at {BENCH[1]}\nbar: median of 3 "
                  "repetitions; whiskers: ± one standard deviation", fontsize=10)
-    ax.legend(frameon=False, ncols=4, loc="upper left", fontsize=9)
+    ax.legend(frameon=False, ncols=3, loc="upper left", fontsize=8)
     save(fig, out / "pair_time.png")
     plt.close(fig)
 
