@@ -13,9 +13,10 @@ all on one NVIDIA H200, driver 580.159.04, PyTorch 2.11.0+cu130):
 - step_time.png: training step time under PyTorch's allocator and under cucache, each the
   median step of three interleaved runs, with the spread of those runs
   (bench/torch/run_workloads.py, expandable segments, H200);
-- pair_time.png: a cache-hit allocate + free pair per request size for cucache, PyTorch's
-  allocator (c10) and cudaMallocAsync (cucache-bench, median of 3 repetitions, spread = standard
-  deviation, H200).
+- pair_time.png: a cache-hit allocate + free pair per request size for cucache (default mode,
+  the same with captures and stream destructions announced, expandable mode), PyTorch's allocator
+  (c10) and cudaMallocAsync (cucache-bench, median of 3 repetitions, spread = standard deviation,
+  H200).
 
 The inputs and the commits they were measured at are the constants below. The files are the
 measurements' own output, cut to what the charts read (pair_*.json: cucache-bench's JSON, only the
