@@ -4,7 +4,8 @@
 # alternating round by round (which goes first alternates too), alone and beside the c10 peer.
 #   tools/gpu_coarse_warm_ab.sh BIN_DIR [TRACE...]   (default: llama1b_train gpt2_generate)
 # Environment: ROUNDS (default 6); BACKEND (default cuda; sim for a dry run of the script here,
-# without the peer). Prints one line per trace, setting and arrangement per round.
+# without the peer). Prints one line per trace, setting and arrangement per round; exit status 0
+# only if every replay exited 0.
 set -uo pipefail
 bin=${1:?bin dir}; shift
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -31,6 +32,7 @@ for l in sys.stdin:
         d["warm"]["vm_calls"]["total"], c10))
 ' "$@"
 }
+status=0
 for ((r = 1; r <= rounds; r++)); do
   order=("8" "0")
   (( r % 2 == 0 )) && order=("0" "8")
@@ -38,7 +40,11 @@ for ((r = 1; r <= rounds; r++)); do
     conf="expandable_segments:True,coarse_handles:$ch"
     for peers in "${arrangements[@]}"; do
       "$bin/cucache-replay" --backend "$backend" --json --warm --config "$conf" --peers "$peers" \
-        "${traces[@]}" 2> /dev/null | show "r$r" "coarse:$ch" | sed "s/\$/ [$peers]/"
+        "${traces[@]}" 2> /dev/null | show "r$r" "coarse:$ch" | sed "s/\$/ [$peers]/" || {
+        status=1
+        echo "r$r coarse:$ch [$peers]: the replay failed" >&2
+      }
     done
   done
 done
+exit $status

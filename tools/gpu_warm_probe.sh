@@ -4,7 +4,8 @@
 # with the c10 peer, the seven bundled traces alone, the seven with c10 -- so that a slowdown due
 # to the peer, or to the traces replayed before in the same process, shows against the others.
 #   tools/gpu_warm_probe.sh BIN_DIR        (BIN_DIR: cucache-replay; the c10 peer is built there)
-# Environment: ROUNDS (default 3), CONF (default expandable_segments:True).
+# Environment: ROUNDS (default 3), CONF (default expandable_segments:True). Exit status 0 only if
+# every replay exited 0.
 set -uo pipefail
 bin=${1:?bin dir}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -33,11 +34,13 @@ for l in sys.stdin:
 ' "$1"
 }
 replay() { "$bin/cucache-replay" --backend cuda --json --warm --config "$conf" "$@" 2> /dev/null; }
+status=0  # (pipefail: a pipeline fails when its replay does)
 for ((r = 1; r <= rounds; r++)); do
   echo "round $r"
-  replay --peers none "$llama" "$dynseq" | show "two alone"
-  replay --peers c10 "$llama" | show "one + c10"
-  replay --peers c10 "$dynseq" | show "one + c10"
-  replay --peers none "${all[@]}" | show "seven alone"
-  replay --peers c10 "${all[@]}" | show "seven + c10"
+  replay --peers none "$llama" "$dynseq" | show "two alone" || status=1
+  replay --peers c10 "$llama" | show "one + c10" || status=1
+  replay --peers c10 "$dynseq" | show "one + c10" || status=1
+  replay --peers none "${all[@]}" | show "seven alone" || status=1
+  replay --peers c10 "${all[@]}" | show "seven + c10" || status=1
 done
+exit $status
