@@ -62,11 +62,12 @@ PRESETS: dict[str, dict[str, int]] = {
                  gen_batch=2, prompt=8, gen=8, max_len=32),
 }
 GB = 1e9
+MODES = ("sleep", "nosleep", "train_alone", "infer_alone", "tms")
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["sleep", "nosleep", "train_alone", "infer_alone", "tms"])
+    ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--size", choices=sorted(PRESETS), default="h200")
     ap.add_argument("--device", default="cuda")
@@ -517,7 +518,7 @@ def compare(folder: str, ran: set[str]) -> int:
         except (OSError, ValueError):
             return None
 
-    r = {m: load(m) for m in ("sleep", "nosleep", "train_alone", "infer_alone", "tms")}
+    r = {m: load(m) for m in MODES}
     lines = []
     ok = True
 
@@ -594,8 +595,7 @@ def compare(folder: str, ran: set[str]) -> int:
 def main() -> int:
     args = parse()
     if args.compare:
-        modes = ("sleep", "nosleep", "train_alone", "infer_alone", "tms")
-        return compare(args.compare, set(args.ran.split()) if args.ran else set(modes))
+        return compare(args.compare, set(args.ran.split()) if args.ran else set(MODES))
     if not args.mode:
         print("sleep_wake.py: --mode or --compare", file=sys.stderr)
         return 2
