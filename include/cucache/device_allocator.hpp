@@ -519,9 +519,8 @@ class device_allocator {
 
   /// Checks every structural invariant (blocks tile segments, no adjacent free blocks, the free
   /// index holds exactly the free blocks, stats equal a recount). Throws std::logic_error naming
-  /// the first violation. For tests; takes all locks and walks everything. REQUIRES: no other
-  /// thread is freeing meanwhile (a free leaves the pointer map before it takes its pool's lock,
-  /// so a concurrent check could see a block in between and report a false violation).
+  /// the first violation. For tests; takes all locks and walks everything, so it may run while
+  /// other threads allocate and free (each changes a pool only under that pool's lock).
   void check_invariants() const;
 
   [[nodiscard]] const config& get_config() const noexcept;

@@ -8,19 +8,20 @@
 //   events  event_cache    CUDA events kept for reuse
 //   sleeper tag_sleeper    sleeping domains, what they keep to wake, and the walk of sleep/wake
 //   graph_vm whole_vm_segments  a sleepable tag's graph memory: whole-VM segments' device steps
-//   blocks  block_map      the pointer map (allocated blocks by address; sharded locks)
+//   directory segment_directory  which pool owns an address (lock-free reads; a leaf mutex)
 //
-// and each pool (stream_pool) owns its segments, free indices, pending frees, statistics and the
-// pager's per-pool state under its own mutex. impl itself holds no lock: it is the allocation
-// story (device_allocator.cpp) and what asks its rules without allocating (headroom.cpp),
-// written in terms of the parts; the error reports (error_report.hpp), the statistics
-// (stats_ledger.hpp) and sleep (tag_sleeper.hpp) are their parts' own.
+// and each pool (stream_pool) owns its segments, its allocated blocks by address (block_map),
+// free indices, pending frees, statistics and the pager's per-pool state under its own mutex.
+// impl itself holds no lock: it is the allocation story (device_allocator.cpp) and what asks its
+// rules without allocating (headroom.cpp), written in terms of the parts; the error reports
+// (error_report.hpp), the statistics (stats_ledger.hpp) and sleep (tag_sleeper.hpp) are their
+// parts' own.
 //
 // Lock order: ledger.readers (statistics readers) -> the pool list (shared) -> stream_pool::mu in
-// index order -> device_budget::mu -> event_cache. block_map shard locks and the graph pools'
-// lock are leaves (the graph pools' is never held while another lock is taken; stream filters run
-// under it and must not call the allocator). The rules are clang thread-safety annotations
-// (REQUIRES, GUARDED_BY; "every pool locked" is detail::every_pool), checked by
+// index order -> device_budget::mu -> event_cache. The segment directory's mutex and the graph
+// pools' lock are leaves (the graph pools' is never held while another lock is taken; stream
+// filters run under it and must not call the allocator). The rules are clang thread-safety
+// annotations (REQUIRES, GUARDED_BY; "every pool locked" is detail::every_pool), checked by
 // tools/check_thread_safety.sh.
 #pragma once
 
@@ -45,7 +46,7 @@
 #include "allocator/stream_pool.hpp"
 #include "allocator/tag_sleeper.hpp"
 #include "allocator/whole_vm_segments.hpp"
-#include "core/block_map.hpp"
+#include "core/segment_directory.hpp"
 #include "core/size_policy.hpp"
 #include "cucache/config.hpp"
 #include "cucache/device_allocator.hpp"
@@ -73,7 +74,7 @@ struct device_allocator::impl {
   /// instructions in default mode).
   CUCACHE_HOT bool deallocate(void* ptr, stream_handle stream, bool ordered);
   /// deallocate's general path (captures, observer, other streams). REQUIRES: b taken out of
-  /// the block map.
+  /// p's block map.
   bool deallocate_locked(detail::stream_pool& p, detail::block* b, void* ptr, stream_handle stream,
                          bool ordered) REQUIRES(p.mu);
   bool record_stream(void* ptr, stream_handle stream);
@@ -141,8 +142,11 @@ struct device_allocator::impl {
   void drop_range(detail::stream_pool& p, detail::segment* s) noexcept REQUIRES(p.mu);
   detail::block* carve(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
                        std::size_t rounded, std::size_t requested) REQUIRES(p.mu);
-  /// Takes a carved block that could not be backed back to free (expandable mode).
+  /// Takes a carved block that could not be backed -- or published -- back to free.
   void undo_carve(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
+  /// An allocation's last step: the carved block b goes into p's block map, where a free finds
+  /// it. Where the map cannot grow (std::bad_alloc), the carve is undone and the error passed on.
+  CUCACHE_HOT void publish(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
   void release_to_free(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
   // carve and release_to_free as the allocation and free paths inline them (the named functions
   // call these, for the other translation units).
@@ -188,8 +192,9 @@ struct device_allocator::impl {
   /// The pool key of created stream `stream` in the captures-announced mode while nothing may be
   /// capturing: its id, with no capture query (cached in stream_ids where its mode is on). Where
   /// the id is refused because the stream is being captured after all (a capture nobody
-  /// announced), throw_if_unannounced's error.
-  std::uint64_t announced_stream_key(stream_handle stream);
+  /// announced), throw_if_unannounced's error. Inline into allocate (a call cost the pair 25
+  /// instructions).
+  CUCACHE_HOT std::uint64_t announced_stream_key(stream_handle stream);
   /// The stream's id asked of the backend; a refusal runs throw_if_unannounced first.
   std::uint64_t asked_stream_id(stream_handle stream);
   /// announced_stream_key where stream destructions are announced too and the thread's entry
@@ -278,7 +283,9 @@ struct device_allocator::impl {
   detail::whole_vm_segments graph_vm{*backend, budget};
   /// The memory fraction in force (set_memory_fraction, else the config's; negative: none set).
   std::atomic<double> memory_fraction{-1.0};
-  detail::block_map blocks;  // the pointer map: allocated blocks by address
+  /// Which pool owns an address: every segment is added with add_segment and removed with
+  /// release_segment or drop_range.
+  detail::segment_directory directory;
   detail::pool_table pools;
   detail::graph_pools graphs;
   detail::event_cache events;

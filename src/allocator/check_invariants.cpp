@@ -236,6 +236,7 @@ struct pool_recount {
 };
 struct device_recount {
   std::size_t allocated_blocks = 0;
+  std::size_t segments = 0;       // every pool's
   std::size_t reserved = 0;       // segments' memory and mapped pages, every pool
   std::size_t address_bytes = 0;  // the address space of every range
   std::map<std::uint32_t, std::size_t> sleeping_pages;  // by domain: pages its blocks touch
@@ -275,8 +276,9 @@ void check_segment_memory(const detail::stream_pool& p, const segment& s,
 }
 
 /// Segment s's blocks tile it in address order, linked both ways, in multiples of 512 B; no two
-/// free blocks are adjacent; a free block is in its free index, an allocated one in the pointer
-/// map with a requested size within its own, a pending one waits on an event. Counted into rc.
+/// free blocks are adjacent; a free block is in its free index, an allocated one in its pool's
+/// block map with a requested size within its own, a pending one waits on an event. Counted into
+/// rc.
 void check_blocks(const detail::stream_pool& p, const segment& s, const detail::block_map& blocks,
                   pool_recount& rc, device_recount& dev) REQUIRES(p.mu) {
   const int k = static_cast<int>(s.kind);
@@ -307,7 +309,7 @@ void check_blocks(const detail::stream_pool& p, const segment& s, const detail::
         break;
       case block_state::allocated:
         if (blocks.find(b->addr) != b) {
-          violated(fmt::format("allocated block {:#x} is not in the pointer map", b->addr));
+          violated(fmt::format("allocated block {:#x} is not in its pool's block map", b->addr));
         }
         if (b->requested == 0 || b->requested > b->size) {
           violated(
@@ -401,13 +403,24 @@ void device_allocator::check_invariants() const {
     dev.address_bytes +=
         p.pages.range_bytes(pool_kind::small) + p.pages.range_bytes(pool_kind::large);
     pool_recount rc;
+    const std::size_t allocated_before = dev.allocated_blocks;
     const segment* prev_seg = nullptr;
     for (const segment* s = p.segments; s != nullptr; s = s->next) {
       if (s->prev != prev_seg) violated(fmt::format("segment {:#x}: broken segment list", s->base));
       prev_seg = s;
       if (s->owner != &p) violated(fmt::format("segment {:#x}: wrong owner", s->base));
+      if (m.directory.owner_of(s->base) != &p ||
+          m.directory.owner_of(s->base + s->size - 1) != &p) {
+        violated(fmt::format("segment {:#x} of pool {}: the segment directory names another owner",
+                             s->base, p.index));
+      }
+      ++dev.segments;
       check_segment_memory(p, *s, m.sleeper, m.pager.get(), m.cfg.expandable_segments, rc, dev);
-      check_blocks(p, *s, m.blocks, rc, dev);
+      check_blocks(p, *s, p.blocks, rc, dev);
+    }
+    if (p.blocks.size() != dev.allocated_blocks - allocated_before) {
+      violated(fmt::format("pool {}: its block map holds {} blocks, {} are allocated", p.index,
+                           p.blocks.size(), dev.allocated_blocks - allocated_before));
     }
     if (rc.pending_events != p.pending.size() + p.retained) {
       violated(
@@ -429,9 +442,9 @@ void device_allocator::check_invariants() const {
     }
     dev.reserved += static_cast<std::size_t>(rc.reserved[0] + rc.reserved[1]);
   }
-  if (m.blocks.size() != dev.allocated_blocks) {
-    violated(fmt::format("pointer map holds {} blocks, {} are allocated", m.blocks.size(),
-                         dev.allocated_blocks));
+  if (m.directory.segments() != dev.segments) {
+    violated(fmt::format("the segment directory holds {} segments, the pools {}",
+                         m.directory.segments(), dev.segments));
   }
   // Each part's own check, against what the walk counted.
   m.sleeper.check_invariants(dev.sleeping_pages, dev.sleeping_graph, m.page_bytes);

@@ -276,9 +276,18 @@ segment* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std
 
 segment* device_allocator::impl::add_segment(stream_pool& p, pool_kind kind, std::uintptr_t base,
                                              std::size_t bytes, detail::vm_range* vm) {
-  // A new segment (or expandable range) of p: one free block covering it, indexed.
+  // A new segment (or expandable range) of p: one free block covering it, indexed. The steps
+  // that may throw come first, so that a failure leaves everything as it was.
   segment* s = p.segment_arena.make();
-  block* b = p.block_arena.make();
+  block* b = nullptr;
+  try {
+    b = p.block_arena.make();
+    directory.add(base, bytes, &p);
+  } catch (...) {
+    if (b != nullptr) p.block_arena.recycle(b);
+    p.segment_arena.recycle(s);
+    throw;
+  }
   s->base = base;
   s->size = bytes;
   s->kind = kind;
@@ -335,6 +344,7 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   if (allocation_observer* o = observer.load(std::memory_order_acquire)) [[unlikely]]
     o->on_segment_free(s->base, s->size, p.stream);
   p.index_of(s->kind).erase(s->first);
+  directory.remove(s->base, s->size);
   p.stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
   p.stats.segment_count.dec(s->kind, 1);
   if (policy.is_oversize(s->size)) --p.stats.oversize_segments;
@@ -368,6 +378,15 @@ block* device_allocator::impl::carve_inline(stream_pool& p, block* b, pool_kind 
                       static_cast<std::int64_t>(requested));
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
   return b;
+}
+
+void device_allocator::impl::publish(stream_pool& p, block* b) {
+  try {
+    p.blocks.insert(b->addr, b);
+  } catch (...) {
+    undo_carve(p, b);
+    throw;
+  }
 }
 
 void device_allocator::impl::release_to_free(stream_pool& p, block* b) {
@@ -642,6 +661,7 @@ block* device_allocator::impl::grow_and_place(stream_pool& p, pool_kind kind, st
 
 void device_allocator::impl::drop_range(stream_pool& p, segment* s) noexcept {
   p.index_of(s->kind).erase(s->first);
+  directory.remove(s->base, s->size);
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
   if (p.segments == s) p.segments = s->next;
@@ -652,9 +672,12 @@ void device_allocator::impl::drop_range(stream_pool& p, segment* s) noexcept {
 }
 
 void device_allocator::impl::undo_carve(stream_pool& p, block* b) {
+  // Every count the carve made, taken back (the oversize one matters where a default-mode
+  // allocation is undone: expandable mode has no oversize blocks).
   const pool_kind kind = b->seg->kind;
   p.stats.on_free(kind, static_cast<std::int64_t>(b->size),
                   static_cast<std::int64_t>(b->requested));
+  if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
   release_to_free(p, b);
 }
@@ -687,7 +710,7 @@ void* device_allocator::impl::allocate_expandable(stream_pool& p, pool_kind kind
       throw;
     }
     if (mapped) {
-      blocks.insert(b->addr, b);
+      publish(p, b);
       return reinterpret_cast<void*>(b->addr);
     }
     undo_carve(p, b);
@@ -770,7 +793,7 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
     throw_oom(bytes, rounded, stream);
   }
   b = carve_inline(p, b, kind, rounded, bytes);
-  blocks.insert(b->addr, b);
+  publish(p, b);
   return reinterpret_cast<void*>(b->addr);
 }
 
@@ -795,7 +818,7 @@ void* device_allocator::impl::allocate_unsplit(stream_pool& p, detail::pool_kind
   b->uses = nullptr;
   p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size), static_cast<std::int64_t>(bytes));
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
-  blocks.insert(b->addr, b);
+  publish(p, b);
   return reinterpret_cast<void*>(b->addr);
 }
 
@@ -810,8 +833,8 @@ CUCACHE_HOT std::uint64_t device_allocator::impl::asked_stream_id(stream_handle 
   }
 }
 
-std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
-  if (stream_ids.on()) [[unlikely]] {
+CUCACHE_HOT std::uint64_t device_allocator::impl::announced_stream_key(stream_handle stream) {
+  if (stream_ids.on()) {
     // Where stream destructions are announced too: the thread's cached id, no driver call.
     if (std::uint64_t id = 0; stream_ids.find(stream, id)) return id;
     return cached_stream_key(stream);
@@ -854,13 +877,16 @@ void device_allocator::impl::throw_if_unannounced(stream_handle stream) {
 bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool ordered) {
   if (ptr == nullptr) return true;
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  block* b = blocks.take(addr);
-  if (b == nullptr) return false;
-  stream_pool& p = *b->seg->owner;
+  // The pool first (the directory's lock-free lookup), then the block under the pool's lock.
+  stream_pool* owner = directory.owner_of(addr);
+  if (owner == nullptr) return false;
+  stream_pool& p = *owner;
   detail::lock_guard lk(p.mu);
+  block* b = p.blocks.take(addr);
+  if (b == nullptr) return false;
   pools.note_change(p);
   if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
-    blocks.insert(addr, b);  // nothing changed
+    p.blocks.insert(addr, b);  // nothing changed (right after the take: no growth, no throw)
     sleeper.refuse_if_asleep(p, ptr, "free");
   }
   // The common free: no capture known, nobody observing, the block used on its own stream only.
@@ -883,7 +909,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
 
 bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* ptr,
                                                stream_handle stream, bool ordered) {
-  // REQUIRES: b taken out of the block map.
+  // REQUIRES: b taken out of p's block map.
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   // A block of a stream pool freed while cucache knows that stream captures: the captured work
   // may use it at every replay, so it is held for that capture's graph pool, not reused.
@@ -896,7 +922,7 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
       try {
         b->uses = new detail::stream_uses;
       } catch (...) {
-        blocks.insert(addr, b);  // nothing changed
+        p.blocks.insert(addr, b);  // nothing changed (right after the take: no throw)
         throw;
       }
     }
@@ -979,24 +1005,27 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
 bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::uint32_t asleep = 0;
-  bool found = blocks.with(addr, [&](block* b) {
-    // A block of a sleeping domain has no memory behind it: refused as a free is, nothing
-    // changed. (The bit read here, under the map's shard lock, is the one sleep set under every
-    // pool lock; the message's label is read below under every pool lock.)
-    if (const std::uint32_t d = b->seg->owner->domain; d != 0 && sleeper.asleep(d)) [[unlikely]] {
-      asleep = d;
-      return;
+  stream_pool* owner = directory.owner_of(addr);
+  if (owner == nullptr) return false;
+  {
+    stream_pool& p = *owner;
+    detail::lock_guard lk(p.mu);
+    block* b = p.blocks.find(addr);
+    if (b == nullptr) return false;
+    if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
+      // A block of a sleeping domain has no memory behind it: refused as a free is, nothing
+      // changed. (The message's label is read below, under every pool lock.)
+      asleep = p.domain;
+    } else if (!pools.names_pool_stream(p, stream)) {
+      // Under the pool's lock: the block cannot be freed meanwhile.
+      if (b->uses == nullptr) b->uses = new detail::stream_uses;
+      auto& rs = b->uses->streams;
+      if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
     }
-    if (pools.names_pool_stream(*b->seg->owner, stream)) return;
-    // Under the map's shard lock only: the block cannot be freed meanwhile, and nothing else
-    // touches its uses while it is allocated.
-    if (b->uses == nullptr) b->uses = new detail::stream_uses;
-    auto& rs = b->uses->streams;
-    if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
-  });
+  }
   if (asleep != 0) [[unlikely]]
     sleeper.refuse_asleep_block(pools, asleep, ptr, "record_stream");
-  return found;
+  return true;
 }
 
 void device_allocator::impl::empty_cache() {
@@ -1352,7 +1381,11 @@ device_backend& device_allocator::backend() const noexcept {
 
 std::size_t device_allocator::allocation_size(const void* ptr) const {
   std::size_t size = 0;
-  impl_->blocks.with(reinterpret_cast<std::uintptr_t>(ptr), [&](block* b) { size = b->size; });
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  if (stream_pool* p = impl_->directory.owner_of(addr)) {
+    detail::lock_guard lk(p->mu);
+    if (const block* b = p->blocks.find(addr)) size = b->size;
+  }
   return size;
 }
 

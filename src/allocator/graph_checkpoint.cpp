@@ -180,7 +180,7 @@ device_allocator::graph_pool_restored device_allocator::restore_graph_pool(
         }
       }
       for (block* b : live) {
-        static_cast<void>(m.blocks.take(b->addr));
+        static_cast<void>(part->blocks.take(b->addr));
         out.freed.push_back(reinterpret_cast<void*>(b->addr));
         told.push_back({{b->addr, b->size, b->requested, part->stream}, true});
         part->stats.on_free(b->seg->kind, static_cast<std::int64_t>(b->size),
@@ -217,7 +217,7 @@ device_allocator::graph_pool_restored device_allocator::restore_graph_pool(
       part->stats.on_allocate(s->kind, static_cast<std::int64_t>(b->size),
                               static_cast<std::int64_t>(b->requested));
       if (m.policy.is_oversize(b->size)) ++part->stats.oversize_allocations;
-      m.blocks.insert(b->addr, b);
+      part->blocks.insert(b->addr, b);
       out.allocated.push_back({b->addr, b->size, b->requested, part->stream});
       told.push_back({out.allocated.back(), false});
     }

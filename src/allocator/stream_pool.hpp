@@ -16,6 +16,7 @@
 #include "allocator/pool_stats.hpp"
 #include "allocator/stats_ledger.hpp"
 #include "core/block.hpp"
+#include "core/block_map.hpp"
 #include "core/free_index.hpp"
 #include "core/vm_range.hpp"
 #include "cucache/backend.hpp"
@@ -116,7 +117,11 @@ class stream_pool {
   pending_frees pending GUARDED_BY(mu);        // freed blocks waiting on events
   pool_stats stats GUARDED_BY(mu);
   std::uint64_t tick GUARDED_BY(mu) = 0;  // free order, for garbage collection
-  // storage of this pool's blocks (the pointer map is impl::blocks)
+  /// The pool's allocated blocks by address (the free path finds the pool through the segment
+  /// directory, impl::directory). Beside what a cache-hit pair writes anyway (tick, the block
+  /// arena), off mu's line, where threads waiting for mu spin.
+  block_map blocks GUARDED_BY(mu);
+  // storage of this pool's blocks and segments
   object_arena<block> block_arena GUARDED_BY(mu);
   object_arena<segment> segment_arena GUARDED_BY(mu);
 

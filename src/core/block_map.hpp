@@ -1,169 +1,108 @@
-// The pointer -> block map of allocated blocks: the free path's only global structure. It is
-// split into shards by address hash, each an open-addressing table (linear probing, backward-shift
-// deletion, no tombstones) under its own spin lock, so threads freeing different pointers rarely
-// meet on one cache line.
+// block_map: one pool's allocated blocks by address -- what a free looks its pointer up in, once
+// the segment directory (segment_directory.hpp) has named the pool. An open-addressing table
+// (linear probing, backward-shift deletion, no tombstones) that is at most a quarter full: a
+// take scans the rest of its run, which at half full made a free's lookup 1.5x dearer on
+// cucache-fastpath churn_large (decision 0030). Not
+// synchronized: the pool's mutex guards it (stream_pool::blocks), the lock the allocation and
+// free paths hold anyway, so a cache-hit pair takes no lock of its own for it
+// (docs/decisions/0030-pool-block-maps.md).
+//
+// Contract: insert(addr, b) with addr not in the map (addr != 0) makes find(addr) and take(addr)
+// return b until take(addr) removes it; find and take of an absent address return nullptr. An
+// empty map holds no storage (a pool that never allocates costs nothing here). insert throws
+// std::bad_alloc only when it grows the table (never right after a take), and then changes
+// nothing.
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <mutex>
-#include <new>
 
-#include "backend/thread_annotations.hpp"
 #include "core/block.hpp"
 
 namespace cucache::detail {
 
-/// A test-and-test-and-set spin lock. Critical sections under it are a few dozen instructions.
-class CAPABILITY("mutex") spin_lock {
- public:
-  [[gnu::always_inline]] void lock() noexcept ACQUIRE() {  // (spin_guard)
-    for (;;) {
-      if (!flag_.exchange(true, std::memory_order_acquire)) return;
-      while (flag_.load(std::memory_order_relaxed)) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-      }
-    }
-  }
-  void unlock() noexcept RELEASE() {
-    flag_.store(false, std::memory_order_release);
-  }
-
- private:
-  std::atomic<bool> flag_{false};
-};
-
-/// lock_guard for spin_lock, always inlined with the lock itself: the allocation and free paths
-/// take a shard lock once per cache hit (cucache-pair-count), and GCC stopped inlining the generic
-/// guard into allocate when it grew by one load (docs/decisions/0019-runtime-size-rules.md).
-class SCOPED_CAPABILITY spin_guard {
- public:
-  [[gnu::always_inline]] explicit spin_guard(spin_lock& m) ACQUIRE(m) : m_(m) { m_.lock(); }
-  [[gnu::always_inline]] ~spin_guard() RELEASE() { m_.unlock(); }
-  spin_guard(const spin_guard&) = delete;
-  spin_guard& operator=(const spin_guard&) = delete;
-
- private:
-  spin_lock& m_;
-};
-
 class block_map {
  public:
-  static constexpr std::size_t k_shards = 64;
-
-  block_map();
+  block_map() noexcept = default;
   ~block_map();
   block_map(const block_map&) = delete;
   block_map& operator=(const block_map&) = delete;
 
-  /// REQUIRES: addr is not in the map.
+  /// REQUIRES: addr != 0 and addr not in the map.
   void insert(std::uintptr_t addr, block* b);
-  /// Removes and returns the block at addr, or nullptr when none is live there.
+  /// Removes and returns the block at addr, or nullptr when none is there.
   [[nodiscard]] block* take(std::uintptr_t addr) noexcept;
-  /// The block at addr, or nullptr. `f(block*)` runs under the shard lock, so the block cannot be
-  /// freed meanwhile; returns f's result, or nullptr-equivalent when absent.
-  template <class F>
-  bool with(std::uintptr_t addr, F&& f) {
-    shard& s = shard_of(addr);
-    lock_guard lock(s.mu);
-    block* b = s.find(addr);
-    if (b == nullptr) return false;
-    f(b);
-    return true;
-  }
+  /// The block at addr, or nullptr.
   [[nodiscard]] block* find(std::uintptr_t addr) const noexcept;
-  [[nodiscard]] std::size_t size() const noexcept;
+  [[nodiscard]] std::size_t size() const noexcept { return used_; }
 
  private:
   struct slot {
     std::uintptr_t key = 0;  // 0 = empty (no block lives at address 0)
     block* value = nullptr;
   };
-  struct alignas(64) shard {
-    spin_lock mu;
-    slot* slots GUARDED_BY(mu) = nullptr;  // allocated by the map's constructor: never null
-    std::size_t mask GUARDED_BY(mu) = 0;   // capacity - 1 (capacity a power of two)
-    std::size_t used GUARDED_BY(mu) = 0;
-    std::size_t grow_at GUARDED_BY(mu) = 0;  // used count at which an insert doubles the table
-    block* find(std::uintptr_t key) const noexcept REQUIRES(mu);
-    void insert(std::uintptr_t key, block* value) REQUIRES(mu);
-    block* take(std::uintptr_t key) noexcept REQUIRES(mu);
-    void grow() REQUIRES(mu);
-  };
-  static std::size_t hash(std::uintptr_t addr) noexcept {
-    // Blocks are 512 B aligned; mix the significant bits (Fibonacci hashing).
-    return static_cast<std::size_t>((addr >> 9) * 0x9E3779B97F4A7C15ULL);
+  /// The one empty slot every map without storage points at: find and take read it (key 0 ends
+  /// their probes), nothing writes it (insert grows first).
+  static slot no_slots_[1];
+  /// A key's home slot (Fibonacci hashing of the 512 B unit; bits 20 and up of the product
+  /// spread the blocks of a segment as well as its top bits do, and cost no variable shift).
+  [[nodiscard]] std::size_t home(std::uintptr_t key) const noexcept {
+    return static_cast<std::size_t>(((key >> 9) * 0x9E3779B97F4A7C15ULL) >> 20) & mask_;
   }
-  shard& shard_of(std::uintptr_t addr) const noexcept { return shards_[hash(addr) >> 58]; }
-  /// A key's home slot in its shard's table (other bits than those that pick the shard).
-  static std::size_t slot_hash(std::uintptr_t key) noexcept {
-    return static_cast<std::size_t>(((key >> 9) * 0xC2B2AE3D27D4EB4FULL) >> 17);
-  }
+  /// Puts `in` (a key not in the map) in its slot. REQUIRES: an empty slot exists.
+  void place(slot in) noexcept;
+  /// Doubles the table (the first: 64 slots), keeping it at most a quarter full.
+  void grow();
 
-  std::unique_ptr<shard[]> shards_;
+  slot* slots_ = no_slots_;
+  std::size_t mask_ = 0;  // capacity - 1 (capacity a power of two)
+  std::size_t used_ = 0;
+  std::size_t grow_at_ = 0;  // used count at which an insert doubles the table
 };
 
-// The free and allocation paths' lookups, inline.
+// The allocation and free paths' steps, inline (cucache-pair-count).
 
-inline block* block_map::shard::find(std::uintptr_t key) const noexcept {
-  for (std::size_t i = block_map::slot_hash(key) & mask;; i = (i + 1) & mask) {
-    if (slots[i].key == key) return slots[i].value;
-    if (slots[i].key == 0) return nullptr;
+inline block* block_map::find(std::uintptr_t key) const noexcept {
+  for (std::size_t i = home(key);; i = (i + 1) & mask_) {
+    if (slots_[i].key == key) return slots_[i].value;
+    if (slots_[i].key == 0) return nullptr;
   }
 }
 
-// always_inline (and insert below): a cache hit publishes its block here (cucache-pair-count).
-[[gnu::always_inline]] inline void block_map::shard::insert(std::uintptr_t key, block* value) {
-  if (used >= grow_at) grow();  // (at most half full after the insert)
-  std::size_t i = block_map::slot_hash(key) & mask;
-  while (slots[i].key != 0) i = (i + 1) & mask;
-  slots[i] = slot{key, value};
-  ++used;
+[[gnu::always_inline]] inline void block_map::insert(std::uintptr_t key, block* value) {
+  if (used_ >= grow_at_) [[unlikely]]
+    grow();  // (at most a quarter full after the insert)
+  place(slot{key, value});
+  ++used_;
 }
 
-inline block* block_map::shard::take(std::uintptr_t key) noexcept {
-  std::size_t i = block_map::slot_hash(key) & mask;
-  while (slots[i].key != key) {
-    if (slots[i].key == 0) return nullptr;
-    i = (i + 1) & mask;
+[[gnu::always_inline]] inline void block_map::place(slot in) noexcept {
+  std::size_t i = home(in.key);
+  while (slots_[i].key != 0) i = (i + 1) & mask_;
+  slots_[i] = in;
+}
+
+[[gnu::always_inline]] inline block* block_map::take(std::uintptr_t key) noexcept {
+  std::size_t i = home(key);
+  while (slots_[i].key != key) {
+    if (slots_[i].key == 0) return nullptr;
+    i = (i + 1) & mask_;
   }
-  block* value = slots[i].value;
+  block* value = slots_[i].value;
   // Backward-shift deletion keeps every probe sequence unbroken without tombstones.
   std::size_t hole = i;
-  for (std::size_t j = (i + 1) & mask; slots[j].key != 0; j = (j + 1) & mask) {
-    const std::size_t home = block_map::slot_hash(slots[j].key) & mask;
+  for (std::size_t j = (i + 1) & mask_; slots_[j].key != 0; j = (j + 1) & mask_) {
+    const std::size_t h = home(slots_[j].key);
     // Move j into the hole unless its home lies cyclically in (hole, j].
-    const bool home_between = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+    const bool home_between = hole <= j ? (hole < h && h <= j) : (hole < h || h <= j);
     if (!home_between) {
-      slots[hole] = slots[j];
+      slots_[hole] = slots_[j];
       hole = j;
     }
   }
-  slots[hole] = slot{};
-  --used;
+  slots_[hole] = slot{};
+  --used_;
   return value;
-}
-
-[[gnu::always_inline]] inline void block_map::insert(std::uintptr_t addr, block* b) {
-  shard& s = shard_of(addr);
-  spin_guard lock(s.mu);
-  s.insert(addr, b);
-}
-
-inline block* block_map::take(std::uintptr_t addr) noexcept {
-  shard& s = shard_of(addr);
-  spin_guard lock(s.mu);
-  return s.take(addr);
-}
-
-inline block* block_map::find(std::uintptr_t addr) const noexcept {
-  shard& s = shard_of(addr);
-  spin_guard lock(s.mu);
-  return s.find(addr);
 }
 
 }  // namespace cucache::detail

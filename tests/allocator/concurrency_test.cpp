@@ -1,5 +1,5 @@
 // Threads on shared and separate streams against one allocator, while another thread takes every
-// pool lock (stats, snapshots) over and over: the pool locks must exclude, and no thread
+// pool lock (stats, snapshots, the invariant check) over and over: the pool locks must exclude, and no thread
 // may hang on a missed wake-up.
 #include <gtest/gtest.h>
 
@@ -20,10 +20,12 @@ TEST(Concurrency, SharedAndSeparateStreamsWithDeviceWideReaders) {
   std::atomic<bool> done{false};
   std::thread reader([&] {
     for (int i = 0; !done.load(); ++i) {
-      // Both take every pool lock. (Not check_invariants: a free takes its block out of the
-      // pointer map before it locks the pool, so a concurrent check can see that window.)
+      // Each takes every pool lock. The invariant check too: a free changes its pool's blocks,
+      // block map and statistics only under the pool's lock (decision 0030), so the check sees
+      // every pool between two operations.
       (void)a.alloc.stats();
       if (i % 64 == 0) (void)a.alloc.snapshot_json();
+      if (i % 16 == 0) a.alloc.check_invariants();
     }
   });
   std::vector<std::thread> workers;
