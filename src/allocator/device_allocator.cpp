@@ -267,7 +267,18 @@ segment* device_allocator::impl::new_segment(stream_pool& p, pool_kind kind, std
     return backend->segment_malloc(bytes);
   });
   if (ptr == nullptr) return nullptr;
-  segment* s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(ptr), bytes, nullptr);
+  segment* s = nullptr;
+  try {
+    s = add_segment(p, kind, reinterpret_cast<std::uintptr_t>(ptr), bytes, nullptr);
+  } catch (...) {
+    // Nothing of it stays (no storage for it, or a backend that handed out memory cucache
+    // holds already): the memory goes back to the device and out of the budget.
+    try {
+      budget.refund(bytes, [&] { backend->segment_free(ptr); });
+    } catch (...) {
+    }
+    throw;
+  }
   p.stats.reserved_bytes.inc(kind, static_cast<std::int64_t>(bytes));
   p.stats.segment_count.inc(kind, 1);
   if (policy.is_oversize(bytes)) ++p.stats.oversize_segments;

@@ -48,10 +48,17 @@ void segment_directory::add(std::uintptr_t base, std::size_t bytes, stream_pool*
   lock_guard lk(mu_);
   // Overlap: the segment before base must end by base, the one at or after base start at end.
   auto next = index_.lower_bound(base);
-  if ((next != index_.end() && next->first < end) ||
-      (next != index_.begin() && std::prev(next)->second.end > base)) {
+  auto hit = index_.end();
+  if (next != index_.end() && next->first < end) {
+    hit = next;
+  } else if (next != index_.begin() && std::prev(next)->second.end > base) {
+    hit = std::prev(next);
+  }
+  if (hit != index_.end()) {
     throw std::invalid_argument(fmt::format(
-        "segment_directory::add: segment {:#x} of {} bytes overlaps a live segment", base, bytes));
+        "segment_directory::add: segment {:#x} of {} bytes overlaps the live segment {:#x} of {} "
+        "bytes: the backend handed out memory it had handed out before and not taken back",
+        base, bytes, hit->first, hit->second.end - hit->first));
   }
   // Storage first (the nodes, the index's node): a failure leaves every answer as it was.
   make_nodes(base, end);

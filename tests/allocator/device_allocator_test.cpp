@@ -7,9 +7,15 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cucache/errors.hpp"
+#include "cucache/forwarding_backend.hpp"
+#include "cucache/sim_backend.hpp"
 #include "support/sim_device.hpp"
 
 namespace cucache::test {
@@ -115,6 +121,59 @@ TEST(OutOfMemory, FailedSegmentFreeLeavesTheAllocatorIntact) {
 }
 
 // --- contents -----------------------------------------------------------------------------------
+
+// A backend that hands out memory it handed out before (its second segment 1 MiB into its first):
+// the allocation that got it fails with an error that says so, that memory goes back to the
+// backend, and nothing else changes -- the first block, the statistics, the next allocation.
+class overlapping_backend : public forwarding_backend {
+ public:
+  using forwarding_backend::forwarding_backend;
+  void* segment_malloc(std::size_t bytes) override {
+    void* p = forwarding_backend::segment_malloc(bytes);
+    if (p == nullptr || ++calls_ != 2) return p;
+    real_ = p;
+    return static_cast<char*>(first_) + MiB;
+  }
+  void segment_free(void* ptr) override {
+    if (ptr == static_cast<char*>(first_) + MiB && real_ != nullptr) {
+      ptr = std::exchange(real_, nullptr);
+      ++bogus_freed_;
+    }
+    forwarding_backend::segment_free(ptr);
+  }
+  void* first_ = nullptr;  // set by the test: the first segment
+  void* real_ = nullptr;   // what the bogus answer stands for
+  int bogus_freed_ = 0;
+
+ private:
+  int calls_ = 0;
+};
+
+TEST(BadBackend, MemoryHandedOutTwiceIsRefusedAndGivenBack) {
+  auto sim = std::make_shared<sim_backend>();
+  auto bad = std::make_shared<overlapping_backend>(sim);
+  device_allocator alloc(bad, config{});
+  void* a = alloc.allocate(MiB);  // a 2 MiB small segment
+  bad->first_ = a;
+  try {
+    (void)alloc.allocate(4 * MiB);  // a large segment: the backend's bogus answer
+    FAIL() << "the overlapping segment was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("overlaps the live segment"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(bad->bogus_freed_, 1);
+  EXPECT_EQ(alloc.stats().reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));
+  EXPECT_EQ(sim->used_bytes(), 2 * MiB);
+  EXPECT_EQ(alloc.allocation_size(a), MiB);
+  alloc.check_invariants();
+  void* b = alloc.allocate(4 * MiB);  // the backend behaves again
+  alloc.check_invariants();
+  alloc.deallocate(b);
+  alloc.deallocate(a);
+  alloc.empty_cache();
+  EXPECT_EQ(sim->used_bytes(), 0u);
+}
 
 TEST(Contents, BlocksAreBackedByDistinctMemory) {
   sim_options o;

@@ -129,10 +129,15 @@ TEST(SegmentDirectory, BadSegmentsAreRefusedWithNothingChanged) {
   EXPECT_THROW(d.add(k_base + 8 * MiB, 0, pool(2)), std::invalid_argument);        // empty
   EXPECT_THROW(d.add(~std::uintptr_t{0} - MiB, 2 * MiB, pool(2)), std::invalid_argument);
   EXPECT_THROW(d.add(k_base + 8 * MiB, MiB, nullptr), std::invalid_argument);
+  EXPECT_THROW(d.add(k_base + 8 * MiB, MiB, reinterpret_cast<stream_pool*>(0x1001)),
+               std::invalid_argument);  // not 4-byte aligned: its low bits are the tags
   try {
     d.add(k_base + 2 * MiB, 4 * MiB, pool(2));
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("overlaps a live segment"), std::string::npos);
+    EXPECT_STREQ(e.what(),
+                 "segment_directory::add: segment 0x400000200000 of 4194304 bytes overlaps the "
+                 "live segment 0x400000000000 of 4194304 bytes: the backend handed out memory it "
+                 "had handed out before and not taken back");
   }
   EXPECT_EQ(d.segments(), 1u);
   EXPECT_EQ(d.owner_of(k_base + 3 * MiB), pool(1));
