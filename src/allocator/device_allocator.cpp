@@ -342,20 +342,27 @@ block* device_allocator::impl::split_off_outline(stream_pool& p, block* b,
 }
 
 void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
-  // REQUIRES: s whole and free. The device call comes first so that a failure leaves
-  // every structure as it was.
-  budget.refund(s->size, [&] {
-    const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
-    if (s->whole_vm) {
-      graph_vm.destroy(*s);  // (never asleep here: whole_free is false while unmapped)
-    } else {
-      backend->segment_free(reinterpret_cast<void*>(s->base));
-    }
-  });
+  // REQUIRES: s whole and free. Out of the directory first: once the device has the memory back,
+  // another pool may get the same addresses and add them. Then the device call, before every
+  // other change, so that a failure leaves every structure as it was (the directory's entry put
+  // back).
+  detail::segment_directory::taken_segment taken = directory.take_out(s->base, s->size);
+  try {
+    budget.refund(s->size, [&] {
+      const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
+      if (s->whole_vm) {
+        graph_vm.destroy(*s);  // (never asleep here: whole_free is false while unmapped)
+      } else {
+        backend->segment_free(reinterpret_cast<void*>(s->base));
+      }
+    });
+  } catch (...) {
+    directory.put_back(std::move(taken));
+    throw;
+  }
   if (allocation_observer* o = observer.load(std::memory_order_acquire)) [[unlikely]]
     o->on_segment_free(s->base, s->size, p.stream);
   p.index_of(s->kind).erase(s->first);
-  directory.remove(s->base, s->size);
   p.stats.reserved_bytes.dec(s->kind, static_cast<std::int64_t>(s->size));
   p.stats.segment_count.dec(s->kind, 1);
   if (policy.is_oversize(s->size)) --p.stats.oversize_segments;

@@ -67,9 +67,25 @@ void segment_directory::add(std::uintptr_t base, std::size_t bytes, stream_pool*
 }
 
 void segment_directory::remove(std::uintptr_t base, std::size_t bytes) noexcept {
+  static_cast<void>(take_out(base, bytes));
+}
+
+segment_directory::taken_segment segment_directory::take_out(std::uintptr_t base,
+                                                             std::size_t bytes) noexcept {
   lock_guard lk(mu_);
-  index_.erase(base);
+  taken_segment t;
+  t.node_ = index_.extract(base);
   fill(base, base + bytes, 0);
+  return t;
+}
+
+void segment_directory::put_back(taken_segment&& t) noexcept {
+  if (t.node_.empty()) return;
+  lock_guard lk(mu_);
+  const std::uintptr_t base = t.node_.key();
+  const span sp = t.node_.mapped();
+  index_.insert(std::move(t.node_));
+  fill(base, sp.end, reinterpret_cast<std::uintptr_t>(sp.owner));
 }
 
 void segment_directory::make_nodes(std::uintptr_t base, std::uintptr_t end) {

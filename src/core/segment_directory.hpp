@@ -41,6 +41,12 @@ namespace cucache::detail {
 class stream_pool;
 
 class segment_directory {
+  /// A live segment in the ordered index (by base).
+  struct span {
+    std::uintptr_t end;
+    stream_pool* owner;
+  };
+
  public:
   static constexpr unsigned k_granule_log2 = 21;  // 2 MiB: the finest entry
   static constexpr unsigned k_node_bits = 9;      // a node: 512 granules (4 KiB)
@@ -59,6 +65,23 @@ class segment_directory {
   void add(std::uintptr_t base, std::size_t bytes, stream_pool* owner);
   /// The live segment at `base` of `bytes` is gone. REQUIRES: added with these values.
   void remove(std::uintptr_t base, std::size_t bytes) noexcept;
+
+  /// A segment taken out before its memory goes back to the device -- once it has, another pool
+  /// may be handed the same addresses and add them -- kept so that put_back can add it again,
+  /// without allocating, if the device refuses the release.
+  class taken_segment {
+   public:
+    taken_segment() = default;
+
+   private:
+    friend class segment_directory;
+    std::map<std::uintptr_t, span>::node_type node_;
+  };
+  /// remove, keeping what put_back needs. REQUIRES: added with these values.
+  [[nodiscard]] taken_segment take_out(std::uintptr_t base, std::size_t bytes) noexcept;
+  /// Adds a segment take_out took out again (its release failed; its addresses were never given
+  /// back, so nothing overlaps it). Never throws: its nodes still exist, its index node is kept.
+  void put_back(taken_segment&& t) noexcept;
   /// See the contract above. Inline: the first step of every free.
   [[nodiscard]] [[gnu::always_inline]] stream_pool* owner_of(std::uintptr_t addr) const noexcept {
     if ((addr >> k_address_bits) == 0) [[likely]] {
@@ -83,10 +106,6 @@ class segment_directory {
   /// child node's address | k_node). 0 is "no segment"; anything else an owner.
   static constexpr std::uintptr_t k_shared = 1;
   static constexpr std::uintptr_t k_node = 2;
-  struct span {
-    std::uintptr_t end;
-    stream_pool* owner;
-  };
   [[gnu::always_inline]] static std::uintptr_t load(const std::uintptr_t& w) noexcept {
     return std::atomic_ref<const std::uintptr_t>(w).load(std::memory_order_acquire);
   }

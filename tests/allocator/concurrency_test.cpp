@@ -4,7 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -101,6 +106,72 @@ TEST(Concurrency, PoolsSharingGranulesFreeWhileSegmentsComeAndGo) {
   a.alloc.check_invariants();
   EXPECT_EQ(a.allocated(), 0);
   a.sim->segment_free(offset);
+}
+
+// A segment's memory goes back to the device under its pool's lock only (release_oversize on a
+// miss): another pool may get the same addresses at once. The observer holds the releasing
+// thread right after the device call until another thread has allocated on another stream --
+// which takes those addresses (the sim hands out the lowest free range) -- so the second
+// segment is added while the first's release is not finished. It must not be refused as an
+// overlap: the directory let go of the first before the device call.
+class wait_at_segment_free : public allocation_observer {
+ public:
+  void on_allocate(const void*, std::size_t, stream_handle) noexcept override {}
+  void on_free(const void*, std::size_t, stream_handle) noexcept override {}
+  void on_failure(std::size_t, stream_handle) noexcept override {}
+  void on_segment_free(std::uintptr_t base, std::size_t, stream_handle) noexcept override {
+    if (armed.exchange(false)) {
+      freed_base = base;
+      std::unique_lock lk(mu);
+      released = true;
+      cv.notify_all();
+      // The other thread's allocation, done (or failed); bounded, so that a regression fails
+      // rather than hangs.
+      cv.wait_for(lk, std::chrono::seconds(10), [&] { return other_done; });
+    }
+  }
+  std::atomic<bool> armed{false};
+  std::atomic<std::uintptr_t> freed_base{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;
+  bool other_done = false;
+};
+
+TEST(Concurrency, AddressesReleasedByOnePoolAreTakenByAnotherWhileTheReleaseFinishes) {
+  auto sim = std::make_shared<sim_backend>();
+  auto obs = std::make_shared<wait_at_segment_free>();
+  device_allocator alloc(sim, parse_config("max_split_size_mb:20"), obs);
+  const stream_handle s1 = stream(1);
+  const stream_handle s2 = stream(2);
+  alloc.deallocate(alloc.allocate(40 * MiB, s1), s1);  // an oversize segment, cached, lowest
+  obs->armed = true;
+  void* other = nullptr;
+  std::string other_error;
+  std::thread second([&] {
+    {
+      std::unique_lock lk(obs->mu);
+      obs->cv.wait(lk, [&] { return obs->released; });
+    }
+    try {
+      other = alloc.allocate(40 * MiB, s2);
+    } catch (const std::exception& e) {
+      other_error = e.what();
+    }
+    std::lock_guard lk(obs->mu);
+    obs->other_done = true;
+    obs->cv.notify_all();
+  });
+  void* big = alloc.allocate(60 * MiB, s1);  // a miss: the oversize segment is released first
+  second.join();
+  EXPECT_EQ(other_error, "");
+  ASSERT_NE(obs->freed_base.load(), 0u);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(other), obs->freed_base.load())
+      << "the other pool did not get the released addresses: the test did not make the race";
+  alloc.check_invariants();
+  alloc.deallocate(other, s2);
+  alloc.deallocate(big, s1);
+  alloc.check_invariants();
 }
 
 }  // namespace

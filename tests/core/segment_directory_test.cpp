@@ -121,6 +121,25 @@ TEST(SegmentDirectory, AHugeRangeTakesCoarseEntriesAndNodesAtItsEdgesOnly) {
   EXPECT_EQ(d.owner_of(base + 300 * GiB), pool(9));
 }
 
+TEST(SegmentDirectory, ASegmentTakenOutComesBackWhole) {
+  // take_out before the device call of a release, put_back when the device refuses it.
+  segment_directory d;
+  d.add(k_base + MiB, 2 * MiB, pool(1));  // shares a granule with pool 2's
+  d.add(k_base + 3 * MiB, 2 * MiB, pool(2));
+  auto t = d.take_out(k_base + MiB, 2 * MiB);
+  EXPECT_EQ(d.segments(), 1u);
+  EXPECT_EQ(d.owner_of(k_base + MiB), nullptr);
+  EXPECT_FALSE(d.shared_granule(k_base + 2 * MiB));
+  EXPECT_EQ(d.owner_of(k_base + 3 * MiB), pool(2));
+  d.put_back(std::move(t));
+  EXPECT_EQ(d.segments(), 2u);
+  EXPECT_EQ(d.owner_of(k_base + MiB), pool(1));
+  EXPECT_EQ(d.owner_of(k_base + 3 * MiB - 512), pool(1));
+  EXPECT_TRUE(d.shared_granule(k_base + 2 * MiB));
+  d.put_back(segment_directory::taken_segment{});  // an empty one: nothing
+  EXPECT_EQ(d.segments(), 2u);
+}
+
 TEST(SegmentDirectory, BadSegmentsAreRefusedWithNothingChanged) {
   segment_directory d;
   d.add(k_base, 4 * MiB, pool(1));
