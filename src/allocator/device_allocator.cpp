@@ -346,7 +346,7 @@ void device_allocator::impl::release_segment(stream_pool& p, segment* s) {
   // another pool may get the same addresses and add them. Then the device call, before every
   // other change, so that a failure leaves every structure as it was (the directory's entry put
   // back).
-  detail::segment_directory::taken_segment taken = directory.take_out(s->base, s->size);
+  detail::segment_directory::taken_segment taken = directory.take_out(s->base);
   try {
     budget.refund(s->size, [&] {
       const detail::nvtx_range range(cfg.nvtx, "cucache: cudaFree");
@@ -679,7 +679,7 @@ block* device_allocator::impl::grow_and_place(stream_pool& p, pool_kind kind, st
 
 void device_allocator::impl::drop_range(stream_pool& p, segment* s) noexcept {
   p.index_of(s->kind).erase(s->first);
-  directory.remove(s->base, s->size);
+  directory.remove(s->base);
   if (s->prev != nullptr) s->prev->next = s->next;
   if (s->next != nullptr) s->next->prev = s->prev;
   if (p.segments == s) p.segments = s->next;
@@ -1021,29 +1021,25 @@ bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* p
 }
 
 bool device_allocator::impl::record_stream(void* ptr, stream_handle stream) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::uint32_t asleep = 0;
-  stream_pool* owner = directory.owner_of(addr);
-  if (owner == nullptr) return false;
-  {
-    stream_pool& p = *owner;
-    detail::lock_guard lk(p.mu);
-    block* b = p.blocks.find(addr);
-    if (b == nullptr) return false;
-    if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
-      // A block of a sleeping domain has no memory behind it: refused as a free is, nothing
-      // changed. (The message's label is read below, under every pool lock.)
-      asleep = p.domain;
-    } else if (!pools.names_pool_stream(p, stream)) {
-      // Under the pool's lock: the block cannot be freed meanwhile.
-      if (b->uses == nullptr) b->uses = new detail::stream_uses;
-      auto& rs = b->uses->streams;
-      if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
-    }
-  }
+  const bool found =
+      with_block(reinterpret_cast<std::uintptr_t>(ptr), [&](stream_pool& p, block* b) {
+        p.mu.assert_held();  // with_block holds it (a lambda: the analysis cannot see that)
+        // A block of a sleeping domain has no memory behind it: refused as a free is, nothing
+        // changed. (The message's label is read below, under every pool lock.)
+        if (p.domain != 0 && sleeper.asleep(p.domain)) [[unlikely]] {
+          asleep = p.domain;
+          return;
+        }
+        if (pools.names_pool_stream(p, stream)) return;
+        // Under the pool's lock: the block cannot be freed meanwhile.
+        if (b->uses == nullptr) b->uses = new detail::stream_uses;
+        auto& rs = b->uses->streams;
+        if (std::find(rs.begin(), rs.end(), stream) == rs.end()) rs.push_back(stream);
+      });
   if (asleep != 0) [[unlikely]]
     sleeper.refuse_asleep_block(pools, asleep, ptr, "record_stream");
-  return true;
+  return found;
 }
 
 void device_allocator::impl::empty_cache() {
@@ -1399,11 +1395,8 @@ device_backend& device_allocator::backend() const noexcept {
 
 std::size_t device_allocator::allocation_size(const void* ptr) const {
   std::size_t size = 0;
-  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  if (stream_pool* p = impl_->directory.owner_of(addr)) {
-    detail::lock_guard lk(p->mu);
-    if (const block* b = p->blocks.find(addr)) size = b->size;
-  }
+  impl_->with_block(reinterpret_cast<std::uintptr_t>(ptr),
+                    [&](const stream_pool&, const block* b) { size = b->size; });
   return size;
 }
 

@@ -13,19 +13,17 @@ block_map::~block_map() {
 }
 
 void block_map::grow() {
-  const bool none = slots_ == no_slots_;
-  const std::size_t cap = none ? k_initial_capacity : (mask_ + 1) * 2;
+  const std::size_t old_cap = slots_ == no_slots_ ? 0 : mask_ + 1;
+  const std::size_t cap = old_cap == 0 ? k_initial_capacity : old_cap * 2;
   slot* fresh = new slot[cap];  // the only throw: nothing changed yet
-  const std::size_t old_cap = none ? 0 : mask_ + 1;
   slot* old = slots_;
   slots_ = fresh;
   mask_ = cap - 1;
   grow_at_ = cap / 4;
   for (std::size_t i = 0; i < old_cap; ++i) {
-    if (old[i].key == 0) continue;
-    place(old[i]);
+    if (old[i].key != 0) place(old[i]);
   }
-  if (!none) delete[] old;
+  if (old_cap != 0) delete[] old;
 }
 
 }  // namespace cucache::detail

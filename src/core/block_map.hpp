@@ -1,9 +1,8 @@
 // block_map: one pool's allocated blocks by address -- what a free looks its pointer up in, once
 // the segment directory (segment_directory.hpp) has named the pool. An open-addressing table
-// (linear probing, backward-shift deletion, no tombstones) that is at most a quarter full: a
-// take scans the rest of its run, which at half full made a free's lookup 1.5x dearer on
-// cucache-fastpath churn_large (decision 0030). Not
-// synchronized: the pool's mutex guards it (stream_pool::blocks), the lock the allocation and
+// (linear probing, backward-shift deletion, no tombstones) at most a quarter full: a take scans
+// the rest of its run, and at half full that made a free 1.5x dearer than the shards before it.
+// Not synchronized: the pool's mutex guards it (stream_pool::blocks), the lock the allocation and
 // free paths hold anyway, so a cache-hit pair takes no lock of its own for it
 // (docs/decisions/0030-pool-block-maps.md).
 //

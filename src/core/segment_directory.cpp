@@ -18,6 +18,7 @@ namespace {
 constexpr std::size_t k_top_bytes =
     (std::size_t{1} << segment_directory::k_top_bits) * sizeof(std::uintptr_t);
 constexpr std::uintptr_t k_granule = std::uintptr_t{1} << segment_directory::k_granule_log2;
+constexpr std::uintptr_t k_gib = std::uintptr_t{1} << segment_directory::k_top_log2;  // a top entry
 constexpr std::uintptr_t k_limit = std::uintptr_t{1} << segment_directory::k_address_bits;
 
 }  // namespace
@@ -66,16 +67,15 @@ void segment_directory::add(std::uintptr_t base, std::size_t bytes, stream_pool*
   fill(base, end, o);
 }
 
-void segment_directory::remove(std::uintptr_t base, std::size_t bytes) noexcept {
-  static_cast<void>(take_out(base, bytes));
+void segment_directory::remove(std::uintptr_t base) noexcept {
+  static_cast<void>(take_out(base));
 }
 
-segment_directory::taken_segment segment_directory::take_out(std::uintptr_t base,
-                                                             std::size_t bytes) noexcept {
+segment_directory::taken_segment segment_directory::take_out(std::uintptr_t base) noexcept {
   lock_guard lk(mu_);
   taken_segment t;
   t.node_ = index_.extract(base);
-  fill(base, base + bytes, 0);
+  if (!t.node_.empty()) fill(base, t.node_.mapped().end, 0);
   return t;
 }
 
@@ -90,11 +90,10 @@ void segment_directory::put_back(taken_segment&& t) noexcept {
 
 void segment_directory::make_nodes(std::uintptr_t base, std::uintptr_t end) {
   // Only the GiB that holds base and the one that holds end - 1 can be covered in part.
-  constexpr std::uintptr_t gib = std::uintptr_t{1} << k_top_log2;
   for (const std::uintptr_t edge : {base, end - 1}) {
     if (edge >= k_limit) continue;
     const std::uintptr_t r = edge >> k_top_log2 << k_top_log2;
-    if (base <= r && r + gib <= end) continue;  // covered whole: an owner entry, no node
+    if (base <= r && r + k_gib <= end) continue;  // covered whole: an owner entry, no node
     std::uintptr_t& e = top_[edge >> k_top_log2];
     if ((e & k_node) != 0) continue;
     // Covered in part, so no live segment covers all of it: e is 0, and a zeroed node answers
@@ -109,13 +108,12 @@ void segment_directory::make_nodes(std::uintptr_t base, std::uintptr_t end) {
 
 void segment_directory::fill(std::uintptr_t base, std::uintptr_t end,
                              std::uintptr_t whole) noexcept {
-  constexpr std::uintptr_t gib = std::uintptr_t{1} << k_top_log2;
   const std::uintptr_t to = std::min(end, k_limit);
-  for (std::uintptr_t r = base >> k_top_log2 << k_top_log2; r < to; r += gib) {
+  for (std::uintptr_t r = base >> k_top_log2 << k_top_log2; r < to; r += k_gib) {
     std::uintptr_t& e = top_[r >> k_top_log2];
     if ((e & k_node) != 0) {
-      fill_node(const_cast<std::uintptr_t*>(node(e)), r, base, end, whole);
-    } else if (base <= r && r + gib <= end) {
+      fill_node(node(e), r, base, end, whole);
+    } else if (base <= r && r + k_gib <= end) {
       store(e, whole);
     }
     // (A GiB covered in part has a node: make_nodes made it.)
@@ -125,7 +123,7 @@ void segment_directory::fill(std::uintptr_t base, std::uintptr_t end,
 void segment_directory::fill_node(std::uintptr_t* granules, std::uintptr_t lo, std::uintptr_t base,
                                   std::uintptr_t end, std::uintptr_t whole) noexcept {
   const std::uintptr_t from = std::max(base, lo);
-  const std::uintptr_t to = std::min(end, lo + (std::uintptr_t{1} << k_top_log2));
+  const std::uintptr_t to = std::min(end, lo + k_gib);
   std::uintptr_t i = (from - lo) >> k_granule_log2;          // the first granule it meets
   std::uintptr_t n = ((to - 1 - lo) >> k_granule_log2) + 1;  // one past the last
   // The first and the last may be covered in part (their entry follows from every segment in
@@ -178,10 +176,7 @@ std::size_t segment_directory::nodes() const {
 }
 
 bool segment_directory::shared_granule(std::uintptr_t addr) const noexcept {
-  if ((addr >> k_address_bits) != 0) return true;
-  std::uintptr_t e = load(top_[addr >> k_top_log2]);
-  if ((e & k_node) != 0) e = load(node(e)[(addr >> k_granule_log2) & k_node_mask]);
-  return e == k_shared;
+  return (addr >> k_address_bits) != 0 || entry(addr) == k_shared;
 }
 
 }  // namespace cucache::detail

@@ -4,7 +4,7 @@
 // (docs/decisions/0030-pool-block-maps.md).
 //
 // Contract:
-// - add(base, bytes, owner) and remove(base, bytes) keep the set of live segments, which never
+// - add(base, bytes, owner) and remove(base) keep the set of live segments, which never
 //   overlap. They are serialized by the directory's own mutex, a leaf of the lock order. add gives
 //   the strong guarantee (it throws std::bad_alloc or std::invalid_argument with nothing changed);
 //   remove never throws.
@@ -63,8 +63,8 @@ class segment_directory {
   /// std::invalid_argument when it is empty, wraps around, overlaps a live segment or has no
   /// owner; std::bad_alloc when storage runs out.
   void add(std::uintptr_t base, std::size_t bytes, stream_pool* owner);
-  /// The live segment at `base` of `bytes` is gone. REQUIRES: added with these values.
-  void remove(std::uintptr_t base, std::size_t bytes) noexcept;
+  /// The live segment at `base` is gone (nothing happens when none starts there).
+  void remove(std::uintptr_t base) noexcept;
 
   /// A segment taken out before its memory goes back to the device -- once it has, another pool
   /// may be handed the same addresses and add them -- kept so that put_back can add it again,
@@ -77,17 +77,15 @@ class segment_directory {
     friend class segment_directory;
     std::map<std::uintptr_t, span>::node_type node_;
   };
-  /// remove, keeping what put_back needs. REQUIRES: added with these values.
-  [[nodiscard]] taken_segment take_out(std::uintptr_t base, std::size_t bytes) noexcept;
+  /// remove, keeping what put_back needs.
+  [[nodiscard]] taken_segment take_out(std::uintptr_t base) noexcept;
   /// Adds a segment take_out took out again (its release failed; its addresses were never given
   /// back, so nothing overlaps it). Never throws: its nodes still exist, its index node is kept.
   void put_back(taken_segment&& t) noexcept;
   /// See the contract above. Inline: the first step of every free.
   [[nodiscard]] [[gnu::always_inline]] stream_pool* owner_of(std::uintptr_t addr) const noexcept {
     if ((addr >> k_address_bits) == 0) [[likely]] {
-      std::uintptr_t e = load(top_[addr >> k_top_log2]);
-      if ((e & k_node) != 0) e = load(node(e)[(addr >> k_granule_log2) & k_node_mask]);
-      if (e != k_shared) [[likely]]
+      if (const std::uintptr_t e = entry(addr); e != k_shared) [[likely]]
         return reinterpret_cast<stream_pool*>(e);
     }
     return owner_by_index(addr);
@@ -112,8 +110,15 @@ class segment_directory {
   static void store(std::uintptr_t& w, std::uintptr_t v) noexcept {
     std::atomic_ref<std::uintptr_t>(w).store(v, std::memory_order_release);
   }
-  [[nodiscard]] static const std::uintptr_t* node(std::uintptr_t e) noexcept {
-    return reinterpret_cast<const std::uintptr_t*>(e & ~k_node);
+  [[nodiscard]] static std::uintptr_t* node(std::uintptr_t e) noexcept {
+    return reinterpret_cast<std::uintptr_t*>(e & ~k_node);
+  }
+  /// The table's entry for addr, below 2^52: its GiB's, or its granule's where the GiB has a
+  /// node. Two loads at most, no lock.
+  [[nodiscard]] [[gnu::always_inline]] std::uintptr_t entry(std::uintptr_t addr) const noexcept {
+    const std::uintptr_t e = load(top_[addr >> k_top_log2]);
+    if ((e & k_node) == 0) return e;
+    return load(node(e)[(addr >> k_granule_log2) & k_node_mask]);
   }
   /// owner_of where the granule is shared or beyond the table: the ordered index, shared lock.
   [[gnu::noinline]] stream_pool* owner_by_index(std::uintptr_t addr) const noexcept;

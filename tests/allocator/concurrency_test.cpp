@@ -3,12 +3,15 @@
 // no thread may hang on a missed wake-up.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,10 +21,31 @@
 namespace cucache::test {
 namespace {
 
+/// One worker: `ops` steps on stream s of allocations of 1 B-3 MiB (at most `max_live` live) and
+/// frees in random order (`free_one(rng, p)`), then every block left freed. `every_1000()` runs
+/// at every 1,000th step.
+template <class Free, class Probe>
+void churn(device_allocator& alloc, stream_handle s, std::uint64_t seed, int ops,
+           std::size_t max_live, Free&& free_one, Probe&& every_1000) {
+  std::mt19937_64 rng(seed);
+  std::vector<void*> live;
+  for (int i = 0; i < ops; ++i) {
+    if (i % 1000 == 999) every_1000();
+    if (live.size() < max_live && (live.empty() || rng() % 2 == 0)) {
+      live.push_back(alloc.allocate(1 + rng() % (3 * MiB), s));
+    } else {
+      const std::size_t j = rng() % live.size();
+      free_one(rng, live[j]);
+      live[j] = live.back();
+      live.pop_back();
+    }
+  }
+  for (void* p : live) alloc.deallocate(p);
+}
+
 TEST(Concurrency, SharedAndSeparateStreamsWithDeviceWideReaders) {
   sim_allocator a;
   constexpr int k_threads = 4;
-  constexpr int k_ops = 20000;
   std::atomic<bool> done{false};
   std::thread reader([&] {
     for (int i = 0; !done.load(); ++i) {
@@ -36,20 +60,10 @@ TEST(Concurrency, SharedAndSeparateStreamsWithDeviceWideReaders) {
   std::vector<std::thread> workers;
   for (int t = 0; t < k_threads; ++t) {
     workers.emplace_back([&, t] {
-      std::mt19937_64 rng(static_cast<std::uint64_t>(t));
       const stream_handle s = stream(1 + static_cast<std::uintptr_t>(t % 2));  // two per stream
-      std::vector<void*> live;
-      for (int i = 0; i < k_ops; ++i) {
-        if (live.size() < 64 && (live.empty() || rng() % 2 == 0)) {
-          live.push_back(a.alloc.allocate(1 + rng() % (3 * MiB), s));
-        } else {
-          const std::size_t j = rng() % live.size();
-          a.alloc.deallocate(live[j]);
-          live[j] = live.back();
-          live.pop_back();
-        }
-      }
-      for (void* p : live) a.alloc.deallocate(p);
+      churn(
+          a.alloc, s, static_cast<std::uint64_t>(t), 20000, 64,
+          [&](std::mt19937_64&, void* p) { a.alloc.deallocate(p); }, [] {});
     });
   }
   for (auto& w : workers) w.join();
@@ -57,6 +71,18 @@ TEST(Concurrency, SharedAndSeparateStreamsWithDeviceWideReaders) {
   reader.join();
   a.alloc.check_invariants();
   EXPECT_EQ(a.allocated(), 0);
+}
+
+/// The 2 MiB granules that segments of two or more streams meet.
+std::size_t granules_of_two_streams(const std::vector<segment_view>& segments) {
+  std::map<std::uintptr_t, std::set<stream_handle>> streams;
+  for (const segment_view& v : segments) {
+    for (std::uintptr_t g = v.address >> 21; g <= (v.address + v.size - 1) >> 21; ++g) {
+      streams[g].insert(v.stream);
+    }
+  }
+  return static_cast<std::size_t>(std::count_if(streams.begin(), streams.end(),
+                                                [](const auto& e) { return e.second.size() > 1; }));
 }
 
 // Segments 512 KiB aligned (a backend whose memory is not 2 MiB aligned): pools of different
@@ -71,8 +97,8 @@ TEST(Concurrency, PoolsSharingGranulesFreeWhileSegmentsComeAndGo) {
   void* offset = a.sim->segment_malloc(512 * 1024);
   ASSERT_NE(offset, nullptr);
   constexpr int k_threads = 4;
-  constexpr int k_ops = 20000;
   std::atomic<bool> done{false};
+  std::atomic<std::size_t> shared_seen{0};  // granules of two streams, summed over the looks
   std::thread releaser([&] {
     for (int i = 0; !done.load(); ++i) {
       a.alloc.empty_cache();
@@ -82,27 +108,23 @@ TEST(Concurrency, PoolsSharingGranulesFreeWhileSegmentsComeAndGo) {
   std::vector<std::thread> workers;
   for (int t = 0; t < k_threads; ++t) {
     workers.emplace_back([&, t] {
-      std::mt19937_64 rng(100 + static_cast<std::uint64_t>(t));
       const stream_handle s = stream(1 + static_cast<std::uintptr_t>(t));  // a stream each
-      std::vector<void*> live;
-      for (int i = 0; i < k_ops; ++i) {
-        if (live.size() < 32 && (live.empty() || rng() % 2 == 0)) {
-          live.push_back(a.alloc.allocate(1 + rng() % (3 * MiB), s));
-        } else {
-          const std::size_t j = rng() % live.size();
-          // Some frees look the block up first (record_stream on its own stream changes nothing).
-          if (rng() % 4 == 0) a.alloc.record_stream(live[j], s);
-          a.alloc.deallocate(live[j], s);
-          live[j] = live.back();
-          live.pop_back();
-        }
-      }
-      for (void* p : live) a.alloc.deallocate(p);
+      churn(
+          a.alloc, s, 100 + static_cast<std::uint64_t>(t), 20000, 32,
+          [&](std::mt19937_64& rng, void* p) {
+            // Some frees look the block up first (record_stream on its own stream changes
+            // nothing).
+            if (rng() % 4 == 0) a.alloc.record_stream(p, s);
+            a.alloc.deallocate(p, s);
+          },
+          [&] { shared_seen += granules_of_two_streams(a.alloc.segments()); });
     });
   }
   for (auto& w : workers) w.join();
   done = true;
   releaser.join();
+  EXPECT_GT(shared_seen.load(), 0u)
+      << "no granule held segments of two streams: the test shared none";
   a.alloc.check_invariants();
   EXPECT_EQ(a.allocated(), 0);
   a.sim->segment_free(offset);
