@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/segment_directory.hpp"
 #include "support/sim_device.hpp"
 
 namespace cucache::test {
@@ -77,7 +78,8 @@ TEST(Concurrency, SharedAndSeparateStreamsWithDeviceWideReaders) {
 std::size_t granules_of_two_streams(const std::vector<segment_view>& segments) {
   std::map<std::uintptr_t, std::set<stream_handle>> streams;
   for (const segment_view& v : segments) {
-    for (std::uintptr_t g = v.address >> 21; g <= (v.address + v.size - 1) >> 21; ++g) {
+    constexpr unsigned k_log2 = detail::segment_directory::k_granule_log2;
+    for (std::uintptr_t g = v.address >> k_log2; g <= (v.address + v.size - 1) >> k_log2; ++g) {
       streams[g].insert(v.stream);
     }
   }
@@ -172,8 +174,10 @@ TEST(Concurrency, AddressesReleasedByOnePoolAreTakenByAnotherWhileTheReleaseFini
   std::string other_error;
   std::thread second([&] {
     {
+      // Bounded like the observer's wait: a release that never comes fails the address check
+      // below rather than hanging the test.
       std::unique_lock lk(obs->mu);
-      obs->cv.wait(lk, [&] { return obs->released; });
+      obs->cv.wait_for(lk, std::chrono::seconds(10), [&] { return obs->released; });
     }
     try {
       other = alloc.allocate(40 * MiB, s2);
