@@ -53,6 +53,12 @@ struct config {
   /// with half the capacity to spare, physical handles of up to N pages for every block, kept when
   /// a later carve cuts them. 0 = off (one handle per page, chunks for blocks of 256 MiB or more).
   std::size_t coarse_handle_pages = 8;
+  /// Segments (defer_coalescing:True, default off): each stream pool keeps its last freed block
+  /// unmerged until its next step, and an allocation that best fit would give exactly that block
+  /// takes it back without the merge and the split -- placement and statistics as without it.
+  /// Pays where one stream frees and allocates the same size in turn; costs a little elsewhere
+  /// (docs/config.md; the advisor measures which). No effect with expandable_segments:True.
+  bool defer_coalescing = false;
   /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
   std::string trace_path;
   /// reserve_mb: bytes the allocator caches when it is created (device_allocator::reserve on the
@@ -83,7 +89,7 @@ inline constexpr std::size_t k_roundup_power2_intervals = 64;
 /// max_non_split_rounding_mb, roundup_power2_divisions, garbage_collection_threshold,
 /// expandable_segments, memory_fraction (alias per_process_memory_fraction), memory_limit, trace,
 /// reserve_mb, nvtx, history, leak_steps, record_backtraces, peer_access, ipc_handles,
-/// coarse_handles.
+/// coarse_handles, defer_coalescing.
 /// Throws cucache::invalid_argument naming the key and its accepted forms on an unknown key (with
 /// the nearest accepted key when it looks like a typo: "did you mean 'expandable_segments'?"), a
 /// PyTorch key cucache does not support, a duplicate key, an empty entry or a malformed value;

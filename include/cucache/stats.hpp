@@ -74,6 +74,9 @@ struct device_stats {
   std::uint64_t oversize_allocations = 0;  // allocations of blocks >= max_split_size (current)
   std::uint64_t oversize_segments = 0;     // segments >= max_split_size (current)
   std::uint64_t events_pending = 0;        // freed blocks waiting on events
+  // defer_coalescing:True: allocations that took back the block their stream's pool had freed
+  // last, held unmerged, instead of carving best fit's block (the same block: docs/config.md).
+  std::uint64_t take_back_count = 0;
 
   // Expandable segments: what the pager did. Its cuMemCreate and cuMemRelease calls are
   // device_alloc_count and device_free_count above.
@@ -169,6 +172,7 @@ struct device_stats {
   X(oversize_allocations, oversize_allocations, count, gauge)   \
   X(oversize_segments, oversize_segments, count, gauge)         \
   X(events_pending, events_pending, count, gauge)               \
+  X(take_back_count, take_back_count, count, counter)           \
   X(vm_map_count, vm_map_count, count, counter)                 \
   X(vm_unmap_count, vm_unmap_count, count, counter)             \
   X(stitched_pages, stitched_pages, count, counter)             \

@@ -43,6 +43,7 @@ _COUNTERS = (
     "oversize_allocations",
     "oversize_segments",
     "events_pending",
+    "take_back_count",
     "vm_map_count",
     "vm_unmap_count",
     "stitched_pages",

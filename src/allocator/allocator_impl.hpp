@@ -166,6 +166,19 @@ struct device_allocator::impl {
                                           detail::pool_kind kind, std::size_t rounded,
                                           std::size_t requested) REQUIRES(p.mu);
   CUCACHE_HOT void release_to_free_inline(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
+  /// carve's last step, and a take-back's only one: free block b (out of the index, its size
+  /// set) becomes allocated for `requested` bytes, counted in p's statistics.
+  CUCACHE_HOT void mark_allocated(detail::stream_pool& p, detail::block* b, detail::pool_kind kind,
+                                  std::size_t requested) REQUIRES(p.mu);
+  /// defer_coalescing: whether an allocation of `rounded` bytes of `kind` in p may take back h,
+  /// p's held block -- true exactly when best fit over p with h merged would carve h itself, at
+  /// its address and size, and leave every other block as it is (docs/config.md).
+  [[nodiscard]] CUCACHE_HOT bool takes_back(const detail::stream_pool& p, const detail::block* h,
+                                            detail::pool_kind kind, std::size_t rounded) const
+      REQUIRES(p.mu);
+  /// defer_coalescing: the fast free's last step for block b of p -- held unmerged (the previous
+  /// held block merged first by the caller), or merged now where it can never be taken back.
+  CUCACHE_HOT void hold_or_release(detail::stream_pool& p, detail::block* b) REQUIRES(p.mu);
   detail::segment* add_segment(detail::stream_pool& p, detail::pool_kind kind, std::uintptr_t base,
                                std::size_t bytes, detail::vm_range* vm) REQUIRES(p.mu);
   void release_segment(detail::stream_pool& p, detail::segment* s) REQUIRES(p.mu);
@@ -267,6 +280,9 @@ struct device_allocator::impl {
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called
   config cfg;
+  /// defer_coalescing in force: segments only (docs/config.md). A free on the fast path then
+  /// holds its block in the pool's lock (pool_mutex::hold) instead of merging it.
+  const bool defer_frees = cfg.defer_coalescing && !cfg.expandable_segments;
   /// Who listens (null: nobody). Published once -- at construction or by attach_observer -- and
   /// read without a lock on every allocation and free: one load, as cheap as a plain pointer.
   std::atomic<allocation_observer*> observer{nullptr};

@@ -387,15 +387,55 @@ block* device_allocator::impl::carve_inline(stream_pool& p, block* b, pool_kind 
   } else {
     p.index_of(kind).erase(b);
   }
+  if (b->seg->vm != nullptr) pager->touch_carved(p, b);
+  mark_allocated(p, b, kind, requested);
+  return b;
+}
+
+void device_allocator::impl::mark_allocated(stream_pool& p, block* b, pool_kind kind,
+                                            std::size_t requested) {
   b->state = block_state::allocated;
   b->exported = false;
   b->requested = requested;
   b->uses = nullptr;
-  if (b->seg->vm != nullptr) pager->touch_carved(p, b);
   p.stats.on_allocate(kind, static_cast<std::int64_t>(b->size),
                       static_cast<std::int64_t>(requested));
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
-  return b;
+}
+
+bool device_allocator::impl::takes_back(const stream_pool& p, const block* h, pool_kind kind,
+                                        std::size_t rounded) const {
+  // Without the deferral, h would have been merged with its free next block n (its previous one
+  // is never free: hold_or_release) into m, h's address and `merged` bytes, and best fit would
+  // run on the index with m instead of n. It carves h itself when:
+  //  - h has the request's kind and exact size, and m is split there (or m is h);
+  //  - the rules let the request take m;
+  //  - m comes first in best-fit order among the blocks that fit: no other indexed block of at
+  //    least `rounded` bytes comes before (merged, h's address).
+  if (h->size != rounded || h->seg->kind != kind) return false;
+  const block* n = h->next;
+  const bool merge_next = n != nullptr && n->state == block_state::free;
+  const std::size_t merged = merge_next ? h->size + n->size : h->size;
+  if (merge_next && !policy.should_split(kind, merged, rounded)) return false;
+  if (!policy.may_take(merged, rounded)) return false;
+  const detail::free_index& index = p.index_of(kind);
+  const block* c = index.best_fit(rounded);
+  if (merge_next && c == n) c = index.next_after(n);  // n is part of m
+  return c == nullptr || merged < c->size || (merged == c->size && h->addr < c->addr);
+}
+
+void device_allocator::impl::hold_or_release(stream_pool& p, block* b) {
+  // REQUIRES: b freed on the fast path (allocated, used on its own stream only, no capture, no
+  // observer), nothing held. A block whose previous block is free merges into it, at that
+  // block's address, where no allocation could take b back: merged now.
+  if (p.graph == nullptr && b->seg->vm == nullptr &&
+      (b->prev == nullptr || b->prev->state != block_state::free)) {
+    b->state = block_state::free;
+    b->seg->free_tick = ++p.tick;
+    p.mu.hold(b);
+    return;
+  }
+  release_to_free_inline(p, b);
 }
 
 void device_allocator::impl::publish(stream_pool& p, block* b) {
@@ -425,35 +465,7 @@ void device_allocator::impl::release_to_free_inline(stream_pool& p, block* b) {
   }
   b->state = block_state::free;
   b->seg->free_tick = ++p.tick;
-  // Coalesce with free neighbours. The merged block often stays in the bin, and at the place, of
-  // the neighbour it absorbs; the index then re-links it without a walk.
-  auto& index = p.index_of(kind);
-  block* n = b->next;
-  const bool merge_next = n != nullptr && n->state == block_state::free;
-  if (block* q = b->prev; q != nullptr && q->state == block_state::free) {
-    std::size_t size = q->size + b->size;
-    block* after = b->next;
-    if (merge_next) {
-      index.erase(n);
-      size += n->size;
-      after = n->next;
-      p.block_arena.recycle(n);
-    }
-    q->next = after;
-    if (after != nullptr) after->prev = q;
-    index.resize(q, size);
-    p.block_arena.recycle(b);
-    return;
-  }
-  if (merge_next) {
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next != nullptr) n->next->prev = b;
-    index.replace(n, b);
-    p.block_arena.recycle(n);
-    return;
-  }
-  index.insert(b);
+  p.coalesce(b);
 }
 
 void device_allocator::impl::release_oversize(stream_pool& p) {
@@ -778,10 +790,23 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   detail::pool_table::locked_pool lp =
       graph_part != nullptr
           ? detail::pool_table::locked_pool{graph_part, detail::pool_lock(graph_part->mu)}
-          : pools.lock_pool_for(stream, key, cfg.expandable_segments ? detail::t_sleep_domain : 0);
+          : pools.lock_pool_for(stream, key, cfg.expandable_segments ? detail::t_sleep_domain : 0,
+                                /*keeping_held=*/true);
   stream_pool& p = *lp.pool;
   detail::pool_lock& lk = lp.lock;
   p.mu.assert_held();  // lp.lock holds it (the analysis cannot follow a lock out of a call)
+  // defer_coalescing: the pool's held block, taken back where best fit would carve exactly it,
+  // else merged before anything else looks at the pool (pool_mutex.hpp).
+  if (block* h = p.mu.held()) {
+    if (p.pending.empty() && takes_back(p, h, kind, rounded)) {
+      p.mu.take_held();
+      mark_allocated(p, h, kind, bytes);
+      publish(p, h);
+      ++p.stats.take_backs;
+      return reinterpret_cast<void*>(h->addr);
+    }
+    p.mu.settle_held();
+  }
   if (graph_part != nullptr) [[unlikely]]
     pools.note_change(p);  // (lock_pool_for notes the stream pools)
   if (!p.pending.empty()) poll_pending(p);
@@ -899,7 +924,9 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   stream_pool* owner = directory.owner_of(addr);
   if (owner == nullptr) return false;
   stream_pool& p = *owner;
-  detail::lock_guard lk(p.mu);
+  p.mu.lock_keeping_held();
+  detail::lock_guard lk(p.mu, std::adopt_lock);
+  p.mu.settle_held();  // defer_coalescing: the last free's block, merged before this one
   block* b = p.blocks.take(addr);
   if (b == nullptr) return false;
   pools.note_change(p);
@@ -917,7 +944,11 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
                   static_cast<std::int64_t>(b->requested));
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
-  release_to_free_inline(p, b);
+  if (defer_frees) {
+    hold_or_release(p, b);
+  } else {
+    release_to_free_inline(p, b);
+  }
   // An ordered free on the pool's own stream names that stream, alive, in this call: the moment
   // a quiet event may be recorded on it (rate-limited, note_quiet).
   if (ordered && p.stats.allocation_count[0].current == 0) [[unlikely]]

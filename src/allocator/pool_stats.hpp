@@ -32,6 +32,7 @@ struct pool_stats {
   std::array<std::int64_t, k_stat_pools> active_bytes_peak{}, active_count_peak{};
   std::uint64_t oversize_allocations = 0;
   std::uint64_t oversize_segments = 0;
+  std::uint64_t take_backs = 0;  // defer_coalescing: allocations that took back the held block
 
   static std::size_t slot(pool_kind k) noexcept { return k == pool_kind::small ? 1 : 2; }
 
@@ -83,6 +84,7 @@ struct pool_stats {
                       &segment_count, &pending_bytes, &pending_count}) {
       arr->reset_totals();
     }
+    take_backs = 0;
   }
 };
 

@@ -123,7 +123,8 @@ class pool_table {
   /// The pool of `stream`, locked. A pool found through the thread's cache may have been handed
   /// to another stream since (its key then differs, read under its lock): looked up again.
   /// The analysis cannot follow the lock out of the call: the caller asserts it
-  /// (`lp.pool->mu.assert_held()`).
+  /// (`lp.pool->mu.assert_held()`). `keeping_held`: locked by pool_mutex::lock_keeping_held, for
+  /// the allocation fast path, which then takes back or merges the pool's held block itself.
   struct locked_pool {
     stream_pool* pool;
     pool_lock lock;
@@ -133,13 +134,22 @@ class pool_table {
   }
   // Not analysed: the lock moves from pool to pool at run time (the analysis names one mutex).
   [[nodiscard]] locked_pool lock_pool_for(stream_handle stream, std::uint64_t key,
-                                          std::uint32_t domain = 0) NO_THREAD_SAFETY_ANALYSIS {
+                                          std::uint32_t domain = 0,
+                                          bool keeping_held = false) NO_THREAD_SAFETY_ANALYSIS {
+    const auto lock = [keeping_held](stream_pool* q) {
+      if (keeping_held) {
+        q->mu.lock_keeping_held();
+      } else {
+        q->mu.lock();
+      }
+      return pool_lock(q->mu, std::adopt_lock);
+    };
     stream_pool* p = &pool_for(stream, key, domain);
-    pool_lock lk(p->mu);
+    pool_lock lk = lock(p);
     while (p->key != key) [[unlikely]] {
       lk.unlock();
       p = &pool_for_key(stream, key, domain);
-      lk = pool_lock(p->mu);
+      lk = lock(p);
     }
     note_change(*p);
     return {p, std::move(lk)};

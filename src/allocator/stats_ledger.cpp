@@ -115,6 +115,7 @@ pool_summary stats_ledger::summarize(const parts& ps, const stream_pool& p) {
   }
   s.oversize_allocations = st.oversize_allocations;
   s.oversize_segments = st.oversize_segments;
+  s.take_back_count = st.take_backs;
   s.events_pending = p.pending.size();
   for (const auto& idx : p.free) {
     const free_index::totals_t t = idx.totals();

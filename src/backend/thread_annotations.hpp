@@ -81,6 +81,8 @@ template <class M>
 class SCOPED_CAPABILITY lock_guard {
  public:
   explicit lock_guard(M& m) ACQUIRE(m) : m_(m) { m_.lock(); }
+  /// Adopts a lock the caller took.
+  lock_guard(M& m, std::adopt_lock_t) noexcept REQUIRES(m) : m_(m) {}
   ~lock_guard() RELEASE() { m_.unlock(); }
   lock_guard(const lock_guard&) = delete;
   lock_guard& operator=(const lock_guard&) = delete;

@@ -266,6 +266,12 @@ void parse_roundup(std::string_view key, std::string_view value, config& out) {
                                       parse_divisions(key, value, false));
 }
 
+bool parse_bool(std::string_view key, std::string_view value) {
+  if (value == "True" || value == "true" || value == "1") return true;
+  if (value == "False" || value == "false" || value == "0") return false;
+  fail_value(key, value, "not a boolean");
+}
+
 void parse_gc_threshold(std::string_view key, std::string_view value, config& out) {
   const double v = parse_double(key, value);
   if (!(v > 0.0 && v < 1.0)) fail_value(key, value, "must be > 0 and < 1");
@@ -273,23 +279,15 @@ void parse_gc_threshold(std::string_view key, std::string_view value, config& ou
 }
 
 void parse_expandable(std::string_view key, std::string_view value, config& out) {
-  if (value == "True" || value == "true" || value == "1") {
-    out.expandable_segments = true;
-  } else if (value == "False" || value == "false" || value == "0") {
-    out.expandable_segments = false;
-  } else {
-    fail_value(key, value, "not a boolean");
-  }
+  out.expandable_segments = parse_bool(key, value);
 }
 
 void parse_ipc_handles(std::string_view key, std::string_view value, config& out) {
-  if (value == "True" || value == "true" || value == "1") {
-    out.ipc_handles = true;
-  } else if (value == "False" || value == "false" || value == "0") {
-    out.ipc_handles = false;
-  } else {
-    fail_value(key, value, "not a boolean");
-  }
+  out.ipc_handles = parse_bool(key, value);
+}
+
+void parse_defer_coalescing(std::string_view key, std::string_view value, config& out) {
+  out.defer_coalescing = parse_bool(key, value);
 }
 
 void parse_coarse_handles(std::string_view key, std::string_view value, config& out) {
@@ -377,13 +375,7 @@ void parse_reserve(std::string_view key, std::string_view value, config& out) {
 }
 
 void parse_nvtx(std::string_view key, std::string_view value, config& out) {
-  if (value == "True" || value == "true" || value == "1") {
-    out.nvtx = true;
-  } else if (value == "False" || value == "false" || value == "0") {
-    out.nvtx = false;
-  } else {
-    fail_value(key, value, "not a boolean");
-  }
+  out.nvtx = parse_bool(key, value);
 }
 
 void parse_history(std::string_view key, std::string_view value, config& out) {
@@ -470,6 +462,11 @@ std::span<const key_spec> key_specs() {
        "0 (off) or a number of pages from 2 to 32, e.g. coarse_handles:8 (expandable segments: "
        "physical handles of up to that many pages while memory is plentiful)",
        parse_coarse_handles},
+      {"defer_coalescing", "defer_coalescing",
+       "True, False, true, false, 1 or 0, e.g. defer_coalescing:True (segments: a stream's last "
+       "freed block waits unmerged for the next request, which takes it back when best fit "
+       "would carve exactly it)",
+       parse_defer_coalescing},
   });
   static_assert(std::ranges::none_of(specs,
                                      [](const key_spec& k) {
@@ -684,6 +681,10 @@ std::string to_string(const config& cfg) {
   if (cfg.coarse_handle_pages != def.coarse_handle_pages) {
     put("coarse_handles", fmt::format("{}", cfg.coarse_handle_pages),
         [&](const config& c) { return c.coarse_handle_pages == cfg.coarse_handle_pages; });
+  }
+  if (cfg.defer_coalescing != def.defer_coalescing) {
+    put("defer_coalescing", cfg.defer_coalescing ? "True" : "False",
+        [&](const config& c) { return c.defer_coalescing == cfg.defer_coalescing; });
   }
   if (cfg.trace_path != def.trace_path) {
     put("trace", cfg.trace_path, [&](const config& c) { return c.trace_path == cfg.trace_path; });

@@ -59,6 +59,16 @@ class free_index {
   void resize(block* b, std::size_t size) noexcept;
   /// The smallest indexed block with size >= bytes (lowest address among equal sizes), or nullptr.
   [[nodiscard]] block* best_fit(std::size_t bytes) const noexcept;
+  /// The indexed block after b in best-fit order, or nullptr. REQUIRES: b is indexed here.
+  [[nodiscard]] block* next_after(const block* b) const noexcept {
+    block* head = heads_[b->bin];
+    if (tagged(head)) {
+      if (block* n = tree_successor(untag(head), b)) return n;
+    } else if (b->free_next != nullptr) {
+      return b->free_next;
+    }
+    return first_above(b->bin);
+  }
   /// The largest indexed block, or nullptr.
   [[nodiscard]] block* largest() const noexcept;
 

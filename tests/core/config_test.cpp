@@ -197,6 +197,22 @@ TEST(ConfigParse, CoarseHandles) {
   EXPECT_EQ(to_string(wide), "coarse_handles:32");
 }
 
+TEST(ConfigParse, DeferCoalescing) {
+  // Off by default; the booleans' spellings; written back only when on.
+  EXPECT_FALSE(config{}.defer_coalescing);
+  for (const char* on : {"defer_coalescing:True", "defer_coalescing:true", "defer_coalescing:1"})
+    EXPECT_TRUE(parse_config(on).defer_coalescing) << on;
+  config set;
+  set.defer_coalescing = true;
+  EXPECT_FALSE(parse_config("defer_coalescing:False", set).defer_coalescing);
+  EXPECT_FALSE(parse_config("defer_coalescing:0", set).defer_coalescing);
+  EXPECT_TRUE(parse_config("max_split_size_mb:64", set).defer_coalescing);
+  expect_error("defer_coalescing:yes", "defer_coalescing", "not a boolean");
+  expect_error("defer_coalescing:", "defer_coalescing", "");
+  EXPECT_EQ(to_string(set), "defer_coalescing:True");
+  EXPECT_EQ(parse_config(to_string(set)), set);
+}
+
 TEST(ConfigParse, MemoryFractionAndAlias) {
   EXPECT_EQ(parse_config("memory_fraction:0.9").memory_fraction, 0.9);
   EXPECT_EQ(parse_config("memory_fraction:1").memory_fraction, 1.0);
@@ -330,7 +346,7 @@ TEST(ConfigParse, StrayCommaNamesTheTextAndListsEveryKey) {
       "max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "
       "garbage_collection_threshold, expandable_segments, memory_fraction, "
       "per_process_memory_fraction, memory_limit, trace, reserve_mb, nvtx, history, "
-      "leak_steps, record_backtraces, peer_access, ipc_handles, coarse_handles");
+      "leak_steps, record_backtraces, peer_access, ipc_handles, coarse_handles, defer_coalescing");
   EXPECT_EQ(msg.find("key ''"), std::string::npos) << msg;
   const std::string empty_key = parse_error(":5");
   EXPECT_NE(empty_key.find("accepted keys: max_split_size_mb,"), std::string::npos) << empty_key;

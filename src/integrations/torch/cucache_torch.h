@@ -49,6 +49,7 @@ typedef struct cucache_torch_stats {
   uint64_t oversize_allocations;
   uint64_t oversize_segments;
   uint64_t events_pending;
+  uint64_t take_back_count; /* defer_coalescing: allocations that took back a held freed block */
   uint64_t vm_map_count;
   uint64_t vm_unmap_count;
   uint64_t stitched_pages;
