@@ -134,15 +134,19 @@ void set_memory_counters(benchmark::State& state, double reserved, double reserv
 /// capture query per allocation; docs/design.md, "Announced captures"), the torch extension's;
 /// `streams`: with stream destructions announced too (the thread's cached stream id, no id query;
 /// "Announced stream destructions"), what the LD_PRELOAD shim offers with
-/// CUCACHE_PRELOAD_STREAMS=announced. The bench announces its own destructions.
-template <bool gpu, bool expandable = false, bool announced = false, bool streams = false>
+/// CUCACHE_PRELOAD_STREAMS=announced. The bench announces its own destructions. `defer`: with
+/// defer_coalescing:True (default mode, both announced: the pair the setting is for).
+template <bool gpu, bool expandable = false, bool announced = false, bool streams = false,
+          bool defer = false>
 class cucache_alloc {
  public:
+  static_assert(!defer || (streams && !expandable), "defer is measured in one mode only");
   static constexpr const char* k_name =
-      streams ? (gpu ? (expandable ? "cucache_cuda_expandable_streams_announced"
-                                   : "cucache_cuda_streams_announced")
-                     : (expandable ? "cucache_sim_expandable_streams_announced"
-                                   : "cucache_sim_streams_announced"))
+      defer ? (gpu ? "cucache_cuda_streams_announced_defer" : "cucache_sim_streams_announced_defer")
+      : streams ? (gpu ? (expandable ? "cucache_cuda_expandable_streams_announced"
+                                     : "cucache_cuda_streams_announced")
+                       : (expandable ? "cucache_sim_expandable_streams_announced"
+                                     : "cucache_sim_streams_announced"))
       : announced
           ? (gpu ? (expandable ? "cucache_cuda_expandable_announced" : "cucache_cuda_announced")
                  : (expandable ? "cucache_sim_expandable_announced" : "cucache_sim_announced"))
@@ -157,6 +161,7 @@ class cucache_alloc {
   static config make_config() {
     config c;
     c.expandable_segments = expandable;
+    c.defer_coalescing = defer;
     return c;
   }
   void* allocate(std::size_t bytes, stream_handle stream) { return alloc_.allocate(bytes, stream); }
@@ -854,8 +859,9 @@ int run(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
 
-  std::vector<allocator_entry> allocators{entry_of<cucache_alloc<false>>(),
-                                          entry_of<cucache_alloc<false, true>>()};
+  std::vector<allocator_entry> allocators{
+      entry_of<cucache_alloc<false>>(), entry_of<cucache_alloc<false, true>>(),
+      pairs_only<cucache_alloc<false, false, true, true, true>>()};
   if (count_devices(backend_kind::cuda).count > 0) {
     try {
       make_gpu_streams();
@@ -869,6 +875,7 @@ int run(int argc, char** argv) {
       allocators.push_back(pairs_only<cucache_alloc<true, true, true>>());
       allocators.push_back(pairs_only<cucache_alloc<true, false, true, true>>());
       allocators.push_back(pairs_only<cucache_alloc<true, true, true, true>>());
+      allocators.push_back(pairs_only<cucache_alloc<true, false, true, true, true>>());
       register_stream_queries();
       // No scatter case for cudaMalloc: nothing cached, so nothing to index.
       allocator_entry cuda_malloc = entry_of<cuda_malloc_alloc>();

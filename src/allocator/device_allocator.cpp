@@ -795,8 +795,8 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   stream_pool& p = *lp.pool;
   detail::pool_lock& lk = lp.lock;
   p.mu.assert_held();  // lp.lock holds it (the analysis cannot follow a lock out of a call)
-  // defer_coalescing: the pool's held block, taken back where best fit would carve exactly it,
-  // else merged before anything else looks at the pool (pool_mutex.hpp).
+  // defer_coalescing (default mode only, pool_mutex.hpp): the pool's held block, taken back where
+  // best fit would carve exactly it, else merged before anything else looks at the pool.
   if (block* h = p.mu.held()) {
     if (p.pending.empty() && takes_back(p, h, kind, rounded)) {
       p.mu.take_held();
@@ -926,7 +926,8 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   stream_pool& p = *owner;
   p.mu.lock_keeping_held();
   detail::lock_guard lk(p.mu, std::adopt_lock);
-  p.mu.settle_held();  // defer_coalescing: the last free's block, merged before this one
+  // (defer_coalescing: the pool's held block stays held until this free merges or holds its own
+  // block, below or in deallocate_locked.)
   block* b = p.blocks.take(addr);
   if (b == nullptr) return false;
   pools.note_change(p);
@@ -945,6 +946,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
   if (policy.is_oversize(b->size)) --p.stats.oversize_allocations;
   b->requested = 0;
   if (defer_frees) {
+    p.mu.settle_held();  // the last free's block, merged before this one
     hold_or_release(p, b);
   } else {
     release_to_free_inline(p, b);
@@ -959,6 +961,7 @@ bool device_allocator::impl::deallocate(void* ptr, stream_handle stream, bool or
 bool device_allocator::impl::deallocate_locked(stream_pool& p, block* b, void* ptr,
                                                stream_handle stream, bool ordered) {
   // REQUIRES: b taken out of p's block map.
+  p.mu.settle_held();  // defer_coalescing: the last free's block, merged first
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   // A block of a stream pool freed while cucache knows that stream captures: the captured work
   // may use it at every replay, so it is held for that capture's graph pool, not reused.

@@ -1,0 +1,402 @@
+// defer_coalescing:True (pool_mutex.hpp's held block, impl::takes_back): a stream pool keeps its
+// last freed block unmerged, and the next allocation takes it back only where best fit over the
+// merged pool would carve exactly it. Exact cases first, each against the same program with the
+// setting off; then a seeded twin program: two allocators, one with the setting, must hand out
+// the same addresses and report the same statistics throughout.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "cucache/errors.hpp"
+#include "support/sim_device.hpp"
+
+namespace cucache::test {
+namespace {
+
+config deferring(config cfg = {}) {
+  cfg.defer_coalescing = true;
+  return cfg;
+}
+
+/// Every field of the field table but take_back_count, as numbers (for equality).
+std::vector<double> stat_values(const device_stats& s) {
+  std::vector<double> v;
+  for_each_stat(s, [&v](const stat_field& f, const auto& value) {
+    using V = std::decay_t<decltype(value)>;
+    if constexpr (std::is_same_v<V, stat_array>) {
+      for (const stat& x : value) {
+        v.insert(v.end(),
+                 {double(x.current), double(x.peak), double(x.allocated), double(x.freed)});
+      }
+    } else {
+      if (f.name != "take_back_count") v.push_back(double(value));
+    }
+  });
+  return v;
+}
+
+std::uintptr_t addr(void* p) {
+  return reinterpret_cast<std::uintptr_t>(p);
+}
+
+TEST(DeferCoalescing, APairOnOneStreamTakesItsBlockBack) {
+  sim_allocator a(deferring());
+  const stream_handle s = a.sim->create_stream();
+  void* x = a.alloc.allocate(64 * KiB, s);
+  a.alloc.deallocate(x, s);
+  void* y = a.alloc.allocate(64 * KiB, s);
+  EXPECT_EQ(y, x);
+  a.alloc.deallocate(y, s);
+  void* z = a.alloc.allocate(64 * KiB, s);
+  EXPECT_EQ(z, x);
+  const device_stats st = a.stats();
+  EXPECT_EQ(st.take_back_count, 2u);
+  EXPECT_EQ(st.allocation_count[0].allocated, 3);
+  EXPECT_EQ(st.allocation_count[0].current, 1);
+  EXPECT_EQ(st.inactive_split_count[0].current, 1);  // the segment's rest
+  a.alloc.deallocate(z, s);
+  a.alloc.check_invariants();
+  EXPECT_EQ(a.stats().inactive_split_count[0].current, 0);  // merged: one whole free segment
+  EXPECT_EQ(a.stats().free_block_count, 1u);
+  a.alloc.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  expect_no_leak(a);
+}
+
+TEST(DeferCoalescing, OffByDefaultAndInExpandableMode) {
+  for (const config& cfg : {config{}, [] {
+                              config c = deferring();
+                              c.expandable_segments = true;
+                              return c;
+                            }()}) {
+    sim_allocator a(cfg);
+    const stream_handle s = a.sim->create_stream();
+    for (int i = 0; i < 4; ++i) a.alloc.deallocate(a.alloc.allocate(64 * KiB, s), s);
+    EXPECT_EQ(a.stats().take_back_count, 0u) << to_string(cfg);
+    a.alloc.check_invariants();
+  }
+}
+
+// Whatever looks at the pool between the free and the next allocation merges the held block
+// first: a statistics read, an invariant check, a lookup. The allocation then carves best fit's
+// block as usual (the same address), with no take-back.
+TEST(DeferCoalescing, EveryOtherLockMergesTheHeldBlockFirst) {
+  sim_allocator a(deferring());
+  const stream_handle s = a.sim->create_stream();
+  void* keep = a.alloc.allocate(512, s);
+  void* x = a.alloc.allocate(64 * KiB, s);
+  const std::vector<std::function<void()>> lookers = {
+      [&] { (void)a.stats(); },
+      [&] { a.alloc.check_invariants(); },
+      [&] { (void)a.alloc.locate(keep); },
+      [&] { (void)a.alloc.max_allocatable(s); },
+      [&] { a.alloc.reset_peak_stats(); },
+  };
+  for (const auto& look : lookers) {
+    a.alloc.deallocate(x, s);
+    look();
+    x = a.alloc.allocate(64 * KiB, s);
+    EXPECT_EQ(a.stats().take_back_count, 0u);
+  }
+  a.alloc.deallocate(x, s);
+  a.alloc.deallocate(keep, s);
+  a.alloc.check_invariants();
+}
+
+// An exact-size free block elsewhere in the pool comes before the held block merged with the
+// segment's rest in best-fit order: the allocation gets that block, as without the setting.
+TEST(DeferCoalescing, ASmallerBestFitElsewhereWins) {
+  for (const bool defer : {false, true}) {
+    sim_allocator a(defer ? deferring() : config{});
+    const stream_handle s = a.sim->create_stream();
+    void* x = a.alloc.allocate(64 * KiB, s);      // segment offset 0
+    void* guard = a.alloc.allocate(64 * KiB, s);  // 64 KiB
+    void* y = a.alloc.allocate(64 * KiB, s);      // 128 KiB; the rest of the 2 MiB is free
+    a.alloc.deallocate(x, s);                     // x: free, 64 KiB, between nothing and guard
+    a.alloc.deallocate(y, s);                     // y: held (defer), its next the free rest
+    void* z = a.alloc.allocate(64 * KiB, s);
+    EXPECT_EQ(z, x) << "defer " << defer;
+    EXPECT_EQ(a.stats().take_back_count, 0u);
+    void* w = a.alloc.allocate(64 * KiB, s);
+    EXPECT_EQ(w, y) << "defer " << defer;
+    a.alloc.check_invariants();
+    for (void* p : {z, w, guard}) a.alloc.deallocate(p, s);
+  }
+}
+
+// Other sizes, a free previous block, another size class: the held block is merged and best fit
+// runs as usual.
+TEST(DeferCoalescing, OnlyTheExactSizeAndKindIsTakenBack) {
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "off");
+    sim_allocator a(defer ? deferring() : config{});
+    const stream_handle s = a.sim->create_stream();
+    void* x = a.alloc.allocate(64 * KiB, s);
+    a.alloc.deallocate(x, s);
+    EXPECT_EQ(a.alloc.allocate(32 * KiB, s), x);  // smaller: carved at the merged block's front
+    void* y = a.alloc.allocate(32 * KiB, s);
+    EXPECT_EQ(addr(y), addr(x) + 32 * KiB);
+    a.alloc.deallocate(x, s);  // held (its previous block: none)
+    a.alloc.deallocate(y, s);  // its previous block x is free: x merged first, then y into it
+    void* z = a.alloc.allocate(64 * KiB, s);
+    EXPECT_EQ(z, x);
+    a.alloc.deallocate(z, s);
+    void* big = a.alloc.allocate(4 * MiB, s);  // the large pool: the small held block merged
+    EXPECT_NE(a.alloc.allocate(64 * KiB, s), nullptr);
+    a.alloc.deallocate(big, s);
+    EXPECT_EQ(a.stats().take_back_count, 0u);
+    a.alloc.check_invariants();
+  }
+}
+
+// A held block is free: freeing it again is the same error as with the setting off, and changes
+// nothing.
+TEST(DeferCoalescing, ADoubleFreeOfAHeldBlockIsRefusedAsWithoutIt) {
+  sim_allocator a(deferring());
+  const stream_handle s = a.sim->create_stream();
+  void* x = a.alloc.allocate(64 * KiB, s);
+  a.alloc.deallocate(x, s);
+  EXPECT_FALSE(a.alloc.try_deallocate(x, s, true));
+  EXPECT_THROW(a.alloc.deallocate(x, s), invalid_argument);
+  EXPECT_EQ(a.alloc.allocate(64 * KiB, s), x);
+  a.alloc.check_invariants();
+}
+
+// max_split_size: a held oversize block is taken back only by a request the rules let take it,
+// and never split; a small remainder that the large pool does not split keeps the whole block.
+TEST(DeferCoalescing, SplitRulesDecideAsForTheMergedBlock) {
+  config base;
+  base.max_split_size = 64 * MiB;
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "off");
+    sim_allocator a(defer ? deferring(base) : base);
+    const stream_handle s = a.sim->create_stream();
+    std::vector<void*> got;
+    for (const std::size_t bytes : {100 * MiB, 100 * MiB, 90 * MiB, 3 * MiB, 3 * MiB}) {
+      void* p = a.alloc.allocate(bytes, s);
+      got.push_back(p);
+      a.alloc.deallocate(p, s);
+    }
+    void* q = a.alloc.allocate(19 * MiB, s);  // a 20 MiB segment's front, 1 MiB left unsplit
+    a.alloc.deallocate(q, s);
+    got.push_back(a.alloc.allocate(20 * MiB - 512, s));
+    EXPECT_EQ(got[1], got[0]);  // the oversize block, taken whole by the same size
+    EXPECT_EQ(got[2], got[0]);  // 90 MiB: within max_non_split_rounding, whole
+    EXPECT_EQ(got[4], got[3]);
+    a.alloc.check_invariants();
+    if (defer) {
+      EXPECT_GE(a.stats().take_back_count, 2u);
+    }
+  }
+}
+
+// A free that takes the general path (here: an observer attached after the block was held) merges
+// the held block before its own: the held block is the freed block's free neighbour.
+TEST(DeferCoalescing, AFreeOnTheGeneralPathMergesTheHeldBlockFirst) {
+  struct counting final : allocation_observer {
+    void on_allocate(const void*, std::size_t, stream_handle) noexcept override {}
+    void on_free(const void*, std::size_t, stream_handle) noexcept override { ++frees; }
+    void on_failure(std::size_t, stream_handle) noexcept override {}
+    std::atomic<int> frees{0};
+  };
+  sim_allocator a(deferring());
+  const stream_handle s = a.sim->create_stream();
+  void* x = a.alloc.allocate(64 * KiB, s);
+  void* y = a.alloc.allocate(64 * KiB, s);
+  void* guard = a.alloc.allocate(64 * KiB, s);  // y's next block stays allocated
+  a.alloc.deallocate(x, s);                     // held
+  auto obs = std::make_shared<counting>();
+  a.alloc.attach_observer(obs);
+  a.alloc.deallocate(y, s);  // the general path (an observer): x merged, then y into it
+  EXPECT_EQ(obs->frees.load(), 1);
+  a.alloc.check_invariants();
+  const device_stats st = a.stats();
+  EXPECT_EQ(st.free_block_count, 2u);  // x and y as one block; the segment's rest
+  EXPECT_EQ(st.inactive_split_count[0].current, 2);
+  EXPECT_EQ(a.alloc.allocate(128 * KiB, s), x);
+  a.alloc.check_invariants();
+  a.alloc.deallocate(guard, s);
+}
+
+// Blocks split under one max_split_size and freed under a lower one (set_size_rules): a held
+// block whose merged block is now oversize is taken back only where the rules would hand out
+// that merged block split at the held block's end -- here never: once whole (under
+// max_non_split_rounding), once not at all (a new segment).
+TEST(DeferCoalescing, SplitRulesChangedAtRunTimeDecideAsForTheMergedBlock) {
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "off");
+    sim_allocator a(defer ? deferring() : config{});
+    const stream_handle s = a.sim->create_stream();
+    // Two segments, each split under no cap: [100 MiB | 10 MiB free], [40 MiB | 30 MiB free].
+    void* w = a.alloc.allocate(110 * MiB, s);
+    void* v = a.alloc.allocate(70 * MiB, s);
+    a.alloc.deallocate(w, s);
+    a.alloc.deallocate(v, s);
+    void* h1 = a.alloc.allocate(100 * MiB, s);
+    EXPECT_EQ(h1, w);
+    void* h2 = a.alloc.allocate(40 * MiB, s);
+    EXPECT_EQ(h2, v);
+    config capped = a.alloc.get_config();
+    capped.max_split_size = 64 * MiB;
+    a.alloc.set_size_rules(capped);
+    // 100 MiB + 10 free: oversize, within max_non_split_rounding of 100 MiB: taken whole.
+    a.alloc.deallocate(h1, s);
+    void* again1 = a.alloc.allocate(100 * MiB, s);
+    EXPECT_EQ(again1, w);
+    EXPECT_EQ(a.stats().allocated_bytes[0].current, static_cast<std::int64_t>(150 * MiB));
+    // 40 MiB + 30 free: oversize, and a 40 MiB request may not take an oversize block: the
+    // cached oversize segment goes back to the device and a new one is made (the device may
+    // hand out the same address).
+    a.alloc.deallocate(h2, s);
+    const std::uint64_t mallocs = a.mallocs();
+    const std::uint64_t frees = a.frees();
+    void* again2 = a.alloc.allocate(40 * MiB, s);
+    EXPECT_EQ(a.mallocs(), mallocs + 1);
+    EXPECT_EQ(a.frees(), frees + 1);
+    EXPECT_EQ(a.stats().take_back_count, 0u);
+    a.alloc.check_invariants();
+    a.alloc.deallocate(again1, s);
+    a.alloc.deallocate(again2, s);
+  }
+}
+
+// The twin program: the same seeded operations on two allocators, one deferring; every
+// allocation must get the same address, and the statistics and invariants must agree whenever
+// they are read (every 37 operations: a read merges the held block, so reading after every
+// operation would leave nothing to take back).
+void run_twins(const config& base, std::uint64_t seed, int ops) {
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  sim_options o;
+  o.capacity_bytes = 2 * GiB;
+  sim_allocator plain(base, o);
+  sim_allocator deferred(deferring(base), o);
+  std::mt19937_64 rng(seed);
+  std::vector<stream_handle> streams;
+  for (int i = 0; i < 3; ++i) {
+    const stream_handle s = plain.sim->create_stream();
+    ASSERT_EQ(deferred.sim->create_stream(), s);
+    streams.push_back(s);
+  }
+  struct live {
+    void* p;
+    stream_handle s;
+    std::size_t bytes;
+  };
+  std::vector<live> lives;
+  const std::size_t sizes[] = {512, 4 * KiB, 64 * KiB, 64 * KiB, 1 * MiB, 3 * MiB, 24 * MiB};
+  std::size_t last_freed = 64 * KiB;
+  for (int op = 0; op < ops; ++op) {
+    SCOPED_TRACE("op " + std::to_string(op));
+    const unsigned r = static_cast<unsigned>(rng() % 100);
+    if (r < 45 || lives.empty()) {
+      // Half the allocations repeat the last freed size: the pattern take-backs serve.
+      const std::size_t bytes =
+          rng() % 2 == 0 ? last_freed : sizes[rng() % std::size(sizes)] + rng() % 3 * 512;
+      const stream_handle s = streams[rng() % streams.size()];
+      void* p = nullptr;
+      void* q = nullptr;
+      try {
+        p = plain.alloc.allocate(bytes, s);
+      } catch (const out_of_memory&) {
+      }
+      try {
+        q = deferred.alloc.allocate(bytes, s);
+      } catch (const out_of_memory&) {
+      }
+      ASSERT_EQ(p, q) << bytes << " bytes";
+      if (p != nullptr) lives.push_back({p, s, bytes});
+    } else if (r < 92) {
+      // Mostly the newest block (a pair), else any.
+      const std::size_t i = rng() % 3 == 0 ? rng() % lives.size() : lives.size() - 1;
+      plain.alloc.deallocate(lives[i].p, lives[i].s);
+      deferred.alloc.deallocate(lives[i].p, lives[i].s);
+      last_freed = lives[i].bytes;
+      lives[i] = lives.back();
+      lives.pop_back();
+    } else if (r < 95) {
+      plain.alloc.empty_cache();
+      deferred.alloc.empty_cache();
+    } else if (r < 97) {
+      // A free on another stream than the block's (cross-stream: an event, then pending).
+      const std::size_t i = rng() % lives.size();
+      const stream_handle other = streams[(rng() % 2 + 1) % streams.size()];
+      plain.alloc.record_stream(lives[i].p, other);
+      deferred.alloc.record_stream(lives[i].p, other);
+    } else {
+      plain.sim->complete_all();
+      deferred.sim->complete_all();
+    }
+    if (op % 37 == 0) {
+      ASSERT_EQ(stat_values(plain.stats()), stat_values(deferred.stats()));
+      deferred.alloc.check_invariants();
+    }
+  }
+  for (const live& l : lives) {
+    plain.alloc.deallocate(l.p, l.s);
+    deferred.alloc.deallocate(l.p, l.s);
+  }
+  EXPECT_EQ(stat_values(plain.stats()), stat_values(deferred.stats()));
+  deferred.alloc.check_invariants();
+  EXPECT_GT(deferred.stats().take_back_count, static_cast<std::uint64_t>(ops / 50))
+      << "the program must exercise take-backs";
+  EXPECT_EQ(plain.stats().take_back_count, 0u);
+}
+
+TEST(DeferCoalescing, TwinProgramsAgreeOnEveryAddressAndStatistic) {
+  std::uint64_t seed = 20261206;
+  if (const char* e = std::getenv("CUCACHE_RANDOM_SEED")) seed = std::strtoull(e, nullptr, 10);
+  run_twins({}, seed, 20'000);
+}
+
+TEST(DeferCoalescing, TwinProgramsAgreeUnderSplitRules) {
+  config c;
+  c.max_split_size = 20 * MiB;
+  c.roundup_power2_divisions.assign(k_roundup_power2_intervals, 4);
+  run_twins(c, 7, 10'000);
+}
+
+// Threads on their own streams while one of them reads the statistics, which merges every pool's
+// held block under that pool's lock: the invariants hold and nothing is lost (ThreadSanitizer
+// runs this too).
+TEST(DeferCoalescing, ThreadsKeepTheHeldBlocksUnderTheirPoolLocks) {
+  sim_allocator a(deferring());
+  std::vector<stream_handle> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(a.sim->create_stream());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t));
+      std::vector<void*> mine;
+      for (int i = 0; i < 5'000; ++i) {
+        const stream_handle s = streams[static_cast<std::size_t>(t)];
+        if (mine.empty() || rng() % 2 == 0) {
+          mine.push_back(a.alloc.allocate(64 * KiB << (rng() % 3), s));
+        } else {
+          a.alloc.deallocate(mine.back(), s);
+          mine.pop_back();
+        }
+        if (t == 0 && i % 101 == 0) (void)a.stats();  // merges every pool's held block
+      }
+      for (void* p : mine) a.alloc.deallocate(p, streams[static_cast<std::size_t>(t)]);
+    });
+  }
+  for (auto& th : threads) th.join();
+  a.alloc.check_invariants();
+  const device_stats s = a.stats();
+  EXPECT_EQ(s.allocation_count[0].current, 0);
+  EXPECT_GT(s.take_back_count, 0u);
+  a.alloc.empty_cache();
+  expect_no_leak(a);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+}
+
+}  // namespace
+}  // namespace cucache::test
