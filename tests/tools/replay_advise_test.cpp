@@ -1,17 +1,19 @@
 // cucache-replay --advise on the bundled trace (traces/resnet50_train.csv.gz), on the simulated
 // device, whose figures are exact: the ranked table, the recommendation, each row's minimum
 // capacity equal to what --fit finds for that setting, --capacity-gib, --json and bad input; the
-// progress line's "setting k of N" and the note that CUCACHE_CONF is not taken.
+// progress line's "setting k of N" and the note that CUCACHE_CONF is not taken. defer_coalescing on
+// synthetic traces: added to a default-mode recommendation whose allocations take the held block
+// back at least k_defer_coalescing_min_share of the time, never to an expandable one.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <map>
-#include <optional>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,15 +33,13 @@ using test::run;
 const std::filesystem::path k_resnet =
     std::filesystem::path(CUCACHE_SOURCE_DIR) / "traces" / "resnet50_train.csv.gz";
 
-
 TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_resnet50) {
   const cli_run r = run({"--advise", "--backend", "sim", k_resnet.string()});
   ASSERT_EQ(r.status, 0) << r.err;
   // Expandable segments with coarse handles (their default) tie one handle per page on minimum
   // capacity and peak reserved bytes here, and make a quarter of its device calls (399 against
   // 1,533).
-  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"),
-            std::string::npos)
+  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"), std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF: not measured"),
             std::string::npos)
@@ -49,9 +49,8 @@ TEST(replay_advise, ranks_the_candidates_and_recommends_expandable_segments_for_
   // The table has a legend, as the replay's and --fit's have: every column named.
   const std::size_t legend = r.out.find("\nlegend:\n");
   ASSERT_NE(legend, std::string::npos) << r.out;
-  for (const char* column :
-       {"  rank ", "  min capacity ", "  min/req ", "  peak reserved ", "  device calls ",
-        "  VM calls "}) {
+  for (const char* column : {"  rank ", "  min capacity ", "  min/req ", "  peak reserved ",
+                             "  device calls ", "  VM calls "}) {
     EXPECT_NE(r.out.find(column, legend), std::string::npos) << column << " not in the legend:\n"
                                                              << r.out;
   }
@@ -216,9 +215,8 @@ struct scripted_pytorch {
 TEST(replay_advise, pytorch_settings_are_fitted_in_pytorchs_spelling_and_ranked) {
   const prepared_trace trace = load_trace(k_resnet);
   scripted_pytorch script;
-  script.over_requested = {{"", 1.10},
-                           {"expandable_segments:True", 1.01},
-                           {"max_split_size_mb:256", 1.05}};
+  script.over_requested = {
+      {"", 1.10}, {"expandable_segments:True", 1.01}, {"max_split_size_mb:256", 1.05}};
   script.failing = "roundup_power2_divisions:2";
   options o;
   o.backend = backend_kind::sim;
@@ -322,8 +320,7 @@ TEST(replay_advise, peers_c10_without_the_shim_is_a_clear_note_from_the_child) {
   EXPECT_TRUE(j["pytorch_alloc_conf"].is_null());
   ASSERT_EQ(j["pytorch_rows"].size(), 11u);
   const std::string note = j["pytorch_note"];
-  EXPECT_NE(note.find("c10 peer: /nonexistent/libcucache_c10_peer.so not found"),
-            std::string::npos)
+  EXPECT_NE(note.find("c10 peer: /nonexistent/libcucache_c10_peer.so not found"), std::string::npos)
       << note;
 
   const cli_run bad = run({"--advise", "--peers", "cudaMallocAsync", k_resnet.string()});
@@ -382,9 +379,204 @@ TEST(replay_advise, says_that_it_ignores_cucache_conf) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("--advise ignores CUCACHE_CONF in the environment"), std::string::npos)
       << r.err;
-  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"),
-            std::string::npos)
+  EXPECT_NE(r.out.find("recommended: CUCACHE_CONF=expandable_segments:True\n"), std::string::npos)
       << r.out;
+}
+
+// --- defer_coalescing: added to a default-mode recommendation when allocations take back --------
+
+using test::trace_builder;
+
+constexpr std::size_t k_kib = std::size_t{1} << 10;
+constexpr std::size_t k_mib_bytes = std::size_t{1} << 20;
+
+/// A long-lived block, then `pairs` allocations of one size each freed before the next: every
+/// allocation after the first takes the held block back.
+prepared_trace same_size_pairs(int pairs) {
+  trace_builder t;
+  t.alloc(0x100000, 4 * k_kib);
+  for (int i = 0; i < pairs; ++i) t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
+  return prepare(parse_trace(t.text()), "same_size_pairs");
+}
+
+/// Each allocation is larger than the one freed before it: none can take a held block back.
+prepared_trace growing_sizes(int pairs) {
+  trace_builder t;
+  t.alloc(0x100000, 4 * k_kib);
+  for (int i = 0; i < pairs; ++i) {
+    const std::size_t size = static_cast<std::size_t>(i + 1) * 2 * k_kib;
+    t.alloc(0x200000, size).free(0x200000, size);
+  }
+  return prepare(parse_trace(t.text()), "growing_sizes");
+}
+
+/// Every allocation first, then every free: no allocation follows a free.
+prepared_trace all_then_free(int n) {
+  trace_builder t;
+  for (int i = 0; i < n; ++i) t.alloc(0x100000 + 0x100000 * i, 256 * k_kib);
+  for (int i = 0; i < n; ++i) t.free(0x100000 + 0x100000 * i, 256 * k_kib);
+  return prepare(parse_trace(t.text()), "all_then_free");
+}
+
+advice advise_sim(const prepared_trace& trace, std::optional<std::size_t> capacity = std::nullopt) {
+  options o;
+  o.backend = backend_kind::sim;
+  return advise_trace(trace, o, fit_options{}, capacity);
+}
+
+TEST(replay_advise, same_size_pairs_get_defer_coalescing) {
+  const advice a = advise_sim(same_size_pairs(200));
+  ASSERT_FALSE(a.no_fit);
+  const advice_row& best = a.rows.front();
+  ASSERT_TRUE(best.ok) << best.error;
+  ASSERT_FALSE(parse_config(best.conf).expandable_segments) << best.conf;
+  ASSERT_TRUE(a.take_back_share.has_value()) << a.defer_note;
+  EXPECT_EQ(a.allocations, 201u);
+  EXPECT_EQ(a.take_backs, 199u);  // all but the long-lived block and the first of the pairs
+  EXPECT_GT(*a.take_back_share, 0.98);
+  EXPECT_TRUE(a.defer_coalescing);
+  EXPECT_EQ(a.defer_min_share, k_defer_coalescing_min_share);
+  // The best row's setting with the key appended, comma-joined: what a user sets.
+  EXPECT_EQ(a.recommended_conf, best.conf.empty() ? std::string("defer_coalescing:True")
+                                                  : best.conf + ",defer_coalescing:True");
+  config expected = parse_config(best.conf);
+  expected.defer_coalescing = true;
+  EXPECT_EQ(parse_config(a.recommended_conf), expected);
+  // The rows themselves are measured without it.
+  for (const advice_row& r : a.rows) EXPECT_FALSE(parse_config(r.conf).defer_coalescing) << r.conf;
+
+  const nlohmann::json j = to_json(a);
+  EXPECT_EQ(j["recommended_conf"], a.recommended_conf);
+  EXPECT_TRUE(j["defer_coalescing"]["recommended"].get<bool>());
+  EXPECT_DOUBLE_EQ(j["defer_coalescing"]["take_back_share"].get<double>(), *a.take_back_share);
+  EXPECT_EQ(j["defer_coalescing"]["take_backs"].get<std::uint64_t>(), 199u);
+  EXPECT_EQ(j["defer_coalescing"]["allocations"].get<std::size_t>(), 201u);
+  EXPECT_DOUBLE_EQ(j["defer_coalescing"]["min_share"].get<double>(), k_defer_coalescing_min_share);
+  const std::string text = format_advice(a);
+  EXPECT_NE(text.find("recommended: CUCACHE_CONF=" + a.recommended_conf + "\n"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("defer_coalescing: 99.0% of allocations took the held freed block back (199 "
+                      "of 201)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("at or above the 20% break-even"), std::string::npos) << text;
+  EXPECT_NE(text.find(": added to the recommendation\n"), std::string::npos) << text;
+}
+
+TEST(replay_advise, same_size_pairs_through_the_cli_print_a_parseable_conf) {
+  const auto path = std::filesystem::temp_directory_path() / "cucache_advise_pairs.csv";
+  {
+    trace_builder t;
+    t.alloc(0x100000, 4 * k_kib);
+    for (int i = 0; i < 100; ++i) t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
+    std::ofstream(path) << t.text();
+  }
+  const cli_run r = run({"--advise", "--json", "--backend", "sim", path.string()});
+  std::filesystem::remove(path);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const std::string conf = j["recommended_conf"];
+  EXPECT_TRUE(parse_config(conf).defer_coalescing) << conf;
+  EXPECT_GT(j["defer_coalescing"]["take_back_share"].get<double>(), 0.98);
+}
+
+TEST(replay_advise, frees_never_followed_by_their_size_do_not_get_defer_coalescing) {
+  for (const prepared_trace& trace : {growing_sizes(200), all_then_free(64)}) {
+    SCOPED_TRACE(trace.name);
+    const advice a = advise_sim(trace);
+    ASSERT_FALSE(a.no_fit);
+    const advice_row& best = a.rows.front();
+    ASSERT_TRUE(best.ok) << best.error;
+    ASSERT_FALSE(parse_config(best.conf).expandable_segments) << best.conf;
+    ASSERT_TRUE(a.take_back_share.has_value()) << a.defer_note;
+    EXPECT_EQ(a.take_backs, 0u);
+    EXPECT_EQ(*a.take_back_share, 0.0);
+    EXPECT_FALSE(a.defer_coalescing);
+    EXPECT_EQ(a.recommended_conf, best.conf);
+    EXPECT_FALSE(parse_config(a.recommended_conf).defer_coalescing);
+    const nlohmann::json j = to_json(a);
+    EXPECT_FALSE(j["defer_coalescing"]["recommended"].get<bool>());
+    EXPECT_EQ(j["defer_coalescing"]["take_back_share"].get<double>(), 0.0);
+    const std::string text = format_advice(a);
+    EXPECT_NE(text.find("below the 20% break-even"), std::string::npos) << text;
+    EXPECT_NE(text.find(": not added\n"), std::string::npos) << text;
+  }
+}
+
+// The break-even share itself is enough: one take-back in five allocations (0.20) adds the key,
+// one in six does not.
+TEST(replay_advise, the_break_even_share_is_inclusive) {
+  for (const int others : {2, 3}) {
+    SCOPED_TRACE(others);
+    trace_builder t;
+    t.alloc(0x100000, 4 * k_kib);
+    t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
+    t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);  // the take-back
+    for (int i = 0; i < others; ++i) {
+      const std::size_t size = static_cast<std::size_t>(i + 1) * 8 * k_kib;  // never the last size
+      t.alloc(0x300000, size).free(0x300000, size);
+    }
+    const advice a = advise_sim(prepare(parse_trace(t.text()), "one_take_back"));
+    ASSERT_FALSE(parse_config(a.rows.front().conf).expandable_segments) << a.rows.front().conf;
+    ASSERT_TRUE(a.take_back_share.has_value()) << a.defer_note;
+    EXPECT_EQ(a.take_backs, 1u);
+    EXPECT_EQ(a.allocations, static_cast<std::size_t>(3 + others));
+    EXPECT_EQ(a.defer_coalescing, others == 2);
+    EXPECT_EQ(parse_config(a.recommended_conf).defer_coalescing, others == 2) << a.recommended_conf;
+  }
+}
+
+// Expandable segments ignore the key: when their row is the best, the advisor does not replay
+// with it and never appends it, however the trace would take blocks back.
+TEST(replay_advise, an_expandable_recommendation_never_gets_defer_coalescing) {
+  // resnet50_train: expandable segments rank first.
+  const prepared_trace trace = load_trace(k_resnet);
+  const advice a = advise_sim(trace);
+  ASSERT_EQ(a.recommended_conf, "expandable_segments:True");
+  EXPECT_FALSE(a.take_back_share.has_value());
+  EXPECT_FALSE(a.defer_coalescing);
+  EXPECT_EQ(a.defer_note, "not considered: it has no effect with expandable segments");
+  const nlohmann::json j = to_json(a);
+  EXPECT_TRUE(j["defer_coalescing"]["take_back_share"].is_null());
+  EXPECT_FALSE(j["defer_coalescing"]["recommended"].get<bool>());
+  EXPECT_NE(format_advice(a).find("defer_coalescing: not considered: it has no effect with "
+                                  "expandable segments\n"),
+            std::string::npos);
+
+  // A fragmenting start that only expandable segments fit tightly (three 4 MiB blocks kept out of
+  // five in one segment, then 8 MiB), then same-size pairs that would all take back.
+  trace_builder t;
+  for (int i = 0; i < 5; ++i) t.alloc(0x10000000 + 0x1000000 * i, 4 * k_mib_bytes);
+  t.free(0x11000000, 4 * k_mib_bytes).free(0x13000000, 4 * k_mib_bytes);
+  t.alloc(0x20000000, 8 * k_mib_bytes);
+  for (int i = 0; i < 200; ++i)
+    t.alloc(0x30000000, 4 * k_mib_bytes).free(0x30000000, 4 * k_mib_bytes);
+  const advice e = advise_sim(prepare(parse_trace(t.text()), "fragmenting_then_pairs"));
+  ASSERT_FALSE(e.no_fit);
+  ASSERT_TRUE(parse_config(e.rows.front().conf).expandable_segments) << format_advice(e);
+  EXPECT_FALSE(e.take_back_share.has_value());
+  EXPECT_FALSE(parse_config(e.recommended_conf).defer_coalescing) << e.recommended_conf;
+  EXPECT_EQ(e.recommended_conf, e.rows.front().conf);
+}
+
+// With a card, the recommendation is the cheapest setting that fits; in the default mode the share
+// is measured on that card (resnet50_train: reserve_mb:2740 on 3.05 GiB, rarely taken back).
+TEST(replay_advise, a_default_mode_pick_on_a_card_is_weighed_too) {
+  const prepared_trace trace = load_trace(k_resnet);
+  const advice a = advise_sim(trace, std::size_t{3274912563});  // 3.05 GiB
+  ASSERT_EQ(a.rows.front().conf, "reserve_mb:2740");
+  ASSERT_TRUE(a.take_back_share.has_value()) << a.defer_note;
+  EXPECT_EQ(a.allocations, 6843u);
+  EXPECT_LT(*a.take_back_share, 0.01);
+  EXPECT_EQ(a.recommended_conf, "reserve_mb:2740");
+}
+
+TEST(replay_advise, no_recommendation_weighs_nothing) {
+  const prepared_trace trace = load_trace(k_resnet);
+  const advice a = advise_sim(trace, std::size_t{2} << 30);
+  ASSERT_TRUE(a.no_fit);
+  EXPECT_FALSE(a.take_back_share.has_value());
+  EXPECT_TRUE(to_json(a)["recommended_conf"].is_null());
 }
 
 }  // namespace

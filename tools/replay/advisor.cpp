@@ -67,9 +67,9 @@ bool pytorch_shares(const std::string& conf) {
 std::vector<std::string> advice_candidates(const prepared_trace& trace) {
   std::vector<std::string> c = {
       "",
-      // Coarse handles (the default in expandable mode, docs/decisions/0022 and 0023): fewer, larger
-      // handles while half the capacity is to spare; under a limit near the minimum capacity it
-      // behaves as one handle per page. One handle per page (coarse_handles:0) wins where its
+      // Coarse handles (the default in expandable mode, docs/decisions/0022 and 0023): fewer,
+      // larger handles while half the capacity is to spare; under a limit near the minimum capacity
+      // it behaves as one handle per page. One handle per page (coarse_handles:0) wins where its
       // minimum capacity is lower (a program that grows from plenty into pressure).
       "expandable_segments:True",
       "expandable_segments:True,coarse_handles:0",
@@ -108,6 +108,50 @@ const advice_row* best_row(const std::vector<advice_row>& rows,
                            std::optional<std::size_t> capacity) {
   const advice_row& top = rows.front();
   return top.ok && (!capacity || top.fits.value_or(false)) ? &top : nullptr;
+}
+
+/// defer_coalescing on top of the recommended row (advice::take_back_share): one more replay
+/// under its setting with the deferral on, on the card when a capacity is given, as the measuring
+/// replay is. Placement and every memory figure are the same with the deferral as without it, so
+/// the row's ranking stands; only the host time differs, by the share of allocations that take
+/// the held block back (k_defer_coalescing_min_share).
+void weigh_defer_coalescing(advice& a, const advice_row& best, const prepared_trace& trace,
+                            const options& base, std::optional<std::size_t> capacity) {
+  config cfg = parse_config(best.conf);
+  if (cfg.expandable_segments) {
+    a.defer_note = "not considered: it has no effect with expandable segments";
+    return;
+  }
+  if (cfg.defer_coalescing) {
+    a.defer_note = "already in the recommended setting";
+    return;
+  }
+  cfg.defer_coalescing = true;
+  try {
+    options opts = base;
+    opts.cfg = cfg;
+    opts.capacity_bytes = capacity;
+    opts.repeat = 1;
+    opts.peers.clear();
+    const trace_result r = replay_trace(trace, opts);
+    a.take_backs = r.stats.take_back_count;
+    a.allocations = r.allocations;
+  } catch (const std::exception& e) {
+    a.defer_note = fmt::format("not measured: {}", e.what());
+    return;
+  }
+  const double share = a.allocations == 0
+                           ? 0.0
+                           : static_cast<double>(a.take_backs) / static_cast<double>(a.allocations);
+  a.take_back_share = share;
+  a.defer_coalescing = share >= a.defer_min_share;
+  a.defer_note = a.defer_coalescing
+                     ? "added: the take-back share is at least the break-even share"
+                     : "not added: the take-back share is below the break-even share";
+  if (a.defer_coalescing) {
+    a.recommended_conf = a.recommended_conf.empty() ? "defer_coalescing:True"
+                                                    : a.recommended_conf + ",defer_coalescing:True";
+  }
 }
 
 }  // namespace
@@ -155,8 +199,11 @@ advice advise_trace(const prepared_trace& trace, const options& base, const fit_
   rank(a.rows, capacity.has_value());
   if (const advice_row* best = best_row(a.rows, capacity)) {
     a.recommended_conf = best->conf;
+    where.set("defer_coalescing: ");
+    weigh_defer_coalescing(a, *best, trace, base, capacity);
   } else {
     a.no_fit = true;
+    a.defer_note = "not considered: no setting is recommended";
   }
   if (!pytorch) {
     a.pytorch_note =
@@ -296,6 +343,16 @@ nlohmann::json to_json(const advice& a) {
   } else {
     out["recommended_conf"] = a.recommended_conf;
   }
+  nlohmann::json defer = {{"recommended", a.defer_coalescing},
+                          {"min_share", a.defer_min_share},
+                          {"take_back_share", nullptr},
+                          {"note", a.defer_note}};
+  if (a.take_back_share) {
+    defer["take_back_share"] = *a.take_back_share;
+    defer["take_backs"] = a.take_backs;
+    defer["allocations"] = a.allocations;
+  }
+  out["defer_coalescing"] = std::move(defer);
   return out;
 }
 
@@ -343,11 +400,25 @@ std::string advice_legend(const advice& a) {
   line("min/req", "min capacity / the trace's peak requested bytes; 1.0 is the floor");
   line("peak reserved", a.capacity_bytes ? "peak reserved bytes of a replay on the card"
                                          : "peak reserved bytes of a replay without a limit");
-  line("device calls", "cudaMalloc and cudaFree calls of that replay (with expandable segments: "
-                       "cuMemCreate and cuMemRelease)");
+  line("device calls",
+       "cudaMalloc and cudaFree calls of that replay (with expandable segments: "
+       "cuMemCreate and cuMemRelease)");
   line("VM calls", "cuMemMap and cuMemUnmap calls of that replay (expandable segments only)");
-  if (a.capacity_bytes) line("fits", "whether min capacity is within the card given (--capacity-gib)");
+  if (a.capacity_bytes)
+    line("fits", "whether min capacity is within the card given (--capacity-gib)");
   return s;
+}
+
+/// What the advisor decided about defer_coalescing:True (advice::take_back_share).
+std::string defer_line(const advice& a) {
+  if (!a.take_back_share) return fmt::format("defer_coalescing: {}\n", a.defer_note);
+  return fmt::format(
+      "defer_coalescing: {:.1f}% of allocations took the held freed block back ({} of {}) under "
+      "the recommended setting with defer_coalescing:True; {} the {:.0f}% break-even (host time "
+      "only; memory figures are the same): {}\n",
+      100.0 * *a.take_back_share, a.take_backs, a.allocations,
+      a.defer_coalescing ? "at or above" : "below", 100.0 * a.defer_min_share,
+      a.defer_coalescing ? "added to the recommendation" : "not added");
 }
 
 }  // namespace
@@ -368,6 +439,7 @@ std::string format_advice(const advice& a) {
                      a.recommended_conf.empty() ? "\"\"" : a.recommended_conf,
                      a.recommended_conf.empty() ? " (the defaults)" : "");
   }
+  s += defer_line(a);
   if (!a.pytorch_rows.empty()) {
     s += "PyTorch's allocator (c10, on the GPU) under the settings PyTorch shares:\n";
     s += rows_table(a, a.pytorch_rows, "setting (PYTORCH_ALLOC_CONF)", false);

@@ -33,6 +33,16 @@ struct advice_row {
   std::optional<bool> fits;             ///< with a capacity: min capacity <= it
 };
 
+/// defer_coalescing:True (docs/advisor.md, "defer_coalescing"): added to the recommendation when at
+/// least this share of the allocations, replayed under the recommended setting with the deferral
+/// on, took the pool's held freed block back. Derived from callgrind counts of the allocator's
+/// instructions (allocate + deallocate) in cold replays of the seven bundled traces with and
+/// without the setting: delta ~= a * (frees not taken back) - b * (take-backs), least squares
+/// a = 18-19 and b = 75-80 instructions (break-even a / (a + b) = 0.19-0.20); a synthetic trace
+/// of same-size pairs gave b = 117 and one of never-repeated sizes a = 32 (0.21). Above the
+/// break-even the setting saves host time, below it costs some; 0.20 is that break-even rounded.
+inline constexpr double k_defer_coalescing_min_share = 0.20;
+
 struct advice {
   std::string trace;
   std::string backend;
@@ -44,6 +54,18 @@ struct advice {
   /// The best row's CUCACHE_CONF, or "" with no_fit true when nothing fits the capacity.
   std::string recommended_conf;
   bool no_fit = false;
+  /// defer_coalescing: the share of allocations that took the held block back (take_back_count /
+  /// allocations) in one more replay under the best row's setting plus defer_coalescing:True; set
+  /// only when that row is ok and in the default mode (the key does nothing with expandable
+  /// segments). At least defer_min_share: recommended_conf ends with ",defer_coalescing:True"
+  /// (or is just that), and defer_coalescing is true.
+  std::optional<double> take_back_share;
+  std::uint64_t take_backs = 0;  ///< take_back_count of that replay
+  std::size_t allocations = 0;   ///< the trace's allocations (that replay's)
+  double defer_min_share = k_defer_coalescing_min_share;
+  bool defer_coalescing = false;
+  /// Why take_back_share is absent, or what it decided (format_advice prints it).
+  std::string defer_note;
   /// PYTORCH_CUDA_ALLOC_CONF: what the advisor can say about it (see advise_trace).
   std::string pytorch_note;
   /// With a PyTorch fitter: PyTorch's own allocator under each candidate PyTorch shares, ranked
@@ -68,9 +90,9 @@ using pytorch_fitter = std::function<advice_row(
                                           const std::string& pytorch_conf, const fit_options& fit);
 
 /// The candidate settings for a trace: the defaults, expandable segments (coarse handles, their
-/// default, and coarse_handles:0), max_split_size_mb 64, 128, 256 and 512, garbage_collection_threshold 0.6 and
-/// 0.8, roundup_power2_divisions 2, 4 and 8, and reserve_mb (90% of the trace's peak requested
-/// bytes) in both modes.
+/// default, and coarse_handles:0), max_split_size_mb 64, 128, 256 and 512,
+/// garbage_collection_threshold 0.6 and 0.8, roundup_power2_divisions 2, 4 and 8, and reserve_mb
+/// (90% of the trace's peak requested bytes) in both modes.
 [[nodiscard]] std::vector<std::string> advice_candidates(const prepared_trace& trace);
 
 /// Throws invalid_argument unless `base` replays on the simulated device (--backend sim), where
