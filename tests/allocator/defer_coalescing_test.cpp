@@ -7,8 +7,8 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <memory>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
