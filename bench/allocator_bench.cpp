@@ -135,14 +135,17 @@ void set_memory_counters(benchmark::State& state, double reserved, double reserv
 /// `streams`: with stream destructions announced too (the thread's cached stream id, no id query;
 /// "Announced stream destructions"), what the LD_PRELOAD shim offers with
 /// CUCACHE_PRELOAD_STREAMS=announced. The bench announces its own destructions. `defer`: with
-/// defer_coalescing:True (default mode, both announced: the pair the setting is for).
+/// defer_coalescing:True (both announced: the pair the setting is for), in either mode.
 template <bool gpu, bool expandable = false, bool announced = false, bool streams = false,
           bool defer = false>
 class cucache_alloc {
  public:
-  static_assert(!defer || (streams && !expandable), "defer is measured in one mode only");
+  static_assert(!defer || streams, "defer is measured with both announced only");
   static constexpr const char* k_name =
-      defer ? (gpu ? "cucache_cuda_streams_announced_defer" : "cucache_sim_streams_announced_defer")
+      defer ? (gpu ? (expandable ? "cucache_cuda_expandable_streams_announced_defer"
+                                 : "cucache_cuda_streams_announced_defer")
+                   : (expandable ? "cucache_sim_expandable_streams_announced_defer"
+                                 : "cucache_sim_streams_announced_defer"))
       : streams ? (gpu ? (expandable ? "cucache_cuda_expandable_streams_announced"
                                      : "cucache_cuda_streams_announced")
                        : (expandable ? "cucache_sim_expandable_streams_announced"
@@ -861,7 +864,8 @@ int run(int argc, char** argv) {
 
   std::vector<allocator_entry> allocators{
       entry_of<cucache_alloc<false>>(), entry_of<cucache_alloc<false, true>>(),
-      pairs_only<cucache_alloc<false, false, true, true, true>>()};
+      pairs_only<cucache_alloc<false, false, true, true, true>>(),
+      pairs_only<cucache_alloc<false, true, true, true, true>>()};
   if (count_devices(backend_kind::cuda).count > 0) {
     try {
       make_gpu_streams();
@@ -876,6 +880,7 @@ int run(int argc, char** argv) {
       allocators.push_back(pairs_only<cucache_alloc<true, false, true, true>>());
       allocators.push_back(pairs_only<cucache_alloc<true, true, true, true>>());
       allocators.push_back(pairs_only<cucache_alloc<true, false, true, true, true>>());
+      allocators.push_back(pairs_only<cucache_alloc<true, true, true, true, true>>());
       register_stream_queries();
       // No scatter case for cudaMalloc: nothing cached, so nothing to index.
       allocator_entry cuda_malloc = entry_of<cuda_malloc_alloc>();

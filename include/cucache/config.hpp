@@ -53,11 +53,12 @@ struct config {
   /// with half the capacity to spare, physical handles of up to N pages for every block, kept when
   /// a later carve cuts them. 0 = off (one handle per page, chunks for blocks of 256 MiB or more).
   std::size_t coarse_handle_pages = 8;
-  /// Segments (defer_coalescing:True, default off): each stream pool keeps its last freed block
-  /// unmerged until its next step, and an allocation that best fit would give exactly that block
-  /// takes it back without the merge and the split -- placement and statistics as without it.
-  /// Pays where one stream frees and allocates the same size in turn; costs a little elsewhere
-  /// (docs/config.md; the advisor measures which). No effect with expandable_segments:True.
+  /// defer_coalescing:True (default off): each stream pool keeps its last freed block unmerged
+  /// until its next step, and an allocation that best fit would give exactly that block takes it
+  /// back without the merge and the split (in expandable mode also without the page steps:
+  /// the block's pages stay touched while it is held) -- placement, statistics and device calls
+  /// as without it. Pays where one stream frees and allocates the same size in turn; costs a
+  /// little elsewhere (docs/config.md; the advisor measures which).
   bool defer_coalescing = false;
   /// Path of an RMM-format CSV trace to record every allocation to. Empty = off.
   std::string trace_path;

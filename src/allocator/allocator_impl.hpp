@@ -282,7 +282,7 @@ struct device_allocator::impl {
   config cfg;
   /// defer_coalescing in force: segments only (docs/config.md). A free on the fast path then
   /// holds its block in the pool's lock (pool_mutex::hold) instead of merging it.
-  const bool defer_frees = cfg.defer_coalescing && !cfg.expandable_segments;
+  const bool defer_frees = cfg.defer_coalescing;
   /// Who listens (null: nobody). Published once -- at construction or by attach_observer -- and
   /// read without a lock on every allocation and free: one load, as cheap as a plain pointer.
   std::atomic<allocation_observer*> observer{nullptr};

@@ -409,15 +409,22 @@ bool device_allocator::impl::takes_back(const stream_pool& p, const block* h, po
   // is never free: hold_or_release) into m, h's address and `merged` bytes, and best fit would
   // run on the index with m instead of n. It carves h itself when:
   //  - h has the request's kind and exact size, and m is split there (or m is h);
-  //  - the rules let the request take m;
+  //  - the rules let the request take m (segments: place_in_segments; a range's placement,
+  //    place_in_range, refuses no size, but allocate_expandable first refuses a request that
+  //    never fits and any request of a sleeping domain);
   //  - m comes first in best-fit order among the blocks that fit: no other indexed block of at
   //    least `rounded` bytes comes before (merged, h's address).
+  // (The pages of a range's block: pager::retake_pages, after this.)
   if (h->size != rounded || h->seg->kind != kind) return false;
   const block* n = h->next;
   const bool merge_next = n != nullptr && n->state == block_state::free;
   const std::size_t merged = merge_next ? h->size + n->size : h->size;
   if (merge_next && !policy.should_split(kind, merged, rounded)) return false;
-  if (!policy.may_take(merged, rounded)) return false;
+  if (h->seg->vm == nullptr) {
+    if (!policy.may_take(merged, rounded)) return false;
+  } else if (budget.never_fits(rounded) || (p.domain != 0 && sleeper.asleep(p.domain))) {
+    return false;
+  }
   const detail::free_index& index = p.index_of(kind);
   const block* c = index.best_fit(rounded);
   if (merge_next && c == n) c = index.next_after(n);  // n is part of m
@@ -427,9 +434,10 @@ bool device_allocator::impl::takes_back(const stream_pool& p, const block* h, po
 void device_allocator::impl::hold_or_release(stream_pool& p, block* b) {
   // REQUIRES: b freed on the fast path (allocated, used on its own stream only, no capture, no
   // observer), nothing held. A block whose previous block is free merges into it, at that
-  // block's address, where no allocation could take b back: merged now.
-  if (p.graph == nullptr && b->seg->vm == nullptr &&
-      (b->prev == nullptr || b->prev->state != block_state::free)) {
+  // block's address, where no allocation could take b back: merged now. A range's block keeps
+  // its pages touched while held (pager::hold_pages), or is released now where it cannot.
+  if (p.graph == nullptr && (b->prev == nullptr || b->prev->state != block_state::free) &&
+      (b->seg->vm == nullptr || pager->hold_pages(p, b))) {
     b->state = block_state::free;
     b->seg->free_tick = ++p.tick;
     p.mu.hold(b);
@@ -798,7 +806,8 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   // defer_coalescing (default mode only, pool_mutex.hpp): the pool's held block, taken back where
   // best fit would carve exactly it, else merged before anything else looks at the pool.
   if (block* h = p.mu.held()) {
-    if (p.pending.empty() && takes_back(p, h, kind, rounded)) {
+    if (p.pending.empty() && takes_back(p, h, kind, rounded) &&
+        (h->seg->vm == nullptr || pager->retake_pages(p, h))) {
       p.mu.take_held();
       mark_allocated(p, h, kind, bytes);
       publish(p, h);

@@ -202,8 +202,14 @@ void device_allocator::impl::reserve(std::size_t bytes, stream_handle stream) {
   if (bytes == 0) return;
   // In expandable mode the thread's sleep domain picks the pool, as in allocate: the pages
   // reserved under a sleepable tag are that tag's, given back by its sleep.
-  // Every pool's idle bytes (what the ladder could unmap), read before any pool lock is held.
-  const std::size_t idle_now = cfg.expandable_segments ? pager->idle_bytes_of_every_pool() : 0;
+  // Every pool's idle bytes (what the ladder could unmap), read before this pool's lock is held,
+  // under every pool's: each lock settles its pool's held block (defer_coalescing), whose pages
+  // count as idle as after any free.
+  std::size_t idle_now = 0;
+  if (cfg.expandable_segments) {
+    const detail::pool_table::all_locked all(pools, detail::pool_table::purpose::read);
+    idle_now = pager->idle_bytes_of_every_pool_locked();
+  }
   detail::pool_table::locked_pool lp = pools.lock_pool_for(
       stream, pools.stream_key(stream), cfg.expandable_segments ? detail::t_sleep_domain : 0);
   stream_pool& p = *lp.pool;

@@ -122,16 +122,17 @@ void pager::list_unlink(stream_pool& p, idle_run* u) noexcept {
   u->newer = u->older = nullptr;
 }
 
-void pager::idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) {
+void pager::idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end,
+                     std::uint64_t epoch) {
   // REQUIRES: every page of [first, end) mapped, touched by no block, in no idle run.
   unpark(p);  // the parked pages went idle before these
-  link_run(p, r, first, end, syncs_started_.load(std::memory_order_seq_cst));
+  link_run(p, r, first, end, epoch);
   add_idle_bytes(p, end - first, true);
 }
 
-CUCACHE_HOT void pager::park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) {
+CUCACHE_HOT void pager::park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end,
+                             std::uint64_t epoch) {
   // REQUIRES: as idle_add.
-  const std::uint64_t epoch = syncs_started_.load(std::memory_order_seq_cst);
   if (p.pages.parked() == &r && r.parked_end == first && r.parked_epoch == epoch) {
     r.parked_end = end;  // continues the parked span, as idle_add joins the head run
     add_idle_bytes(p, end - first, true);
@@ -177,15 +178,15 @@ void pager::link_run(stream_pool& p, vm_range& r, std::size_t first, std::size_t
   p.pages.push_newest(u);
 }
 
-CUCACHE_HOT void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first,
-                                  std::size_t last) {
+CUCACHE_HOT void pager::make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
+                                  std::uint64_t epoch) {
   if (r.all_mapped(first, last)) [[likely]] {
-    park(p, r, first, last + 1);
+    park(p, r, first, last + 1, epoch);
     return;
   }
   r.for_each_mapped_run(first, last, [&](std::size_t a, std::size_t e) {
     p.mu.assert_held();  // a lambda: the caller's locks are not carried in
-    idle_add(p, r, a, e);
+    idle_add(p, r, a, e, epoch);
   });
 }
 
@@ -300,6 +301,10 @@ void pager::touch_carved(stream_pool& p, const block* b) {
 }
 
 void pager::touch_freed(stream_pool& p, const block* b) {
+  touch_freed_at(p, b, syncs_started_.load(std::memory_order_seq_cst));
+}
+
+CUCACHE_HOT void pager::touch_freed_at(stream_pool& p, const block* b, std::uint64_t epoch) {
   // (touch_carved says which pages a block touches.)
   vm_range& r = *b->seg->vm;
   const std::size_t first = r.page_of(b->addr);
@@ -314,7 +319,27 @@ void pager::touch_freed(stream_pool& p, const block* b) {
   if (last == first && first_use != 0) return;
   const std::size_t lo = first_use == 0 ? first : first + 1;
   const std::size_t hi = last_use == 0 ? last : last - 1;
-  if (lo <= hi) make_idle(p, r, lo, hi);
+  if (lo <= hi) make_idle(p, r, lo, hi, epoch);
+}
+
+// --- the held block (defer_coalescing) ----------------------------------------------------------
+
+bool pager::hold_pages(stream_pool& p, const block* b) {
+  // Its pages stay touched while b is held; settle_pages makes idle what touch_freed would have,
+  // with the epoch of now (the free's). Parking then must not need host memory: nothing may be
+  // parked (the span parked now is linked here -- the idle order is the same: it went idle
+  // first) and every page must be mapped (no runs to link).
+  const vm_range& r = *b->seg->vm;
+  if (!r.all_mapped(r.page_of(b->addr), r.page_of(b->addr + b->size - 1))) return false;
+  if (p.pages.parked() != nullptr) unpark(p);  // may throw: nothing changed
+  p.pages.note_hold(this, syncs_started_.load(std::memory_order_seq_cst));
+  return true;
+}
+
+void pager::settle_pages(stream_pool& p, const block* b) noexcept {
+  // Nothing parked and every page mapped since hold_pages (every lock of p settles before it
+  // returns): make_idle parks, which then links nothing -- no allocation, nothing that throws.
+  touch_freed_at(p, b, p.pages.held_epoch());
 }
 
 // --- synchronization ----------------------------------------------------------------------------
@@ -508,7 +533,9 @@ void pager::map(stream_pool& p, vm_range& r, std::size_t pg, const piece& pc,
   if (pages > 1) ++r.chunks;
   p.stats.reserved_bytes.inc(r.kind, static_cast<std::int64_t>(pc.bytes));
   for (std::size_t q = 0; q < pages; ++q) batch.push_back(pg + q);
-  if (use == mapping_use::idle) idle_add(p, r, pg, pg + pages);
+  if (use == mapping_use::idle) {
+    idle_add(p, r, pg, pg + pages, syncs_started_.load(std::memory_order_seq_cst));
+  }
 }
 
 void pager::grant_access(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,

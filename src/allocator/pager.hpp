@@ -212,6 +212,39 @@ class pager {
   /// cache-hit pair.)
   void touch_carved(stream_pool& p, const block* b) REQUIRES(p.mu);
   void touch_freed(stream_pool& p, const block* b) REQUIRES(p.mu);
+
+  // --- the held block (defer_coalescing, pool_mutex.hpp) in expandable mode ---
+  // A held block's pages stay touched: its free's touch_freed is deferred to its settling, and a
+  // take-back skips both touches -- they would leave the edge counts and the idle order as they
+  // were. Every lock of the pool but the fast paths' settles first, so nobody else sees the
+  // pages touched (docs/decisions/0032-held-block-in-expandable-mode.md).
+  /// b, freed on the fast path, may be held: true, and its free's epoch noted (pool_pages::
+  /// note_hold), when every page of b is mapped; the span parked now is linked first, so that
+  /// settle_pages parks without linking. False (nothing changed) when b must be released now.
+  /// May throw (host memory, linking the parked span): nothing changed then.
+  bool hold_pages(stream_pool& p, const block* b) REQUIRES(p.mu);
+  /// The held block b settles: touch_freed as at its free (its epoch). Throws nothing (it parks
+  /// into an empty slot).
+  void settle_pages(stream_pool& p, const block* b) noexcept REQUIRES(p.mu);
+  /// The allocation that takes back held block b: what touch_carved after the deferred
+  /// touch_freed would change -- the straddle count of chunks it cuts, where coarse handles are
+  /// plentiful -- and true; false, with nothing changed, where that carve could change mappings
+  /// (it would release cut idle chunks, or b's range has pages without access) and the block
+  /// must settle and take the allocation's general path instead. Inline: the take-back's step.
+  [[nodiscard]] CUCACHE_HOT bool retake_pages(stream_pool& p, const block* b) noexcept
+      REQUIRES(p.mu) {
+    const vm_range& r = *b->seg->vm;
+    if (r.no_access_pages != 0) [[unlikely]]
+      return false;
+    if (r.chunks == 0) [[likely]]
+      return true;
+    const std::size_t cut = r.cut_chunks(b->addr, b->size, r.page_of(b->addr),
+                                         r.page_of(b->addr + b->size - 1));
+    if (cut == 0) return true;
+    if (!coarse_now_.load(std::memory_order_relaxed)) return false;
+    p.pages.add_straddles(cut);
+    return true;
+  }
   /// The pages [first, last] of a span carved from a free block that the carve touches anew: all
   /// of them but an edge page that another block touches already (`first_touched`,
   /// `last_touched`: its edge count is nonzero; a page strictly inside a free block's span is
@@ -251,7 +284,7 @@ class pager {
 
   /// Bytes that backing new pages could take without a new device allocation now or after the
   /// out-of-memory ladder: the unmapped handles kept for reuse plus `idle` (the caller's sum of
-  /// the idle mappings the ladder may unmap: impl::idle_bytes_of_every_pool, or 0 when it may
+  /// the idle mappings the ladder may unmap: idle_bytes_of_every_pool_locked, or 0 when it may
   /// not; max_allocatable and reserve, headroom.cpp).
   [[nodiscard]] std::size_t reclaimable_bytes(std::size_t idle) const {
     detail::lock_guard lock(budget_.mu);
@@ -288,11 +321,6 @@ class pager {
   /// that used them as they were, under coarse handles or while nothing could be unmapped).
   /// O(mapped pages of p's ranges that hold chunks).
   [[nodiscard]] std::size_t straddled_idle_bytes(const stream_pool& p) const REQUIRES(p.mu);
-  /// The same, under the list lock taken here. The caller holds no pool lock nor the list lock.
-  [[nodiscard]] std::size_t idle_bytes_of_every_pool() const EXCLUDES(pools_mu_) {
-    detail::shared_lock list(pools_mu_);
-    return idle_bytes_of_every_pool_locked();
-  }
 
   /// reserve: maps every unmapped page of [addr, addr + bytes) of r with a handle of its own (an
   /// unmapped one-page handle, else a new one), idle until a block touches it. False when the
@@ -420,11 +448,15 @@ class pager {
   /// Pages [first, end) of r, all mapped and untouched, went idle now: a run at the head of p's
   /// idle list (joined to the head run when it continues it with the same epoch: the order of the
   /// pages is the same).
-  void idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) REQUIRES(p.mu);
+  /// `epoch`: syncs_started_ when they went idle (wait_until_unmappable).
+  void idle_add(stream_pool& p, vm_range& r, std::size_t first, std::size_t end,
+                std::uint64_t epoch) REQUIRES(p.mu);
   /// idle_add for the free of a block whose pages are all mapped: the pages become the pool's
   /// parked span (vm_range::parked_first) instead of a run, the span parked before is linked
-  /// first (unpark) unless the new pages continue it.
-  void park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end) REQUIRES(p.mu);
+  /// first (unpark) unless the new pages continue it. Allocates nothing (and throws nothing)
+  /// when nothing is parked.
+  void park(stream_pool& p, vm_range& r, std::size_t first, std::size_t end, std::uint64_t epoch)
+      REQUIRES(p.mu);
   /// Links p's parked span, if any, as the head run of its idle list (the idle list then holds
   /// every idle page of p). Changes nothing when it throws.
   void unpark(stream_pool& p) REQUIRES(p.mu);
@@ -434,7 +466,10 @@ class pager {
                 std::uint64_t epoch) REQUIRES(p.mu);
   /// The mapped pages of [first, last] of r, untouched now, went idle: one run per run of mapped
   /// pages, in address order (one run when all are mapped, as on every free after back()).
-  void make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) REQUIRES(p.mu);
+  void make_idle(stream_pool& p, vm_range& r, std::size_t first, std::size_t last,
+                 std::uint64_t epoch) REQUIRES(p.mu);
+  /// touch_freed, for pages that went idle at `epoch`.
+  void touch_freed_at(stream_pool& p, const block* b, std::uint64_t epoch) REQUIRES(p.mu);
   /// Pages [first, last] of r are idle no more (touched, or unmapped): they leave the idle runs,
   /// which are trimmed or split in place (the rest keeps its order). O(log runs + runs removed).
   void idle_remove(stream_pool& p, vm_range& r, std::size_t first, std::size_t last) REQUIRES(p.mu);

@@ -16,6 +16,8 @@
 
 namespace cucache::detail {
 
+class pager;
+
 /// A count (bytes, or events) written by one thread at a time (under its pool's mutex) and read
 /// by others without that mutex: relaxed loads and stores, plain moves on x86 -- no
 /// read-modify-write of a line that other pools' threads write (a device-wide atomic sum did
@@ -58,7 +60,7 @@ class pool_pages {
   [[nodiscard]] idle_run* idle_head() const noexcept { return idle_head_; }
   [[nodiscard]] idle_run* idle_tail() const noexcept { return idle_tail_; }  // least recently idle
   /// Bytes of the pages of the idle runs and the parked span. Written under the pool's mutex;
-  /// read without it by idle_bytes_of_every_pool (reserve, max_allocatable).
+  /// read without it by idle_bytes_of_every_pool_locked (reserve, max_allocatable).
   [[nodiscard]] std::size_t idle_bytes() const noexcept { return idle_bytes_; }
   /// The range holding the pool's parked span (vm_range::parked_first), or nullptr: the most
   /// recently idle pages, not linked in the idle list until something else needs the list.
@@ -88,6 +90,14 @@ class pool_pages {
   [[gnu::always_inline]] void sub_idle_bytes(std::size_t bytes) noexcept { idle_bytes_ -= bytes; }
   void add_straddles(std::size_t n) noexcept { straddles_ += n; }
   void set_parked(vm_range* r) noexcept { parked_ = r; }
+  /// The pool's held block (defer_coalescing) has its pages still touched: `by` makes them idle
+  /// at its settling, as at `epoch` (pager::hold_pages, settle_pages).
+  void note_hold(pager* by, std::uint64_t epoch) noexcept {
+    holder_ = by;
+    held_epoch_ = epoch;
+  }
+  [[nodiscard]] pager* holder() const noexcept { return holder_; }
+  [[nodiscard]] std::uint64_t held_epoch() const noexcept { return held_epoch_; }
   /// u leaves the idle list (its own links are left as they were).
   void unlink(idle_run* u) noexcept {
     (u->newer != nullptr ? u->newer->older : idle_head_) = u->older;
@@ -119,6 +129,8 @@ class pool_pages {
   owned_bytes idle_bytes_;
   owned_bytes straddles_;
   vm_range* parked_ = nullptr;
+  pager* holder_ = nullptr;
+  std::uint64_t held_epoch_ = 0;
   object_arena<idle_run> runs_;
 };
 

@@ -12,11 +12,11 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "cucache/errors.hpp"
 #include "support/sim_device.hpp"
+#include "support/stat_values.hpp"
 
 namespace cucache::test {
 namespace {
@@ -26,21 +26,9 @@ config deferring(config cfg = {}) {
   return cfg;
 }
 
-/// Every field of the field table but take_back_count, as numbers (for equality).
+/// Every statistic but the setting's own counter and the host times (two allocators' differ).
 std::vector<double> stat_values(const device_stats& s) {
-  std::vector<double> v;
-  for_each_stat(s, [&v](const stat_field& f, const auto& value) {
-    using V = std::decay_t<decltype(value)>;
-    if constexpr (std::is_same_v<V, stat_array>) {
-      for (const stat& x : value) {
-        v.insert(v.end(),
-                 {double(x.current), double(x.peak), double(x.allocated), double(x.freed)});
-      }
-    } else {
-      if (f.name != "take_back_count") v.push_back(double(value));
-    }
-  });
-  return v;
+  return test::stat_values(s, {"take_back_count", "vm_host_ns", "sync_host_ns"});
 }
 
 std::uintptr_t addr(void* p) {
@@ -71,20 +59,115 @@ TEST(DeferCoalescing, APairOnOneStreamTakesItsBlockBack) {
   expect_no_leak(a);
 }
 
-TEST(DeferCoalescing, OffByDefaultAndInExpandableMode) {
-  for (const config& cfg : {config{}, [] {
-                              config c = deferring();
-                              c.expandable_segments = true;
-                              return c;
-                            }()}) {
-    sim_allocator a(cfg);
-    const stream_handle s = a.sim->create_stream();
-    for (int i = 0; i < 4; ++i) a.alloc.deallocate(a.alloc.allocate(64 * KiB, s), s);
-    EXPECT_EQ(a.stats().take_back_count, 0u) << to_string(cfg);
-    a.alloc.check_invariants();
-  }
+config expandable(config cfg = {}) {
+  cfg.expandable_segments = true;
+  return cfg;
 }
 
+TEST(DeferCoalescing, OffByDefault) {
+  sim_allocator a(config{});
+  const stream_handle s = a.sim->create_stream();
+  for (int i = 0; i < 4; ++i) a.alloc.deallocate(a.alloc.allocate(64 * KiB, s), s);
+  EXPECT_EQ(a.stats().take_back_count, 0u);
+  a.alloc.check_invariants();
+}
+
+// Expandable mode: the held block keeps its pages touched (pager::hold_pages), and a take-back
+// skips both page steps; a read of the statistics settles it, its page then idle as after a plain
+// free. Every figure agrees with the setting off after each step.
+TEST(DeferCoalescing, ExpandableModeTakesTheBlockBackWithItsPages) {
+  sim_allocator plain(expandable());
+  sim_allocator deferred(deferring(expandable()));
+  const stream_handle s = plain.sim->create_stream();
+  ASSERT_EQ(deferred.sim->create_stream(), s);
+  const auto both = [&](const std::function<void(sim_allocator&)>& f) {
+    f(plain);
+    f(deferred);
+    EXPECT_EQ(stat_values(plain.stats()), stat_values(deferred.stats()));
+    deferred.alloc.check_invariants();
+  };
+  void* x = nullptr;
+  void* y = nullptr;
+  both([&](sim_allocator& a) { x = a.alloc.allocate(64 * KiB, s); });
+  for (int i = 0; i < 3; ++i) {
+    both([&](sim_allocator& a) {
+      a.alloc.deallocate(x, s);
+      y = a.alloc.allocate(64 * KiB, s);  // no read between: the held block is taken back
+      EXPECT_EQ(y, x);
+    });
+  }
+  EXPECT_EQ(deferred.stats().take_back_count, 3u);
+  // Freed and read: settled, the page idle (free_bytes, mapped_bytes as with the setting off).
+  both([&](sim_allocator& a) { a.alloc.deallocate(x, s); });
+  both([&](sim_allocator& a) { EXPECT_EQ(a.alloc.allocate(64 * KiB, s), x); });
+  EXPECT_EQ(deferred.stats().take_back_count, 3u);
+  both([&](sim_allocator& a) { a.alloc.deallocate(x, s); });
+  both([&](sim_allocator& a) { a.alloc.empty_cache(); });
+  EXPECT_EQ(deferred.stats().mapped_bytes, 0u);
+  expect_no_leak(deferred);
+}
+
+// A held block that cuts a chunk (coarse handles) is taken back only while a carve would keep
+// that chunk straddled; once coarse handles are no longer plentiful, the carve would release the
+// cut chunk (all idle after the free) and map the block's pages anew: the held block settles and
+// the allocation takes that path, with the same device calls as without the setting.
+TEST(DeferCoalescing, ExpandableModeRefusesATakeBackThatWouldReleaseACutChunk) {
+  sim_options o;
+  o.capacity_bytes = 512 * MiB;
+  sim_allocator plain(expandable(), o);
+  sim_allocator deferred(deferring(expandable()), o);
+  const stream_handle s = plain.sim->create_stream();
+  ASSERT_EQ(deferred.sim->create_stream(), s);
+  const auto both = [&](const std::function<void(sim_allocator&)>& f) {
+    f(plain);
+    f(deferred);
+    EXPECT_EQ(stat_values(plain.stats()), stat_values(deferred.stats()));
+    deferred.alloc.check_invariants();
+  };
+  void* d = nullptr;
+  void* c = nullptr;
+  void* g = nullptr;
+  both([&](sim_allocator& a) {
+    void* x = a.alloc.allocate(24 * MiB, s);  // chunks of up to 8 pages (16 MiB)
+    g = a.alloc.allocate(2 * MiB, s);         // after it, live: larger requests go beyond
+    a.alloc.deallocate(x, s);
+  });
+  both([&](sim_allocator& a) { d = a.alloc.allocate(5 * MiB, s); });  // cuts the first chunk
+  // Taken back while coarse handles are plentiful (the chunk stays straddled).
+  const auto pair = [&](sim_allocator& a) {
+    a.alloc.deallocate(d, s);
+    EXPECT_EQ(a.alloc.allocate(5 * MiB, s), d);
+  };
+  both(pair);
+  EXPECT_EQ(deferred.stats().take_back_count, 1u);
+  both([&](sim_allocator& a) { c = a.alloc.allocate(300 * MiB, s); });  // no longer plentiful
+  const std::uint64_t splits = plain.stats().vm_split_count;
+  both(pair);  // the cut chunk released, d's pages mapped anew
+  EXPECT_EQ(plain.stats().vm_split_count, splits + 1);
+  EXPECT_EQ(deferred.stats().take_back_count, 1u);
+  both([&](sim_allocator& a) {
+    for (void* p : {d, c, g}) a.alloc.deallocate(p, s);
+  });
+}
+
+// reserve counts the pools' idle pages as reclaimable: a held block (the free just before) counts
+// as its free would have made it count. Here the reservation fits only with that block's pages
+// counted (device free 324 MiB, idle 700): it uses them in place.
+TEST(DeferCoalescing, ReserveCountsTheIdlePagesOfAHeldBlock) {
+  sim_options o;
+  o.capacity_bytes = 1 * GiB;
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "off");
+    sim_allocator a(defer ? deferring(expandable()) : expandable(), o);
+    const stream_handle s = a.sim->create_stream();
+    void* x = a.alloc.allocate(700 * MiB, s);
+    a.alloc.deallocate(x, s);  // held (defer): 700 MiB of pages touched until it settles
+    EXPECT_NO_THROW(a.alloc.reserve(600 * MiB, s));
+    a.alloc.check_invariants();
+    EXPECT_EQ(a.stats().mapped_bytes, 700 * MiB);
+    EXPECT_EQ(a.alloc.allocate(600 * MiB, s), x);
+  }
+}
 // Whatever looks at the pool between the free and the next allocation merges the held block
 // first: a statistics read, an invariant check, a lookup. The allocation then carves best fit's
 // block as usual (the same address), with no take-back.
@@ -191,6 +274,7 @@ TEST(DeferCoalescing, SplitRulesDecideAsForTheMergedBlock) {
     EXPECT_EQ(got[1], got[0]);  // the oversize block, taken whole by the same size
     EXPECT_EQ(got[2], got[0]);  // 90 MiB: within max_non_split_rounding, whole
     EXPECT_EQ(got[4], got[3]);
+    EXPECT_EQ(got[5], q);  // the whole 20 MiB block, its 1 MiB rest never split off
     a.alloc.check_invariants();
     if (defer) {
       EXPECT_GE(a.stats().take_back_count, 2u);
@@ -272,10 +356,11 @@ TEST(DeferCoalescing, SplitRulesChangedAtRunTimeDecideAsForTheMergedBlock) {
 // allocation must get the same address, and the statistics and invariants must agree whenever
 // they are read (every 37 operations: a read merges the held block, so reading after every
 // operation would leave nothing to take back).
-void run_twins(const config& base, std::uint64_t seed, int ops) {
+void run_twins(const config& base, std::uint64_t seed, int ops,
+               std::size_t capacity = 2 * GiB) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   sim_options o;
-  o.capacity_bytes = 2 * GiB;
+  o.capacity_bytes = capacity;
   sim_allocator plain(base, o);
   sim_allocator deferred(deferring(base), o);
   std::mt19937_64 rng(seed);
@@ -361,6 +446,20 @@ TEST(DeferCoalescing, TwinProgramsAgreeUnderSplitRules) {
   c.max_split_size = 20 * MiB;
   c.roundup_power2_divisions.assign(k_roundup_power2_intervals, 4);
   run_twins(c, 7, 10'000);
+}
+
+// Expandable mode: the same addresses and statistics -- device calls, mappings, syncs before
+// unmaps -- with plentiful memory (coarse handles at work, and without them), and with a device
+// so small that the out-of-memory ladder unmaps idle pages in their idle order.
+TEST(DeferCoalescing, TwinProgramsAgreeInExpandableMode) {
+  run_twins(expandable(), 11, 10'000);
+  config fine = expandable();
+  fine.coarse_handle_pages = 0;
+  run_twins(fine, 12, 10'000);
+}
+
+TEST(DeferCoalescing, TwinProgramsAgreeInExpandableModeUnderPressure) {
+  run_twins(expandable(), 13, 10'000, 96 * MiB);
 }
 
 // Threads on their own streams while one of them reads the statistics, which merges every pool's

@@ -21,6 +21,7 @@
 #include "cucache/errors.hpp"
 #include "cucache/observe.hpp"
 #include "support/sim_registry.hpp"
+#include "support/stat_values.hpp"
 
 namespace {
 
@@ -43,25 +44,7 @@ class TagLimit : public cucache::test::sim_registry_test {
 };
 
 bool same_stats(const cucache::device_stats& a, const cucache::device_stats& b) {
-  bool same = true;
-  std::vector<double> va, vb;
-  const auto collect = [](std::vector<double>& v) {
-    return [&v](const cucache::stat_field&, const auto& value) {
-      using V = std::decay_t<decltype(value)>;
-      if constexpr (std::is_same_v<V, cucache::stat_array>) {
-        for (const cucache::stat& s : value) {
-          v.insert(v.end(), {double(s.current), double(s.peak), double(s.allocated),
-                             double(s.freed)});
-        }
-      } else {
-        v.push_back(static_cast<double>(value));
-      }
-    };
-  };
-  cucache::for_each_stat(a, collect(va));
-  cucache::for_each_stat(b, collect(vb));
-  same = va == vb;
-  return same;
+  return cucache::test::stat_values(a) == cucache::test::stat_values(b);
 }
 
 TEST_F(TagLimit, RefusesExactlyPastTheLimitNamingTagLimitUseAndRequest) {

@@ -535,12 +535,12 @@ TEST(replay_advise, an_expandable_recommendation_never_gets_defer_coalescing) {
   ASSERT_EQ(a.recommended_conf, "expandable_segments:True");
   EXPECT_FALSE(a.take_back_share.has_value());
   EXPECT_FALSE(a.defer_coalescing);
-  EXPECT_EQ(a.defer_note, "not considered: it has no effect with expandable segments");
+  EXPECT_EQ(a.defer_note, "not considered: its cost model covers default mode only");
   const nlohmann::json j = to_json(a);
   EXPECT_TRUE(j["defer_coalescing"]["take_back_share"].is_null());
   EXPECT_FALSE(j["defer_coalescing"]["recommended"].get<bool>());
-  EXPECT_NE(format_advice(a).find("defer_coalescing: not considered: it has no effect with "
-                                  "expandable segments\n"),
+  EXPECT_NE(format_advice(a).find("defer_coalescing: not considered: its cost model covers "
+                                  "default mode only\n"),
             std::string::npos);
 
   // A fragmenting start that only expandable segments fit tightly (three 4 MiB blocks kept out of

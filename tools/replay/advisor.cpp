@@ -119,7 +119,9 @@ void weigh_defer_coalescing(advice& a, const advice_row& best, const prepared_tr
                             const options& base, std::optional<std::size_t> capacity) {
   config cfg = parse_config(best.conf);
   if (cfg.expandable_segments) {
-    a.defer_note = "not considered: it has no effect with expandable segments";
+    // The 20% break-even is default mode's cost model; an expandable take-back saves the page
+    // steps too, a miss pays for them later (decision 0032): not modelled yet.
+    a.defer_note = "not considered: its cost model covers default mode only";
     return;
   }
   if (cfg.defer_coalescing) {
