@@ -57,6 +57,12 @@ class CAPABILITY("mutex") pool_mutex {
     settle();
     return true;
   }
+  /// lock_keeping_held() or lock(), as `keeping_held` says (one spelling for a caller that
+  /// serves both).
+  void lock(bool keeping_held) noexcept ACQUIRE() {
+    lock_keeping_held();
+    if (!keeping_held) settle();
+  }
   /// The allocation and free fast paths' lock: the held block stays held. The caller takes it
   /// back (take_held) or merges it (settle_held) before any other step on the pool.
   void lock_keeping_held() noexcept ACQUIRE() {

@@ -138,20 +138,12 @@ class pool_table {
                                           bool keeping_held = false) NO_THREAD_SAFETY_ANALYSIS {
     // (No helper lambda: the analysis would check it on its own and find it returning locked.)
     stream_pool* p = &pool_for(stream, key, domain);
-    if (keeping_held) {
-      p->mu.lock_keeping_held();
-    } else {
-      p->mu.lock();
-    }
+    p->mu.lock(keeping_held);
     pool_lock lk(p->mu, std::adopt_lock);
     while (p->key != key) [[unlikely]] {
       lk.unlock();
       p = &pool_for_key(stream, key, domain);
-      if (keeping_held) {
-        p->mu.lock_keeping_held();
-      } else {
-        p->mu.lock();
-      }
+      p->mu.lock(keeping_held);
       lk = pool_lock(p->mu, std::adopt_lock);
     }
     note_change(*p);

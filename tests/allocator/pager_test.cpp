@@ -126,7 +126,7 @@ TEST(Pager, AFreedBlocksPagesGoIdleAndAreUsedInPlaceWithoutAnyCall) {
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB, &b));
   r.free(b);
   EXPECT_EQ(r.pool.pages.idle_bytes(), 8 * MiB);
-  EXPECT_EQ(r.pg.reclaimable_bytes(r.pg.idle_bytes_of_every_pool()), 8 * MiB);
+  EXPECT_EQ(r.pg.reclaimable_bytes(r.pool.pages.idle_bytes()), 8 * MiB);
   EXPECT_EQ(r.pg.reclaimable_bytes(0), 0u);
   const std::uint64_t vm_calls = r.calls(sim_call::map) + r.calls(sim_call::phys_create);
   ASSERT_TRUE(r.carve_and_back(0, 8 * MiB));  // the same pages
@@ -148,7 +148,7 @@ TEST(Pager, ABlockUsingPartOfIdleMemoryPinsOnlyItsOwnPages) {
   EXPECT_EQ(r.calls(sim_call::device_synchronize), 0u);
   EXPECT_EQ(r.reserved(), 8 * MiB);             // memory is plentiful: idle pages stay mapped
   EXPECT_EQ(r.pool.pages.idle_bytes(), 6 * MiB);  // pages 1-3, each reclaimable on its own
-  EXPECT_EQ(r.pg.reclaimable_bytes(r.pg.idle_bytes_of_every_pool()), 6 * MiB);
+  EXPECT_EQ(r.pg.reclaimable_bytes(r.pool.pages.idle_bytes()), 6 * MiB);
 }
 
 TEST(Pager, ACacheHitOfAHugeBlockTakesOneIdleRunAndGivesOneBack) {
