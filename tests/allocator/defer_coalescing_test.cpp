@@ -462,11 +462,14 @@ TEST(DeferCoalescing, TwinProgramsAgreeInExpandableModeUnderPressure) {
   run_twins(expandable(), 13, 10'000, 96 * MiB);
 }
 
-// Threads on their own streams while one of them reads the statistics, which merges every pool's
-// held block under that pool's lock: the invariants hold and nothing is lost (ThreadSanitizer
-// runs this too).
-TEST(DeferCoalescing, ThreadsKeepTheHeldBlocksUnderTheirPoolLocks) {
-  sim_allocator a(deferring());
+// Threads on their own streams (1-4 MiB blocks) while one of them reads the statistics, which
+// merges every pool's held block under that pool's lock: the invariants hold and nothing is lost
+// (ThreadSanitizer runs this too).
+void threads_beside_reads(const config& cfg, std::size_t capacity = 80 * GiB) {
+  sim_options o;
+  o.capacity_bytes = capacity;
+  sim_allocator a(cfg, o);
+  std::atomic<int> refused{0};
   std::vector<stream_handle> streams;
   for (int i = 0; i < 4; ++i) streams.push_back(a.sim->create_stream());
   std::vector<std::thread> threads;
@@ -477,7 +480,11 @@ TEST(DeferCoalescing, ThreadsKeepTheHeldBlocksUnderTheirPoolLocks) {
       for (int i = 0; i < 5'000; ++i) {
         const stream_handle s = streams[static_cast<std::size_t>(t)];
         if (mine.empty() || rng() % 2 == 0) {
-          mine.push_back(a.alloc.allocate(64 * KiB << (rng() % 3), s));
+          try {
+            mine.push_back(a.alloc.allocate(MiB << (rng() % 3), s));
+          } catch (const out_of_memory&) {
+            ++refused;  // a small device: the others hold the rest
+          }
         } else {
           a.alloc.deallocate(mine.back(), s);
           mine.pop_back();
@@ -492,9 +499,29 @@ TEST(DeferCoalescing, ThreadsKeepTheHeldBlocksUnderTheirPoolLocks) {
   const device_stats s = a.stats();
   EXPECT_EQ(s.allocation_count[0].current, 0);
   EXPECT_GT(s.take_back_count, 0u);
+  if (capacity == 80 * GiB) {
+    EXPECT_EQ(refused.load(), 0);
+  } else {
+    EXPECT_GT(s.shared_pages, 0u) << "the pressure must move pages between the streams' pools";
+  }
   a.alloc.empty_cache();
   expect_no_leak(a);
   EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+}
+
+TEST(DeferCoalescing, ThreadsKeepTheHeldBlocksUnderTheirPoolLocks) {
+  threads_beside_reads(deferring());
+}
+
+// The same in expandable mode, where a statistics read also settles the held blocks' pages.
+TEST(DeferCoalescing, ThreadsKeepTheHeldBlocksAndTheirPagesUnderTheirPoolLocks) {
+  threads_beside_reads(deferring(expandable()));
+}
+
+// Expandable mode on a device too small for the four threads: a growth takes the idle pages of
+// other streams' pools under their try_lock, which settles their held blocks first.
+TEST(DeferCoalescing, ThreadsUnderPressureSettleEachOthersHeldBlocks) {
+  threads_beside_reads(deferring(expandable()), 48 * MiB);
 }
 
 }  // namespace

@@ -118,12 +118,6 @@ const advice_row* best_row(const std::vector<advice_row>& rows,
 void weigh_defer_coalescing(advice& a, const advice_row& best, const prepared_trace& trace,
                             const options& base, std::optional<std::size_t> capacity) {
   config cfg = parse_config(best.conf);
-  if (cfg.expandable_segments) {
-    // The 20% break-even is default mode's cost model; an expandable take-back saves the page
-    // steps too, a miss pays for them later (decision 0032): not modelled yet.
-    a.defer_note = "not considered: its cost model covers default mode only";
-    return;
-  }
   if (cfg.defer_coalescing) {
     a.defer_note = "already in the recommended setting";
     return;

@@ -39,8 +39,11 @@ struct advice_row {
 /// instructions (allocate + deallocate) in cold replays of the seven bundled traces with and
 /// without the setting: delta ~= a * (frees not taken back) - b * (take-backs), least squares
 /// a = 18-19 and b = 75-80 instructions (break-even a / (a + b) = 0.19-0.20); a synthetic trace
-/// of same-size pairs gave b = 117 and one of never-repeated sizes a = 32 (0.21). Above the
-/// break-even the setting saves host time, below it costs some; 0.20 is that break-even rounded.
+/// of same-size pairs gave b = 117 and one of never-repeated sizes a = 32 (0.21). In expandable
+/// mode (decision 0032) a take-back also skips both page steps and a free not taken back pays
+/// for its page step at the merge: a = 45-53, b = 197-263 (break-even 0.17-0.19; same-size
+/// pairs b = 297). Above the break-even the setting saves host time, below it costs some; 0.20 is
+/// the break-even of both modes, rounded up.
 inline constexpr double k_defer_coalescing_min_share = 0.20;
 
 struct advice {
@@ -56,8 +59,8 @@ struct advice {
   bool no_fit = false;
   /// defer_coalescing: the share of allocations that took the held block back (take_back_count /
   /// allocations) in one more replay under the best row's setting plus defer_coalescing:True; set
-  /// only when that row is ok and in the default mode (the key does nothing with expandable
-  /// segments). At least defer_min_share: recommended_conf ends with ",defer_coalescing:True"
+  /// only when that row is ok (either mode). At least defer_min_share: recommended_conf ends with
+  /// ",defer_coalescing:True"
   /// (or is just that), and defer_coalescing is true.
   std::optional<double> take_back_share;
   std::uint64_t take_backs = 0;  ///< take_back_count of that replay
