@@ -356,8 +356,7 @@ TEST(DeferCoalescing, SplitRulesChangedAtRunTimeDecideAsForTheMergedBlock) {
 // allocation must get the same address, and the statistics and invariants must agree whenever
 // they are read (every 37 operations: a read merges the held block, so reading after every
 // operation would leave nothing to take back).
-void run_twins(const config& base, std::uint64_t seed, int ops,
-               std::size_t capacity = 2 * GiB) {
+void run_twins(const config& base, std::uint64_t seed, int ops, std::size_t capacity = 2 * GiB) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   sim_options o;
   o.capacity_bytes = capacity;

@@ -459,7 +459,7 @@ TEST(replay_advise, same_size_pairs_get_defer_coalescing) {
                       "of 201)"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("at or above the 20% break-even"), std::string::npos) << text;
+  EXPECT_NE(text.find("at or above the 90% break-even"), std::string::npos) << text;
   EXPECT_NE(text.find(": added to the recommendation\n"), std::string::npos) << text;
 }
 
@@ -498,36 +498,38 @@ TEST(replay_advise, frees_never_followed_by_their_size_do_not_get_defer_coalesci
     EXPECT_FALSE(j["defer_coalescing"]["recommended"].get<bool>());
     EXPECT_EQ(j["defer_coalescing"]["take_back_share"].get<double>(), 0.0);
     const std::string text = format_advice(a);
-    EXPECT_NE(text.find("below the 20% break-even"), std::string::npos) << text;
+    EXPECT_NE(text.find("below the 90% break-even"), std::string::npos) << text;
     EXPECT_NE(text.find(": not added\n"), std::string::npos) << text;
   }
 }
 
-// The break-even share itself is enough: one take-back in five allocations (0.20) adds the key,
-// one in six does not.
+// The break-even share itself is enough: 18 take-backs in 20 allocations (0.90) add the key, 18
+// in 21 do not.
 TEST(replay_advise, the_break_even_share_is_inclusive) {
-  for (const int others : {2, 3}) {
+  for (const int others : {0, 1}) {
     SCOPED_TRACE(others);
     trace_builder t;
     t.alloc(0x100000, 4 * k_kib);
-    t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
-    t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);  // the take-back
+    for (int i = 0; i < 19; ++i) {  // every allocation after the first a take-back
+      t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
+    }
     for (int i = 0; i < others; ++i) {
       const std::size_t size = static_cast<std::size_t>(i + 1) * 8 * k_kib;  // never the last size
       t.alloc(0x300000, size).free(0x300000, size);
     }
-    const advice a = advise_sim(prepare(parse_trace(t.text()), "one_take_back"));
+    const advice a = advise_sim(prepare(parse_trace(t.text()), "eighteen_take_backs"));
     ASSERT_FALSE(parse_config(a.rows.front().conf).expandable_segments) << a.rows.front().conf;
     ASSERT_TRUE(a.take_back_share.has_value()) << a.defer_note;
-    EXPECT_EQ(a.take_backs, 1u);
-    EXPECT_EQ(a.allocations, static_cast<std::size_t>(3 + others));
-    EXPECT_EQ(a.defer_coalescing, others == 2);
-    EXPECT_EQ(parse_config(a.recommended_conf).defer_coalescing, others == 2) << a.recommended_conf;
+    EXPECT_EQ(a.defer_min_share, k_defer_coalescing_min_share);
+    EXPECT_EQ(a.take_backs, 18u);
+    EXPECT_EQ(a.allocations, static_cast<std::size_t>(20 + others));
+    EXPECT_EQ(a.defer_coalescing, others == 0);
+    EXPECT_EQ(parse_config(a.recommended_conf).defer_coalescing, others == 0) << a.recommended_conf;
   }
 }
 
-// An expandable recommendation is weighed as a default-mode one (decision 0032: the key holds a
-// range's block too, with the same break-even): resnet50_train rarely takes a block back, a trace
+// An expandable recommendation is weighed too (decision 0032: the key holds a range's block too),
+// against expandable mode's break-even: resnet50_train rarely takes a block back, a trace
 // whose fragmenting start only expandable segments fit tightly, then same-size pairs, nearly
 // always.
 TEST(replay_advise, an_expandable_recommendation_is_weighed_too) {
@@ -539,6 +541,7 @@ TEST(replay_advise, an_expandable_recommendation_is_weighed_too) {
   EXPECT_LT(*a.take_back_share, 0.01);
   EXPECT_FALSE(a.defer_coalescing);
   EXPECT_EQ(a.recommended_conf, "expandable_segments:True");
+  EXPECT_NE(format_advice(a).find("below the 50% break-even"), std::string::npos);
   EXPECT_FALSE(to_json(a)["defer_coalescing"]["recommended"].get<bool>());
 
   // Three 4 MiB blocks kept out of five in one segment, then 8 MiB; then 200 same-size pairs.
@@ -552,6 +555,7 @@ TEST(replay_advise, an_expandable_recommendation_is_weighed_too) {
   ASSERT_FALSE(e.no_fit);
   ASSERT_TRUE(parse_config(e.rows.front().conf).expandable_segments) << format_advice(e);
   ASSERT_TRUE(e.take_back_share.has_value()) << e.defer_note;
+  EXPECT_EQ(e.defer_min_share, k_defer_coalescing_min_share_expandable);
   EXPECT_EQ(e.allocations, 206u);
   EXPECT_EQ(e.take_backs, 199u);
   EXPECT_TRUE(e.defer_coalescing);

@@ -114,10 +114,12 @@ const advice_row* best_row(const std::vector<advice_row>& rows,
 /// under its setting with the deferral on, on the card when a capacity is given, as the measuring
 /// replay is. Placement and every memory figure are the same with the deferral as without it, so
 /// the row's ranking stands; only the host time differs, by the share of allocations that take
-/// the held block back (k_defer_coalescing_min_share).
+/// the held block back (k_defer_coalescing_min_share, or its expandable twin).
 void weigh_defer_coalescing(advice& a, const advice_row& best, const prepared_trace& trace,
                             const options& base, std::optional<std::size_t> capacity) {
   config cfg = parse_config(best.conf);
+  a.defer_min_share = cfg.expandable_segments ? k_defer_coalescing_min_share_expandable
+                                              : k_defer_coalescing_min_share;
   if (cfg.defer_coalescing) {
     a.defer_note = "already in the recommended setting";
     return;

@@ -35,16 +35,17 @@ struct advice_row {
 
 /// defer_coalescing:True (docs/advisor.md, "defer_coalescing"): added to the recommendation when at
 /// least this share of the allocations, replayed under the recommended setting with the deferral
-/// on, took the pool's held freed block back. Derived from callgrind counts of the allocator's
-/// instructions (allocate + deallocate) in cold replays of the seven bundled traces with and
-/// without the setting: delta ~= a * (frees not taken back) - b * (take-backs), least squares
-/// a = 18-19 and b = 75-80 instructions (break-even a / (a + b) = 0.19-0.20); a synthetic trace
-/// of same-size pairs gave b = 117 and one of never-repeated sizes a = 32 (0.21). In expandable
-/// mode (decision 0032) a take-back also skips both page steps and a free not taken back pays
-/// for its page step at the merge: a = 45-53, b = 197-263 (break-even 0.17-0.19; same-size
-/// pairs b = 297). Above the break-even the setting saves host time, below it costs some; 0.20 is
-/// the break-even of both modes, rounded up.
-inline constexpr double k_defer_coalescing_min_share = 0.20;
+/// on, took the pool's held freed block back -- the break-even of host time on a GPU host
+/// (decision 0033; tools/gpu_defer_break_even.sh, warm pass, two runs): in default mode the key
+/// cost 5-10% at shares up to 55% and 0-3% at 73%; at 97% it saved 7% in one run and cost 1% in
+/// the other.
+/// (Instruction counts put the break-even near 20%: a free not taken back costs more time than
+/// its instructions say.)
+inline constexpr double k_defer_coalescing_min_share = 0.90;
+/// The same in expandable mode, where a take-back also skips the page steps (decision 0032): the
+/// key cost 5-9% at shares up to 22% and 0-1% at 31-44%, and saved 4% at 58%, 11-15% at 76% and
+/// 8-24% at 100%.
+inline constexpr double k_defer_coalescing_min_share_expandable = 0.50;
 
 struct advice {
   std::string trace;
@@ -65,6 +66,7 @@ struct advice {
   std::optional<double> take_back_share;
   std::uint64_t take_backs = 0;  ///< take_back_count of that replay
   std::size_t allocations = 0;   ///< the trace's allocations (that replay's)
+  /// The break-even share the decision used (the mode's: k_defer_coalescing_min_share*).
   double defer_min_share = k_defer_coalescing_min_share;
   bool defer_coalescing = false;
   /// Why take_back_share is absent, or what it decided (format_advice prints it).
