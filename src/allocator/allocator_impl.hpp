@@ -280,8 +280,9 @@ struct device_allocator::impl {
   std::shared_ptr<device_backend> raw;      // the backend as given (public backend())
   std::shared_ptr<device_backend> backend;  // raw behind capture_safe_backend: what is called
   config cfg;
-  /// defer_coalescing in force: segments only (docs/config.md). A free on the fast path then
-  /// holds its block in the pool's lock (pool_mutex::hold) instead of merging it.
+  /// defer_coalescing in force (docs/config.md). A free on the fast path then holds its block in
+  /// the pool's lock (pool_mutex::hold) instead of merging it -- in expandable mode with its pages
+  /// still touched (pager::hold_pages).
   const bool defer_frees = cfg.defer_coalescing;
   /// Who listens (null: nobody). Published once -- at construction or by attach_observer -- and
   /// read without a lock on every allocation and free: one load, as cheap as a plain pointer.

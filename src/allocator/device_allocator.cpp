@@ -803,8 +803,9 @@ void* device_allocator::impl::allocate(std::size_t bytes, stream_handle stream) 
   stream_pool& p = *lp.pool;
   detail::pool_lock& lk = lp.lock;
   p.mu.assert_held();  // lp.lock holds it (the analysis cannot follow a lock out of a call)
-  // defer_coalescing (default mode only, pool_mutex.hpp): the pool's held block, taken back where
-  // best fit would carve exactly it, else merged before anything else looks at the pool.
+  // defer_coalescing (pool_mutex.hpp): the pool's held block, taken back where best fit would
+  // carve exactly it (a range's block: where its carve would change no mapping), else merged
+  // before anything else looks at the pool.
   if (block* h = p.mu.held()) {
     if (p.pending.empty() && takes_back(p, h, kind, rounded) &&
         (h->seg->vm == nullptr || pager->retake_pages(p, h))) {

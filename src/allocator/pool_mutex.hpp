@@ -25,9 +25,10 @@ namespace cucache::detail {
 
 struct block;
 /// Merges a pool's held block into its free neighbours and the pool's free index, as the free
-/// that held it would have (stream_pool::coalesce on the block's segment's pool). REQUIRES: that
-/// pool's lock held, b its held block (already taken out of the lock). Out of line: the settling
-/// locks are not the fast paths'.
+/// that held it would have (stream_pool::coalesce on the block's segment's pool), after the
+/// free's page step for a range's block (pager::settle_pages). REQUIRES: that pool's lock held,
+/// b its held block (already taken out of the lock). Out of line: the settling locks are not the
+/// fast paths'.
 void settle_held_block(block* b) noexcept;
 
 /// A futex mutex: 0 free, 1 held, 2 held and a waiter may sleep. Under contention it spins

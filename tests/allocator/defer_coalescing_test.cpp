@@ -168,30 +168,37 @@ TEST(DeferCoalescing, ReserveCountsTheIdlePagesOfAHeldBlock) {
     EXPECT_EQ(a.alloc.allocate(600 * MiB, s), x);
   }
 }
-// Whatever looks at the pool between the free and the next allocation merges the held block
-// first: a statistics read, an invariant check, a lookup. The allocation then carves best fit's
-// block as usual (the same address), with no take-back.
+
+// Whatever looks at the pool between the free and the next allocation merges the held block (in
+// expandable mode, and settles its pages) first: a statistics read, an invariant check, a lookup,
+// headroom, a reservation, empty_cache. The allocation then takes the usual path, no take-back.
 TEST(DeferCoalescing, EveryOtherLockMergesTheHeldBlockFirst) {
-  sim_allocator a(deferring());
-  const stream_handle s = a.sim->create_stream();
-  void* keep = a.alloc.allocate(512, s);
-  void* x = a.alloc.allocate(64 * KiB, s);
-  const std::vector<std::function<void()>> lookers = {
-      [&] { (void)a.stats(); },
-      [&] { a.alloc.check_invariants(); },
-      [&] { (void)a.alloc.locate(keep); },
-      [&] { (void)a.alloc.max_allocatable(s); },
-      [&] { a.alloc.reset_peak_stats(); },
-  };
-  for (const auto& look : lookers) {
+  for (const config& cfg : {deferring(), deferring(expandable())}) {
+    SCOPED_TRACE(to_string(cfg));
+    sim_allocator a(cfg);
+    const stream_handle s = a.sim->create_stream();
+    void* keep = a.alloc.allocate(512, s);
+    void* x = a.alloc.allocate(64 * KiB, s);
+    const std::vector<std::function<void()>> lookers = {
+        [&] { (void)a.stats(); },
+        [&] { a.alloc.check_invariants(); },
+        [&] { (void)a.alloc.locate(keep); },
+        [&] { (void)a.alloc.max_allocatable(s); },
+        [&] { a.alloc.reset_peak_stats(); },
+        [&] { a.alloc.reserve(4 * MiB, s); },
+        [&] { a.alloc.empty_cache(); },
+    };
+    for (const auto& look : lookers) {
+      a.alloc.deallocate(x, s);
+      look();
+      x = a.alloc.allocate(64 * KiB, s);
+      EXPECT_EQ(a.stats().take_back_count, 0u);
+      a.alloc.check_invariants();
+    }
     a.alloc.deallocate(x, s);
-    look();
-    x = a.alloc.allocate(64 * KiB, s);
-    EXPECT_EQ(a.stats().take_back_count, 0u);
+    a.alloc.deallocate(keep, s);
+    a.alloc.check_invariants();
   }
-  a.alloc.deallocate(x, s);
-  a.alloc.deallocate(keep, s);
-  a.alloc.check_invariants();
 }
 
 // An exact-size free block elsewhere in the pool comes before the held block merged with the
@@ -243,14 +250,17 @@ TEST(DeferCoalescing, OnlyTheExactSizeAndKindIsTakenBack) {
 // A held block is free: freeing it again is the same error as with the setting off, and changes
 // nothing.
 TEST(DeferCoalescing, ADoubleFreeOfAHeldBlockIsRefusedAsWithoutIt) {
-  sim_allocator a(deferring());
-  const stream_handle s = a.sim->create_stream();
-  void* x = a.alloc.allocate(64 * KiB, s);
-  a.alloc.deallocate(x, s);
-  EXPECT_FALSE(a.alloc.try_deallocate(x, s, true));
-  EXPECT_THROW(a.alloc.deallocate(x, s), invalid_argument);
-  EXPECT_EQ(a.alloc.allocate(64 * KiB, s), x);
-  a.alloc.check_invariants();
+  for (const config& cfg : {deferring(), deferring(expandable())}) {
+    SCOPED_TRACE(to_string(cfg));
+    sim_allocator a(cfg);
+    const stream_handle s = a.sim->create_stream();
+    void* x = a.alloc.allocate(64 * KiB, s);
+    a.alloc.deallocate(x, s);
+    EXPECT_FALSE(a.alloc.try_deallocate(x, s, true));
+    EXPECT_THROW(a.alloc.deallocate(x, s), invalid_argument);
+    EXPECT_EQ(a.alloc.allocate(64 * KiB, s), x);
+    a.alloc.check_invariants();
+  }
 }
 
 // max_split_size: a held oversize block is taken back only by a request the rules let take it,
