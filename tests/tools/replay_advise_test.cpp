@@ -459,7 +459,7 @@ TEST(replay_advise, same_size_pairs_get_defer_coalescing) {
                       "of 201)"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("at or above the 90% break-even"), std::string::npos) << text;
+  EXPECT_NE(text.find("at or above the 99% break-even"), std::string::npos) << text;
   EXPECT_NE(text.find(": added to the recommendation\n"), std::string::npos) << text;
 }
 
@@ -468,7 +468,7 @@ TEST(replay_advise, same_size_pairs_through_the_cli_print_a_parseable_conf) {
   {
     trace_builder t;
     t.alloc(0x100000, 4 * k_kib);
-    for (int i = 0; i < 100; ++i) t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
+    for (int i = 0; i < 300; ++i) t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
     std::ofstream(path) << t.text();
   }
   const cli_run r = run({"--advise", "--json", "--backend", "sim", path.string()});
@@ -477,7 +477,7 @@ TEST(replay_advise, same_size_pairs_through_the_cli_print_a_parseable_conf) {
   const nlohmann::json j = nlohmann::json::parse(r.out);
   const std::string conf = j["recommended_conf"];
   EXPECT_TRUE(parse_config(conf).defer_coalescing) << conf;
-  EXPECT_GT(j["defer_coalescing"]["take_back_share"].get<double>(), 0.98);
+  EXPECT_GT(j["defer_coalescing"]["take_back_share"].get<double>(), 0.99);
 }
 
 TEST(replay_advise, frees_never_followed_by_their_size_do_not_get_defer_coalescing) {
@@ -498,31 +498,31 @@ TEST(replay_advise, frees_never_followed_by_their_size_do_not_get_defer_coalesci
     EXPECT_FALSE(j["defer_coalescing"]["recommended"].get<bool>());
     EXPECT_EQ(j["defer_coalescing"]["take_back_share"].get<double>(), 0.0);
     const std::string text = format_advice(a);
-    EXPECT_NE(text.find("below the 90% break-even"), std::string::npos) << text;
+    EXPECT_NE(text.find("below the 99% break-even"), std::string::npos) << text;
     EXPECT_NE(text.find(": not added\n"), std::string::npos) << text;
   }
 }
 
-// The break-even share itself is enough: 18 take-backs in 20 allocations (0.90) add the key, 18
-// in 21 do not.
+// The break-even share itself is enough: 198 take-backs in 200 allocations (0.99) add the key,
+// 198 in 201 do not.
 TEST(replay_advise, the_break_even_share_is_inclusive) {
   for (const int others : {0, 1}) {
     SCOPED_TRACE(others);
     trace_builder t;
     t.alloc(0x100000, 4 * k_kib);
-    for (int i = 0; i < 19; ++i) {  // every allocation after the first a take-back
+    for (int i = 0; i < 199; ++i) {  // every allocation after the first a take-back
       t.alloc(0x200000, 512 * k_kib).free(0x200000, 512 * k_kib);
     }
     for (int i = 0; i < others; ++i) {
       const std::size_t size = static_cast<std::size_t>(i + 1) * 8 * k_kib;  // never the last size
       t.alloc(0x300000, size).free(0x300000, size);
     }
-    const advice a = advise_sim(prepare(parse_trace(t.text()), "eighteen_take_backs"));
+    const advice a = advise_sim(prepare(parse_trace(t.text()), "take_backs_at_the_break_even"));
     ASSERT_FALSE(parse_config(a.rows.front().conf).expandable_segments) << a.rows.front().conf;
     ASSERT_TRUE(a.take_back_share.has_value()) << a.defer_note;
     EXPECT_EQ(a.defer_min_share, k_defer_coalescing_min_share);
-    EXPECT_EQ(a.take_backs, 18u);
-    EXPECT_EQ(a.allocations, static_cast<std::size_t>(20 + others));
+    EXPECT_EQ(a.take_backs, 198u);
+    EXPECT_EQ(a.allocations, static_cast<std::size_t>(200 + others));
     EXPECT_EQ(a.defer_coalescing, others == 0);
     EXPECT_EQ(parse_config(a.recommended_conf).defer_coalescing, others == 0) << a.recommended_conf;
   }
