@@ -72,20 +72,33 @@ TEST(DeferCoalescing, OffByDefault) {
   a.alloc.check_invariants();
 }
 
-// Expandable mode: the held block keeps its pages touched (pager::hold_pages), and a take-back
-// skips both page steps; a read of the statistics settles it, its page then idle as after a plain
-// free. Every figure agrees with the setting off after each step.
-TEST(DeferCoalescing, ExpandableModeTakesTheBlockBackWithItsPages) {
-  sim_allocator plain(expandable());
-  sim_allocator deferred(deferring(expandable()));
-  const stream_handle s = plain.sim->create_stream();
-  ASSERT_EQ(deferred.sim->create_stream(), s);
-  const auto both = [&](const std::function<void(sim_allocator&)>& f) {
+/// Two allocators on the simulated device, the second deferring, with one stream each (the same
+/// handle): both(f) runs a step on each, then requires the same statistics and the deferring one's
+/// invariants.
+struct twins {
+  explicit twins(const config& base, const sim_options& o = {})
+      : plain(base, o), deferred(deferring(base), o), s(plain.sim->create_stream()) {
+    EXPECT_EQ(deferred.sim->create_stream(), s);
+  }
+  void both(const std::function<void(sim_allocator&)>& f) {
     f(plain);
     f(deferred);
     EXPECT_EQ(stat_values(plain.stats()), stat_values(deferred.stats()));
     deferred.alloc.check_invariants();
-  };
+  }
+  sim_allocator plain;
+  sim_allocator deferred;
+  stream_handle s;
+};
+
+// Expandable mode: the held block keeps its pages touched (pager::hold_pages), and a take-back
+// skips both page steps; a read of the statistics settles it, its page then idle as after a plain
+// free. Every figure agrees with the setting off after each step.
+TEST(DeferCoalescing, ExpandableModeTakesTheBlockBackWithItsPages) {
+  twins t(expandable());
+  const stream_handle s = t.s;
+  const auto both = [&t](const std::function<void(sim_allocator&)>& f) { t.both(f); };
+  sim_allocator& deferred = t.deferred;
   void* x = nullptr;
   void* y = nullptr;
   both([&](sim_allocator& a) { x = a.alloc.allocate(64 * KiB, s); });
@@ -114,16 +127,11 @@ TEST(DeferCoalescing, ExpandableModeTakesTheBlockBackWithItsPages) {
 TEST(DeferCoalescing, ExpandableModeRefusesATakeBackThatWouldReleaseACutChunk) {
   sim_options o;
   o.capacity_bytes = 512 * MiB;
-  sim_allocator plain(expandable(), o);
-  sim_allocator deferred(deferring(expandable()), o);
-  const stream_handle s = plain.sim->create_stream();
-  ASSERT_EQ(deferred.sim->create_stream(), s);
-  const auto both = [&](const std::function<void(sim_allocator&)>& f) {
-    f(plain);
-    f(deferred);
-    EXPECT_EQ(stat_values(plain.stats()), stat_values(deferred.stats()));
-    deferred.alloc.check_invariants();
-  };
+  twins t(expandable(), o);
+  const stream_handle s = t.s;
+  const auto both = [&t](const std::function<void(sim_allocator&)>& f) { t.both(f); };
+  sim_allocator& plain = t.plain;
+  sim_allocator& deferred = t.deferred;
   void* d = nullptr;
   void* c = nullptr;
   void* g = nullptr;
