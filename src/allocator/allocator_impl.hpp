@@ -172,8 +172,9 @@ struct device_allocator::impl {
                                   std::size_t requested) REQUIRES(p.mu);
   /// defer_coalescing: whether an allocation of `rounded` bytes of `kind` in p may take back h,
   /// p's held block -- true exactly when best fit over p with h merged would carve h itself, at
-  /// its address and size, and leave every other block as it is (docs/config.md).
-  [[nodiscard]] CUCACHE_HOT bool takes_back(const detail::stream_pool& p, const detail::block* h,
+  /// its address and size, and leave every other block as it is (docs/config.md). Its best-fit
+  /// test is remembered in p.fit_memo while it passes: the cache-hit pair runs it once.
+  [[nodiscard]] CUCACHE_HOT bool takes_back(detail::stream_pool& p, const detail::block* h,
                                             detail::pool_kind kind, std::size_t rounded) const
       REQUIRES(p.mu);
   /// defer_coalescing: the fast free's last step for block b of p -- held unmerged (the previous

@@ -403,7 +403,7 @@ void device_allocator::impl::mark_allocated(stream_pool& p, block* b, pool_kind 
   if (policy.is_oversize(b->size)) ++p.stats.oversize_allocations;
 }
 
-bool device_allocator::impl::takes_back(const stream_pool& p, const block* h, pool_kind kind,
+bool device_allocator::impl::takes_back(stream_pool& p, const block* h, pool_kind kind,
                                         std::size_t rounded) const {
   // Without the deferral, h would have been merged with its free next block n (its previous one
   // is never free: hold_or_release) into m, h's address and `merged` bytes, and best fit would
@@ -425,10 +425,17 @@ bool device_allocator::impl::takes_back(const stream_pool& p, const block* h, po
   } else if (budget.never_fits(rounded) || (p.domain != 0 && sleeper.asleep(p.domain))) {
     return false;
   }
+  const std::uint64_t changes = p.index_changes();
+  if (p.fit_memo.held == h && p.fit_memo.changes == changes)
+    return true;  // the same test on the same indexes: it passed (stream_pool::fit_memo)
   const detail::free_index& index = p.index_of(kind);
   const block* c = index.best_fit(rounded);
   if (merge_next && c == n) c = index.next_after(n);  // n is part of m
-  return c == nullptr || merged < c->size || (merged == c->size && h->addr < c->addr);
+  if (c == nullptr || merged < c->size || (merged == c->size && h->addr < c->addr)) {
+    p.fit_memo = {h, changes};
+    return true;
+  }
+  return false;
 }
 
 void device_allocator::impl::hold_or_release(stream_pool& p, block* b) {

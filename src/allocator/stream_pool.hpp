@@ -118,6 +118,15 @@ class stream_pool {
   pending_frees pending GUARDED_BY(mu);        // freed blocks waiting on events
   pool_stats stats GUARDED_BY(mu);
   std::uint64_t tick GUARDED_BY(mu) = 0;  // free order, for garbage collection
+  /// defer_coalescing: the last held block whose best-fit test passed (impl::takes_back), with
+  /// index_changes() then. While the pool's indexes have not changed, the test passes again for
+  /// the same block held again: they hold the same blocks in the same order, and the block's
+  /// size and free neighbour are as they were (changing either changes an index). A block
+  /// recycled and made anew is never mistaken for it: recycling a block changes an index.
+  struct fit_memo_t {
+    const block* held = nullptr;
+    std::uint64_t changes = 0;
+  } fit_memo GUARDED_BY(mu);
   /// The pool's allocated blocks by address (the free path finds the pool through the segment
   /// directory, impl::directory). Beside what a cache-hit pair writes anyway (tick, the block
   /// arena), off mu's line, where threads waiting for mu spin.
@@ -189,6 +198,10 @@ class stream_pool {
   }
 
   free_index& index_of(pool_kind k) noexcept REQUIRES(mu) { return free[static_cast<int>(k)]; }
+  /// Changes of both kinds' indexes (free_index::changes): equal readings, the same contents.
+  [[nodiscard]] std::uint64_t index_changes() const noexcept REQUIRES(mu) {
+    return free[0].changes() + free[1].changes();
+  }
   const free_index& index_of(pool_kind k) const noexcept REQUIRES(mu) {
     return free[static_cast<int>(k)];
   }

@@ -48,7 +48,10 @@ class free_index {
   [[nodiscard]] bool is_tree_bin(std::uint32_t bin) const noexcept { return tagged(heads_[bin]); }
 
   /// REQUIRES: b is free and not indexed.
-  void insert(block* b) noexcept { place(b, bin_of(b->size)); }
+  void insert(block* b) noexcept {
+    ++changes_;
+    place(b, bin_of(b->size));
+  }
   /// REQUIRES: b is indexed here.
   void erase(block* b) noexcept;
   /// Indexes `in` (free, not indexed, its size set) instead of `out` (indexed). When `in` belongs
@@ -71,6 +74,12 @@ class free_index {
   }
   /// The largest indexed block, or nullptr.
   [[nodiscard]] block* largest() const noexcept;
+  /// How many times the index's contents changed: every insert, erase, replace and resize
+  /// counts at least one, nothing else counts (best_fit's turning a list into a treap changes
+  /// the shape, not the contents). Never decreases. Two equal readings of one index therefore
+  /// mean the same blocks, of the same sizes, in the same order in between: every best_fit and
+  /// next_after answers as it did -- what impl::takes_back's memo relies on.
+  [[nodiscard]] std::uint64_t changes() const noexcept { return changes_; }
 
   /// Calls f(block*) for every indexed block, in best-fit order; only the non-empty bins are
   /// visited (the bitmaps name them, read before). f may erase the block it is given, and may
@@ -189,6 +198,7 @@ class free_index {
   mutable std::array<block*, k_bins> heads_{};
   std::uint64_t level_map_ = 0;                    // bit l: some bin of level l is non-empty
   std::array<std::uint32_t, k_levels> sub_map_{};  // bit s of level l: bin l*16+s is non-empty
+  std::uint64_t changes_ = 0;                      // see changes()
 };
 
 // The fast paths, inline: every allocation and free runs several of them.
@@ -220,6 +230,7 @@ inline void free_index::place(block* b, std::uint32_t bin) noexcept {
 }
 
 inline void free_index::erase(block* b) noexcept {
+  ++changes_;
   const std::uint32_t bin = b->bin;
   if (tagged(heads_[bin])) [[unlikely]]
     return tree_erase(b);
@@ -237,6 +248,7 @@ inline void free_index::erase(block* b) noexcept {
 
 [[gnu::always_inline]] inline void free_index::replace(block* out, block* in) noexcept {
   // Two fast paths for list bins (a treap bin's links are children: erase + place).
+  ++changes_;
   const std::uint32_t bin = bin_of(in->size);
   block* p = out->free_prev;
   block* n = out->free_next;
@@ -272,6 +284,7 @@ inline void free_index::erase(block* b) noexcept {
 }
 
 inline void free_index::resize(block* b, std::size_t size) noexcept {
+  ++changes_;
   block* p = b->free_prev;
   block* n = b->free_next;
   const std::uint32_t bin = bin_of(size);

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/free_index.hpp"
 #include "cucache/errors.hpp"
 #include "support/sim_device.hpp"
 #include "support/stat_values.hpp"
@@ -227,6 +228,62 @@ TEST(DeferCoalescing, ASmallerBestFitElsewhereWins) {
     EXPECT_EQ(w, y) << "defer " << defer;
     a.alloc.check_invariants();
     for (void* p : {z, w, guard}) a.alloc.deallocate(p, s);
+  }
+}
+
+// The take-back's best-fit test is remembered while the pool's index is unchanged
+// (stream_pool::fit_memo). A block indexed since -- settled by a read of the statistics, the
+// index's one change -- fits before the held block merged with the segment's rest, and wins as
+// without the setting.
+TEST(DeferCoalescing, ABlockIndexedSinceTheLastTakeBackWins) {
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "off");
+    sim_allocator a(defer ? deferring() : config{});
+    const stream_handle s = a.sim->create_stream();
+    void* y = a.alloc.allocate(128 * KiB, s);  // [y][x][z][h][the segment's rest]
+    void* x = a.alloc.allocate(128 * KiB, s);
+    void* z = a.alloc.allocate(128 * KiB, s);
+    void* h = a.alloc.allocate(64 * KiB, s);
+    a.alloc.deallocate(h, s);
+    EXPECT_EQ(a.alloc.allocate(64 * KiB, s), h);  // taken back (defer): the test remembered
+    a.alloc.deallocate(x, s);                     // x: between y and z, both live; held (defer)
+    (void)a.stats();                              // x indexed (settled by the read)
+    a.alloc.deallocate(h, s);                     // held (defer)
+    EXPECT_EQ(a.alloc.allocate(64 * KiB, s), x);  // x (128 KiB) fits before h + the rest
+    EXPECT_EQ(a.stats().take_back_count, defer ? 1u : 0u);
+    a.alloc.check_invariants();
+    for (void* p : {x, y, z}) a.alloc.deallocate(p, s);
+    a.alloc.empty_cache();
+    expect_no_leak(a);
+  }
+}
+
+// The same, for a free block that grew since in place: q (64.5 KiB, too small for 65 KiB)
+// absorbs its freed neighbour b (1 KiB) -- a resize that keeps q's bin and place -- and then
+// fits before the held block merged.
+TEST(DeferCoalescing, ABlockGrownSinceTheLastTakeBackWins) {
+  constexpr std::size_t k_request = 65 * KiB;
+  ASSERT_EQ(detail::free_index::bin_of(129 * 512), detail::free_index::bin_of(131 * 512));
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "defer" : "off");
+    sim_allocator a(defer ? deferring() : config{});
+    const stream_handle s = a.sim->create_stream();
+    void* y = a.alloc.allocate(128 * KiB, s);  // [y][q][b][z][h][the segment's rest]
+    void* q = a.alloc.allocate(129 * 512, s);
+    void* b = a.alloc.allocate(1 * KiB, s);
+    void* z = a.alloc.allocate(128 * KiB, s);
+    void* h = a.alloc.allocate(k_request, s);
+    a.alloc.deallocate(q, s);                      // held (defer)
+    a.alloc.deallocate(h, s);                      // q indexed (too small); h held
+    EXPECT_EQ(a.alloc.allocate(k_request, s), h);  // taken back (defer): the test remembered
+    a.alloc.deallocate(b, s);                      // merged into q: 65.5 KiB, in place
+    a.alloc.deallocate(h, s);                      // held (defer)
+    EXPECT_EQ(a.alloc.allocate(k_request, s), q);  // q fits before h + the rest
+    EXPECT_EQ(a.stats().take_back_count, defer ? 1u : 0u);
+    a.alloc.check_invariants();
+    for (void* p : {q, y, z}) a.alloc.deallocate(p, s);
+    a.alloc.empty_cache();
+    expect_no_leak(a);
   }
 }
 

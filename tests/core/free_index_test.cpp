@@ -283,6 +283,74 @@ TEST(FreeIndex, ForEachGoesOnWhenItsCallbackMakesTheBinATreap) {
   EXPECT_TRUE(idx.well_formed());
 }
 
+// changes() counts every change of contents -- insert, erase, replace and resize, on list and
+// treap bins, in place or not -- and nothing else: lookups, walks and best_fit's turning a long
+// list into a treap leave it as it was (impl::takes_back's memo trusts an equal reading).
+TEST(FreeIndex, ChangesCountEveryChangeOfContentsAndNothingElse) {
+  std::deque<block> storage;
+  free_index idx;
+  const auto fresh = [&](std::size_t size, std::uintptr_t addr) {
+    block& b = storage.emplace_back();
+    b.size = size;
+    b.addr = addr;
+    return &b;
+  };
+  std::uint64_t last = idx.changes();
+  EXPECT_EQ(last, 0u);
+  const auto expect_counted = [&](const char* what) {
+    EXPECT_GT(idx.changes(), last) << what;
+    last = idx.changes();
+  };
+  const auto expect_same = [&](const char* what) { EXPECT_EQ(idx.changes(), last) << what; };
+  block* a = fresh(512 * 40, 0x100000);
+  idx.insert(a);
+  expect_counted("insert");
+  block* b = fresh(512 * 20, 0x200000);
+  idx.insert(b);
+  expect_counted("insert");
+  idx.resize(a, 512 * 41);  // in place: same bin, same order
+  expect_counted("resize in place");
+  idx.resize(b, 512 * 60);  // to another bin
+  expect_counted("resize to another bin");
+  block* c = fresh(512 * 41, 0x300000);
+  idx.replace(a, c);  // in place
+  expect_counted("replace in place");
+  block* d = fresh(512 * 9000, 0x400000);
+  idx.replace(c, d);  // to another bin
+  expect_counted("replace to another bin");
+  idx.erase(d);
+  expect_counted("erase");
+  (void)idx.best_fit(512);
+  (void)idx.next_after(b);
+  (void)idx.largest();
+  (void)idx.totals();
+  (void)idx.contains(b);
+  (void)idx.well_formed();
+  expect_same("lookups and walks");
+  // A long list bin: best_fit makes it a treap (a change of shape, not contents).
+  const std::size_t n = 2 * free_index::k_list_walk_max;
+  std::vector<block*> many;
+  for (std::size_t i = 0; i < n; ++i) {
+    many.push_back(fresh(512 * 129, 0x100000000 + (n - i) * 0x20000));  // head inserts
+    idx.insert(many.back());
+  }
+  last = idx.changes();
+  const std::uint32_t bin = free_index::bin_of(512 * 129);
+  ASSERT_FALSE(idx.is_tree_bin(bin));
+  (void)idx.best_fit(512 * 130);
+  ASSERT_TRUE(idx.is_tree_bin(bin));
+  expect_same("best_fit making a treap");
+  idx.insert(fresh(512 * 129, 0x1000));
+  expect_counted("insert into a treap");
+  idx.resize(many[0], 512 * 130);
+  expect_counted("resize in a treap");
+  idx.replace(many[1], fresh(512 * 129, 0x2000));
+  expect_counted("replace in a treap");
+  idx.erase(many[2]);
+  expect_counted("erase from a treap");
+  EXPECT_TRUE(idx.well_formed());
+}
+
 TEST(FreeIndex, ContainsAndBytes) {
   block a, b;
   a.size = 1024;
