@@ -36,16 +36,16 @@ struct advice_row {
 /// defer_coalescing:True (docs/advisor.md, "defer_coalescing"): added to the recommendation when at
 /// least this share of the allocations, replayed under the recommended setting with the deferral
 /// on, took the pool's held freed block back -- the break-even of host time on a GPU host
-/// (decision 0033; tools/gpu_defer_break_even.sh, warm pass, three runs): in default mode the key
-/// cost host time at every share below 97% but one noisy point, and at 97% saved 7% in one run
-/// and cost 1-3% in the two others; only a loop that repeats every size (the 64 KiB pair: 0.84-
-/// 1.00x) gains, so 99%.
+/// (decisions 0033 and 0034; tools/gpu_defer_break_even.sh, warm pass): since a take-back's
+/// best-fit test is remembered (0034), in default mode the key cost 4-8% at every share up to 55%,
+/// saved 1-2% at 73% and 7% at 97%, in each of two runs; so 75%.
 /// (Instruction counts put the break-even near 20%: a free not taken back costs more time than
 /// its instructions say.)
-inline constexpr double k_defer_coalescing_min_share = 0.99;
+inline constexpr double k_defer_coalescing_min_share = 0.75;
 /// The same in expandable mode, where a take-back also skips the page steps (decision 0032): the
 /// key cost 5-23% at shares up to 22% and 0-6% at 31-44%; at 58% it saved 4% in two runs and
-/// cost 2% in the third; it saved 8-15% at 76% and 8-24% at 100%.
+/// cost 2% in the third; it saved 8-15% at 76% and 8-24% at 100%. With the remembered test (0034),
+/// two runs: 0-1% cost at 44%, 3-4% saved at 58%, 13-14% at 76%, 18-19% at 100%.
 inline constexpr double k_defer_coalescing_min_share_expandable = 0.50;
 
 struct advice {
