@@ -198,12 +198,12 @@ class stream_pool {
   }
 
   free_index& index_of(pool_kind k) noexcept REQUIRES(mu) { return free[static_cast<int>(k)]; }
+  const free_index& index_of(pool_kind k) const noexcept REQUIRES(mu) {
+    return free[static_cast<int>(k)];
+  }
   /// Changes of both kinds' indexes (free_index::changes): equal readings, the same contents.
   [[nodiscard]] std::uint64_t index_changes() const noexcept REQUIRES(mu) {
     return free[0].changes() + free[1].changes();
-  }
-  const free_index& index_of(pool_kind k) const noexcept REQUIRES(mu) {
-    return free[static_cast<int>(k)];
   }
 };
 
